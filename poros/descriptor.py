@@ -1,0 +1,246 @@
+"""ArchitectureDescriptor: everything family-specific the executor needs, as frozen torch-free data.
+
+A descriptor is strings and tuples. Module paths are dotted attribute paths relative to the HF
+``*ForCausalLM`` object (what ``AutoModelForCausalLM`` returns, or what PEFT wraps as
+``base_model.model``). They are resolved to modules in one place, :func:`resolve_path`.
+
+The executor is generic over these fields: it never asks which family it runs. A new family is
+a new descriptor (usually built with :func:`decoder_family`), not new executor code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from poros.errors import DescriptorError
+
+#: Layer kinds as HF writes them in ``config.layer_types``.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"
+KNOWN_LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
+
+#: Norm flavours (how a norm weight is applied), documented for users and the docs table.
+NORM_STYLES = {
+    "llama": "weight * x_normed.to(input_dtype) (Llama-style RMSNorm)",
+    "zero_centered": "x_normed * (1 + weight) in fp32, then cast (Gemma-style RMSNorm, weights init 0)",
+    "plain_fp32": "x * pow(mean(x^2) + eps, -0.5) * weight in fp32 (weights init 1)",
+}
+
+
+@dataclass(frozen=True)
+class CarriedState:
+    """Per-forward state, besides hidden states, that crosses block boundaries.
+
+    Args:
+        kwarg: keyword under which the HF text model passes the state to every decoder layer
+            (the same object to each layer).
+        kind: ``"mapping"``: a mutable mapping that some blocks write (``store``) and later blocks
+            read (``reuse``); gradients of every reader must flow back into the writer.
+            ``"per_layer_slice"``: a tensor built before the loop and sliced per layer; its
+            gradients flow back into the prelude.
+        description: one sentence for docs and ``list-architectures --json``.
+        enabled_by: config attribute that switches the state on (``None``: always present).
+
+    Note:
+        The executor handles both kinds generically: mapping entries written during block i's
+        forward are stashed detached, handed to later readers as leaves that require grad, and
+        the readers' gradients are fed into block i's recompute in reverse layer order.
+    """
+
+    kwarg: str
+    kind: str
+    description: str
+    enabled_by: str | None = None
+
+
+@dataclass(frozen=True)
+class ArchitectureDescriptor:
+    """The facts about one model family that streaming needs. Frozen, hashable, torch-free.
+
+    Module paths (all relative to the ``*ForCausalLM`` module):
+        text_model: the decoder trunk whose output is ``last_hidden_state`` (``model``).
+        decoder_layers: the ``nn.ModuleList`` of decoder blocks (``model.layers``).
+        embeddings: the input token embedding (``model.embed_tokens``).
+        final_norm: the norm applied after the last block (``model.norm``).
+        head: the output projection (``lm_head``).
+        rotary: the rotary embedding module(s) computed once per forward.
+        prelude_modules: other model-level modules run before the loop (e.g. per-layer inputs).
+
+    Layer facts:
+        layer_kinds: every kind a layer of this family can have (``config.layer_types`` values).
+        rotary_kinds: ``(layer kind, rotary description)`` pairs; one entry with kind ``"*"``
+            when all layers share one ``(cos, sin)``.
+        mask_kinds: ``(layer kind, transformers.masking_utils function)`` pairs.
+        layer_call: how the HF text model calls a layer, as documentation
+            (the executor reproduces it by capturing the HF call itself).
+        carried_state: cross-block state besides hidden states, see :class:`CarriedState`.
+
+    Numerics quirks:
+        norm_style: key of :data:`NORM_STYLES`.
+        embedding_scale: ``None`` or how the input embedding is scaled.
+        final_logit_softcapping: config attribute holding the soft-cap (``None``: no soft-cap).
+        tied_embeddings: config attribute that ties ``lm_head`` to the embedding.
+
+    Adapters and quantization:
+        lora_targets_default: leaf module names targeted by default (attention projections).
+        lora_targets_all_linear: every ``nn.Linear`` leaf name inside a decoder layer that
+            ``"all-linear"`` targets.
+        lora_excluded: ``nn.Linear`` leaf names inside a layer deliberately NOT targeted, with
+            the reason in ``notes``.
+        never_quantized: parameter or module names inside a layer that stay in the compute
+            dtype under NF4 (norms, conv, raw expert tensors, buffers); they stream too.
+        model_level_linears: ``nn.Linear`` modules outside the decoder layers that bitsandbytes
+            quantizes (and ``all-linear`` may target).
+
+    Identity:
+        name: registry name (``qwen2``); aliases: other accepted names; model_types: HF
+        ``config.model_type`` values; causal_lm_classes: transformers class names.
+    """
+
+    name: str
+    display_name: str
+    model_types: tuple[str, ...]
+    causal_lm_classes: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    # module paths
+    text_model: str = "model"
+    decoder_layers: str = "model.layers"
+    embeddings: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    head: str = "lm_head"
+    rotary: str = "model.rotary_emb"
+    prelude_modules: tuple[str, ...] = ()
+    # layers
+    layer_kinds_attr: str = "layer_types"
+    layer_kinds: tuple[str, ...] = (FULL_ATTENTION,)
+    rotary_kinds: tuple[tuple[str, str], ...] = (("*", "rope"),)
+    mask_kinds: tuple[tuple[str, str], ...] = ((FULL_ATTENTION, "create_causal_mask"),)
+    layer_call: str = ""
+    carried_state: tuple[CarriedState, ...] = ()
+    # numerics
+    norm_style: str = "llama"
+    embedding_scale: str | None = None
+    final_logit_softcapping: str | None = None
+    tied_embeddings: str = "tie_word_embeddings"
+    # adapters, quantization
+    lora_targets_default: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_targets_all_linear: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )
+    lora_excluded: tuple[str, ...] = ()
+    never_quantized: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    model_level_linears: tuple[str, ...] = ()
+    # documentation
+    notes: tuple[str, ...] = ()
+    config_class: str = ""
+    extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        problems = validate(self)
+        if problems:
+            raise DescriptorError(
+                f"descriptor {self.name!r} is malformed: " + "; ".join(problems)
+                + ". Fix the descriptor's fields (see poros.descriptor.ArchitectureDescriptor)."
+            )
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        """Every string lookup accepts for this family: name, aliases and HF model types."""
+        return tuple(dict.fromkeys((self.name, *self.aliases, *self.model_types)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (for ``--json`` listings and docs)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "carried_state":
+                value = [vars(c) | {} for c in value]
+            elif isinstance(value, tuple):
+                value = [list(v) if isinstance(v, tuple) else v for v in value]
+            out[f.name] = value
+        return out
+
+
+def validate(descriptor: ArchitectureDescriptor) -> list[str]:
+    """Structural checks that need no model. Returns a list of problems (empty when valid)."""
+    problems = []
+    if not descriptor.name or not descriptor.name.replace("_", "").replace("-", "").isalnum():
+        problems.append(f"name {descriptor.name!r} must be a non-empty identifier like 'qwen2'")
+    if not descriptor.model_types:
+        problems.append("model_types is empty; give at least the HF config.model_type")
+    if not descriptor.causal_lm_classes:
+        problems.append("causal_lm_classes is empty; give the transformers *ForCausalLM class name")
+    for attr in ("model_types", "aliases", "causal_lm_classes", "layer_kinds", "prelude_modules",
+                 "lora_targets_default", "lora_targets_all_linear", "lora_excluded",
+                 "never_quantized", "model_level_linears", "notes"):
+        value = getattr(descriptor, attr)
+        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+            problems.append(f"{attr} must be a tuple of strings, got {value!r}")
+    for attr in ("text_model", "decoder_layers", "embeddings", "final_norm", "head"):
+        value = getattr(descriptor, attr)
+        if not isinstance(value, str) or not value or " " in value:
+            problems.append(f"{attr} must be a dotted module path, got {value!r}")
+    if descriptor.norm_style not in NORM_STYLES:
+        problems.append(f"norm_style {descriptor.norm_style!r} is not one of {sorted(NORM_STYLES)}")
+    kinds = set(descriptor.layer_kinds) if isinstance(descriptor.layer_kinds, tuple) else set()
+    for kind, _ in descriptor.mask_kinds:
+        if kind not in kinds:
+            problems.append(f"mask_kinds names layer kind {kind!r} that layer_kinds lacks")
+    for kind, _ in descriptor.rotary_kinds:
+        if kind != "*" and kind not in kinds:
+            problems.append(f"rotary_kinds names layer kind {kind!r} that layer_kinds lacks")
+    missing_default = set(descriptor.lora_targets_default) - set(descriptor.lora_targets_all_linear)
+    if missing_default:
+        problems.append(f"lora_targets_default {sorted(missing_default)} not in lora_targets_all_linear")
+    both = set(descriptor.lora_targets_all_linear) & set(descriptor.lora_excluded)
+    if both:
+        problems.append(f"{sorted(both)} are both targets and excluded")
+    for c in descriptor.carried_state:
+        if not isinstance(c, CarriedState) or c.kind not in ("mapping", "per_layer_slice"):
+            problems.append(f"carried_state entry {c!r} must be a CarriedState of kind mapping|per_layer_slice")
+    listed = (*descriptor.aliases, *descriptor.model_types)
+    repeated = sorted({n for n in listed if listed.count(n) > 1} | ({descriptor.name} & set(descriptor.aliases)))
+    if repeated:
+        problems.append(f"aliases/model_types repeat {repeated}; list each name once")
+    return problems
+
+
+def decoder_family(**kwargs: Any) -> ArchitectureDescriptor:
+    """Build a descriptor for a Llama-shaped decoder-only family, overriding what differs.
+
+    Every keyword is a field of :class:`ArchitectureDescriptor`; unspecified fields keep the
+    Llama-shaped defaults (``model.layers``, ``model.norm``, ``lm_head``, SwiGLU projections).
+
+    Raises:
+        DescriptorError: a field is malformed (see :func:`validate`).
+        TypeError: a keyword is not a descriptor field.
+    """
+    return ArchitectureDescriptor(**kwargs)
+
+
+def derive(descriptor: ArchitectureDescriptor, **changes: Any) -> ArchitectureDescriptor:
+    """A copy of ``descriptor`` with ``changes`` applied (e.g. a sibling family)."""
+    return replace(descriptor, **changes)
+
+
+def resolve_path(root: Any, path: str) -> Any:
+    """Resolve a dotted descriptor path (``model.layers``) on a module; the one place paths turn into objects.
+
+    Raises:
+        DescriptorError: a component is missing; the message names the component and what exists.
+    """
+    obj = root
+    for part in path.split("."):
+        if part.isdigit() and hasattr(obj, "__getitem__"):
+            obj = obj[int(part)]
+            continue
+        if not hasattr(obj, part):
+            children = sorted(getattr(obj, "_modules", {}) or vars(obj).keys())
+            raise DescriptorError(
+                f"path {path!r}: {type(obj).__name__} has no attribute {part!r} (it has {children}). "
+                "The descriptor does not match this model; check the family or the module path."
+            )
+        obj = getattr(obj, part)
+    return obj

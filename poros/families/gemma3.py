@@ -1,0 +1,46 @@
+"""Gemma 3 text (``Gemma3ForCausalLM``, model types ``gemma3_text``, ``gemma3``).
+
+5 sliding : 1 full layers, each kind with its own rotary (sliding theta 1e4, full theta 1e6 with
+linear scaling on 4B+). Sandwich norms (4 per layer) plus q/k norms, zero-centred ``(1 + w)``
+in fp32; the embedding is multiplied by ``sqrt(hidden)`` rounded to the weight dtype; attention
+scaling is ``query_pre_attn_scalar ** -0.5``; ``final_logit_softcapping`` after the head
+(``Gemma3ForCausalLM`` only). ``lm_head`` is tied to the embedding. 4B+ checkpoints are multimodal
+(``gemma3``): ``Gemma3ForCausalLM.from_pretrained`` on them random-initialises every weight.
+"""
+
+from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
+from poros.hookspecs import hookimpl
+
+DESCRIPTOR = decoder_family(
+    name="gemma3",
+    display_name="Gemma 3 (text)",
+    model_types=("gemma3_text", "gemma3"),
+    aliases=("gemma-3",),
+    causal_lm_classes=("Gemma3ForCausalLM",),
+    config_class="Gemma3TextConfig",
+    layer_kinds=(SLIDING_ATTENTION, FULL_ATTENTION),
+    rotary_kinds=(
+        (SLIDING_ATTENTION, "rope theta 1e4 (rope_parameters['sliding_attention'])"),
+        (FULL_ATTENTION, "rope theta 1e6, linear scaling x8 on 4B+ (rope_parameters['full_attention'])"),
+    ),
+    mask_kinds=((FULL_ATTENTION, "create_causal_mask"), (SLIDING_ATTENTION, "create_sliding_window_causal_mask")),
+    layer_call=(
+        "layer(h, attention_mask=masks[lt], position_embeddings=pe[lt], position_ids=pos, cache=None)"
+    ),
+    norm_style="zero_centered",
+    embedding_scale="embed_tokens * sqrt(hidden_size) rounded to the weight dtype (55.43 -> 55.5 in bf16)",
+    final_logit_softcapping="final_logit_softcapping",
+    never_quantized=(
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+        "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+    ),
+    notes=(
+        "Gemma3ForConditionalGeneration.forward does not apply final_logit_softcapping; Gemma3ForCausalLM does.",
+        "use_bidirectional_attention (EmbeddingGemma) adds or_mask functions; not a causal-LM setting.",
+    ),
+)
+
+
+@hookimpl
+def poros_register_architectures(register):
+    register(DESCRIPTOR)

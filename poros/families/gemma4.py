@@ -1,0 +1,81 @@
+"""Gemma 4 text (``Gemma4ForCausalLM``, model types ``gemma4_text``, ``gemma4``).
+
+The most involved family. Sliding/full layers (last forced full) with per-kind rotary and head
+dims (full layers: ``global_head_dim``, proportional partial RoPE, optionally K = V and fewer KV
+heads). Two kinds of state cross block boundaries:
+
+* ``shared_kv_states`` (a ``KVSharingDict``): for each layer kind the last non-shared layer
+  stores its post-norm, post-RoPE K/V; the last ``num_kv_shared_layers`` layers (no k/v
+  projections) read them. Gradients of every reader flow back into the writer.
+* per-layer inputs (PLE, E2B/E4B): ``[B, S, L, D]`` built before the loop from
+  ``embed_tokens_per_layer`` and the NF4 model-level ``per_layer_model_projection``; layer i
+  gets slice i as its second positional argument, and gradients flow back into the prelude.
+
+Each layer ends with ``h *= layer_scalar`` (a persistent buffer that streams). Optional MoE
+block: router ``proj`` (NF4, excluded from LoRA by default) and experts as raw 3-D parameters
+that bitsandbytes does not quantize (they stream in the compute dtype).
+"""
+
+from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, CarriedState, decoder_family
+from poros.hookspecs import hookimpl
+
+DESCRIPTOR = decoder_family(
+    name="gemma4",
+    display_name="Gemma 4 (text)",
+    model_types=("gemma4_text", "gemma4"),
+    aliases=("gemma-4",),
+    causal_lm_classes=("Gemma4ForCausalLM",),
+    config_class="Gemma4TextConfig",
+    prelude_modules=("model.embed_tokens_per_layer", "model.per_layer_model_projection",
+                     "model.per_layer_projection_norm"),
+    layer_kinds=(SLIDING_ATTENTION, FULL_ATTENTION),
+    rotary_kinds=(
+        (SLIDING_ATTENTION, "default rope theta 1e4 over head_dim"),
+        (FULL_ATTENTION, "proportional rope theta 1e6, partial 0.25 over global_head_dim"),
+    ),
+    mask_kinds=((FULL_ATTENTION, "create_causal_mask"), (SLIDING_ATTENTION, "create_sliding_window_causal_mask")),
+    layer_call=(
+        "layer(h, per_layer_inputs[:, :, i] or None, shared_kv_states=kv, position_embeddings=pe[lt], "
+        "attention_mask=masks[lt], position_ids=pos, cache=None)"
+    ),
+    carried_state=(
+        CarriedState(
+            kwarg="shared_kv_states",
+            kind="mapping",
+            description="K/V stored by the last non-shared layer of each kind, read by the KV-shared tail layers",
+        ),
+        CarriedState(
+            kwarg="per_layer_input",
+            kind="per_layer_slice",
+            description="per-layer inputs [B,S,L,D] from the prelude; layer i reads slice i (2nd positional arg)",
+            enabled_by="hidden_size_per_layer_input",
+        ),
+    ),
+    norm_style="plain_fp32",
+    embedding_scale="embed_tokens * sqrt(hidden_size) rounded to the weight dtype",
+    final_logit_softcapping="final_logit_softcapping",
+    lora_targets_all_linear=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "per_layer_input_gate", "per_layer_projection",
+    ),
+    lora_excluded=("proj",),
+    never_quantized=(
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+        "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm", "layer_scalar",
+        "post_per_layer_input_norm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+        "pre_feedforward_layernorm_2", "router.scale", "router.per_expert_scale",
+        "experts.gate_up_proj", "experts.down_proj",
+    ),
+    model_level_linears=("model.per_layer_model_projection",),
+    notes=(
+        "reentrant gradient checkpointing silently drops the KV-sharing gradients (42/98 LoRA grads differ).",
+        "router.proj (leaf name 'proj') is quantized by bitsandbytes; excluded from LoRA targets by default.",
+        "MoE experts stay bf16 under NF4; LoRA on them needs PEFT target_parameters.",
+        "KV-shared layers have no k_proj/v_proj/k_norm/v_norm; full layers with attention_k_eq_v have no v_proj.",
+    ),
+)
+
+
+@hookimpl
+def poros_register_architectures(register):
+    register(DESCRIPTOR)

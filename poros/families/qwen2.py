@@ -1,0 +1,38 @@
+"""Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``, model_type ``qwen2``).
+
+Source: transformers 5.24 ``models/qwen2/modeling_qwen2.py``. One RoPE ``(cos, sin)`` shared by all
+layers; q/k/v projections carry a (frozen) bias; Llama-style RMSNorm. Layers at index
+``>= max_window_layers`` slide only when ``use_sliding_window`` is set (never in Qwen2.5
+checkpoints). ``lm_head`` is tied to the embedding for 0.5B/1.5B/3B.
+"""
+
+from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
+from poros.hookspecs import hookimpl
+
+LAYER_CALL = (
+    "layer(h, attention_mask=masks[layer_types[i]], position_embeddings=(cos, sin), "
+    "position_ids=pos, cache=None, use_cache=False)"
+)
+
+DESCRIPTOR = decoder_family(
+    name="qwen2",
+    display_name="Qwen2 / Qwen2.5",
+    model_types=("qwen2",),
+    aliases=("qwen2.5", "qwen2_5"),
+    causal_lm_classes=("Qwen2ForCausalLM",),
+    config_class="Qwen2Config",
+    layer_kinds=(FULL_ATTENTION, SLIDING_ATTENTION),
+    rotary_kinds=(("*", "rope (rope_parameters: default/yarn/dynamic), one (cos, sin) for all layers"),),
+    mask_kinds=((FULL_ATTENTION, "create_causal_mask"), (SLIDING_ATTENTION, "create_sliding_window_causal_mask")),
+    layer_call=LAYER_CALL,
+    norm_style="llama",
+    never_quantized=("input_layernorm", "post_attention_layernorm",
+                     "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    notes=("q/k/v biases stay in the compute dtype inside Linear4bit and stream with the block.",
+           "sliding layers only with use_sliding_window=True (layers >= max_window_layers)."),
+)
+
+
+@hookimpl
+def poros_register_architectures(register):
+    register(DESCRIPTOR)
