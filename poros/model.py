@@ -1,0 +1,119 @@
+"""``poros.prepare``: turn an HF NF4 + PEFT LoRA causal LM into a streamed :class:`PorosModel`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from poros import registry
+from poros.descriptor import ArchitectureDescriptor, resolve_path
+from poros.errors import UnsupportedModelError
+from poros.stream.executor import StreamingExecutor
+from poros.stream.store import BlockStore
+
+
+class PorosModel(nn.Module):
+    """An HF causal LM whose decoder blocks stream through the compute device.
+
+    Called like the HF model (``input_ids``, ``attention_mask``, ``labels``, ``position_ids``,
+    ``num_items_in_batch``...) and returns the HF output (``.loss``, ``.logits``). Train it with
+    ``loss.backward()`` and any torch optimizer over ``trainable_parameters()``.
+
+    Attributes:
+        model: the wrapped model as passed to :func:`prepare` (e.g. a ``PeftModel``).
+        causal_lm: the HF ``*ForCausalLM`` inside it.
+        descriptor: the family descriptor found in the registry.
+        store: the :class:`~poros.stream.store.BlockStore` holding the frozen block tensors.
+        executor: the :class:`~poros.stream.executor.StreamingExecutor`.
+    """
+
+    def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
+                 store: BlockStore, executor: StreamingExecutor, restore_flags: list[tuple[nn.Module, bool]]):
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "causal_lm", causal_lm)
+        object.__setattr__(self, "descriptor", descriptor)
+        object.__setattr__(self, "store", store)
+        object.__setattr__(self, "executor", executor)
+        object.__setattr__(self, "_restore_flags", restore_flags)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        if self.store is None:
+            raise UnsupportedModelError(
+                "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
+            )
+        return self.executor(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def config(self):
+        return self.causal_lm.config
+
+    def unpatch(self) -> nn.Module:
+        """Put every frozen tensor back in its module (on the compute device) and return the original model."""
+        if self.store is not None:
+            self.store.restore()
+            for layer, flag in self._restore_flags:
+                layer.gradient_checkpointing = flag
+            object.__setattr__(self, "store", None)
+        return self.model
+
+
+def _causal_lm_of(model: nn.Module) -> nn.Module:
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _compute_device(module: nn.Module) -> torch.device:
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if trainable:
+        return trainable[0].device
+    return next(module.parameters()).device
+
+
+def prepare(model: nn.Module, *, num_slots: int = 2) -> PorosModel:
+    """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
+
+    Args:
+        model: an HF ``*ForCausalLM`` loaded with ``BitsAndBytesConfig(load_in_4bit=True, ...)`` and
+            wrapped by PEFT (``get_peft_model``), or the bare causal LM.
+        num_slots: device slots in the block ring (2: compute one block while the next arrives).
+
+    Raises:
+        UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
+            message lists the registered ones.
+        UnsupportedModelError: the model's class is not the family's causal-LM class.
+    """
+    causal_lm = _causal_lm_of(model)
+    descriptor = registry.for_config(causal_lm.config)
+    if type(causal_lm).__name__ not in descriptor.causal_lm_classes:
+        raise UnsupportedModelError(
+            f"{type(causal_lm).__name__} is not a causal-LM class of family {descriptor.name!r} "
+            f"(expected {', '.join(descriptor.causal_lm_classes)}). Load the text model with "
+            "AutoModelForCausalLM / the family's *ForCausalLM class."
+        )
+    layers = list(resolve_path(causal_lm, descriptor.decoder_layers))
+    restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
+    for layer in layers:
+        # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
+        if hasattr(layer, "gradient_checkpointing"):
+            layer.gradient_checkpointing = False
+    device = _compute_device(causal_lm)
+    store = BlockStore(layers, device, num_slots=num_slots)
+    executor = StreamingExecutor(causal_lm, descriptor, store)
+    return PorosModel(model, causal_lm, descriptor, store, executor, restore_flags)
+
+
+def describe(model: PorosModel) -> dict[str, Any]:
+    """A small JSON-able summary (family, blocks, bytes) for logs."""
+    return {
+        "family": model.descriptor.name,
+        "blocks": len(model.store.blocks),
+        "host_bytes": model.store.host_bytes,
+        "slot_bytes": model.store.slot_bytes,
+        "num_slots": model.store.num_slots,
+    }

@@ -1,0 +1,387 @@
+"""The Poros streaming executor — all of it in this one file (the block store is ``store.py``).
+
+::
+
+    host (one buffer per block)       compute device
+     block 0 ──fetch──▶ slot A ─┐
+     block 1 ──fetch──▶ slot B  │  forward : prelude → [block i: fetch, run, release] → norm → head → loss
+     ...                        │            keeps only each block's input h_i (+ carried state)
+     block L-1                  │  backward: for i = L-1..0: fetch, recompute block i from h_i,
+     LoRA A/B + optimizer ──────┘            back-propagate, release;   LoRA never moves
+
+Notable features:
+
+* **The HF model builds its own context.** Before the loop, the causal LM's own ``forward`` runs
+  with its decoder layers swapped for recorders. Each recorder captures the exact ``(args,
+  kwargs)`` HF would pass to that layer — masks per layer kind, rotary per kind, position ids,
+  per-layer inputs, the carried mapping — and the capture stops at the last layer. The executor
+  then calls every real layer with exactly those arguments, only the hidden states replaced. No
+  mask or rotary is re-implemented, so the forward is HF's, bit for bit.
+* **The head is HF's too.** After the loop the causal LM's ``forward`` runs again with its text
+  model swapped for a stub that returns ``final_norm(h)``: slicing, ``lm_head``, soft-capping and
+  ``loss_function`` (with ``num_items_in_batch``) are the model's own code.
+* **One autograd node per block.** ``_StreamedBlock`` runs a block without grad in forward,
+  saving only its input; in backward it fetches the block, recomputes it with grad from that
+  input and back-propagates into the LoRA parameters — reentrant recompute, but with every
+  differentiable argument passed explicitly, so nothing reaches autograd through a side door.
+* **Carried state is generic.** A carried *mapping* (descriptor ``CarriedState(kind="mapping")``,
+  e.g. Gemma 4's shared K/V) is tracked by identity: entries a block writes are versioned with the
+  writer's index; a later block's recompute receives leaf copies; their gradients are summed in
+  reverse layer order (the order autograd uses) and fed into the writer's recompute as extra
+  output gradients. Any other argument that requires grad (e.g. per-layer inputs sliced from the
+  prelude) is an input of the block's node, so its gradient flows back into the prelude.
+* **Nothing is family-specific here.** Paths and carried-state kwargs come from the descriptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from poros.descriptor import ArchitectureDescriptor, resolve_path
+from poros.errors import StreamingError
+from poros.stream.store import BlockStore
+
+
+# ---------------------------------------------------------------------------------------------
+# Capturing HF's own calls: recorders in place of the layers, a stub in place of the trunk.
+# ---------------------------------------------------------------------------------------------
+class _CaptureDone(Exception):
+    """Raised by the last recorder: the prelude is built, stop before the final norm."""
+
+
+class _LayerRecorder(nn.Module):
+    def __init__(self, calls: list, last: bool) -> None:
+        super().__init__()
+        self.calls, self.last = calls, last
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if self.last:
+            raise _CaptureDone
+        return args[0]
+
+
+class _TrunkOutput:
+    """What the causal LM reads from its text model: ``last_hidden_state``; anything else is None."""
+
+    def __init__(self, last_hidden_state: torch.Tensor) -> None:
+        self.last_hidden_state = last_hidden_state
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index != 0:
+            raise IndexError(index)
+        return self.last_hidden_state
+
+
+class _TrunkStub(nn.Module):
+    """Stands in for the text model during the head pass: returns ``final_norm(hidden)``."""
+
+    def __init__(self, final_norm: nn.Module, hidden: torch.Tensor) -> None:
+        super().__init__()
+        object.__setattr__(self, "final_norm", final_norm)  # not a child: no parameter duplication
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs) -> _TrunkOutput:
+        return _TrunkOutput(self.final_norm(self.hidden))
+
+
+@contextlib.contextmanager
+def _swapped(parent: nn.Module, name: str, replacement: nn.Module):
+    original = parent._modules[name]
+    parent._modules[name] = replacement
+    try:
+        yield
+    finally:
+        parent._modules[name] = original
+
+
+# ---------------------------------------------------------------------------------------------
+# One layer call, as HF made it, with the pieces the executor substitutes.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _LayerCall:
+    """A captured call, flattened: leaves, where hidden states / mappings / grad tensors sit."""
+
+    leaves: list[Any]
+    spec: Any
+    hidden_at: int
+    mapping_at: dict[int, str]  # leaf position -> carried mapping kwarg
+    grad_at: list[int]  # leaf positions of tensors that require grad (besides hidden states)
+
+    @classmethod
+    def from_capture(cls, args: tuple, kwargs: dict, mapping_kwargs: frozenset[str]) -> "_LayerCall":
+        # Carried mappings are pytree leaves: hide them from flattening by name.
+        mapping_values = {k: kwargs[k] for k in mapping_kwargs if k in kwargs}
+        plain_kwargs = {k: v for k, v in kwargs.items() if k not in mapping_values}
+        leaves, spec = pytree.tree_flatten((args, plain_kwargs, mapping_values), is_leaf=_is_mapping)
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise StreamingError(
+                "a decoder layer was called without hidden states as its first positional argument; "
+                "Poros streams layers that HF calls as layer(hidden_states, ...)."
+            )
+        hidden_at = 0
+        mapping_at, grad_at = {}, []
+        for position, leaf in enumerate(leaves):
+            if position == hidden_at:
+                continue
+            if _is_mapping(leaf):
+                name = next((k for k, v in mapping_values.items() if v is leaf), None)
+                if name is None:
+                    raise StreamingError(
+                        f"a decoder layer receives a mutable mapping ({type(leaf).__name__}) that the descriptor "
+                        "does not declare. Declare it as CarriedState(kind='mapping') so its gradients cross blocks."
+                    )
+                mapping_at[position] = name
+            elif isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                grad_at.append(position)
+        return cls(leaves, spec, hidden_at, mapping_at, grad_at)
+
+    def build(self, hidden: torch.Tensor, grad_tensors=(), mappings: dict[str, Any] | None = None):
+        leaves = list(self.leaves)
+        leaves[self.hidden_at] = hidden
+        for position, tensor in zip(self.grad_at, grad_tensors):
+            leaves[position] = tensor
+        for position, name in self.mapping_at.items():
+            if mappings is not None:
+                leaves[position] = mappings[name]
+        args, kwargs, mapping_values = pytree.tree_unflatten(leaves, self.spec)
+        return args, {**kwargs, **mapping_values}
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[p] for p in self.grad_at]
+
+    def mappings(self) -> dict[str, Any]:
+        return {name: self.leaves[p] for p, name in self.mapping_at.items()}
+
+
+def _is_mapping(value: Any) -> bool:
+    return isinstance(value, MutableMapping) and not isinstance(value, dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-forward state: captured calls, carried-mapping versions, pending gradients, RNG.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Step:
+    calls: list[_LayerCall]
+    # carried mappings: (kwarg, key) -> (writer index, value) as seen when each block started
+    seen_at_entry: list[dict[tuple[str, Any], tuple[int, Any]]] = field(default_factory=list)
+    written_by: dict[int, list[tuple[str, Any]]] = field(default_factory=dict)
+    pending: dict[tuple[str, Any, int], list[torch.Tensor | None]] = field(default_factory=dict)
+    rng_states: dict[int, Any] = field(default_factory=dict)
+
+
+class StreamingExecutor:
+    """Runs a causal LM whose decoder blocks live in a :class:`BlockStore`.
+
+    Args:
+        causal_lm: the HF ``*ForCausalLM`` (PEFT's ``base_model.model`` when wrapped).
+        descriptor: its family's descriptor.
+        store: the block store holding the frozen tensors of ``descriptor.decoder_layers``.
+    """
+
+    def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore) -> None:
+        self.causal_lm, self.descriptor, self.store = causal_lm, descriptor, store
+        self.layers = resolve_path(causal_lm, descriptor.decoder_layers)
+        parent_path, self._layers_attr = descriptor.decoder_layers.rpartition(".")[::2]
+        self._layers_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
+        parent_path, self._trunk_attr = descriptor.text_model.rpartition(".")[::2]
+        self._trunk_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
+        self.final_norm = resolve_path(causal_lm, descriptor.final_norm)
+        self.mapping_kwargs = frozenset(c.kwarg for c in descriptor.carried_state if c.kind == "mapping")
+        self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
+
+    # -- the public call --------------------------------------------------------------------
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        kwargs.setdefault("use_cache", False)
+        step = self._capture(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = step.calls[0].leaves[step.calls[0].hidden_at]
+        differentiable = torch.is_grad_enabled()
+        for index in range(len(self.layers)):
+            self._note_mapping_entry(step, index)
+            if differentiable:
+                hidden = _StreamedBlock.apply(self, step, index, self._grad_anchor, hidden,
+                                              *step.calls[index].grad_tensors())
+            else:
+                hidden = self._run_block(step, index, hidden, recompute_later=False)
+        if differentiable:
+            self._prefetch(len(self.layers) - 1)  # first block of backward: its copy overlaps the head
+        return self._head(hidden, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+
+    __call__ = forward
+
+    # -- prelude and head: HF's own code ------------------------------------------------------
+    def _capture(self, **kwargs) -> _Step:
+        raw: list[tuple[tuple, dict]] = []
+        count = len(self.layers)
+        recorders = nn.ModuleList(_LayerRecorder(raw, last=i == count - 1) for i in range(count))
+        with _swapped(self._layers_parent, self._layers_attr, recorders):
+            try:
+                self.causal_lm(**kwargs)
+            except _CaptureDone:
+                pass
+        if len(raw) != count:
+            raise StreamingError(
+                f"the model's forward called {len(raw)} of its {count} decoder layers; the descriptor's "
+                f"decoder_layers path {self.descriptor.decoder_layers!r} must name the list the forward loops over."
+            )
+        return _Step(calls=[_LayerCall.from_capture(a, k, self.mapping_kwargs) for a, k in raw])
+
+    def _head(self, hidden: torch.Tensor, **kwargs):
+        with _swapped(self._trunk_parent, self._trunk_attr, _TrunkStub(self.final_norm, hidden)):
+            return self.causal_lm(**kwargs)
+
+    # -- one block ---------------------------------------------------------------------------
+    def _run_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors=(),
+                   recompute_later: bool = True) -> torch.Tensor:
+        """Forward of block ``index`` (no grad inside the autograd node): fetch, run, release."""
+        self._make_resident(index)
+        self._prefetch(index + 1)
+        call = step.calls[index]
+        if recompute_later:
+            step.rng_states[index] = _rng_state(hidden.device)
+        mappings = call.mappings()
+        before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
+        args, kwargs = call.build(hidden, grad_tensors)
+        output = self.layers[index](*args, **kwargs)
+        if not isinstance(output, torch.Tensor):
+            raise StreamingError(
+                f"decoder layer {index} returned {type(output).__name__}; Poros expects the new hidden states "
+                "as a tensor (transformers >= 5 layers do). Adapt the family descriptor or pin transformers."
+            )
+        written = [(name, key) for name, m in mappings.items() for key, value in m.items()
+                   if before.get((name, key)) is not value]
+        if written:
+            step.written_by[index] = written
+        self.store.release(index)
+        return output
+
+    def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
+                        hidden_needs_grad: bool):
+        """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release."""
+        self._make_resident(index)
+        self._prefetch(index - 1)
+        call = step.calls[index]
+        leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
+        leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
+        mappings, readers = self._recompute_mappings(step, index, call)
+        with torch.enable_grad(), _restored_rng(step.rng_states.get(index), hidden.device):
+            args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
+            output = self.layers[index](*args, **kwargs)
+        roots, root_grads = [output], [grad_output]
+        for name, key in step.written_by.get(index, []):
+            pending = step.pending.pop((name, key, index), None)
+            if pending is None:
+                continue
+            for tensor, grad in zip(pytree.tree_leaves(mappings[name][key]), pending):
+                if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    roots.append(tensor)
+                    root_grads.append(grad)
+        live = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
+        if live:
+            torch.autograd.backward([r for r, _ in live], [g for _, g in live])
+        for (name, key, writer), leaves in readers.items():
+            grads = [t.grad if isinstance(t, torch.Tensor) else None for t in leaves]
+            if any(g is not None for g in grads):
+                earlier = step.pending.get((name, key, writer))
+                step.pending[(name, key, writer)] = grads if earlier is None else [
+                    g if e is None else (e if g is None else e + g) for e, g in zip(earlier, grads)
+                ]
+        self.store.release(index)
+        return leaf_hidden.grad if hidden_needs_grad else None, [t.grad for t in leaf_inputs]
+
+    # -- carried mappings --------------------------------------------------------------------
+    def _note_mapping_entry(self, step: _Step, index: int) -> None:
+        """Record, for block ``index``, which version (writer index, value) of each entry it will see."""
+        seen: dict[tuple[str, Any], tuple[int, Any]] = {}
+        previous = step.seen_at_entry[-1] if step.seen_at_entry else {}
+        for name, mapping in step.calls[index].mappings().items():
+            for key, value in mapping.items():
+                known = previous.get((name, key))
+                if known is not None and known[1] is value:
+                    seen[(name, key)] = known
+                else:
+                    writer = next((i for i in range(index - 1, -1, -1)
+                                   if (name, key) in step.written_by.get(i, [])), -1)
+                    seen[(name, key)] = (writer, value)
+        step.seen_at_entry.append(seen)
+
+    def _recompute_mappings(self, step: _Step, index: int, call: _LayerCall):
+        """Fresh mappings for a recompute: entries written by earlier blocks become grad leaves."""
+        mappings, readers = {}, {}
+        for name, original in call.mappings().items():
+            fresh = type(original)()
+            for (entry_name, key), (writer, value) in step.seen_at_entry[index].items():
+                if entry_name != name:
+                    continue
+                if writer < 0:
+                    fresh[key] = value
+                    continue
+                leaves = pytree.tree_map(
+                    lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t,
+                    value,
+                )
+                fresh[key] = leaves
+                readers[(name, key, writer)] = pytree.tree_leaves(leaves)
+            mappings[name] = fresh
+        return mappings, readers
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _make_resident(self, index: int) -> None:
+        """Fetch block ``index``; blocks resident only by prefetch give way when no slot is free."""
+        if not self.store.is_resident(index) and None not in self.store.slot_owner:
+            self.store.release_all()
+        self.store.fetch(index)
+
+    def _prefetch(self, index: int) -> None:
+        """Start bringing block ``index`` in if a slot is free (it is needed next)."""
+        if 0 <= index < len(self.layers) and None in self.store.slot_owner:
+            self.store.fetch(index)
+
+
+class _StreamedBlock(torch.autograd.Function):
+    """One decoder block as one autograd node: saves its input, recomputes in backward."""
+
+    @staticmethod
+    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, anchor, hidden, *grad_inputs):
+        ctx.executor, ctx.step, ctx.index = executor, step, index
+        ctx.save_for_backward(hidden, *grad_inputs)
+        return executor._run_block(step, index, hidden, grad_inputs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, *grad_inputs = ctx.saved_tensors
+        hidden_grad, input_grads = ctx.executor._backward_block(
+            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[4]
+        )
+        return (None, None, None, None, hidden_grad, *input_grads)
+
+
+def _rng_state(device: torch.device):
+    cpu = torch.get_rng_state()
+    accel = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return cpu, accel
+
+
+@contextlib.contextmanager
+def _restored_rng(state, device: torch.device):
+    """Replay the forward's RNG state during recompute (dropout), leaving the caller's RNG untouched."""
+    if state is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield

@@ -1,0 +1,270 @@
+"""BlockStore: every decoder block's frozen tensors in ONE contiguous host buffer per block.
+
+What a block holds (everything that does not require grad, found by walking the block):
+
+* parameters with ``requires_grad=False``: bitsandbytes ``Params4bit`` packed NF4 weights, biases,
+  norm weights, conv weights, raw MoE expert tensors, ``A_log``/``dt_bias``...;
+* buffers (persistent or not), e.g. Gemma 4's ``layer_scalar``;
+* the tensors of each bitsandbytes ``QuantState`` (``absmax``, ``code``, ``offset`` and the nested
+  ``state2.absmax``/``state2.code`` of double quantization), plus a snapshot of its plain fields.
+
+LoRA parameters (``requires_grad=True``) are not in the store: they stay on the compute device.
+
+``fetch(i)`` copies block i's host buffer into a device slot (one copy, on a side stream on CUDA)
+and points every module tensor at a view of the slot. ``release(i)`` puts size-0 placeholders
+back (QuantState tensors become ``None``), and a forward pre-hook on the block raises
+:class:`~poros.errors.StreamingError` if the block is called while evicted. A QuantState is
+restored from its snapshot on every fetch, so bitsandbytes' in-place CPU repacking in eval mode
+(AVX512-BF16 CPUs) cannot leak from one fetch into the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from poros.errors import StreamingError
+
+ALIGN = 512  # bytes; every tensor starts on a 512-byte boundary of the block buffer
+QUANT_STATE_TENSORS = ("absmax", "code", "offset")
+
+
+@dataclass
+class Entry:
+    """One tensor of a block: where it lives in the buffer and who points at it."""
+
+    name: str  # e.g. "self_attn.q_proj.base_layer.weight" or "...weight.quant_state.absmax"
+    owner: Any  # nn.Parameter (kind "param"), nn.Module (kind "buffer") or QuantState (kind "quant")
+    attr: str  # buffer name or QuantState attribute; "" for a parameter (its .data is swapped)
+    kind: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    span: int  # elements spanned by (shape, stride) from the first element
+
+
+@dataclass
+class BlockRecord:
+    index: int
+    module: nn.Module
+    entries: list[Entry]
+    nbytes: int
+    host: torch.Tensor  # uint8 [nbytes], pinned when the compute device is CUDA
+    quant_snapshots: list[tuple[Any, dict]] = field(default_factory=list)  # (QuantState, plain fields)
+    slot: int | None = None  # device slot holding the block, None when evicted
+
+
+@dataclass
+class StoreStats:
+    """Counters for tests and benchmarks (no timing)."""
+
+    fetches: list[int]
+    releases: list[int]
+    resident: set[int] = field(default_factory=set)
+    max_resident: int = 0
+    bytes_copied: int = 0
+    log: list[tuple[str, int]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.fetches = [0] * len(self.fetches)
+        self.releases = [0] * len(self.releases)
+        self.max_resident = len(self.resident)
+        self.bytes_copied = 0
+        self.log.clear()
+
+
+def _frozen_tensors(block: nn.Module):
+    """Yield (name, owner, attr, kind, tensor) for every frozen tensor of a block, each once."""
+    seen: set[int] = set()
+    for module_name, module in block.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield f"{prefix}{name}", param, "", "param", param.data
+            quant_state = getattr(param, "quant_state", None)
+            if quant_state is not None:
+                yield from _quant_state_tensors(f"{prefix}{name}.quant_state", quant_state)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            yield f"{prefix}{name}", module, name, "buffer", buffer
+
+
+def _quant_state_tensors(prefix: str, quant_state):
+    for attr in QUANT_STATE_TENSORS:
+        value = getattr(quant_state, attr, None)
+        if isinstance(value, torch.Tensor):
+            yield f"{prefix}.{attr}", quant_state, attr, "quant", value
+    nested = getattr(quant_state, "state2", None)
+    if nested is not None:
+        yield from _quant_state_tensors(f"{prefix}.state2", nested)
+
+
+def _quant_states(block: nn.Module):
+    for param in block.parameters():
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            yield state
+            state = getattr(state, "state2", None)
+
+
+class BlockStore:
+    """Host buffers for the frozen tensors of ``blocks`` and a ring of ``num_slots`` device slots.
+
+    Args:
+        blocks: the decoder layers, in order.
+        device: the compute device; slots live there.
+        num_slots: how many blocks may hold weights on the device at once (>= 1).
+        pin_memory: pin host buffers (default: when ``device`` is CUDA).
+    """
+
+    def __init__(self, blocks: list[nn.Module], device: torch.device | str, *, num_slots: int = 2,
+                 pin_memory: bool | None = None) -> None:
+        if num_slots < 1:
+            raise StreamingError(f"num_slots={num_slots}; a store needs at least 1 device slot. Pass num_slots>=1.")
+        self.device = torch.device(device)
+        self.num_slots = num_slots
+        self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self.blocks: list[BlockRecord] = [self._pack(i, block) for i, block in enumerate(blocks)]
+        self.slot_bytes = max((b.nbytes for b in self.blocks), default=0)
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
+        self.slot_owner: list[int | None] = [None] * num_slots
+        self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
+        self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._hooks = [b.module.register_forward_pre_hook(self._guard(b.index)) for b in self.blocks]
+        for block in self.blocks:
+            self._bind_placeholders(block)
+
+    # -- packing ---------------------------------------------------------------------------
+    def _pack(self, index: int, block: nn.Module) -> BlockRecord:
+        entries: list[Entry] = []
+        offset = 0
+        tensors = list(_frozen_tensors(block))
+        for name, owner, attr, kind, tensor in tensors:
+            span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+            nbytes = span * tensor.element_size()
+            entries.append(Entry(name, owner, attr, kind, offset, nbytes, tensor.dtype, tuple(tensor.shape),
+                                 tuple(tensor.stride()), span))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        host = torch.empty(offset, dtype=torch.uint8, pin_memory=self.pin_memory)
+        for entry, (_, _, _, _, tensor) in zip(entries, tensors):
+            self._view(host, entry).copy_(tensor)
+        # Plain fields only: the tensors are bound to slot views on fetch, and holding the
+        # originals here would keep the unpacked copies alive.
+        snapshots = [(state, {k: None if isinstance(v, torch.Tensor) else v for k, v in vars(state).items()})
+                     for state in _quant_states(block)]
+        return BlockRecord(index, block, entries, offset, host, snapshots)
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+        """The tensor of ``entry`` as a view into ``buffer`` (a uint8 block buffer or slot)."""
+        raw = buffer[entry.offset: entry.offset + entry.nbytes]
+        return raw.view(entry.dtype).as_strided(entry.shape, entry.stride)
+
+    # -- residency -------------------------------------------------------------------------
+    def is_resident(self, index: int) -> bool:
+        return self.blocks[index].slot is not None
+
+    def fetch(self, index: int) -> None:
+        """Make block ``index`` resident: copy its buffer into a free slot and bind its tensors.
+
+        Raises:
+            StreamingError: every slot holds another block (release one first).
+        """
+        block = self.blocks[index]
+        if block.slot is not None:
+            return
+        slot = next((s for s, owner in enumerate(self.slot_owner) if owner is None), None)
+        if slot is None:
+            raise StreamingError(
+                f"cannot fetch block {index}: all {self.num_slots} device slots hold blocks "
+                f"{self.slot_owner}. The executor must release a block first (or use more slots)."
+            )
+        target = self.slots[slot][: block.nbytes]
+        target.copy_(block.host, non_blocking=self.pin_memory)
+        self.slot_owner[slot] = index
+        block.slot = slot
+        for state, fields in block.quant_snapshots:
+            vars(state).clear()
+            vars(state).update(fields)
+        for entry in block.entries:
+            self._bind(entry, self._view(target, entry))
+        self.stats.fetches[index] += 1
+        self.stats.bytes_copied += block.nbytes
+        self.stats.resident.add(index)
+        self.stats.max_resident = max(self.stats.max_resident, len(self.stats.resident))
+        self.stats.log.append(("fetch", index))
+
+    def release(self, index: int) -> None:
+        """Evict block ``index``: placeholders back in, its slot free for another block."""
+        block = self.blocks[index]
+        if block.slot is None:
+            return
+        self._bind_placeholders(block)
+        self.slot_owner[block.slot] = None
+        block.slot = None
+        self.stats.releases[index] += 1
+        self.stats.resident.discard(index)
+        self.stats.log.append(("release", index))
+
+    def release_all(self) -> None:
+        for block in self.blocks:
+            self.release(block.index)
+
+    # -- binding ---------------------------------------------------------------------------
+    @staticmethod
+    def _bind(entry: Entry, tensor: torch.Tensor | None) -> None:
+        if entry.kind == "param":
+            entry.owner.data = tensor
+        elif entry.kind == "buffer":
+            entry.owner._buffers[entry.attr] = tensor
+        else:
+            setattr(entry.owner, entry.attr, tensor)
+
+    def _bind_placeholders(self, block: BlockRecord) -> None:
+        for entry in block.entries:
+            if entry.kind == "quant":
+                self._bind(entry, None)
+                continue
+            key = (entry.dtype, self.device)
+            if key not in self._placeholders:
+                self._placeholders[key] = torch.empty(0, dtype=entry.dtype, device=self.device)
+            self._bind(entry, self._placeholders[key])
+
+    def _guard(self, index: int):
+        def guard(module, args):
+            if self.blocks[index].slot is None:
+                raise StreamingError(
+                    f"decoder block {index} was called while its weights are evicted to the host. "
+                    "Call the model through the PorosModel returned by poros.prepare (it fetches blocks), "
+                    "or PorosModel.unpatch() to put every weight back."
+                )
+        return guard
+
+    # -- undo ------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Put every frozen tensor back as an ordinary tensor on ``device`` and remove the guards."""
+        for block in self.blocks:
+            for state, fields in block.quant_snapshots:
+                vars(state).clear()
+                vars(state).update(fields)
+            for entry in block.entries:
+                self._bind(entry, self._view(block.host, entry).to(self.device, copy=True))
+            block.slot = None
+        self.slot_owner = [None] * self.num_slots
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.stats.resident.clear()
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
