@@ -207,15 +207,15 @@ class StreamingExecutor:
         step = self._capture(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = step.calls[0].leaves[step.calls[0].hidden_at]
         differentiable = torch.is_grad_enabled()
+        last = len(self.layers) - 1
         for index in range(len(self.layers)):
             self._note_mapping_entry(step, index)
             if differentiable:
-                hidden = _StreamedBlock.apply(self, step, index, self._grad_anchor, hidden,
+                # The last block stays resident: it is the first one backward needs.
+                hidden = _StreamedBlock.apply(self, step, index, index == last, self._grad_anchor, hidden,
                                               *step.calls[index].grad_tensors())
             else:
                 hidden = self._run_block(step, index, hidden, recompute_later=False)
-        if differentiable:
-            self._prefetch(len(self.layers) - 1)  # first block of backward: its copy overlaps the head
         return self._head(hidden, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
     __call__ = forward
@@ -243,8 +243,8 @@ class StreamingExecutor:
 
     # -- one block ---------------------------------------------------------------------------
     def _run_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors=(),
-                   recompute_later: bool = True) -> torch.Tensor:
-        """Forward of block ``index`` (no grad inside the autograd node): fetch, run, release."""
+                   recompute_later: bool = True, keep: bool = False) -> torch.Tensor:
+        """Forward of block ``index`` (no grad inside the autograd node): fetch, run, release unless ``keep``."""
         self._make_resident(index)
         self._prefetch(index + 1)
         call = step.calls[index]
@@ -263,7 +263,8 @@ class StreamingExecutor:
                    if before.get((name, key)) is not value]
         if written:
             step.written_by[index] = written
-        self.store.release(index)
+        if not keep:
+            self.store.release(index)
         return output
 
     def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
@@ -338,10 +339,11 @@ class StreamingExecutor:
 
     # -- helpers -----------------------------------------------------------------------------
     def _make_resident(self, index: int) -> None:
-        """Fetch block ``index``; blocks resident only by prefetch give way when no slot is free."""
+        """Fetch block ``index`` and order compute after its copy; prefetched blocks give way if no slot is free."""
         if not self.store.is_resident(index) and None not in self.store.slot_owner:
             self.store.release_all()
         self.store.fetch(index)
+        self.store.wait(index)
 
     def _prefetch(self, index: int) -> None:
         """Start bringing block ``index`` in if a slot is free (it is needed next)."""
@@ -353,18 +355,19 @@ class _StreamedBlock(torch.autograd.Function):
     """One decoder block as one autograd node: saves its input, recomputes in backward."""
 
     @staticmethod
-    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, anchor, hidden, *grad_inputs):
+    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, keep: bool, anchor, hidden,
+                *grad_inputs):
         ctx.executor, ctx.step, ctx.index = executor, step, index
         ctx.save_for_backward(hidden, *grad_inputs)
-        return executor._run_block(step, index, hidden, grad_inputs)
+        return executor._run_block(step, index, hidden, grad_inputs, keep=keep)
 
     @staticmethod
     def backward(ctx, grad_output):
         hidden, *grad_inputs = ctx.saved_tensors
         hidden_grad, input_grads = ctx.executor._backward_block(
-            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[4]
+            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5]
         )
-        return (None, None, None, None, hidden_grad, *input_grads)
+        return (None, None, None, None, None, hidden_grad, *input_grads)
 
 
 def _rng_state(device: torch.device):

@@ -137,6 +137,12 @@ class BlockStore:
         self.slot_bytes = max((b.nbytes for b in self.blocks), default=0)
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
         self.slot_owner: list[int | None] = [None] * num_slots
+        # CUDA: copies run on their own stream. `slot_ready[s]` fires when slot s holds its block;
+        # `slot_free[s]` when the compute that last read slot s is done. No host synchronisation.
+        self.on_cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self.slot_ready = [torch.cuda.Event() for _ in range(num_slots)] if self.on_cuda else []
+        self.slot_free = [torch.cuda.Event() for _ in range(num_slots)] if self.on_cuda else []
         self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._hooks = [b.module.register_forward_pre_hook(self._guard(b.index)) for b in self.blocks]
@@ -189,7 +195,13 @@ class BlockStore:
                 f"{self.slot_owner}. The executor must release a block first (or use more slots)."
             )
         target = self.slots[slot][: block.nbytes]
-        target.copy_(block.host, non_blocking=self.pin_memory)
+        if self.on_cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self.slot_free[slot])
+                target.copy_(block.host, non_blocking=True)
+                self.slot_ready[slot].record(self.copy_stream)
+        else:
+            target.copy_(block.host)
         self.slot_owner[slot] = index
         block.slot = slot
         for state, fields in block.quant_snapshots:
@@ -203,11 +215,21 @@ class BlockStore:
         self.stats.max_resident = max(self.stats.max_resident, len(self.stats.resident))
         self.stats.log.append(("fetch", index))
 
+    def wait(self, index: int) -> None:
+        """Order the current (compute) stream after block ``index``'s copy. No-op on CPU."""
+        slot = self.blocks[index].slot
+        if slot is None:
+            raise StreamingError(f"wait({index}): block {index} is not fetched; call fetch({index}) first.")
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.slot_ready[slot])
+
     def release(self, index: int) -> None:
-        """Evict block ``index``: placeholders back in, its slot free for another block."""
+        """Evict block ``index``: placeholders back in, its slot free once queued compute is done."""
         block = self.blocks[index]
         if block.slot is None:
             return
+        if self.on_cuda:
+            self.slot_free[block.slot].record(torch.cuda.current_stream(self.device))
         self._bind_placeholders(block)
         self.slot_owner[block.slot] = None
         block.slot = None
