@@ -25,7 +25,7 @@ Notable features:
   input and back-propagates into the LoRA parameters — reentrant recompute, but with every
   differentiable argument passed explicitly, so nothing reaches autograd through a side door.
 * **Carried state is generic.** A carried *mapping* (descriptor ``CarriedState(kind="mapping")``,
-  e.g. Gemma 4's shared K/V) is tracked by identity: entries a block writes are versioned with the
+  e.g. K/V one layer stores for later layers) is tracked by identity: entries a block writes are versioned with the
   writer's index; a later block's recompute receives leaf copies; their gradients are summed in
   reverse layer order (the order autograd uses) and fed into the writer's recompute as extra
   output gradients. Any other argument that requires grad (e.g. per-layer inputs sliced from the
