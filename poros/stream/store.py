@@ -4,7 +4,7 @@ What a block holds (everything that does not require grad, found by walking the 
 
 * parameters with ``requires_grad=False``: bitsandbytes ``Params4bit`` packed NF4 weights, biases,
   norm weights, conv weights, raw MoE expert tensors, ``A_log``/``dt_bias``...;
-* buffers (persistent or not), e.g. Gemma 4's ``layer_scalar``;
+* buffers (persistent or not), e.g. a per-layer output scale;
 * the tensors of each bitsandbytes ``QuantState`` (``absmax``, ``code``, ``offset`` and the nested
   ``state2.absmax``/``state2.code`` of double quantization), plus a snapshot of its plain fields.
 
