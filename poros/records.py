@@ -6,10 +6,20 @@ Schema of one family file::
 
     [[checkpoint]]
     hf_id = "Qwen/Qwen2.5-7B"           # what users pass to from_pretrained
+    instruct_id = "Qwen/Qwen2.5-7B-Instruct"  # optional sibling with the same facts (also base_id)
+    instruct_overrides = { max_position_embeddings = 32768 }  # optional: where that sibling differs (base_overrides)
     config = "https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json"  # where the facts come from
+    model_type = "qwen2"                # config.json model_type (top level: "gemma3" for a VLM)
     params = "7.6B"
-    layers = 28
+    layers = 28                         # num_hidden_layers (of the text tower for a VLM)
     hidden_size = 3584
+    intermediate_size = 18944
+    num_attention_heads = 28
+    num_key_value_heads = 4
+    head_dim = 128                      # only where the config states it
+    vocab_size = 152064
+    tie_word_embeddings = false
+    max_position_embeddings = 131072
     multimodal = false                  # true: the checkpoint stores a VLM, Poros trains its text tower
 
     [[validation]]                      # one per parity/benchmark record, appended by tools/
@@ -22,20 +32,37 @@ Schema of one family file::
     max_diff_loss = 0.0; max_diff_adapter = 0.0; max_diff_optimizer = 0.0
     peak_allocated_gb = 5.1             # optional, for benchmark records
     source = "tools/parity_gate.py"     # the script that produced it
+
+Family-specific facts use the config's own key (``global_head_dim``, ``num_kv_shared_layers``,
+``num_experts``...). A fact that could not be confirmed is left out, with an ``# unconfirmed:``
+comment in the file. Every id (``hf_id``, ``instruct_id``, ``base_id``) resolves to its entry
+through :func:`find_checkpoint`.
+
+The folder is ``$POROS_REGISTRY_DIR`` when that is set (tests, or a checkout of newer records),
+else the installed ``poros.registry_data`` package, else ``registry/`` beside the package.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
 
 LABELS = ("bitwise", "numerical", "unverified")
+REGISTRY_DIR_ENV = "POROS_REGISTRY_DIR"
+#: Fields of a checkpoint entry that name a Hub repository sharing the entry's facts.
+ID_FIELDS = ("hf_id", "instruct_id", "base_id")
+#: Sub-table of facts that differ in a sibling's config, per sibling id field.
+OVERRIDE_FIELDS = {"instruct_id": "instruct_overrides", "base_id": "base_overrides"}
 
 
 def data_dir() -> Path:
-    """Folder holding the TOML files: the installed ``poros.registry_data`` package, else ``registry/``."""
+    """Folder holding the TOML files: ``$POROS_REGISTRY_DIR``, else ``poros.registry_data``, else ``registry/``."""
+    override = os.environ.get(REGISTRY_DIR_ENV)
+    if override:
+        return Path(override)
     try:
         import importlib.resources
 
@@ -44,12 +71,18 @@ def data_dir() -> Path:
         return Path(__file__).resolve().parents[1] / "registry"
 
 
-@functools.lru_cache(maxsize=None)
 def load(family: str) -> dict[str, Any]:
+    """The parsed ``<family>.toml`` (``checkpoint`` and ``validation`` default to empty lists)."""
     path = data_dir() / f"{family}.toml"
     if not path.exists():
         return {"family": family, "checkpoint": [], "validation": []}
-    with path.open("rb") as fh:
+    return _read(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _read(path: str, mtime_ns: int) -> dict[str, Any]:
+    # Keyed on path and mtime: a new data dir or an appended record is read afresh.
+    with open(path, "rb") as fh:
         data = tomllib.load(fh)
     data.setdefault("checkpoint", [])
     data.setdefault("validation", [])
@@ -78,10 +111,32 @@ def validated_platforms(family: str) -> list[str]:
     return sorted({f"{r.get('platform')} ({r.get('label')})" for r in validations(family)})
 
 
-def family_of_checkpoint(hf_id: str) -> str | None:
-    """Family that lists ``hf_id`` among its known checkpoints (case-insensitive)."""
+def checkpoint_ids(entry: dict[str, Any]) -> list[str]:
+    """Every Hub id an entry describes: ``hf_id`` first, then ``instruct_id`` and ``base_id``."""
+    return [entry[field] for field in ID_FIELDS if entry.get(field)]
+
+
+def find_checkpoint(hf_id: str) -> tuple[str, dict[str, Any]] | None:
+    """``(family, facts)`` for a known Hub id (case-insensitive), else ``None``.
+
+    ``facts`` is the entry with ``hf_id`` set to the id asked for and, for a sibling id, that
+    sibling's overrides (``instruct_overrides`` / ``base_overrides``) applied.
+    """
     wanted = hf_id.lower()
     for family in all_families():
-        if any(c.get("hf_id", "").lower() == wanted for c in checkpoints(family)):
-            return load(family).get("family", family)
+        data = load(family)
+        for entry in data["checkpoint"]:
+            for field in ID_FIELDS:
+                if str(entry.get(field, "")).lower() != wanted:
+                    continue
+                facts = {k: v for k, v in entry.items() if k not in OVERRIDE_FIELDS.values()}
+                facts.update(entry.get(OVERRIDE_FIELDS.get(field, ""), {}))
+                facts["hf_id"] = entry[field]
+                return data.get("family", family), facts
     return None
+
+
+def family_of_checkpoint(hf_id: str) -> str | None:
+    """Family that lists ``hf_id`` (or it as an instruct/base sibling) among its known checkpoints."""
+    found = find_checkpoint(hf_id)
+    return found[0] if found else None
