@@ -93,6 +93,12 @@ class ArchitectureDescriptor:
             dtype under NF4 (norms, conv, raw expert tensors, buffers); they stream too.
         model_level_linears: ``nn.Linear`` modules outside the decoder layers that bitsandbytes
             quantizes (and ``all-linear`` may target).
+        optional_features: ``(config attribute, names)`` pairs: names of the fields above
+            (model-level paths in ``prelude_modules``/``model_level_linears``, or layer-relative
+            names in the LoRA and ``never_quantized`` lists) that exist only when that config
+            attribute is truthy, e.g. Gemma 4's per-layer inputs (``hidden_size_per_layer_input``)
+            and MoE block (``enable_moe_block``). Code that resolves these names skips the disabled ones
+            (:meth:`disabled_names`); everything not listed here must exist on every model.
 
     Identity:
         name: registry name (``qwen2``); aliases: other accepted names; model_types: HF
@@ -132,6 +138,7 @@ class ArchitectureDescriptor:
     lora_excluded: tuple[str, ...] = ()
     never_quantized: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     model_level_linears: tuple[str, ...] = ()
+    optional_features: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # documentation
     notes: tuple[str, ...] = ()
     config_class: str = ""
@@ -150,6 +157,13 @@ class ArchitectureDescriptor:
         """Every string lookup accepts for this family: name, aliases and HF model types."""
         return tuple(dict.fromkeys((self.name, *self.aliases, *self.model_types)))
 
+    def disabled_names(self, config: Any) -> frozenset[str]:
+        """Names from :attr:`optional_features` whose config attribute is missing or falsy on ``config``."""
+        return frozenset(
+            name for attribute, names in self.optional_features
+            if not getattr(config, attribute, None) for name in names
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``--json`` listings and docs)."""
         out: dict[str, Any] = {}
@@ -157,6 +171,8 @@ class ArchitectureDescriptor:
             value = getattr(self, f.name)
             if f.name == "carried_state":
                 value = [vars(c) | {} for c in value]
+            elif f.name == "optional_features":
+                value = {attribute: list(names) for attribute, names in value}
             elif isinstance(value, tuple):
                 value = [list(v) if isinstance(v, tuple) else v for v in value]
             out[f.name] = value
@@ -200,6 +216,19 @@ def validate(descriptor: ArchitectureDescriptor) -> list[str]:
     for c in descriptor.carried_state:
         if not isinstance(c, CarriedState) or c.kind not in ("mapping", "per_layer_slice"):
             problems.append(f"carried_state entry {c!r} must be a CarriedState of kind mapping|per_layer_slice")
+    named = {*descriptor.prelude_modules, *descriptor.model_level_linears, *descriptor.lora_targets_all_linear,
+             *descriptor.lora_excluded, *descriptor.never_quantized}
+    for entry in descriptor.optional_features:
+        if (not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], str)
+                or not isinstance(entry[1], tuple) or not all(isinstance(n, str) for n in entry[1])):
+            problems.append(f"optional_features entry {entry!r} must be (config attribute, tuple of names)")
+            continue
+        unknown = sorted(set(entry[1]) - named)
+        if unknown:
+            problems.append(
+                f"optional_features[{entry[0]!r}] names {unknown}, which no prelude_modules/model_level_linears/"
+                "lora_targets_all_linear/lora_excluded/never_quantized entry lists"
+            )
     listed = (*descriptor.aliases, *descriptor.model_types)
     repeated = sorted({n for n in listed if listed.count(n) > 1} | ({descriptor.name} & set(descriptor.aliases)))
     if repeated:

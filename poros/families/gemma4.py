@@ -67,6 +67,18 @@ DESCRIPTOR = decoder_family(
         "experts.gate_up_proj", "experts.down_proj",
     ),
     model_level_linears=("model.per_layer_model_projection",),
+    optional_features=(
+        # per-layer inputs (the E-models); absent when hidden_size_per_layer_input is 0/None
+        ("hidden_size_per_layer_input", (
+            "model.embed_tokens_per_layer", "model.per_layer_model_projection", "model.per_layer_projection_norm",
+            "per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm",
+        )),
+        # MoE block beside the dense MLP (26B-A4B); absent unless enable_moe_block
+        ("enable_moe_block", (
+            "proj", "router.scale", "router.per_expert_scale", "experts.gate_up_proj", "experts.down_proj",
+            "post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2",
+        )),
+    ),
     notes=(
         "reentrant gradient checkpointing silently drops the KV-sharing gradients (42/98 LoRA grads differ).",
         "router.proj (leaf name 'proj') is quantized by bitsandbytes; excluded from LoRA targets by default.",
