@@ -11,7 +11,7 @@ from poros import registry
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import UnsupportedModelError
 from poros.stream.executor import StreamingExecutor
-from poros.stream.store import BlockStore
+from poros.stream.store import BlockStore, HostEmbedding
 
 
 class PorosModel(nn.Module):
@@ -30,7 +30,8 @@ class PorosModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
-                 store: BlockStore, executor: StreamingExecutor, restore_flags: list[tuple[nn.Module, bool]]):
+                 store: BlockStore, executor: StreamingExecutor, restore_flags: list[tuple[nn.Module, bool]],
+                 host_tables: list[HostEmbedding] = ()):
         super().__init__()
         self.model = model
         object.__setattr__(self, "causal_lm", causal_lm)
@@ -38,6 +39,7 @@ class PorosModel(nn.Module):
         object.__setattr__(self, "store", store)
         object.__setattr__(self, "executor", executor)
         object.__setattr__(self, "_restore_flags", restore_flags)
+        object.__setattr__(self, "host_tables", list(host_tables))
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         if self.store is None:
@@ -59,6 +61,8 @@ class PorosModel(nn.Module):
             self.store.restore()
             for layer, flag in self._restore_flags:
                 layer.gradient_checkpointing = flag
+            for table in self.host_tables:
+                table.restore()
             object.__setattr__(self, "store", None)
         return self.model
 
@@ -75,13 +79,16 @@ def _compute_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def prepare(model: nn.Module, *, num_slots: int = 2) -> PorosModel:
+def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
 
     Args:
         model: an HF ``*ForCausalLM`` loaded with ``BitsAndBytesConfig(load_in_4bit=True, ...)`` and
             wrapped by PEFT (``get_peft_model``), or the bare causal LM.
         num_slots: device slots in the block ring (2: compute one block while the next arrives).
+        embeddings_on_host: keep frozen embedding tables that are not tied to the head (the input
+            embedding, Gemma 4's per-layer table) in host memory and look tokens up there; only the
+            looked-up rows cross the link. Default: on when the compute device is CUDA.
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
@@ -104,8 +111,27 @@ def prepare(model: nn.Module, *, num_slots: int = 2) -> PorosModel:
             layer.gradient_checkpointing = False
     device = _compute_device(causal_lm)
     store = BlockStore(layers, device, num_slots=num_slots)
+    if embeddings_on_host is None:
+        embeddings_on_host = device.type == "cuda"
+    host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
+        if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
-    return PorosModel(model, causal_lm, descriptor, store, executor, restore_flags)
+    return PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables)
+
+
+def _host_tables(causal_lm: nn.Module, descriptor: ArchitectureDescriptor) -> list[nn.Module]:
+    """Frozen embedding tables (input and prelude) that may live on the host: not tied to the head."""
+    disabled = descriptor.disabled_names(causal_lm.config)
+    paths = [descriptor.embeddings, *(p for p in descriptor.prelude_modules if p not in disabled)]
+    head_weight = getattr(resolve_path(causal_lm, descriptor.head), "weight", None)
+    head_storage = head_weight.data_ptr() if head_weight is not None else None
+    tables = []
+    for path in paths:
+        module = resolve_path(causal_lm, path)
+        if isinstance(module, nn.Embedding) and not module.weight.requires_grad \
+                and module.weight.data_ptr() != head_storage:
+            tables.append(module)
+    return tables
 
 
 def describe(model: PorosModel) -> dict[str, Any]:

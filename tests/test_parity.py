@@ -97,7 +97,7 @@ def assert_bitwise(reference, streamed, ref_losses, poros_losses, ref_opt, poros
             assert torch.equal(ref_state[key], poros_state[key]), f"AdamW {key} of {name} differs"
 
 
-def run_parity(family: str, variant: str, setup: dict, directory: pathlib.Path) -> poros.PorosModel:
+def run_parity(family: str, variant: str, setup: dict, directory: pathlib.Path, **prepare_options) -> poros.PorosModel:
     try:
         path = save_tiny_checkpoint(directory / "ckpt", family, variant, seed=setup["seed"], **setup["config"])
     except ValueError:  # a drawn shape the family cannot have (documented in tiny_config)
@@ -113,7 +113,7 @@ def run_parity(family: str, variant: str, setup: dict, directory: pathlib.Path) 
     ref_losses, ref_opt = train(reference, list(trainable(reference).values()), batches)
 
     streamed_model = load_qlora(path, **lora)
-    streamed = poros.prepare(streamed_model)
+    streamed = poros.prepare(streamed_model, **prepare_options)
     poros_losses, poros_opt = train(streamed, streamed.trainable_parameters(), batches)
     assert_bitwise(reference, streamed_model, ref_losses, poros_losses, ref_opt, poros_opt)
     return streamed
@@ -168,3 +168,13 @@ def test_unpatch_restores_the_resident_model(tmp_path):
         assert torch.equal(reference(**batch, use_cache=False).logits, restored(**batch, use_cache=False).logits)
     with pytest.raises(poros.PorosError, match="unpatched"):
         streamed(**batch)
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b")])
+def test_embedding_tables_on_host_keep_parity(family, variant, tmp_path):
+    """Input / per-layer embedding tables looked up on the host: same rows, same training."""
+    streamed = run_parity(family, variant, {**BASE_SETUP, "config": {"tie_word_embeddings": False}}, tmp_path,
+                          embeddings_on_host=True)
+    moved = {id(t.module) for t in streamed.host_tables}
+    assert id(streamed.causal_lm.get_input_embeddings()) in moved
+    assert len(moved) == (2 if family == "gemma4" else 1)  # gemma4 e2b: also the per-layer table

@@ -290,3 +290,38 @@ class BlockStore:
     @property
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
+
+
+class HostEmbedding:
+    """Keep a frozen ``nn.Embedding`` table in host memory and look tokens up there.
+
+    A lookup is a gather (exact), and a scaled embedding multiplies two values of the table's
+    dtype (one rounding on any device), so the rows that reach the compute device are bit for
+    bit the ones a device-resident table gives. Only ``B x S x hidden`` crosses the link instead
+    of keeping ``vocab x hidden`` on the device. Not for a table tied to the output head (the
+    head needs it on the device) nor for a trainable one.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module, self.device = module, torch.device(device)
+        self.home = {name: t.device for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        module.to("cpu")
+        self._hooks = [
+            module.register_forward_pre_hook(self._tokens_to_host),
+            module.register_forward_hook(self._rows_to_device),
+        ]
+
+    @staticmethod
+    def _tokens_to_host(module, args):
+        return (args[0].to("cpu"), *args[1:])
+
+    def _rows_to_device(self, module, args, output):
+        return output.to(self.device)
+
+    def restore(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            if name in self.home and tensor.device != self.home[name]:
+                tensor.data = tensor.data.to(self.home[name])
+        self._hooks = []
