@@ -116,6 +116,8 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
     host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
     return PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables)
 
 
