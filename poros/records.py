@@ -127,7 +127,7 @@ def find_checkpoint(hf_id: str) -> tuple[str, dict[str, Any]] | None:
         data = load(family)
         for entry in data["checkpoint"]:
             for field in ID_FIELDS:
-                if str(entry.get(field, "")).lower() != wanted:
+                if not entry.get(field) or str(entry[field]).lower() != wanted:  # "" matches no absent id
                     continue
                 facts = {k: v for k, v in entry.items() if k not in OVERRIDE_FIELDS.values()}
                 facts.update(entry.get(OVERRIDE_FIELDS.get(field, ""), {}))

@@ -102,9 +102,11 @@ class ArchitectureRegistry:
         try:
             self.plugin_manager.check_pending()
         except pluggy.PluginValidationError as exc:
+            name = self.plugin_manager.get_name(exc.plugin) or repr(exc.plugin)
+            distribution, version = self.provider_of(name)
             raise PluginError(
-                f"{exc}. Every hook a plugin implements must be one of: "
-                f"{', '.join(hook_names())}; rename the function (hooks are prefixed 'poros_')."
+                f"plugin {name!r} ({distribution} {version}): {exc}. Every hook a plugin implements must be "
+                f"one of: {', '.join(hook_names())}; rename the function (hooks are prefixed 'poros_')."
             ) from exc
 
     def provider_of(self, plugin_name: str) -> tuple[str, str]:
@@ -124,8 +126,12 @@ class ArchitectureRegistry:
             self._registrations, self._index = {}, {}
             hook = self.plugin_manager.hook.poros_register_architectures
             # Call each implementation with its own `register`, so a duplicate names both plugins.
-            for impl in hook.get_hookimpls():
-                impl.function(register=self._register_callback(impl.plugin_name))
+            try:
+                for impl in hook.get_hookimpls():
+                    impl.function(register=self._register_callback(impl.plugin_name))
+            except BaseException:
+                self.invalidate()  # never serve a half-filled index after a failed registration
+                raise
         return self._registrations
 
     def _register_callback(self, plugin_name: str):

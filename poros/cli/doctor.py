@@ -1,0 +1,305 @@
+"""``poros doctor``: what this machine and install look like, as a block to paste into a bug report.
+
+Torch-free on purpose: package versions come from ``importlib.metadata`` (nothing is imported),
+host memory from ``/proc/meminfo`` and the cgroup limits, so the doctor runs where torch is
+missing or broken -- the very machines that need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from poros.cli.output import print_json
+
+#: The ``[train]`` extra of poros-train (a test checks this against pyproject.toml).
+TRAIN_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets")
+#: Reported when present; training does not need them.
+OPTIONAL_PACKAGES = ("accelerate",)
+INSTALL_HINT = "pip install 'poros-train[train]'"
+
+DESCRIPTION = """\
+Print what Poros needs to know about this machine, in a ```text block ready to paste into an
+issue: Python and platform, the installed versions of torch, transformers, peft, bitsandbytes,
+safetensors, datasets and accelerate (read from package metadata, never imported), host memory
+(the smaller of /proc/meminfo MemTotal and the cgroup memory limit, and which one it is), usable
+CPUs, and plugins that failed to load or register. Exit status 1 when a plugin problem was found;
+missing training packages are reported with the command that installs them, and are not an error
+(a torch-free install is a valid install).
+"""
+
+EPILOG = textwrap.dedent("""\
+    examples:
+      $ poros doctor
+      ```text
+      poros          0.1.0 (/work/main/poros)
+      python         3.11.7 CPython (/work/venv/bin/python)
+      platform       Linux-6.18.44-fc-v657-x86_64-with-glibc2.36 (x86_64)
+      cpus           2 usable (sched_getaffinity), 2 online
+      memory         23.5 GiB total (/proc/meminfo MemTotal), 23.2 GiB available
+      nvidia driver  none (/proc/driver/nvidia/version absent)
+      packages       torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2, bitsandbytes 0.50.2,
+                     safetensors 0.8.0, datasets 5.2.0, accelerate 1.15.0
+      plugins        5 loaded, families: qwen2, qwen3, qwen3_5, gemma3, gemma4
+      problems       none
+      ```
+
+      $ poros doctor --json | python -c "import json, sys; print(json.load(sys.stdin)['memory'])"
+      {'total_bytes': 25276510208, 'source': '/proc/meminfo MemTotal', 'available_bytes': 23961403392,
+       'meminfo_total_bytes': 25276510208, 'cgroup_limit_bytes': None, 'cgroup_limit_source': None}
+    """)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="report versions, host memory, CPUs and plugin problems (paste-ready)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=run)
+    return parser
+
+
+# -- packages -------------------------------------------------------------------------------
+
+def installed_version(distribution: str) -> str | None:
+    """Version of an installed distribution from its metadata, or ``None``; never imports it."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# -- host memory ----------------------------------------------------------------------------
+
+def read_meminfo(proc_root: Path = Path("/proc")) -> dict[str, int]:
+    """``/proc/meminfo`` as bytes per field (``MemTotal``, ``MemAvailable``...); empty if unreadable."""
+    try:
+        text = (proc_root / "meminfo").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if parts and parts[0].isdigit():
+            out[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def cgroup_memory_limit(
+    proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> dict[str, Any] | None:
+    """The tightest memory limit on this process's cgroup and its ancestors, v2 or v1.
+
+    Reads ``/proc/self/cgroup`` for the process's cgroup paths, then ``memory.max`` (v2, mounted
+    at ``cgroup_root`` or ``cgroup_root/unified``) and ``memory.limit_in_bytes`` (v1, under
+    ``cgroup_root/memory``) from that cgroup up to the mount root. Returns
+    ``{"limit_bytes", "source", "usage_bytes"}`` or ``None`` when no finite limit is set.
+    """
+    try:
+        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []  # (mount, path inside it, limit file, usage file)
+    for line in lines:
+        fields = line.split(":", 2)  # hierarchy id : controllers : path
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":
+            for mount in (cgroup_root, cgroup_root / "unified"):
+                if (mount / "cgroup.controllers").exists():
+                    candidates.append((mount, path, "memory.max", "memory.current"))
+                    break
+        elif "memory" in controllers.split(","):
+            candidates.append((cgroup_root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    best = None
+    for mount, path, limit_file, usage_file in candidates:
+        leaf = Path(os.path.normpath(mount / path.lstrip("/")))
+        if not leaf.is_relative_to(mount) or not leaf.is_dir():
+            leaf = mount  # a path from another cgroup namespace: only the mount root is ours
+        usage = _read_int(leaf / usage_file)
+        for directory in (leaf, *leaf.parents):
+            limit = _read_int(directory / limit_file)
+            if limit is not None and (best is None or limit < best["limit_bytes"]):
+                best = {"limit_bytes": limit, "source": str(directory / limit_file), "usage_bytes": usage}
+            if directory == mount:
+                break
+    return best
+
+
+#: cgroup v1 writes "no limit" as a page-aligned 2**63 - 1; anything from 1 EiB up means the same.
+NO_LIMIT_BYTES = 2**60
+
+
+def _read_int(path: Path) -> int | None:
+    """Integer content of a cgroup file; ``None`` for a missing file and for no limit (``max``, v1's 2**63)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) < NO_LIMIT_BYTES else None
+
+
+def host_memory(proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> dict[str, Any]:
+    """Memory this process can use: the smaller of MemTotal and the cgroup limit, and where it came from.
+
+    ``available_bytes`` is MemAvailable, lowered to ``limit - usage`` when the cgroup limit binds.
+    Streaming keeps the whole NF4 base in host memory, so this is the number that decides the
+    largest model a machine can train.
+    """
+    meminfo = read_meminfo(proc_root)
+    total, available = meminfo.get("MemTotal"), meminfo.get("MemAvailable")
+    cgroup = cgroup_memory_limit(proc_root, cgroup_root)
+    report: dict[str, Any] = {
+        "total_bytes": total,
+        "source": f"{proc_root / 'meminfo'} MemTotal" if total is not None else "unknown",
+        "available_bytes": available,
+        "meminfo_total_bytes": total,
+        "cgroup_limit_bytes": cgroup["limit_bytes"] if cgroup else None,
+        "cgroup_limit_source": cgroup["source"] if cgroup else None,
+    }
+    if cgroup and (total is None or cgroup["limit_bytes"] < total):
+        report["total_bytes"] = cgroup["limit_bytes"]
+        report["source"] = f"cgroup {cgroup['source']}"
+        if cgroup["usage_bytes"] is not None:
+            headroom = max(cgroup["limit_bytes"] - cgroup["usage_bytes"], 0)
+            report["available_bytes"] = headroom if available is None else min(available, headroom)
+    return report
+
+
+def cpu_count() -> dict[str, Any]:
+    try:
+        usable, source = len(os.sched_getaffinity(0)), "sched_getaffinity"
+    except (AttributeError, OSError):  # not on Linux
+        usable, source = os.cpu_count(), "os.cpu_count"
+    return {"usable": usable, "source": source, "online": os.cpu_count()}
+
+
+def nvidia_driver(proc_root: Path = Path("/proc")) -> str | None:
+    """First line of ``/proc/driver/nvidia/version`` (the kernel driver), or ``None``."""
+    try:
+        return (proc_root / "driver" / "nvidia" / "version").read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return None
+
+
+# -- plugins --------------------------------------------------------------------------------
+
+def plugin_report() -> dict[str, Any]:
+    """Loaded plugins, registered families, and every problem loading or registering them."""
+    from poros import registry
+    from poros.errors import PorosError
+
+    reg = registry.registry()
+    problems = []
+    try:
+        reg.load_plugins()
+    except PorosError as exc:
+        problems.append(f"{type(exc).__name__}: {exc}")
+    try:  # load_plugins checks once per process; check again so the doctor always sees it
+        reg.check_pending()
+    except PorosError as exc:
+        problems.append(f"{type(exc).__name__}: {exc}")
+    try:
+        families = [r.descriptor.name for r in registry.architectures()]
+    except PorosError as exc:
+        families = []
+        problems.append(f"{type(exc).__name__}: {exc}")
+    return {
+        "loaded": [name for name, _ in reg.plugin_manager.list_name_plugin()],
+        "families": families,
+        "load_errors": [{"plugin": name, "error": error} for name, error in reg.load_errors],
+        "problems": list(dict.fromkeys(problems)),
+        registry.LOAD_PLUGINS_ENV: os.environ.get(registry.LOAD_PLUGINS_ENV),
+    }
+
+
+# -- the report -----------------------------------------------------------------------------
+
+def report() -> dict[str, Any]:
+    import poros
+
+    packages = {name: installed_version(name) for name in (*TRAIN_PACKAGES, *OPTIONAL_PACKAGES)}
+    missing = [name for name in TRAIN_PACKAGES if packages[name] is None]
+    return {
+        "poros": {"version": poros.__version__, "location": str(Path(poros.__file__).parent)},
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
+        "platform": {"platform": platform.platform(), "machine": platform.machine(), "system": platform.system()},
+        "cpus": cpu_count(),
+        "memory": host_memory(),
+        "nvidia_driver": nvidia_driver(),
+        "packages": packages,
+        "missing_train_packages": missing,
+        "install_hint": INSTALL_HINT if missing else None,
+        "plugins": plugin_report(),
+    }
+
+
+def _gib(value: int | None) -> str:
+    return "unknown" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """The report as the paste-ready ```text block."""
+    memory, cpus, plugins = data["memory"], data["cpus"], data["plugins"]
+    memory_line = f"{_gib(memory['total_bytes'])} total ({memory['source']}), {_gib(memory['available_bytes'])} available"
+    if memory["source"].startswith("cgroup"):
+        memory_line += f"; host MemTotal {_gib(memory['meminfo_total_bytes'])}"
+    packages = [f"{name} {version or 'not installed'}" for name, version in data["packages"].items()]
+    plugin_line = f"{len(plugins['loaded'])} loaded, families: {', '.join(plugins['families']) or 'none'}"
+    env_setting = plugins["POROS_LOAD_PLUGINS"]
+    if env_setting is not None:
+        plugin_line += f" (POROS_LOAD_PLUGINS={env_setting!r})"
+    problems = [*plugins["problems"], *(f"plugin {e['plugin']} failed to load: {e['error']}" for e in plugins["load_errors"])]
+    if data["missing_train_packages"]:
+        problems.append(
+            f"not installed for training: {', '.join(data['missing_train_packages'])}; install with "
+            f"{data['install_hint']} (add torch==<version> to choose the torch build)"
+        )
+    rows = [
+        ("poros", f"{data['poros']['version']} ({data['poros']['location']})"),
+        ("python", f"{data['python']['version']} {data['python']['implementation']} ({data['python']['executable']})"),
+        ("platform", f"{data['platform']['platform']} ({data['platform']['machine']})"),
+        ("cpus", f"{cpus['usable']} usable ({cpus['source']}), {cpus['online']} online"),
+        ("memory", memory_line),
+        ("nvidia driver", data["nvidia_driver"] or "none (/proc/driver/nvidia/version absent)"),
+        ("packages", _wrap(", ".join(packages))),
+        ("plugins", plugin_line),
+        ("problems", "\n".join(_wrap(problem) for problem in problems) or "none"),
+    ]
+    width = max(len(label) for label, _ in rows) + 2
+    lines = []
+    for label, value in rows:
+        first, *rest = value.splitlines()
+        lines.append(label.ljust(width) + first)
+        lines.extend(" " * width + line for line in rest)
+    return "```text\n" + "\n".join(lines) + "\n```"
+
+
+def _wrap(text: str) -> str:
+    return "\n".join(textwrap.wrap(text, width=80, break_on_hyphens=False))
+
+
+def run(args: argparse.Namespace) -> int:
+    data = report()
+    if args.json:
+        print_json(data)
+    else:
+        print(format_report(data))
+    plugins = data["plugins"]
+    return 1 if plugins["problems"] or plugins["load_errors"] else 0

@@ -1,0 +1,49 @@
+"""Shared test helpers. Plugins are registered per test with poros.plugin_testing.registered_plugin."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import poros
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class FamilyPlugin:
+    """A class-based plugin that registers the descriptors it is given (llm's MockModelsPlugin idea)."""
+
+    def __init__(self, *descriptors, name: str = "poros-test-plugin") -> None:
+        self.__name__ = name
+        self.descriptors = descriptors
+
+    @poros.hookimpl
+    def poros_register_architectures(self, register):
+        for descriptor in self.descriptors:
+            register(descriptor)
+
+
+@pytest.fixture(scope="session")
+def family_plugin():
+    """The :class:`FamilyPlugin` class: ``family_plugin(descriptor, ..., name=...)`` builds a plugin."""
+    return FamilyPlugin
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def child_env():
+    """``child_env(**overrides)``: environment for a child Python that imports this checkout's poros."""
+
+    def make(**overrides: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.update(overrides)
+        return env
+
+    return make
