@@ -1,0 +1,148 @@
+"""Render docs/results-h200.md from the JSON that tools/bench.py and tools/parity_gate.py wrote.
+
+    python tools/gen_results_docs.py            # rewrite the generated blocks of docs/results-h200.md
+    python tools/gen_results_docs.py --check    # exit 1 if the page is stale
+
+Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` is
+rewritten; the analysis around it is prose kept in the page. Every number in the generated
+blocks comes from a JSON file under ``registry/results/h200-*/``, named in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "results-h200.md"
+RESULTS = sorted(ROOT.glob("registry/results/h200-*"))
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _gb(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _s(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _parity(comparison: dict | None) -> str:
+    if not comparison:
+        return "-"
+    if comparison.get("bitwise"):
+        return "bitwise (0.0)"
+    return f"differs (loss {comparison['max_diff_loss']:.1e})"
+
+
+def bench_reports() -> list[tuple[Path, dict]]:
+    return [(p, _load(p)) for d in RESULTS for p in sorted(d.glob("bench-*.json"))]
+
+
+def render_environment() -> str:
+    envs = {json.dumps({k: r["environment"].get(k) for k in ("platform", "torch_build", "transformers", "peft",
+                                                              "bitsandbytes", "python")}, sort_keys=True)
+            for _, r in bench_reports()}
+    lines = []
+    for env in sorted(envs):
+        e = json.loads(env)
+        lines.append(f"- {e['platform']}, torch {e['torch_build']}, transformers {e['transformers']}, "
+                     f"PEFT {e['peft']}, bitsandbytes {e['bitsandbytes']}, Python {e['python']}")
+    dates = sorted({(r["environment"]["date"], r["environment"]["commit"]) for _, r in bench_reports()})
+    lines.append("- runs: " + ", ".join(f"{d} at commit `{c}`" for d, c in dates))
+    return "\n".join(lines)
+
+
+def render_bench(capped: bool) -> str:
+    head = ("| shape | layers | seq | det. | resident peak GB | resident step s | Poros peak GB | Poros reserved GB "
+            "| Poros step s | step ratio | memory ratio | H2D GB/s (of link) | parity | JSON |")
+    if capped:
+        head = ("| shape | layers | seq | cap GB | status | Poros peak GB | Poros reserved GB | Poros step s "
+                "| H2D GB/s (of link) | JSON |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for path, report in bench_reports():
+        config, arms = report["config"], report["arms"]
+        if bool(config.get("vram_limit_gb")) != capped:
+            continue
+        poros = arms.get("poros", {})
+        resident = arms.get("resident", {})
+        link = report["build"].get("link_h2d_gb_per_s")
+        h2d = "-" if not poros.get("h2d_gb_per_s") else \
+            f"{poros['h2d_gb_per_s']:.1f} ({poros.get('h2d_fraction_of_link') or 0:.0%} of {link:.1f})"
+        rel = path.relative_to(ROOT)
+        layers = config["model_info"]["num_hidden_layers"]
+        if capped:
+            rows.append(f"| {config['model']} | {layers} | {config['seq']} | {config['vram_limit_gb']:g} | "
+                        f"{poros.get('status')} | {_gb(poros.get('peak_allocated_gb'))} | "
+                        f"{_gb(poros.get('peak_reserved_gb'))} | {_s(poros.get('median_step_s'))} | {h2d} | "
+                        f"[{path.name}](../{rel}) |")
+            continue
+        comparison = report.get("comparison") or {}
+        rows.append(
+            f"| {config['model']} | {layers} | {config['seq']} | {'on' if config['deterministic'] else 'off'} | "
+            f"{_gb(resident.get('peak_allocated_gb'))} | {_s(resident.get('median_step_s'))} | "
+            f"{_gb(poros.get('peak_allocated_gb'))} | {_gb(poros.get('peak_reserved_gb'))} | "
+            f"{_s(poros.get('median_step_s'))} | {_x(comparison.get('ratio_median_step_s'))} | "
+            f"{_x(comparison.get('ratio_peak_allocated_gb'))} | {h2d} | {_parity(comparison)} | "
+            f"[{path.name}](../{rel}) |")
+    return "\n".join(rows)
+
+
+def render_gate() -> str:
+    rows = ["| variant | family | shape | label | max diff loss / LoRA / AdamW | JSON |", "|---|---|---|---|---|---|"]
+    for directory in RESULTS:
+        gate = directory / "gate.json"
+        if not gate.exists():
+            continue
+        for record in _load(gate)["records"]:
+            rows.append(f"| {record['variant']} | {record['family']} | {record['shape']} | {record['label']} | "
+                        f"{record['max_diff_loss']:.1e} / {record['max_diff_adapter']:.1e} / "
+                        f"{record['max_diff_optimizer']:.1e} | [gate.json](../{gate.relative_to(ROOT)}) |")
+    return "\n".join(rows)
+
+
+BLOCKS = {
+    "environment": render_environment,
+    "bench": lambda: render_bench(capped=False),
+    "capped": lambda: render_bench(capped=True),
+    "gate": render_gate,
+}
+
+
+def render(page: str) -> str:
+    for name, function in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
+        if not pattern.search(page):
+            raise SystemExit(f"{PAGE}: no generated block {name!r}; add the BEGIN/END markers")
+        page = pattern.sub(lambda m: m.group(1) + function() + "\n" + m.group(2), page)
+    return page
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/results-h200.md is stale")
+    args = parser.parse_args(argv)
+    current = PAGE.read_text()
+    fresh = render(current)
+    if args.check:
+        if fresh != current:
+            print(f"{PAGE} is stale: run python tools/gen_results_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(fresh)
+    print(f"rewrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
