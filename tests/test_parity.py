@@ -121,7 +121,7 @@ def run_parity(family: str, variant: str, setup: dict, directory: pathlib.Path, 
 
 @pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
 def test_streamed_training_is_bitwise_resident(family, variant):
-    @settings(max_examples=12, deadline=None, derandomize=True,
+    @settings(max_examples=8, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(setup=parity_setups(family, variant))
     def check(setup):
