@@ -1,0 +1,196 @@
+"""The bench harness and the parity gate run on CPU and report exact parity (no timing asserted).
+
+Each tool runs once as a subprocess, its smoke command as documented (``tools/bench.py --model
+tiny --device cpu``, ``tools/parity_gate.py --device cpu --tiny``), both at the same time; the
+JSON each writes is checked. The gate also appends its records to a copy of the registry, which
+must still parse and give the families the ``bitwise`` status through ``poros.records``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+ENVIRONMENT_KEYS = {"platform", "platform_class", "torch", "transformers", "peft", "bitsandbytes", "date", "commit"}
+RECORD_KEYS = ENVIRONMENT_KEYS | {"label", "adapter", "max_diff_loss", "max_diff_adapter", "max_diff_optimizer",
+                                  "source"}
+GATE_VARIANTS = {"qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4", "gemma4-moe"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, child_env):
+    """Both smoke commands, started together; ``{name: (json path, registry copy)}`` once both exit 0."""
+    folder = tmp_path_factory.mktemp("tools")
+    registry = folder / "registry"
+    shutil.copytree(REPO / "registry", registry)
+    commands = {
+        "bench": ["tools/bench.py", "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                  "--json", str(folder / "bench.json")],
+        "gate": ["tools/parity_gate.py", "--device", "cpu", "--tiny", "--json", str(folder / "gate.json"),
+                 "--append-registry", "--registry-dir", str(registry)],
+    }
+    running = {name: subprocess.Popen([sys.executable, *args], cwd=REPO, env=child_env(POROS_COMMIT="test"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for name, args in commands.items()}
+    failures = []
+    for name, process in running.items():
+        output, _ = process.communicate(timeout=300)
+        if process.returncode != 0:
+            failures.append(f"{' '.join(commands[name])} exited {process.returncode}:\n{output}")
+    assert not failures, "\n\n".join(failures)
+    return {"bench": folder / "bench.json", "gate": folder / "gate.json", "registry": registry}
+
+
+def test_bench_smoke(smoke):
+    report = json.loads(smoke["bench"].read_text())
+    assert ENVIRONMENT_KEYS <= set(report["environment"])
+    assert report["environment"]["commit"] == "test"
+    assert report["config"]["model"] == "tiny" and report["config"]["steps"] == 2
+    for name in ("resident", "poros"):
+        arm = report["arms"][name]
+        assert arm["status"] == "ok", arm.get("error")
+        assert len(arm["losses"]) == 3 and len(arm["step_times_s"]) == 3 and arm["timed_steps"] == 2
+        assert arm["median_step_s"] is not None
+    poros_arm = report["arms"]["poros"]
+    assert poros_arm["blocks"] == 2 and poros_arm["host_bytes"] > 0
+    assert poros_arm["bytes_copied_per_step"] >= poros_arm["host_bytes"]  # every block at least once a step
+    comparison = report["comparison"]
+    assert comparison["max_diff_loss"] == 0.0
+    assert comparison["max_diff_adapter"] == 0.0
+    assert comparison["max_diff_optimizer"] == 0.0
+    assert comparison["bitwise"] is True
+    assert comparison["adapter_tensors"] == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+    assert comparison["optimizer_tensors"] == 3 * comparison["adapter_tensors"]  # step, exp_avg, exp_avg_sq
+
+
+def test_parity_gate_smoke(smoke, monkeypatch):
+    registry = smoke["registry"]
+    report = json.loads(smoke["gate"].read_text())
+    assert {v["variant"] for v in report["variants"]} == GATE_VARIANTS
+    for variant in report["variants"]:
+        assert variant["label"] == "bitwise", variant
+        comparison = variant["comparison"]
+        assert (comparison["max_diff_loss"], comparison["max_diff_adapter"], comparison["max_diff_optimizer"]) \
+            == (0.0, 0.0, 0.0)
+        assert comparison["equal_loss"] and comparison["equal_adapter"] and comparison["equal_optimizer"]
+        assert len(variant["arms"]["resident"]["losses"]) == 3
+    assert len(report["records"]) == len(GATE_VARIANTS)
+    for record in report["records"]:
+        assert RECORD_KEYS <= set(record), RECORD_KEYS - set(record)
+        assert record["source"] == "tools/parity_gate.py" and record["adapter"] == "lora"
+
+    from poros import records
+
+    monkeypatch.setenv(records.REGISTRY_DIR_ENV, str(registry))
+    expected = {"qwen2": 1, "qwen3": 1, "qwen3_5": 1, "gemma3": 1, "gemma4": 2}  # gemma4 and gemma4-moe
+    for family, count in expected.items():
+        appended = [r for r in records.validations(family) if r.get("commit") == "test"]
+        assert len(appended) == count and all(r["label"] == "bitwise" for r in appended), appended
+        assert records.status(family) == "bitwise"
+        original = (REPO / "registry" / f"{family}.toml").read_text()
+        assert (registry / f"{family}.toml").read_text().startswith(original)  # appended, not rewritten
+
+
+def test_compare_reports_a_one_ulp_difference():
+    """The comparison a bitwise label rests on notices the smallest possible difference."""
+    import torch
+
+    import bench
+
+    base = torch.tensor([1.0, 2.0, 3.0])
+    nudged = base.clone()
+    nudged[1] = torch.nextafter(nudged[1], torch.tensor(10.0))
+    same = bench.ArmResult("resident", losses=[base[0]], adapter={"a": base}, optimizer={"a::exp_avg": base})
+    other = bench.ArmResult("poros", losses=[base[0]], adapter={"a": nudged}, optimizer={"a::exp_avg": base})
+    result = bench.compare({"resident": same, "poros": other})
+    assert result["bitwise"] is False and result["equal_adapter"] is False
+    assert result["max_diff_adapter"] == pytest.approx(2.0 ** -22)
+    assert result["equal_loss"] and result["equal_optimizer"]
+
+
+def test_diagnosis_names_the_kernel_whose_swap_makes_it_bitwise(monkeypatch):
+    """A numerical variant is rerun with the other attention / experts kernel; the fixing swap is named."""
+    import parity_gate
+
+    def fake_run(variant, args, device, *, attn, experts):
+        bitwise = experts == "eager"  # pretend grouped_mm is the culprit
+        return {"comparison": {"bitwise": bitwise, "max_diff_loss": 0.0 if bitwise else 1e-3,
+                               "max_diff_adapter": 0.0}, "nondeterministic_kernels": [], "arms": {}}
+
+    monkeypatch.setattr(parity_gate, "run_variant", fake_run)
+    variant = next(v for v in parity_gate.VARIANTS if v.moe)
+    report = {"attn_implementation": "sdpa", "experts_implementation": "grouped_mm", "nondeterministic_kernels": []}
+    diagnosis = parity_gate.diagnose(variant, None, None, report)
+    assert [t["swap"] for t in diagnosis["trials"]] == ["attention=eager", "experts=eager"]
+    assert diagnosis["kernel"] == "experts implementation grouped_mm (bitwise with eager)"
+
+
+def test_validation_table_is_toml():
+    import tomllib
+
+    import parity_gate
+
+    record = {"platform": "NVIDIA H200", "label": "numerical", "max_diff_loss": 1.5e-05, "max_diff_adapter": "nan",
+              "deterministic": True, "kernel": 'sdpa "efficient" backward', "skipped": None}
+    parsed = tomllib.loads(parity_gate.toml_table(record))["validation"][0]
+    assert parsed["platform"] == "NVIDIA H200" and parsed["max_diff_loss"] == 1.5e-05
+    assert parsed["deterministic"] is True and parsed["kernel"] == 'sdpa "efficient" backward'
+    assert parsed["max_diff_adapter"] != parsed["max_diff_adapter"]  # nan
+    assert "skipped" not in parsed
+
+
+def test_a_refused_kernel_is_named_and_labels_numerical(monkeypatch):
+    """A kernel that deterministic mode refuses is named, measured with warn_only, and labelled numerical."""
+    import argparse
+
+    import torch
+
+    import parity_gate
+
+    refusal = ("RuntimeError: cumsum_cuda_kernel does not have a deterministic implementation, but you set "
+               "'torch.use_deterministic_algorithms(True)'.\nTraceback ...")
+    calls = []
+
+    def fake_run(variant, args, device, *, attn, experts):
+        calls.append(torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled())
+        if len(calls) == 1:
+            return {"arms": {"resident": {"error": refusal}, "poros": {"error": refusal}}, "comparison": None,
+                    "nondeterministic_kernels": [], "attn_implementation": attn, "experts_implementation": experts,
+                    "variant": variant.name}
+        return {"arms": {"resident": {"error": None}}, "nondeterministic_kernels": ["cumsum_cuda_kernel"],
+                "comparison": {"bitwise": True, "max_diff_loss": 0.0, "max_diff_adapter": 0.0,
+                               "max_diff_optimizer": 0.0},
+                "attn_implementation": attn, "experts_implementation": experts, "variant": variant.name,
+                "layers": 4, "width_of": "Qwen/Qwen3.5-9B", "hidden_size": 4096}
+
+    monkeypatch.setattr(parity_gate, "run_variant", fake_run)
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        args = argparse.Namespace(deterministic=True, attn="sdpa", experts="grouped_mm", no_diagnose=True, seq=256,
+                                  batch=2, pad=32, steps=3)
+        variant = next(v for v in parity_gate.VARIANTS if v.name == "qwen3_5")
+        report = parity_gate.gate_variant(variant, args, None)
+        assert calls == [False, True]  # the rerun measured with warn_only
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # and strict mode came back
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    assert report["label"] == "numerical"
+    assert report["nondeterministic_kernels"] == ["cumsum_cuda_kernel"]
+    env = dict.fromkeys(ENVIRONMENT_KEYS, "x")
+    record = parity_gate.validation_record(report, env, args)
+    assert record["label"] == "numerical" and record["kernel"] == "cumsum_cuda_kernel"
+    assert "equal in this run" in record["note"]

@@ -1,0 +1,872 @@
+"""Bench harness: resident QLoRA (the reference) against Poros streaming, one process, one model.
+
+::
+
+    python tools/bench.py --model qwen2.5-32b --seq 512 --batch 1 --steps 5 --warmup 2 \\
+        --arms resident,poros --json out.json
+    python tools/bench.py --model qwen2.5-72b --layers 20          # truncated depth, same width
+    python tools/bench.py --model qwen2.5-32b --arms poros --vram-limit 8   # an 8 GB card
+    python tools/bench.py --model qwen2.5-72b --arms resident,control,poros # + reference vs itself
+    python tools/bench.py --model tiny --device cpu --steps 2 --warmup 1    # CPU smoke test
+
+What runs, in this order, on ONE model object:
+
+1. **Build.** Random weights at a real shape, built the way ``from_pretrained(...,
+   quantization_config=BitsAndBytesConfig(nf4))`` builds a model, minus the checkpoint: the
+   skeleton on the meta device under the model's own dtype context, ``replace_with_bnb_linear``
+   through transformers' bitsandbytes quantizer (so exactly the modules transformers would
+   quantize become ``Linear4bit``; ``lm_head`` does not), then module by module on the device: a
+   seeded random bf16 weight -> ``bnb.nn.Params4bit(...).to(device)`` (that call quantizes, as in
+   transformers' ``Bnb4bitQuantize``); every other tensor is allocated NaN-filled and initialised
+   by the model's own ``initialize_weights`` (norms, embeddings, and the non-persistent buffers:
+   rotary ``inv_freq``, Gemma's ``embed_scale``). The bf16 model never exists on the host, and
+   nothing is ``.to(bfloat16)``-ed afterwards (that would round the fp32 rotary buffers). A NaN
+   left anywhere fails the build. 1-D weights (norms, scalars) get a small seeded perturbation
+   so that a wrong norm offset cannot hide behind weights of exactly 1 or 0.
+2. **LoRA.** PEFT ``get_peft_model``, r16 / alpha 32 / dropout 0 on q,k,v,o,gate,up,down.
+3. **Arm ``resident``** (the reference): HF forward with gradient checkpointing (non-reentrant),
+   AdamW, ``warmup + steps`` steps. Arm ``control`` (optional) runs it once more from the same
+   initial LoRA state: the reference against itself, i.e. whether this configuration is
+   run-to-run deterministic at all.
+4. **Arm ``poros``**: LoRA restored to its initial values, a new AdamW, HF checkpointing off,
+   ``poros.prepare(model)``, the same steps on the same batches.
+5. **Compare.** Step-time and peak-memory ratios, and the max abs difference of every step's
+   loss, every LoRA tensor and every AdamW state tensor (0.0 expected: the arms run the same
+   kernels in the same order).
+
+Reported per arm: peak ``max_memory_allocated`` and ``max_memory_reserved`` over the arm's steps
+(reset after the arm's setup), the allocated memory before its first step (the weights), median
+step time over the timed steps (after warm-up), the loss trajectory; for ``poros`` also bytes
+copied host->device per step and the achieved GB/s over the timed steps. GB = 1e9 bytes.
+
+Shapes are data (``SHAPES``): the facts of each checkpoint come from ``registry/<family>.toml``
+when it lists the checkpoint, else from the fallback written here; what the registry does not
+hold (rotary, norm eps, ...) is written here, under the ``config.json`` it came from.
+``parity_gate.py`` imports the builder from this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402  (after the path fix; importing torch does not initialise CUDA)
+
+GB = 1e9
+SEVEN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: ``control`` is the resident arm again from the same initial state: the reference against itself.
+ARMS = ("resident", "control", "poros")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes: data, not code.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """A model shape to build with random weights.
+
+    Args:
+        family: the Poros family (``registry/<family>.toml``).
+        model_type: the text config's ``model_type`` (``AutoConfig.for_model``).
+        hf_id: the registry entry whose facts (layers, widths, vocab...) are used; ``None`` for
+            synthetic shapes.
+        facts: fallback facts under the registry's keys, used when the registry lacks the entry.
+        extra: config keyword arguments the registry does not hold (rotary, eps, layer pattern).
+    """
+
+    family: str
+    model_type: str
+    hf_id: str | None
+    facts: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: Registry keys -> config keyword (the registry writes ``layers`` for ``num_hidden_layers``).
+REGISTRY_TO_CONFIG = {
+    "layers": "num_hidden_layers",
+    **{key: key for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "vocab_size", "tie_word_embeddings", "max_position_embeddings", "sliding_window",
+        "query_pre_attn_scalar", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+        "num_kv_shared_layers", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_experts",
+        "top_k_experts", "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_key_head_dim", "linear_value_head_dim",
+    )},
+}
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=256, max_position_embeddings=512)
+
+SHAPES: dict[str, Shape] = {
+    # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
+    "qwen2.5-7b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-7B", facts=dict(
+        layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_sliding_window=False)),
+    # https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
+    "qwen2.5-32b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-32B", facts=dict(
+        layers=64, hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8,
+        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
+    # https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json
+    "qwen2.5-72b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-72B", facts=dict(
+        layers=80, hidden_size=8192, intermediate_size=29568, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
+    # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
+    "qwen3-8b": Shape("qwen3", "qwen3", "Qwen/Qwen3-8B", facts=dict(
+        layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960),
+        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
+    # https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json
+    "qwen3-32b": Shape("qwen3", "qwen3", "Qwen/Qwen3-32B", facts=dict(
+        layers=64, hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960),
+        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
+    # https://huggingface.co/Qwen/Qwen3.5-9B/blob/main/config.json (text_config)
+    "qwen3.5-9b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.5-9B", facts=dict(
+        layers=32, hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=248320,
+        tie_word_embeddings=False, max_position_embeddings=262144),
+        extra=dict(rms_norm_eps=1e-6, linear_key_head_dim=128, linear_value_head_dim=128,
+                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
+    # https://huggingface.co/Qwen/Qwen3.6-27B/blob/main/config.json (text_config)
+    "qwen3.6-27b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.6-27B", facts=dict(
+        layers=64, hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, vocab_size=248320,
+        max_position_embeddings=262144),
+        # tie_word_embeddings is unconfirmed in the registry; the model card lists a separate LM output
+        extra=dict(tie_word_embeddings=False, rms_norm_eps=1e-6, linear_key_head_dim=128, linear_value_head_dim=128,
+                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
+    # https://huggingface.co/google/gemma-3-12b-pt/blob/main/config.json (text_config)
+    "gemma3-12b": Shape("gemma3", "gemma3_text", "google/gemma-3-12b-pt", facts=dict(
+        layers=48, hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=256, query_pre_attn_scalar=256, vocab_size=262208, tie_word_embeddings=True,
+        max_position_embeddings=131072, sliding_window=1024),
+        extra=dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   rope_scaling=dict(rope_type="linear", factor=8.0))),
+    # https://huggingface.co/google/gemma-3-27b-pt/blob/main/config.json (text_config)
+    "gemma3-27b": Shape("gemma3", "gemma3_text", "google/gemma-3-27b-pt", facts=dict(
+        layers=62, hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=128, query_pre_attn_scalar=168, tie_word_embeddings=True, max_position_embeddings=131072,
+        sliding_window=1024),
+        # vocab_size is unconfirmed in the registry; the 4B and 12B text configs say 262208
+        extra=dict(vocab_size=262208, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   rope_scaling=dict(rope_type="linear", factor=8.0))),
+    # https://huggingface.co/google/gemma-4-E4B-it/blob/main/config.json (text_config)
+    "gemma4-e4b": Shape("gemma4", "gemma4_text", "google/gemma-4-E4B-it", facts=dict(
+        layers=42, hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, global_head_dim=512, num_kv_shared_layers=18, hidden_size_per_layer_input=256,
+        vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=131072, sliding_window=512),
+        extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, use_double_wide_mlp=True,
+                   vocab_size_per_layer_input=262144)),
+    # https://huggingface.co/google/gemma-4-26B-A4B-it/blob/main/config.json (text_config)
+    "gemma4-26b-a4b": Shape("gemma4", "gemma4_text", "google/gemma-4-26B-A4B-it", facts=dict(
+        layers=30, hidden_size=2816, intermediate_size=2112, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=256, global_head_dim=512, num_kv_shared_layers=0, num_experts=128, top_k_experts=8,
+        moe_intermediate_size=704, vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=262144,
+        sliding_window=1024),
+        # attention_k_eq_v / 2 global KV heads: transformers 5.24's Gemma4TextConfig EP-plan comment for this
+        # checkpoint ("num_global_key_value_heads=2"); unconfirmed in the registry
+        extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                   enable_moe_block=True, attention_k_eq_v=True, num_global_key_value_heads=2)),
+    # https://huggingface.co/google/gemma-4-31B-it/blob/main/config.json (text_config)
+    "gemma4-31b": Shape("gemma4", "gemma4_text", "google/gemma-4-31B-it", facts=dict(
+        layers=60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16,
+        head_dim=256, global_head_dim=512, num_kv_shared_layers=0, vocab_size=262144, tie_word_embeddings=True,
+        max_position_embeddings=262144, sliding_window=1024),
+        # attention_k_eq_v / num_global_key_value_heads unconfirmed: the transformers defaults are used
+        extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, hidden_size_per_layer_input=0)),
+    # Synthetic shapes for CPU smoke tests: every feature of each family, at width 64.
+    "tiny": Shape("qwen2", "qwen2", None, extra=dict(_TINY, num_hidden_layers=2, head_dim=None)),
+    "tiny-qwen2": Shape("qwen2", "qwen2", None, extra=dict(_TINY, num_hidden_layers=4, head_dim=None)),
+    "tiny-qwen3": Shape("qwen3", "qwen3", None, extra=dict(_TINY, num_hidden_layers=4)),
+    "tiny-qwen3_5": Shape("qwen3_5", "qwen3_5_text", None, extra=dict(
+        _TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16)),
+    "tiny-gemma3": Shape("gemma3", "gemma3_text", None, extra=dict(
+        _TINY, num_hidden_layers=4, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0,
+        rope_scaling=dict(rope_type="linear", factor=8.0),
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
+    "tiny-gemma4": Shape("gemma4", "gemma4_text", None, extra=dict(
+        _TINY, num_hidden_layers=4, global_head_dim=32, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256, use_double_wide_mlp=True, sliding_window=8, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
+    "tiny-gemma4-moe": Shape("gemma4", "gemma4_text", None, extra=dict(
+        _TINY, num_hidden_layers=4, global_head_dim=32, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
+        num_global_key_value_heads=1, sliding_window=8, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
+}
+
+
+def _registry_facts(hf_id: str) -> dict[str, Any] | None:
+    from poros import records
+
+    found = records.find_checkpoint(hf_id)
+    return None if found is None else found[1]
+
+
+def model_config(name: str, *, layers: int | None = None, **overrides: Any):
+    """The HF text config of shape ``name``, optionally truncated to ``layers`` decoder layers.
+
+    Returns:
+        ``(config, info)``: ``info`` says where the facts came from and what was passed.
+
+    Raises:
+        KeyError: unknown shape; the message lists the known ones.
+    """
+    from transformers import AutoConfig
+
+    if name not in SHAPES:
+        raise KeyError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    shape = SHAPES[name]
+    facts, source = dict(shape.facts), "tools/bench.py"
+    if shape.hf_id is not None:
+        registry = _registry_facts(shape.hf_id)
+        if registry is not None:
+            facts.update(registry)
+            source = f"registry/{shape.family}.toml"
+    kwargs = {REGISTRY_TO_CONFIG[k]: v for k, v in facts.items() if k in REGISTRY_TO_CONFIG}
+    kwargs.update(shape.extra)
+    kwargs.update(overrides)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    full_layers = kwargs.get("num_hidden_layers")
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
+        if "layer_types" in kwargs and len(kwargs["layer_types"]) != layers:
+            kwargs["layer_types"] = list(kwargs["layer_types"])[:layers]
+        shared = kwargs.get("num_kv_shared_layers")
+        if shared and full_layers and "num_kv_shared_layers" not in overrides:
+            kwargs["num_kv_shared_layers"] = round(shared * layers / full_layers)
+    config = AutoConfig.for_model(shape.model_type, **kwargs)
+    # A truncated KV-sharing model may lose the producer of a shared layer kind: share fewer layers.
+    while getattr(config, "num_kv_shared_layers", 0):
+        try:
+            config.kv_sharing_modes
+            break
+        except ValueError:
+            kwargs["num_kv_shared_layers"] = config.num_kv_shared_layers - 1
+            config = AutoConfig.for_model(shape.model_type, **kwargs)
+    info = {"shape": name, "family": shape.family, "hf_id": shape.hf_id, "facts_from": source,
+            "num_hidden_layers": config.num_hidden_layers, "full_depth": full_layers, "config_kwargs": kwargs}
+    return config, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the model: from_pretrained's path, with random weights instead of a checkpoint.
+# ---------------------------------------------------------------------------------------------
+def _device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def build_model(config, device: str | torch.device, *, seed: int = 0, double_quant: bool = True,
+                attn_implementation: str = "sdpa", experts_implementation: str | None = None,
+                weight_std: float = 0.02, perturb: float = 0.05):
+    """An HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights, built on ``device``.
+
+    The steps are those of ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
+    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16,
+    bnb_4bit_use_double_quant=double_quant), device_map={"": device})``; only the checkpoint read
+    is replaced by a seeded ``randn * weight_std`` per quantized weight.
+
+    Raises:
+        RuntimeError: a tensor was left on the meta device or holds NaN after initialisation.
+    """
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.utils.generic import ContextManagers
+
+    device = _device(device)
+    dtype = torch.bfloat16
+    quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                      bnb_4bit_use_double_quant=double_quant)
+    quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    config = copy.deepcopy(config)  # as from_pretrained: the quantizer writes into the model's config
+    # from_pretrained: skeleton on meta under the dtype context, Linear -> Linear4bit (weights untouched).
+    with ContextManagers(model_class.get_init_context(dtype, True, False, None)):
+        model = model_class(config)
+        quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device}, checkpoint_files=None,
+                                   use_kernels=False)
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    with torch.no_grad():
+        # Quantized weights, as Bnb4bitQuantize loads them: Params4bit(bf16 value).to(device) quantizes.
+        for module in model.modules():
+            if not isinstance(module, bnb.nn.Linear4bit):
+                continue
+            old = module.weight
+            value = torch.randn(old.shape, generator=generator, device=device, dtype=dtype) * weight_std
+            module.weight = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__).to(device)
+            del value
+            if module.bias is not None:
+                bias = torch.randn(module.bias.shape, generator=generator, device=device, dtype=dtype) * weight_std
+                module.bias = torch.nn.Parameter(bias, requires_grad=False)
+            module._is_hf_initialized = True
+        # Everything else, as _move_missing_keys_from_meta_to_device does, but NaN-filled so that a
+        # tensor the model's own init misses cannot pass unnoticed.
+        for name, param in list(model.named_parameters()):
+            if not param.is_meta:
+                continue
+            if name in tied:
+                param._is_hf_initialized = True  # tie_weights() below points it at its source
+                continue
+            _set_tensor(model, name, _placeholder(param, device), parameter=True)
+        for name, buffer in list(model.named_buffers()):
+            if buffer is not None and buffer.is_meta:
+                _set_tensor(model, name, _placeholder(buffer, device), parameter=False)
+        torch.manual_seed(seed)
+        model.initialize_weights()
+        model.tie_weights()
+        _check_materialised(model)
+        if perturb:
+            _perturb_one_dimensional(model, generator, perturb)
+    model.eval()  # what from_pretrained returns; the bench trains in train() mode
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    model.set_attn_implementation(attn_implementation)
+    if experts_implementation is not None:
+        model.set_experts_implementation(experts_implementation)
+    return model
+
+
+def _placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.is_floating_point():
+        return torch.full(tensor.shape, float("nan"), dtype=tensor.dtype, device=device)
+    return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+
+
+def _set_tensor(model, name: str, value: torch.Tensor, *, parameter: bool) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if parameter:
+        value = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
+    setattr(parent, attr, value)  # keeps a buffer's persistent / non-persistent status
+
+
+def _check_materialised(model) -> None:
+    bad = []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor is None:
+            continue
+        if tensor.is_meta:
+            bad.append(f"{name} (still on meta)")
+        elif tensor.is_floating_point() and bool(torch.isnan(tensor).any()):
+            bad.append(f"{name} (NaN: the model's initialize_weights did not set it)")
+    if bad:
+        raise RuntimeError(f"build left {len(bad)} tensors uninitialised: {', '.join(bad[:8])}. Initialise them in "
+                           "build_model (tools/bench.py) the way the model's _init_weights would.")
+
+
+def _perturb_one_dimensional(model, generator: torch.Generator, scale: float) -> None:
+    """``+ scale * randn`` on every 1-D floating tensor that is neither quantized nor a non-persistent buffer:
+    norm weights, biases, Gemma 4's ``layer_scalar`` and router scales, Gated DeltaNet's ``A_log``..."""
+    import bitsandbytes as bnb
+
+    non_persistent = {name for name, _ in model.named_non_persistent_buffers()}
+    seen: set[int] = set()
+    tensors = [t for _, t in model.named_parameters()]
+    tensors += [t for n, t in model.named_buffers() if n not in non_persistent]
+    for tensor in tensors:
+        if (id(tensor) in seen or isinstance(tensor, bnb.nn.Params4bit) or tensor.dim() != 1
+                or not tensor.is_floating_point()):
+            continue
+        seen.add(id(tensor))
+        noise = torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=torch.float32)
+        tensor.add_((noise * scale).to(tensor.dtype))
+
+
+def add_lora(model, *, rank: int = 16, alpha: int = 32, targets: Any = SEVEN_PROJECTIONS,
+             target_parameters: list[str] | None = None, gradient_checkpointing: bool = True):
+    """PEFT LoRA on ``targets`` (dropout 0), HF gradient checkpointing (non-reentrant) on; returns the PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                      target_modules=list(targets) if not isinstance(targets, str) else targets,
+                      target_parameters=target_parameters)
+    peft_model = get_peft_model(model, lora)
+    peft_model.train()  # never eval: bitsandbytes repacks weights in place in eval mode on CPU
+    return peft_model
+
+
+def make_batches(config, *, count: int, batch: int, seq: int, seed: int = 1, left_pad: int = 0) -> list[dict]:
+    """``count`` random batches on the host; with ``left_pad`` the last row starts with that many pad tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    batches = []
+    for _ in range(count):
+        input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+        attention_mask = torch.ones(batch, seq, dtype=torch.long)
+        if left_pad:
+            input_ids[-1, :left_pad] = pad
+            attention_mask[-1, :left_pad] = 0
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------
+# Arms
+# ---------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """On CUDA: collect cycles (bitsandbytes' Params4bit <-> Linear4bit hold each other, so a dropped
+    model stays allocated until ``gc.collect()``), then give cached blocks back. Nothing is measured
+    on CPU, where a full collection per call would dominate a smoke test's run time."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def snapshot(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Host copies (they must not count towards the next arm's device memory)."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in named}
+
+
+def optimizer_snapshot(optimizer, named) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in named:
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{name}::{key}"] = value.detach().to("cpu", copy=True)
+    return out
+
+
+@dataclass
+class ArmResult:
+    name: str
+    status: str = "ok"  # ok | oom | error | skipped
+    error: str | None = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    adapter: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, warmup: int) -> dict[str, Any]:
+        timed = self.step_times[warmup:]
+        out = {"status": self.status, "error": self.error,
+               "losses": [_json_float(float(x)) for x in self.losses],
+               "step_times_s": [round(t, 6) for t in self.step_times],
+               "median_step_s": round(statistics.median(timed), 6) if timed else None,
+               "timed_steps": len(timed)}
+        out.update(self.extra)
+        return out
+
+
+def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
+            vram_limit_gb: float | None = None, on_timed_start=None) -> ArmResult:
+    """``len(batches)`` AdamW steps of ``call`` (the first ``warmup`` untimed); peak memory over the steps."""
+    result = ArmResult(name)
+    params = [p for _, p in named_params]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    free_memory(device)
+    if device.type == "cuda":
+        if vram_limit_gb is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, vram_limit_gb * GB / total), device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result.extra["allocated_before_gb"] = round(torch.cuda.memory_allocated(device) / GB, 4)
+    try:
+        for index, batch in enumerate(batches):
+            if index == warmup and on_timed_start is not None:
+                on_timed_start()
+            batch = {k: v.to(device) for k, v in batch.items()}
+            _sync(device)
+            start = time.perf_counter()
+            output = call(**batch, use_cache=False)
+            output.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            result.step_times.append(time.perf_counter() - start)
+            result.losses.append(output.loss.detach().to("cpu", copy=True))
+            del output, batch
+    except torch.OutOfMemoryError as exc:
+        result.status, result.error = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
+        result.status, result.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    if device.type == "cuda":
+        result.extra["peak_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / GB, 4)
+        result.extra["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / GB, 4)
+        if vram_limit_gb is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    if result.status == "ok":
+        result.adapter = snapshot(named_params)
+        result.optimizer = optimizer_snapshot(optimizer, named_params)
+    for p in params:
+        p.grad = None
+    del optimizer
+    free_memory(device)
+    return result
+
+
+def measure_link(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
+    """Pinned host->device GB/s of one ``nbytes`` copy (best of ``repeats``): the link the poros arm streams over."""
+    if device.type != "cuda":
+        return None
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    del host, target
+    free_memory(device)
+    return round(nbytes / best / GB, 3)
+
+
+def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in named_params:
+            param.copy_(initial[name])
+
+
+def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"), device: torch.device, warmup: int, lr: float = 1e-3,
+                 vram_limit_gb: float | None = None, num_slots: int = 2) -> dict[str, Any]:
+    """Run the arms on one model, one after the other, from the same LoRA state; compare them.
+
+    Returns:
+        ``{"arms": {name: ArmResult}, "comparison": compare(...)}``.
+    """
+    import poros
+
+    device = _device(device)
+    named = trainable(peft_model)
+    initial = snapshot(named)
+    results: dict[str, ArmResult] = {}
+    for name in ("resident", "control"):
+        if name in arms:
+            restore(named, initial)
+            results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
+                                    vram_limit_gb=vram_limit_gb)
+    if "poros" in arms:
+        restore(named, initial)
+        peft_model.get_base_model().activation_checkpointing_disable()
+        try:
+            streamed = poros.prepare(peft_model, num_slots=num_slots)
+        except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
+            results["poros"] = ArmResult("poros", status="error",
+                                         error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            return {"arms": results, "comparison": None}
+        store = streamed.store
+        result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
+                         vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset)
+        timed_steps = len(result.step_times[warmup:])
+        timed_time = sum(result.step_times[warmup:])
+        copied = store.stats.bytes_copied
+        result.extra.update({
+            "host_bytes": store.host_bytes,
+            "slot_bytes": store.slot_bytes,
+            "num_slots": store.num_slots,
+            "blocks": len(store.blocks),
+            "bytes_copied_per_step": copied // timed_steps if timed_steps else None,
+            "fetches_per_step": sum(store.stats.fetches) / timed_steps if timed_steps else None,
+            "h2d_gb_per_s": round(copied / timed_time / GB, 3) if timed_time else None,
+        })
+        results["poros"] = result
+    return {"arms": results, "comparison": compare(results, warmup)}
+
+
+def _max_abs_diff(a: dict[str, torch.Tensor] | list, b) -> tuple[float | None, bool]:
+    pairs = list(zip(a, b)) if isinstance(a, list) else [(a[k], b.get(k)) for k in a]
+    if isinstance(a, dict) and set(a) != set(b):
+        return None, False
+    worst, equal = 0.0, True
+    for x, y in pairs:
+        if y is None or x.shape != y.shape or x.dtype != y.dtype:
+            return None, False
+        equal = equal and torch.equal(x, y)
+        if x.numel():
+            diff = (x.double() - y.double()).abs().max().item()
+            worst = math.nan if math.isnan(diff) or math.isnan(worst) else max(worst, diff)
+    return worst, equal
+
+
+def parity(reference: ArmResult, other: ArmResult) -> dict[str, Any]:
+    """Max abs diffs and ``torch.equal`` of every step's loss, every LoRA tensor, every AdamW state tensor."""
+    loss, loss_equal = _max_abs_diff(reference.losses, other.losses)
+    loss_equal = loss_equal and len(reference.losses) == len(other.losses)
+    adapter, adapter_equal = _max_abs_diff(reference.adapter, other.adapter)
+    optim, optim_equal = _max_abs_diff(reference.optimizer, other.optimizer)
+    return {
+        "max_diff_loss": _json_float(loss), "max_diff_adapter": _json_float(adapter),
+        "max_diff_optimizer": _json_float(optim),
+        "equal_loss": loss_equal, "equal_adapter": adapter_equal, "equal_optimizer": optim_equal,
+        "bitwise": bool(loss_equal and adapter_equal and optim_equal),
+        "adapter_tensors": len(reference.adapter), "optimizer_tensors": len(reference.optimizer),
+    }
+
+
+def compare(results: dict[str, ArmResult], warmup: int = 0) -> dict[str, Any] | None:
+    """Poros against resident: parity and the ratios poros/resident (``None`` when either did not finish).
+
+    With a ``control`` arm (resident run again), ``"control"`` holds its parity against the first
+    resident run: whether the reference is run-to-run deterministic in this configuration.
+    """
+    finished = {name: r for name, r in results.items() if r.status == "ok"}
+    resident = finished.get("resident")
+    out = None
+    if resident is not None and "poros" in finished:
+        streamed = finished["poros"]
+        out = parity(resident, streamed)
+        for key in ("median_step_s", "peak_allocated_gb", "peak_reserved_gb"):
+            a, b = resident.summary(warmup).get(key), streamed.summary(warmup).get(key)
+            if a and b is not None:
+                out[f"ratio_{key}"] = round(b / a, 4)
+    if resident is not None and "control" in finished:
+        out = out or {}
+        out["control"] = parity(resident, finished["control"])
+    return out
+
+
+def _json_float(value):
+    if value is None or not isinstance(value, float) or math.isfinite(value):
+        return value
+    return str(value)  # "nan" / "inf": JSON has no literal for them
+
+
+# ---------------------------------------------------------------------------------------------
+# Provenance
+# ---------------------------------------------------------------------------------------------
+def configure_threads(threads: int | None) -> None:
+    """Width-64 ops run several times faster on one thread than on a busy machine's several."""
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def configure_determinism(enabled: bool) -> None:
+    """Deterministic algorithms on; call before the first CUDA operation (cuBLAS reads the env var then)."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def git_commit(explicit: str | None = None) -> str:
+    """``explicit``, else ``$POROS_COMMIT``, else ``git rev-parse --short HEAD`` (``-dirty`` when tracked
+    files changed), else ``"unknown"`` (a copy of the tree without ``.git``, e.g. on the GPU host)."""
+    if explicit or os.environ.get("POROS_COMMIT"):
+        return explicit or os.environ["POROS_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return f"{commit}-dirty" if git("status", "--porcelain", "--untracked-files=no") else commit
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: torch.device, commit: str | None = None) -> dict[str, Any]:
+    """Device, platform class, library versions, date and commit, as every record carries them."""
+    import bitsandbytes
+    import peft
+    import transformers
+
+    device = _device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name, platform_class = torch.cuda.get_device_name(device), f"cuda-sm{major}{minor}"
+    else:
+        name = platform_class = f"cpu-{platform.machine()}"
+    return {
+        "platform": name, "platform_class": platform_class,
+        "torch": torch.__version__.split("+")[0], "torch_build": torch.__version__,
+        "cuda": torch.version.cuda, "transformers": transformers.__version__, "peft": peft.__version__,
+        "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(), "commit": git_commit(commit),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def _format(value, digits=3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    return (f"{env['platform']} ({env['platform_class']}) | torch {env['torch_build']} transformers "
+            f"{env['transformers']} peft {env['peft']} bitsandbytes {env['bitsandbytes']} | {env['date']} {env['commit']}")
+
+
+def print_table(report: dict[str, Any]) -> None:
+    env, cfg = report["environment"], report["config"]
+    print(f"\n{cfg['model']} ({cfg['model_info']['num_hidden_layers']} layers) seq {cfg['seq']} batch {cfg['batch']}"
+          f" on {environment_line(env)}")
+    header = f"{'arm':<10}{'status':<8}{'peak alloc GB':>14}{'peak resv GB':>14}{'median step s':>15}" \
+             f"{'H2D GB/s':>10}{'MB/step':>10}  losses"
+    print(header)
+    print("-" * len(header))
+    for name, arm in report["arms"].items():
+        per_step = arm.get("bytes_copied_per_step")
+        losses = " ".join(f"{x:.6f}" if isinstance(x, float) else str(x) for x in arm["losses"])
+        print(f"{name:<10}{arm['status']:<8}{_format(arm.get('peak_allocated_gb')):>14}"
+              f"{_format(arm.get('peak_reserved_gb')):>14}{_format(arm.get('median_step_s'), 4):>15}"
+              f"{_format(arm.get('h2d_gb_per_s')):>10}{_format(per_step / 1e6 if per_step else None, 1):>10}  {losses}")
+        if arm.get("error"):
+            print(f"          {arm['error'].splitlines()[0]}")
+    link, fraction = report["build"].get("link_h2d_gb_per_s"), report["arms"].get("poros", {}).get("h2d_fraction_of_link")
+    if link:
+        print(f"pinned host->device link: {link} GB/s; poros achieved {_format(fraction, 3)} of it over its timed steps")
+    comparison = report.get("comparison") or {}
+    if "bitwise" in comparison:
+        print(f"poros/resident: step time x{_format(comparison.get('ratio_median_step_s'))}, "
+              f"peak allocated x{_format(comparison.get('ratio_peak_allocated_gb'))}")
+        print(_parity_line("parity poros vs resident", comparison))
+    if "control" in comparison:
+        print(_parity_line("control resident vs resident", comparison["control"]))
+
+
+def _parity_line(title: str, diffs: dict[str, Any]) -> str:
+    return (f"{title}: max|dloss| {diffs['max_diff_loss']}  max|dadapter| {diffs['max_diff_adapter']}  "
+            f"max|doptimizer| {diffs['max_diff_optimizer']}  ({'bitwise' if diffs['bitwise'] else 'NOT bitwise'}, "
+            f"{diffs['adapter_tensors']} LoRA tensors, {diffs['optimizer_tensors']} AdamW state tensors)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Resident QLoRA vs Poros streaming on random weights at real shapes; prints a table, writes JSON.",
+        epilog="shapes: " + ", ".join(SHAPES),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-32b", choices=sorted(SHAPES), metavar="SHAPE")
+    parser.add_argument("--layers", type=int, help="truncate to N decoder layers (same width)")
+    parser.add_argument("--seq", type=int, help="tokens per row (default 512; 64 for the tiny-* shapes)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps after warm-up (median over these)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--arms", default="resident,poros",
+                        help="comma list of: " + ", ".join(ARMS) + " (control: resident again, the reference "
+                             "against itself); they run in that order")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8")
+    parser.add_argument("--vram-limit", type=float, metavar="GB",
+                        help="cap the process (set_per_process_memory_fraction) during each arm's steps")
+    parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), help="MoE experts implementation")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--alpha", type=int, default=32)
+    parser.add_argument("--targets", default=",".join(SEVEN_PROJECTIONS), help="comma list, or all-linear")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for tiny shapes on CPU)")
+    parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+    if args.threads is None and args.model.startswith("tiny") and args.device == "cpu":
+        args.threads = 1
+    if args.seq is None:
+        args.seq = 64 if args.model.startswith("tiny") else 512
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = set(args.arms) - set(ARMS)
+    if unknown or not args.arms:
+        parser.error(f"--arms {','.join(args.arms)}: expected a comma list of {', '.join(ARMS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    configure_determinism(args.deterministic)
+    configure_threads(args.threads)
+    device = _device(args.device)
+    targets = "all-linear" if args.targets == "all-linear" else tuple(args.targets.split(","))
+    config, info = model_config(args.model, layers=args.layers)
+    env = environment(device, args.commit)
+    link = measure_link(device) if "poros" in args.arms else None
+
+    start = time.perf_counter()
+    model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
+                        attn_implementation=args.attn, experts_implementation=args.experts)
+    peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
+    free_memory(device)
+    build_s = time.perf_counter() - start
+    allocated = torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else None
+    batches = make_batches(config, count=args.warmup + args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1)
+
+    outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
+                           vram_limit_gb=args.vram_limit, num_slots=args.slots)
+    report = {
+        "tool": "tools/bench.py",
+        "environment": env,
+        "config": {
+            "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+            "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
+            "vram_limit_gb": args.vram_limit, "num_slots": args.slots, "attn_implementation": args.attn,
+            "experts_implementation": args.experts, "lora": {"rank": args.rank, "alpha": args.alpha,
+                                                             "dropout": 0.0, "targets": targets},
+            "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
+            "quantization": {"quant_type": "nf4", "double_quant": not args.no_double_quant,
+                             "compute_dtype": "bfloat16"},
+            "seed": args.seed, "cpu_threads": torch.get_num_threads(),
+        },
+        "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
+                  "allocated_after_build_gb": None if allocated is None else round(allocated, 4),
+                  "trainable_parameters": sum(p.numel() for _, p in trainable(peft_model))},
+        "arms": {name: result.summary(args.warmup) for name, result in outcome["arms"].items()},
+        "comparison": outcome["comparison"],
+    }
+    achieved = report["arms"].get("poros", {}).get("h2d_gb_per_s")
+    if link and achieved is not None:
+        report["arms"]["poros"]["h2d_fraction_of_link"] = round(achieved / link, 4)
+    print_table(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    failed = any(arm["status"] == "error" for arm in report["arms"].values())
+    mismatch = not (report["comparison"] or {}).get("bitwise", True)
+    return 1 if failed or mismatch else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

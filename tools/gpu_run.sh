@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Run the GPU parity gate and benchmarks ON the GPU host, from the repo root; JSON and a log go to $OUT.
+#
+#   tools/gpu_run.sh gate bench:qwen2.5-7b bench:qwen2.5-32b
+#   tools/gpu_run.sh bench:qwen2.5-72b:layers=20 bench:qwen2.5-32b:seq=2048
+#   tools/gpu_run.sh bench:qwen2.5-32b:arms=poros:vram-limit=8 gate:only=gemma4,gemma4-moe:attn=eager
+#   tools/gpu_run.sh bench:qwen2.5-7b:layers=4:deterministic
+#   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
+#
+# A step is `gate` (tools/parity_gate.py) or `bench:SHAPE` (tools/bench.py --model SHAPE), each
+# optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
+# becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
+# exit status is non-zero if any step failed.
+#
+# Environment:
+#   OUT            where the JSON reports, results.json (all of them merged) and gpu_run.log go
+#                  (default ./out). With more than 6 steps only results.json and the log go there:
+#                  the GPU tool brings back at most 8 files.
+#   POROS_COMMIT   commit recorded in the JSON when the tree has no .git (the GPU copy has none).
+#   STEP_TIMEOUT   seconds per step (default: none), so that one stuck step cannot eat the run.
+#   BENCH_ARGS / GATE_ARGS   extra options for every bench / gate step.
+#   DEVICE         cuda (default) or cpu.
+#
+# Wheels: if .whl/ holds wheels (bitsandbytes, transformers, peft: ../shared/tools/gpu-wheelhouse),
+# they are installed into /tmp/site (once per set of wheels) and put first on PYTHONPATH.
+set -uo pipefail
+
+OUT=${OUT:-./out}
+DEVICE=${DEVICE:-cuda}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+if [ $# -eq 0 ]; then
+  echo "usage: tools/gpu_run.sh STEP... (STEP: gate[:k=v...] | bench:SHAPE[:k=v...])" >&2
+  exit 2
+fi
+
+# ":key=value:flag" -> "--key", "value", "--flag", one word per line.
+options() {
+  local IFS=':' part
+  for part in $1; do
+    [ -z "$part" ] && continue
+    if [[ $part == *=* ]]; then printf -- '--%s\n%s\n' "${part%%=*}" "${part#*=}"; else printf -- '--%s\n' "$part"; fi
+  done
+}
+
+install_wheels() {
+  if ! compgen -G ".whl/*.whl" > /dev/null; then
+    echo "no .whl/*.whl: using the installed bitsandbytes/transformers/peft"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    return 0
+  fi
+  local stamp
+  stamp=$(ls -l .whl/*.whl | md5sum | cut -d' ' -f1)
+  if [ "$(cat /tmp/site/.poros-wheels 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || return 1
+    echo "$stamp" > /tmp/site/.poros-wheels
+  fi
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+}
+
+print_environment() {
+  echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) $(hostname) commit=${POROS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  nvidia-smi || echo "(no nvidia-smi)"
+  python3 - <<'PY'
+import importlib, platform
+import torch
+print("python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda,
+      "| cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability(),
+          "memory %.1f GB" % (torch.cuda.get_device_properties(0).total_memory / 1e9))
+for name in ("transformers", "peft", "bitsandbytes", "accelerate", "safetensors"):
+    try:
+        module = importlib.import_module(name)
+        print(name, module.__version__, module.__file__)
+    except Exception as exc:  # noqa: BLE001
+        print(name, "MISSING:", exc)
+PY
+}
+
+merge_reports() {  # every *.json of $1 into $2, keyed by file stem
+  python3 - "$1" "$2" <<'PY'
+import json, pathlib, sys
+source, target = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+merged = {}
+for path in sorted(source.glob("*.json")):
+    if path.resolve() == target.resolve():
+        continue
+    try:
+        merged[path.stem] = json.loads(path.read_text())
+    except ValueError as exc:
+        merged[path.stem] = {"unreadable": str(exc)}
+target.write_text(json.dumps(merged, indent=1) + "\n")
+print(f"merged {len(merged)} reports into {target}")
+PY
+}
+
+main() {
+  install_wheels || { echo "wheel install failed"; return 3; }
+  print_environment
+
+  local json_dir=$OUT status=0 step kind rest model file start rc
+  local -a summary=() extra=() cmd=() limit=()
+  if [ $# -gt 6 ]; then json_dir=$(mktemp -d); fi
+  if [ -n "${STEP_TIMEOUT:-}" ]; then limit=(timeout "$STEP_TIMEOUT"); fi
+
+  for step in "$@"; do
+    kind=${step%%:*}
+    rest=${step#"$kind"}; rest=${rest#:}
+    file=$(printf '%s' "$step" | tr -c 'A-Za-z0-9._-' '-')
+    case $kind in
+      gate)
+        mapfile -t extra < <(options "$rest")
+        # shellcheck disable=SC2086  # GATE_ARGS is a word list on purpose
+        cmd=(python3 tools/parity_gate.py --device "$DEVICE" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"} ${GATE_ARGS:-}) ;;
+      bench)
+        model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
+        mapfile -t extra < <(options "$rest")
+        # shellcheck disable=SC2086
+        cmd=(python3 tools/bench.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"} ${BENCH_ARGS:-}) ;;
+      *)
+        echo "unknown step $step (expected gate[:k=v...] or bench:SHAPE[:k=v...])"
+        summary+=("$step rc=2"); status=1; continue ;;
+    esac
+    echo
+    echo "== step $step: ${cmd[*]}"
+    start=$(date +%s)
+    ${limit[@]+"${limit[@]}"} "${cmd[@]}"
+    rc=$?
+    summary+=("$step rc=$rc $(( $(date +%s) - start ))s")
+    [ $rc -ne 0 ] && status=1
+  done
+
+  merge_reports "$json_dir" "$OUT/results.json"
+  echo
+  echo "== summary"
+  printf '%s\n' "${summary[@]}"
+  return $status
+}
+
+main "$@" 2>&1 | tee -a "$OUT/gpu_run.log"
+exit "${PIPESTATUS[0]}"
