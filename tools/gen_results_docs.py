@@ -74,7 +74,9 @@ def render_bench(capped: bool) -> str:
         config, arms = report["config"], report["arms"]
         if bool(config.get("vram_limit_gb")) != capped:
             continue
-        poros = arms.get("poros", {})
+        if "poros" not in arms:
+            continue  # resident-only runs (the determinism control) have their own table
+        poros = arms["poros"]
         resident = arms.get("resident", {})
         link = report["build"].get("link_h2d_gb_per_s")
         h2d = "-" if not poros.get("h2d_gb_per_s") else \
@@ -98,6 +100,21 @@ def render_bench(capped: bool) -> str:
     return "\n".join(rows)
 
 
+def render_control() -> str:
+    rows = ["| shape | layers | seq | det. | resident step s | control step s | resident vs control | JSON |",
+            "|---|---|---|---|---|---|---|---|"]
+    for path, report in bench_reports():
+        control = (report.get("comparison") or {}).get("control")
+        if not control:
+            continue
+        config, arms = report["config"], report["arms"]
+        rows.append(f"| {config['model']} | {config['model_info']['num_hidden_layers']} | {config['seq']} | "
+                    f"{'on' if config['deterministic'] else 'off'} | {_s(arms['resident'].get('median_step_s'))} | "
+                    f"{_s(arms['control'].get('median_step_s'))} | {_parity(control)} | "
+                    f"[{path.name}](../{path.relative_to(ROOT)}) |")
+    return "\n".join(rows)
+
+
 def render_gate() -> str:
     rows = ["| variant | family | shape | label | max diff loss / LoRA / AdamW | JSON |", "|---|---|---|---|---|---|"]
     for directory in RESULTS:
@@ -115,6 +132,7 @@ BLOCKS = {
     "environment": render_environment,
     "bench": lambda: render_bench(capped=False),
     "capped": lambda: render_bench(capped=True),
+    "control": render_control,
     "gate": render_gate,
 }
 
