@@ -19,6 +19,7 @@ _LAZY = {
     "CarriedState": "poros.descriptor",
     "PorosModel": "poros.model",
     "prepare": "poros.model",
+    "patch_hf_model": "poros.model",
     "registry": "poros.registry",
     "errors": "poros.errors",
     "PorosError": "poros.errors",

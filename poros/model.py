@@ -58,6 +58,7 @@ class PorosModel(nn.Module):
     def unpatch(self) -> nn.Module:
         """Put every frozen tensor back in its module (on the compute device) and return the original model."""
         if self.store is not None:
+            self.causal_lm.__dict__.pop("forward", None)  # undo patch_hf_model, if it was used
             self.store.restore()
             for layer, flag in self._restore_flags:
                 layer.gradient_checkpointing = flag
@@ -134,6 +135,26 @@ def _host_tables(causal_lm: nn.Module, descriptor: ArchitectureDescriptor) -> li
                 and module.weight.data_ptr() != head_storage:
             tables.append(module)
     return tables
+
+
+def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
+    """Install streaming into ``model`` in place: the same object keeps working with ``model(...)``,
+    HF ``Trainer`` and PEFT's ``save_pretrained``, its decoder blocks streamed.
+
+    The causal LM inside ``model`` gets an instance ``forward`` that runs the streaming executor
+    (which itself calls the class's own ``forward`` for the prelude and the head).
+
+    Args:
+        model: as for :func:`prepare`.
+        **options: passed to :func:`prepare` (``num_slots``, ``embeddings_on_host``).
+
+    Returns:
+        The :class:`PorosModel` handle: its ``store`` and ``executor`` for inspection, and
+        ``unpatch()`` to restore the model (weights back in their modules, ``forward`` restored).
+    """
+    handle = prepare(model, **options)
+    handle.causal_lm.forward = handle.executor.forward
+    return handle
 
 
 def describe(model: PorosModel) -> dict[str, Any]:

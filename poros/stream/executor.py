@@ -192,6 +192,9 @@ class StreamingExecutor:
 
     def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore) -> None:
         self.causal_lm, self.descriptor, self.store = causal_lm, descriptor, store
+        # The class's own forward, bound: still HF's code when `patch_hf_model` has put the
+        # executor in place of the instance's `forward`.
+        self._hf_forward = type(causal_lm).forward.__get__(causal_lm)
         self.layers = resolve_path(causal_lm, descriptor.decoder_layers)
         parent_path, self._layers_attr = descriptor.decoder_layers.rpartition(".")[::2]
         self._layers_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
@@ -227,7 +230,7 @@ class StreamingExecutor:
         recorders = nn.ModuleList(_LayerRecorder(raw, last=i == count - 1) for i in range(count))
         with _swapped(self._layers_parent, self._layers_attr, recorders):
             try:
-                self.causal_lm(**kwargs)
+                self._hf_forward(**kwargs)
             except _CaptureDone:
                 pass
         if len(raw) != count:
@@ -239,7 +242,7 @@ class StreamingExecutor:
 
     def _head(self, hidden: torch.Tensor, **kwargs):
         with _swapped(self._trunk_parent, self._trunk_attr, _TrunkStub(self.final_norm, hidden)):
-            return self.causal_lm(**kwargs)
+            return self._hf_forward(**kwargs)
 
     # -- one block ---------------------------------------------------------------------------
     def _run_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors=(),

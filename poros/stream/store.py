@@ -12,8 +12,9 @@ LoRA parameters (``requires_grad=True``) are not in the store: they stay on the 
 
 ``fetch(i)`` copies block i's host buffer into a device slot (one copy, on a side stream on CUDA)
 and points every module tensor at a view of the slot. ``release(i)`` puts size-0 placeholders
-back (QuantState tensors become ``None``), and a forward pre-hook on the block raises
-:class:`~poros.errors.StreamingError` if the block is called while evicted. A QuantState is
+back (QuantState tensors too, so ``model.to(device)`` still works on an evicted model), and a
+forward pre-hook on the block and on every module in it that owns a streamed tensor raises
+:class:`~poros.errors.StreamingError` if it is called while evicted. A QuantState is
 restored from its snapshot on every fetch, so bitsandbytes' in-place CPU repacking in eval mode
 (AVX512-BF16 CPUs) cannot leak from one fetch into the next.
 """
@@ -108,6 +109,16 @@ def _quant_state_tensors(prefix: str, quant_state):
         yield from _quant_state_tensors(f"{prefix}.state2", nested)
 
 
+def _owners(block: nn.Module) -> list[nn.Module]:
+    """The block and every module in it with a frozen parameter or a buffer of its own."""
+    owners = [block]
+    for module in block.modules():
+        if module is not block and (any(not p.requires_grad for p in module.parameters(recurse=False))
+                                    or any(b is not None for b in module.buffers(recurse=False))):
+            owners.append(module)
+    return owners
+
+
 def _quant_states(block: nn.Module):
     for param in block.parameters():
         state = getattr(param, "quant_state", None)
@@ -145,7 +156,10 @@ class BlockStore:
         self.slot_free = [torch.cuda.Event() for _ in range(num_slots)] if self.on_cuda else []
         self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._hooks = [b.module.register_forward_pre_hook(self._guard(b.index)) for b in self.blocks]
+        # Guard the block and every module in it that owns a streamed tensor: calling any of
+        # them while the block is evicted raises, even when called directly.
+        self._hooks = [module.register_forward_pre_hook(self._guard(b.index))
+                       for b in self.blocks for module in _owners(b.module)]
         for block in self.blocks:
             self._bind_placeholders(block)
 
@@ -253,9 +267,6 @@ class BlockStore:
 
     def _bind_placeholders(self, block: BlockRecord) -> None:
         for entry in block.entries:
-            if entry.kind == "quant":
-                self._bind(entry, None)
-                continue
             key = (entry.dtype, self.device)
             if key not in self._placeholders:
                 self._placeholders[key] = torch.empty(0, dtype=entry.dtype, device=self.device)
