@@ -31,4 +31,41 @@ class StreamingError(PorosError, RuntimeError):
     """The block store or executor found an inconsistent state (e.g. compute with an evicted block)."""
 
 
+# -- gates of poros.prepare: raised before any weight moves ------------------------------------
+class AlreadyPreparedError(UnsupportedModelError):
+    """``prepare``/``patch_hf_model`` was called on a model that is already streamed."""
+
+
+class BaseNotFrozenError(UnsupportedModelError):
+    """A base (non-adapter) weight requires grad; Poros trains frozen-base adapters only."""
+
+
+class TrainableInBlockError(BaseNotFrozenError):
+    """A decoder block holds a trainable parameter that is not an adapter parameter."""
+
+
+class OffloadedModelError(UnsupportedModelError):
+    """The model was dispatched by accelerate with CPU/disk offload (``device_map``)."""
+
+
+class QuantizationError(UnsupportedModelError):
+    """The base is quantized in a way the block store cannot stream (e.g. bitsandbytes 8-bit)."""
+
+
+class UnsupportedAdapterError(UnsupportedModelError):
+    """The PEFT adapter type is not in Poros's adapter matrix."""
+
+
+class CheckpointingError(UnsupportedModelError):
+    """HF gradient checkpointing is configured in a way that changes the math (reentrant)."""
+
+
+class CacheDuringTrainingError(PorosError, ValueError):
+    """``use_cache=True`` was passed to a training forward."""
+
+
+class GuaranteeError(PorosError):
+    """The guarantee label that applies is weaker than ``prepare(require=...)`` asked for."""
+
+
 __all__ = [name for name in dir() if name.endswith("Error")]

@@ -1,17 +1,45 @@
-"""``poros.prepare``: turn an HF NF4 + PEFT LoRA causal LM into a streamed :class:`PorosModel`."""
+"""``poros.prepare``: turn an HF NF4 + PEFT LoRA causal LM into a streamed :class:`PorosModel`.
+
+``prepare`` first *detects* (family and provider, quantization, adapters, platform) and *gates*:
+every check that can refuse the model runs before any weight moves, and raises a typed
+:class:`~poros.errors.PorosError` naming what was found and the fix. Then it decides the
+**guarantee label** that applies (``bitwise`` / ``numerical`` / ``unverified``, see
+``docs/parity-modes.md``) from the validation records in ``registry/``.
+"""
 
 from __future__ import annotations
 
+import logging
+import platform as _platform
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from poros import registry
+from poros import records, registry
 from poros.descriptor import ArchitectureDescriptor, resolve_path
-from poros.errors import UnsupportedModelError
+from poros.errors import (
+    AlreadyPreparedError,
+    BaseNotFrozenError,
+    CacheDuringTrainingError,
+    CheckpointingError,
+    GuaranteeError,
+    OffloadedModelError,
+    QuantizationError,
+    TrainableInBlockError,
+    UnsupportedAdapterError,
+    UnsupportedModelError,
+)
 from poros.stream.executor import StreamingExecutor
 from poros.stream.store import BlockStore, HostEmbedding
+
+logger = logging.getLogger("poros")
+
+#: PEFT adapter types Poros streams (``docs/adapters.md`` has the measured matrix).
+SUPPORTED_ADAPTERS = ("LORA",)
+LABEL_STRENGTH = {"unverified": 0, "numerical": 1, "bitwise": 2}
+
 
 
 class PorosModel(nn.Module):
@@ -31,7 +59,7 @@ class PorosModel(nn.Module):
 
     def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
                  store: BlockStore, executor: StreamingExecutor, restore_flags: list[tuple[nn.Module, bool]],
-                 host_tables: list[HostEmbedding] = ()):
+                 host_tables: list[HostEmbedding] = (), detection: Detection | None = None):
         super().__init__()
         self.model = model
         object.__setattr__(self, "causal_lm", causal_lm)
@@ -40,12 +68,25 @@ class PorosModel(nn.Module):
         object.__setattr__(self, "executor", executor)
         object.__setattr__(self, "_restore_flags", restore_flags)
         object.__setattr__(self, "host_tables", list(host_tables))
+        object.__setattr__(self, "detection", detection)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         if self.store is None:
             raise UnsupportedModelError(
                 "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
             )
+        if kwargs.get("use_cache") and torch.is_grad_enabled() and self.causal_lm.training:
+            raise CacheDuringTrainingError(
+                "use_cache=True in a training forward: a KV cache only costs memory when training and Poros "
+                "streams without one. Pass use_cache=False (or leave it out)."
+            )
+        # HF Trainer(gradient_checkpointing=True) enables HF checkpointing after prepare: refuse the
+        # reentrant kind (it changes the math), and switch the other off (Poros recomputes blocks itself).
+        layers = [record.module for record in self.store.blocks]
+        _check_checkpointing(layers)
+        for layer in layers:
+            if getattr(layer, "gradient_checkpointing", False):
+                layer.gradient_checkpointing = False
         return self.executor(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -55,10 +96,16 @@ class PorosModel(nn.Module):
     def config(self):
         return self.causal_lm.config
 
+    @property
+    def guarantee(self) -> str | None:
+        """``bitwise`` / ``numerical`` / ``unverified``: what this run promises (see docs/parity-modes.md)."""
+        return self.detection.guarantee if self.detection else None
+
     def unpatch(self) -> nn.Module:
         """Put every frozen tensor back in its module (on the compute device) and return the original model."""
         if self.store is not None:
             self.causal_lm.__dict__.pop("forward", None)  # undo patch_hf_model, if it was used
+            self.causal_lm.__dict__.pop("_poros_handle", None)
             self.store.restore()
             for layer, flag in self._restore_flags:
                 layer.gradient_checkpointing = flag
@@ -80,8 +127,166 @@ def _compute_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | None = None) -> PorosModel:
+# ---------------------------------------------------------------------------------------------
+# Detection
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Detection:
+    """What :func:`prepare` found, and the guarantee label that applies."""
+
+    family: str
+    provider: str
+    quantization: str  # "nf4" | "fp4" | "none"
+    double_quant: bool
+    compute_dtype: str
+    adapters: tuple[str, ...]  # "lora" | "rslora" | "dora", one per adapter type present
+    targets: tuple[str, ...]
+    platform: str
+    platform_class: str
+    deterministic: bool
+    guarantee: str
+    reason: str
+
+    def summary(self) -> str:
+        return "\n".join([
+            f"poros: family {self.family} ({self.provider})",
+            f"poros: base {self.quantization}{' + double quant' if self.double_quant else ''}, "
+            f"compute {self.compute_dtype}; adapters {', '.join(self.adapters) or 'none'} on "
+            f"{', '.join(self.targets) or '-'}",
+            f"poros: platform {self.platform} ({self.platform_class}), deterministic algorithms "
+            f"{'on' if self.deterministic else 'off'}",
+            f"poros: guarantee {self.guarantee}: {self.reason}",
+        ])
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def platform_of(device: torch.device) -> tuple[str, str]:
+    """``(platform, platform_class)`` as validation records name them."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return torch.cuda.get_device_name(device), f"cuda-sm{major}{minor}"
+    machine = _platform.machine() or "unknown"
+    return f"cpu-{machine}", f"cpu-{machine}"
+
+
+def _quantization(causal_lm: nn.Module) -> tuple[str, bool, str]:
+    import bitsandbytes as bnb
+
+    four_bit = [m for m in causal_lm.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    eight_bit = [name for name, m in causal_lm.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+    if eight_bit:
+        raise QuantizationError(
+            f"the base is quantized to 8 bits with bitsandbytes ({len(eight_bit)} Linear8bitLt modules, e.g. "
+            f"{eight_bit[0]}); Poros streams 4-bit (NF4/FP4) or unquantized bases. Load it with "
+            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4') instead."
+        )
+    if not four_bit:
+        dtype = next(causal_lm.parameters()).dtype
+        return "none", False, str(dtype).removeprefix("torch.")
+    state = four_bit[0].weight.quant_state
+    compute = four_bit[0].compute_dtype or next(causal_lm.parameters()).dtype
+    return state.quant_type if state else "nf4", bool(state and state.nested), str(compute).removeprefix("torch.")
+
+
+def _adapters(model: nn.Module, causal_lm: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    configs = getattr(model, "peft_config", None) or getattr(causal_lm, "peft_config", None) or {}
+    kinds, targets = [], []
+    for name, config in configs.items():
+        peft_type = str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1].upper()
+        if peft_type not in SUPPORTED_ADAPTERS:
+            raise UnsupportedAdapterError(
+                f"adapter {name!r} is PEFT {peft_type}; Poros streams {', '.join(SUPPORTED_ADAPTERS)} "
+                "(with rsLoRA and DoRA) — see docs/adapters.md for the measured matrix. Use a LoraConfig."
+            )
+        kinds.append("dora" if getattr(config, "use_dora", False) else
+                     "rslora" if getattr(config, "use_rslora", False) else "lora")
+        found = getattr(config, "target_modules", None) or ()
+        targets.extend([found] if isinstance(found, str) else sorted(found))
+    return tuple(dict.fromkeys(kinds)), tuple(dict.fromkeys(targets))
+
+
+def guarantee_label(family: str, adapters: tuple[str, ...], quantization: str, platform_class: str,
+                    deterministic: bool) -> tuple[str, str]:
+    """The label a run earns from the validation records, and why (see docs/parity-modes.md)."""
+    records_here = [r for r in records.validations(family) if r.get("platform_class") == platform_class]
+    if not records_here:
+        return "unverified", f"no validation record for {family} on {platform_class}"
+    gated = {r.get("adapter", "lora") for r in records_here if r.get("label") == "bitwise"}
+    missing = [a for a in adapters if a not in gated]
+    if missing:
+        return "numerical", (f"same modules and math, but {', '.join(missing)} is not gated for {family} on "
+                             f"{platform_class} (gated: {', '.join(sorted(gated)) or 'nothing'})")
+    if quantization != "nf4":
+        return "numerical", f"records gate NF4 bases; this base is {quantization}"
+    if platform_class.startswith("cuda") and not deterministic:
+        return "numerical", ("deterministic algorithms are off, so fast non-deterministic kernels may run; "
+                             "torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                             "gives the gated bitwise mode")
+    dates = sorted({str(r.get("date")) for r in records_here if r.get("label") == "bitwise"})
+    return "bitwise", f"gated 0.00e+00 for {family} on {platform_class} ({', '.join(dates)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Gates: every one runs before any weight moves
+# ---------------------------------------------------------------------------------------------
+_ADAPTER_MARKERS = (".lora_", "lora_magnitude_vector")
+
+
+def _check_offload(model: nn.Module, causal_lm: nn.Module) -> None:
+    device_map = getattr(causal_lm, "hf_device_map", None) or getattr(model, "hf_device_map", None) or {}
+    places = {str(v) for v in device_map.values()}
+    offloaded = places & {"cpu", "disk"}
+    hooked = [name for name, m in causal_lm.named_modules()
+              if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    if (offloaded and len(places) > 1) or hooked:
+        where = hooked[0] if hooked else next(k for k, v in device_map.items() if str(v) in offloaded)
+        raise OffloadedModelError(
+            f"the model was dispatched by accelerate with offload (e.g. {where!r} -> "
+            f"{device_map.get(where, 'offloaded')}); Poros does its own offloading and needs every module on one "
+            "device. Load with device_map={'': 0} (or one device) and let poros.prepare move the blocks."
+        )
+
+
+def _check_frozen(model: nn.Module, layers: list[nn.Module]) -> None:
+    in_blocks = {id(p) for layer in layers for p in layer.parameters()}
+    for name, param in model.named_parameters():
+        if not param.requires_grad or any(marker in name for marker in _ADAPTER_MARKERS):
+            continue
+        if id(param) in in_blocks:
+            raise TrainableInBlockError(
+                f"{name} requires grad but is not an adapter parameter; a decoder block may only train adapter "
+                "parameters (its frozen tensors live on the host). Freeze it (param.requires_grad_(False)) or "
+                "train it with a LoRA adapter instead."
+            )
+        if "modules_to_save" not in name:
+            raise BaseNotFrozenError(
+                f"base weight {name} requires grad; Poros trains frozen-base adapters only. Freeze the base "
+                "(PEFT's get_peft_model does) or list the module in LoraConfig(modules_to_save=[...])."
+            )
+
+
+def _check_checkpointing(layers: list[nn.Module]) -> None:
+    for index, layer in enumerate(layers):
+        function = getattr(layer, "_gradient_checkpointing_func", None)
+        keywords = getattr(function, "keywords", {}) or {}
+        if getattr(layer, "gradient_checkpointing", False) and keywords.get("use_reentrant", False):
+            raise CheckpointingError(
+                f"decoder layer {index} has reentrant gradient checkpointing, which drops gradients that flow "
+                "through keyword arguments (e.g. K/V shared across layers): the resident run would be wrong and "
+                "differ from Poros. Poros recomputes each block itself: call model.gradient_checkpointing_disable(), "
+                "or enable it with gradient_checkpointing_kwargs={'use_reentrant': False}."
+            )
+
+
+def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | None = None,
+            require: str | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
+
+    Detects the family, quantization, adapters and platform, runs every gate, decides the guarantee
+    label (logged as one block on the ``poros`` logger and kept as ``PorosModel.detection``), and
+    only then moves the frozen block tensors into the host store.
 
     Args:
         model: an HF ``*ForCausalLM`` loaded with ``BitsAndBytesConfig(load_in_4bit=True, ...)`` and
@@ -90,14 +295,25 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
         embeddings_on_host: keep frozen embedding tables that are not tied to the head (the input
             embedding, Gemma 4's per-layer table) in host memory and look tokens up there; only the
             looked-up rows cross the link. Default: on when the compute device is CUDA.
+        require: ``"bitwise"`` or ``"numerical"``: raise :class:`~poros.errors.GuaranteeError` if the
+            label that applies is weaker.
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
             message lists the registered ones.
         UnsupportedModelError: the model's class is not the family's causal-LM class.
+        AlreadyPreparedError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
+        BaseNotFrozenError, TrainableInBlockError, CheckpointingError, GuaranteeError: the gates
+            (``docs/prepare.md`` lists each with its message).
     """
     causal_lm = _causal_lm_of(model)
+    if getattr(causal_lm, "_poros_handle", None) is not None:
+        raise AlreadyPreparedError(
+            f"this {type(causal_lm).__name__} is already streamed by Poros; use the PorosModel you got, or call "
+            "its unpatch() before preparing again."
+        )
     descriptor = registry.for_config(causal_lm.config)
+    registration = registry.registration(descriptor.name)
     if type(causal_lm).__name__ not in descriptor.causal_lm_classes:
         raise UnsupportedModelError(
             f"{type(causal_lm).__name__} is not a causal-LM class of family {descriptor.name!r} "
@@ -105,12 +321,31 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
             "AutoModelForCausalLM / the family's *ForCausalLM class."
         )
     layers = list(resolve_path(causal_lm, descriptor.decoder_layers))
+    _check_offload(model, causal_lm)
+    quantization, double_quant, compute_dtype = _quantization(causal_lm)
+    adapters, targets = _adapters(model, causal_lm)
+    _check_frozen(model, layers)
+    _check_checkpointing(layers)
+    device = _compute_device(causal_lm)
+    platform, platform_class = platform_of(device)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    label, reason = guarantee_label(descriptor.name, adapters, quantization, platform_class, deterministic)
+    detection = Detection(descriptor.name, f"{registration.plugin} ({registration.provider})", quantization,
+                          double_quant, compute_dtype, adapters, targets, platform, platform_class,
+                          deterministic, label, reason)
+    if require is not None and LABEL_STRENGTH[label] < LABEL_STRENGTH[require]:
+        raise GuaranteeError(
+            f"prepare(require={require!r}) but this run is {label!r}: {reason}. Meet the condition, or "
+            f"pass require={label!r} (or None) to accept it."
+        )
+    logger.info(detection.summary())
+
+    # -- past the gates: now weights move --------------------------------------------------
     restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
     for layer in layers:
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
-    device = _compute_device(causal_lm)
     store = BlockStore(layers, device, num_slots=num_slots)
     if embeddings_on_host is None:
         embeddings_on_host = device.type == "cuda"
@@ -119,7 +354,9 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
     executor = StreamingExecutor(causal_lm, descriptor, store)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
-    return PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables)
+    handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection)
+    object.__setattr__(causal_lm, "_poros_handle", handle)
+    return handle
 
 
 def _host_tables(causal_lm: nn.Module, descriptor: ArchitectureDescriptor) -> list[nn.Module]:
@@ -153,7 +390,7 @@ def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
         ``unpatch()`` to restore the model (weights back in their modules, ``forward`` restored).
     """
     handle = prepare(model, **options)
-    handle.causal_lm.forward = handle.executor.forward
+    handle.causal_lm.forward = handle.forward
     return handle
 
 

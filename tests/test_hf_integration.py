@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import poros
-from poros.testing import load_qlora, save_tiny_checkpoint
+from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 from test_parity import assert_bitwise, make_batch, train, trainable
 
 
@@ -61,7 +61,12 @@ def _trainer_run(model, output_dir):
     return losses, trainer.optimizer
 
 
-def test_hf_trainer_with_one_added_line_is_bitwise(checkpoint, tmp_path):
+FAMILIES = [(family, variants[0]) for family, variants in TINY_VARIANTS.items()] + [("gemma4", "moe")]
+
+
+@pytest.mark.parametrize(("family", "variant"), FAMILIES, ids=[f"{f}-{v}" for f, v in FAMILIES])
+def test_hf_trainer_with_one_added_line_is_bitwise(family, variant, tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
     reference = load_qlora(checkpoint, seed=7)
     ref_losses, ref_opt = _trainer_run(reference, tmp_path / "plain")
 
