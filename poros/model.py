@@ -75,19 +75,8 @@ class PorosModel(nn.Module):
             raise UnsupportedModelError(
                 "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
             )
-        if kwargs.get("use_cache") and torch.is_grad_enabled() and self.causal_lm.training:
-            raise CacheDuringTrainingError(
-                "use_cache=True in a training forward: a KV cache only costs memory when training and Poros "
-                "streams without one. Pass use_cache=False (or leave it out)."
-            )
-        # HF Trainer(gradient_checkpointing=True) enables HF checkpointing after prepare: refuse the
-        # reentrant kind (it changes the math), and switch the other off (Poros recomputes blocks itself).
-        layers = [record.module for record in self.store.blocks]
-        _check_checkpointing(layers)
-        for layer in layers:
-            if getattr(layer, "gradient_checkpointing", False):
-                layer.gradient_checkpointing = False
-        return self.executor(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        kwargs.setdefault("use_cache", False)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -104,7 +93,7 @@ class PorosModel(nn.Module):
     def unpatch(self) -> nn.Module:
         """Put every frozen tensor back in its module (on the compute device) and return the original model."""
         if self.store is not None:
-            self.causal_lm.__dict__.pop("forward", None)  # undo patch_hf_model, if it was used
+            self.executor.uninstall()
             self.causal_lm.__dict__.pop("_poros_handle", None)
             self.store.restore()
             for layer, flag in self._restore_flags:
@@ -280,6 +269,25 @@ def _check_checkpointing(layers: list[nn.Module]) -> None:
             )
 
 
+def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module]):
+    """Checks run before every streamed forward (they see what HF passes the trunk)."""
+
+    def check(kwargs: dict) -> None:
+        if kwargs.get("use_cache") and torch.is_grad_enabled() and causal_lm.training:
+            raise CacheDuringTrainingError(
+                "use_cache=True in a training forward: a KV cache only costs memory when training and Poros "
+                "streams without one. Pass use_cache=False (or leave it out)."
+            )
+        # HF Trainer(gradient_checkpointing=True) enables HF checkpointing after prepare: refuse the
+        # reentrant kind (it changes the math), switch the other off (Poros recomputes blocks itself).
+        _check_checkpointing(layers)
+        for layer in layers:
+            if getattr(layer, "gradient_checkpointing", False):
+                layer.gradient_checkpointing = False
+
+    return check
+
+
 def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | None = None,
             require: str | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
@@ -352,6 +360,8 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
     host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
+    executor.before_forward = _runtime_gates(causal_lm, layers)
+    executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
     handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection)
@@ -375,23 +385,21 @@ def _host_tables(causal_lm: nn.Module, descriptor: ArchitectureDescriptor) -> li
 
 
 def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
-    """Install streaming into ``model`` in place: the same object keeps working with ``model(...)``,
-    HF ``Trainer`` and PEFT's ``save_pretrained``, its decoder blocks streamed.
+    """Stream ``model`` in place and keep using the same object: ``model(...)``, HF ``Trainer``, TRL
+    ``SFTTrainer`` and PEFT's ``save_pretrained`` work as before, its decoder blocks streamed.
 
-    The causal LM inside ``model`` gets an instance ``forward`` that runs the streaming executor
-    (which itself calls the class's own ``forward`` for the prelude and the head).
+    :func:`prepare` already installs streaming in place (the trunk instance's ``forward`` runs the
+    executor); this is the spelling for scripts that keep their own model object.
 
     Args:
         model: as for :func:`prepare`.
-        **options: passed to :func:`prepare` (``num_slots``, ``embeddings_on_host``).
+        **options: passed to :func:`prepare` (``num_slots``, ``embeddings_on_host``, ``require``).
 
     Returns:
-        The :class:`PorosModel` handle: its ``store`` and ``executor`` for inspection, and
-        ``unpatch()`` to restore the model (weights back in their modules, ``forward`` restored).
+        The :class:`PorosModel` handle: ``detection``/``guarantee``, ``store`` and ``executor`` for
+        inspection, and ``unpatch()`` to restore the model (weights back in their modules).
     """
-    handle = prepare(model, **options)
-    handle.causal_lm.forward = handle.forward
-    return handle
+    return prepare(model, **options)
 
 
 def describe(model: PorosModel) -> dict[str, Any]:

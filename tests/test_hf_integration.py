@@ -28,7 +28,7 @@ def test_patched_model_is_the_same_object_and_trains_bitwise(checkpoint):
     assert_bitwise(reference, model, ref_losses, losses, ref_opt, opt)
 
     handle.unpatch()
-    assert "forward" not in handle.causal_lm.__dict__
+    assert "forward" not in handle.executor.trunk.__dict__ and "forward" not in handle.causal_lm.__dict__
     with torch.no_grad():
         batch = make_batch(9, 2, 14, "right")
         assert torch.equal(reference(**batch, use_cache=False).logits, model(**batch, use_cache=False).logits)
@@ -79,3 +79,38 @@ def test_hf_trainer_with_one_added_line_is_bitwise(family, variant, tmp_path):
         assert torch.equal(ref_params[name], params[name]), name
         for key, value in ref_opt.state[ref_params[name]].items():
             assert torch.equal(value, opt.state[params[name]][key]), (name, key)
+
+
+def test_trl_sft_trainer_with_one_added_line_is_bitwise(tmp_path):
+    """TRL's SFTTrainer computes the loss with its own fused LM head on the trunk's output:
+    streaming the trunk keeps it bitwise too."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(256)}, unk_token="t3"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1",
+                                                     bos_token="t2", unk_token="t3")
+    rows = Dataset.from_list([{"input_ids": make_batch(s, 1, 16, "none")["input_ids"][0].tolist()} for s in range(8)])
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "gemma4", "e2b", seed=7)
+
+    def run(streamed: bool, output_dir):
+        model = load_qlora(checkpoint, seed=7)
+        if streamed:
+            poros.patch_hf_model(model)
+        args = trl.SFTConfig(
+            output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, seed=11, data_seed=11, disable_tqdm=True, max_length=32,
+            packing=False, bf16=False,
+        )
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e], trainable(model)
+
+    ref_losses, ref_params = run(False, tmp_path / "plain")
+    losses, params = run(True, tmp_path / "poros")
+    assert ref_losses == losses and len(losses) == 3
+    for name in ref_params:
+        assert torch.equal(ref_params[name], params[name]), name

@@ -11,15 +11,18 @@
 
 Notable features:
 
-* **The HF model builds its own context.** Before the loop, the causal LM's own ``forward`` runs
-  with its decoder layers swapped for recorders. Each recorder captures the exact ``(args,
+* **The HF model runs its own forward.** The executor replaces only the forward of the text
+  model (the trunk, ``descriptor.text_model``) on that one instance; the causal LM's forward
+  is untouched, so slicing, ``lm_head``, soft-capping and ``loss_function`` (with
+  ``num_items_in_batch``) are the model's own code, and anything that calls the trunk — PEFT,
+  HF Trainer, TRL's fused LM head — gets streamed hidden states.
+* **HF builds its own context.** The streamed trunk first runs the trunk's class ``forward``
+  with the decoder layers swapped for recorders. Each recorder captures the exact ``(args,
   kwargs)`` HF would pass to that layer — masks per layer kind, rotary per kind, position ids,
   per-layer inputs, the carried mapping — and the capture stops at the last layer. The executor
-  then calls every real layer with exactly those arguments, only the hidden states replaced. No
-  mask or rotary is re-implemented, so the forward is HF's, bit for bit.
-* **The head is HF's too.** After the loop the causal LM's ``forward`` runs again with its text
-  model swapped for a stub that returns ``final_norm(h)``: slicing, ``lm_head``, soft-capping and
-  ``loss_function`` (with ``num_items_in_batch``) are the model's own code.
+  then calls every real layer with exactly those arguments, only the hidden states replaced, and
+  returns ``final_norm(h)``. No mask or rotary is re-implemented, so the forward is HF's, bit
+  for bit.
 * **One autograd node per block.** ``_StreamedBlock`` runs a block without grad in forward,
   saving only its input; in backward it fetches the block, recomputes it with grad from that
   input and back-propagates into the LoRA parameters — reentrant recompute, but with every
@@ -38,7 +41,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -69,7 +72,7 @@ class _LayerRecorder(nn.Module):
 
 
 class _TrunkOutput:
-    """What the causal LM reads from its text model: ``last_hidden_state``; anything else is None."""
+    """What callers read from the text model: ``last_hidden_state``; anything else is None."""
 
     def __init__(self, last_hidden_state: torch.Tensor) -> None:
         self.last_hidden_state = last_hidden_state
@@ -81,18 +84,6 @@ class _TrunkOutput:
         if index != 0:
             raise IndexError(index)
         return self.last_hidden_state
-
-
-class _TrunkStub(nn.Module):
-    """Stands in for the text model during the head pass: returns ``final_norm(hidden)``."""
-
-    def __init__(self, final_norm: nn.Module, hidden: torch.Tensor) -> None:
-        super().__init__()
-        object.__setattr__(self, "final_norm", final_norm)  # not a child: no parameter duplication
-        self.hidden = hidden
-
-    def forward(self, *args, **kwargs) -> _TrunkOutput:
-        return _TrunkOutput(self.final_norm(self.hidden))
 
 
 @contextlib.contextmanager
@@ -192,22 +183,38 @@ class StreamingExecutor:
 
     def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore) -> None:
         self.causal_lm, self.descriptor, self.store = causal_lm, descriptor, store
-        # The class's own forward, bound: still HF's code when `patch_hf_model` has put the
-        # executor in place of the instance's `forward`.
-        self._hf_forward = type(causal_lm).forward.__get__(causal_lm)
+        self.trunk = resolve_path(causal_lm, descriptor.text_model)
+        # The trunk class's own forward, bound: HF's code, used to build each forward's context.
+        self._trunk_class_forward = type(self.trunk).forward.__get__(self.trunk)
         self.layers = resolve_path(causal_lm, descriptor.decoder_layers)
         parent_path, self._layers_attr = descriptor.decoder_layers.rpartition(".")[::2]
         self._layers_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
-        parent_path, self._trunk_attr = descriptor.text_model.rpartition(".")[::2]
-        self._trunk_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
         self.final_norm = resolve_path(causal_lm, descriptor.final_norm)
         self.mapping_kwargs = frozenset(c.kwarg for c in descriptor.carried_state if c.kind == "mapping")
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
+        #: called with the trunk's kwargs before each streamed forward (prepare's runtime gates)
+        self.before_forward: Callable[[dict], None] | None = None
 
-    # -- the public call --------------------------------------------------------------------
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-        kwargs.setdefault("use_cache", False)
-        step = self._capture(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    # -- installing ----------------------------------------------------------------------------
+    def install(self) -> None:
+        """Stream this model in place: the trunk instance's ``forward`` becomes :meth:`trunk_forward`."""
+        self.trunk.forward = self.trunk_forward
+
+    def uninstall(self) -> None:
+        self.trunk.__dict__.pop("forward", None)
+
+    def forward(self, *args, **kwargs):
+        """The causal LM's own forward (HF code), around the streamed trunk."""
+        return self.causal_lm(*args, **kwargs)
+
+    __call__ = forward
+
+    # -- the streamed trunk ----------------------------------------------------------------------
+    def trunk_forward(self, *args, **kwargs) -> "_TrunkOutput":
+        if self.before_forward is not None:
+            self.before_forward(kwargs)
+        kwargs["use_cache"] = False  # streaming keeps no KV cache
+        step = self._capture(*args, **kwargs)
         hidden = step.calls[0].leaves[step.calls[0].hidden_at]
         differentiable = torch.is_grad_enabled()
         last = len(self.layers) - 1
@@ -219,18 +226,16 @@ class StreamingExecutor:
                                               *step.calls[index].grad_tensors())
             else:
                 hidden = self._run_block(step, index, hidden, recompute_later=False)
-        return self._head(hidden, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        return _TrunkOutput(self.final_norm(hidden))
 
-    __call__ = forward
-
-    # -- prelude and head: HF's own code ------------------------------------------------------
-    def _capture(self, **kwargs) -> _Step:
+    # -- prelude: HF's own code ----------------------------------------------------------------
+    def _capture(self, *args, **kwargs) -> _Step:
         raw: list[tuple[tuple, dict]] = []
         count = len(self.layers)
         recorders = nn.ModuleList(_LayerRecorder(raw, last=i == count - 1) for i in range(count))
         with _swapped(self._layers_parent, self._layers_attr, recorders):
             try:
-                self._hf_forward(**kwargs)
+                self._trunk_class_forward(*args, **kwargs)
             except _CaptureDone:
                 pass
         if len(raw) != count:
@@ -239,10 +244,6 @@ class StreamingExecutor:
                 f"decoder_layers path {self.descriptor.decoder_layers!r} must name the list the forward loops over."
             )
         return _Step(calls=[_LayerCall.from_capture(a, k, self.mapping_kwargs) for a, k in raw])
-
-    def _head(self, hidden: torch.Tensor, **kwargs):
-        with _swapped(self._trunk_parent, self._trunk_attr, _TrunkStub(self.final_norm, hidden)):
-            return self._hf_forward(**kwargs)
 
     # -- one block ---------------------------------------------------------------------------
     def _run_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors=(),
