@@ -149,9 +149,9 @@ ADAPTERS = [
     Adapter("Peanut", "PeanutConfig", {}, _both(*REFUSED_BY_PEFT), note=PACKED_WEIGHT),
     Adapter("PSOFT", "PsoftConfig", {}, _both(*REFUSED_BY_PEFT),
             note="PEFT refuses it at init: PSOFT needs a float base weight."),
-    Adapter("PVeRA", "PveraConfig", {"r": 8}, _both(*REFUSED_BY_POROS), autocast_adapter_dtype=False,
+    Adapter("PVeRA", "PveraConfig", {"r": 8}, _both(BITWISE), autocast_adapter_dtype=False,
             note="Like VeRA: the frozen random projections are one buffer shared by every layer; the block store "
-                 "packs it per block, so another block's release leaves the layer a size-0 placeholder. "
+                 "keeps tensors that several blocks share resident instead of streaming them. "
                  "Built with `autocast_adapter_dtype=False` (with fp32 adapters the resident model fails on CPU)."),
     Adapter("RandLoRA", "RandLoraConfig", {"r": 8}, _both(*REFUSED_BY_PEFT), autocast_adapter_dtype=False,
             note="The resident model fails on this CPU: an fp32 activation meets the bf16 NF4 matmul."),
@@ -167,10 +167,10 @@ ADAPTERS = [
                  "gradient contributions from all layers in one buffer; Poros runs one backward per block, so "
                  "the same contributions are summed per block and then accumulated into `.grad`: a different "
                  "grouping of the same floating-point additions."),
-    Adapter("VeRA", "VeraConfig", {"r": 8}, _both(*REFUSED_BY_POROS),
-            note="`vera_A`/`vera_B` are one frozen buffer shared by every layer; the block store packs it per "
-                 "block, so another block's release leaves the layer a size-0 placeholder "
-                 "(`IndexError: too many indices for tensor of dimension 1` in `vera/layer.py`)."),
+    Adapter("VeRA", "VeraConfig", {"r": 8}, _both(BITWISE),
+            note="`vera_A`/`vera_B` are one frozen buffer shared by every layer; the block store keeps tensors "
+                 "that several blocks share resident instead of streaming them (before that it packed the buffer "
+                 "per block, and another block's release left the layer a size-0 placeholder)."),
     Adapter("WaveFT", "WaveFTConfig", {"n_frequency": 16}, _both(BITWISE)),
 ]
 LORA_VARIANTS = {"LoRA": {}, "rsLoRA": {"use_rslora": True}, "DoRA": {"use_dora": True}}

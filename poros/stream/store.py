@@ -144,6 +144,13 @@ class BlockStore:
         self.device = torch.device(device)
         self.num_slots = num_slots
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
+        # A tensor slot that several blocks share (e.g. one adapter buffer referenced by every layer)
+        # cannot follow one block's residency: it stays where it is, resident.
+        seen_in: dict[tuple[int, str], set[int]] = {}
+        for i, block in enumerate(blocks):
+            for _, owner, attr, _, _ in _frozen_tensors(block):
+                seen_in.setdefault((id(owner), attr), set()).add(i)
+        self.shared = {key for key, where in seen_in.items() if len(where) > 1}
         self.blocks: list[BlockRecord] = [self._pack(i, block) for i, block in enumerate(blocks)]
         self.slot_bytes = max((b.nbytes for b in self.blocks), default=0)
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
@@ -167,7 +174,7 @@ class BlockStore:
     def _pack(self, index: int, block: nn.Module) -> BlockRecord:
         entries: list[Entry] = []
         offset = 0
-        tensors = list(_frozen_tensors(block))
+        tensors = [t for t in _frozen_tensors(block) if (id(t[1]), t[2]) not in self.shared]
         for name, owner, attr, kind, tensor in tensors:
             span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
             nbytes = span * tensor.element_size()
@@ -180,7 +187,7 @@ class BlockStore:
         # Plain fields only: the tensors are bound to slot views on fetch, and holding the
         # originals here would keep the unpacked copies alive.
         snapshots = [(state, {k: None if isinstance(v, torch.Tensor) else v for k, v in vars(state).items()})
-                     for state in _quant_states(block)]
+                     for state in _quant_states(block) if (id(state), "absmax") not in self.shared]
         return BlockRecord(index, block, entries, offset, host, snapshots)
 
     @staticmethod
