@@ -10,10 +10,12 @@ from the JSON. Edit this file (not the page) to change the prose.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docgen  # noqa: E402  (tools/docgen.py: write or --check)
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "docs" / "adapters.json"
@@ -129,18 +131,7 @@ _FAMILY_ORDER = {name: i for i, name in enumerate(("qwen2", "qwen3", "qwen3_5", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/adapters.md differs from the JSON")
-    args = parser.parse_args(argv)
-    text = render(json.loads(JSON_PATH.read_text()))
-    if args.check:
-        if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run python tools/gen_adapter_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
-    return 0
+    return docgen.main(__doc__, PAGE, lambda _current: render(json.loads(JSON_PATH.read_text())), argv)
 
 
 if __name__ == "__main__":

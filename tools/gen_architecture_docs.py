@@ -19,7 +19,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -29,6 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docgen  # noqa: E402  (tools/docgen.py: write or --check)
 from poros import records, registry  # noqa: E402
 from poros.descriptor import NORM_STYLES, ArchitectureDescriptor  # noqa: E402
 
@@ -223,21 +224,7 @@ def update(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is not up to date")
-    args = parser.parse_args(argv)
-    current = DOC_PATH.read_text(encoding="utf-8")
-    fresh = update(current)
-    if args.check:
-        if fresh != current:
-            print(f"{DOC_PATH.relative_to(REPO)} is stale: run python tools/gen_architecture_docs.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    if fresh != current:
-        DOC_PATH.write_text(fresh, encoding="utf-8")
-        print(f"rewrote {DOC_PATH.relative_to(REPO)}")
-    return 0
+    return docgen.main(__doc__, DOC_PATH, update, argv)
 
 
 if __name__ == "__main__":

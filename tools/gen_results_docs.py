@@ -10,11 +10,13 @@ blocks comes from a JSON file under ``registry/results/h200-*/``, named in the t
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docgen  # noqa: E402  (tools/docgen.py: write or --check)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results-h200.md"
@@ -147,19 +149,7 @@ def render(page: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/results-h200.md is stale")
-    args = parser.parse_args(argv)
-    current = PAGE.read_text()
-    fresh = render(current)
-    if args.check:
-        if fresh != current:
-            print(f"{PAGE} is stale: run python tools/gen_results_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(fresh)
-    print(f"rewrote {PAGE}")
-    return 0
+    return docgen.main(__doc__, PAGE, render, argv)
 
 
 if __name__ == "__main__":
