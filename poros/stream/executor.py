@@ -28,8 +28,8 @@ Notable features:
   input and back-propagates into the LoRA parameters — reentrant recompute, but with every
   differentiable argument passed explicitly, so nothing reaches autograd through a side door.
 * **Carried state is generic.** A carried *mapping* (descriptor ``CarriedState(kind="mapping")``,
-  e.g. K/V one layer stores for later layers) is tracked by identity: entries a block writes are versioned with the
-  writer's index; a later block's recompute receives leaf copies; their gradients are summed in
+  e.g. K/V one layer stores for later layers) is tracked by identity: entries a block writes are
+  versioned with the writer's index; a later block's recompute receives leaf copies; their gradients are summed in
   reverse layer order (the order autograd uses) and fed into the writer's recompute as extra
   output gradients. Any other argument that requires grad (e.g. per-layer inputs sliced from the
   prelude) is an input of the block's node, so its gradient flows back into the prelude.
@@ -53,7 +53,7 @@ from poros.stream.store import BlockStore
 
 
 # ---------------------------------------------------------------------------------------------
-# Capturing HF's own calls: recorders in place of the layers, a stub in place of the trunk.
+# Capturing HF's own calls: recorders in place of the layers; what the streamed trunk returns.
 # ---------------------------------------------------------------------------------------------
 class _CaptureDone(Exception):
     """Raised by the last recorder: the prelude is built, stop before the final norm."""
