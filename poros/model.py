@@ -400,14 +400,3 @@ def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
         inspection, and ``unpatch()`` to restore the model (weights back in their modules).
     """
     return prepare(model, **options)
-
-
-def describe(model: PorosModel) -> dict[str, Any]:
-    """A small JSON-able summary (family, blocks, bytes) for logs."""
-    return {
-        "family": model.descriptor.name,
-        "blocks": len(model.store.blocks),
-        "host_bytes": model.store.host_bytes,
-        "slot_bytes": model.store.slot_bytes,
-        "num_slots": model.store.num_slots,
-    }

@@ -101,11 +101,10 @@ def _swapped(parent: nn.Module, name: str, replacement: nn.Module):
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class _LayerCall:
-    """A captured call, flattened: leaves, where hidden states / mappings / grad tensors sit."""
+    """A captured call, flattened: leaves (hidden states are leaf 0), where mappings / grad tensors sit."""
 
     leaves: list[Any]
     spec: Any
-    hidden_at: int
     mapping_at: dict[int, str]  # leaf position -> carried mapping kwarg
     grad_at: list[int]  # leaf positions of tensors that require grad (besides hidden states)
 
@@ -120,11 +119,8 @@ class _LayerCall:
                 "a decoder layer was called without hidden states as its first positional argument; "
                 "Poros streams layers that HF calls as layer(hidden_states, ...)."
             )
-        hidden_at = 0
         mapping_at, grad_at = {}, []
-        for position, leaf in enumerate(leaves):
-            if position == hidden_at:
-                continue
+        for position, leaf in enumerate(leaves[1:], start=1):
             if _is_mapping(leaf):
                 name = next((k for k, v in mapping_values.items() if v is leaf), None)
                 if name is None:
@@ -135,11 +131,11 @@ class _LayerCall:
                 mapping_at[position] = name
             elif isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 grad_at.append(position)
-        return cls(leaves, spec, hidden_at, mapping_at, grad_at)
+        return cls(leaves, spec, mapping_at, grad_at)
 
     def build(self, hidden: torch.Tensor, grad_tensors=(), mappings: dict[str, Any] | None = None):
         leaves = list(self.leaves)
-        leaves[self.hidden_at] = hidden
+        leaves[0] = hidden
         for position, tensor in zip(self.grad_at, grad_tensors):
             leaves[position] = tensor
         for position, name in self.mapping_at.items():
@@ -215,7 +211,7 @@ class StreamingExecutor:
             self.before_forward(kwargs)
         kwargs["use_cache"] = False  # streaming keeps no KV cache
         step = self._capture(*args, **kwargs)
-        hidden = step.calls[0].leaves[step.calls[0].hidden_at]
+        hidden = step.calls[0].leaves[0]
         differentiable = torch.is_grad_enabled()
         last = len(self.layers) - 1
         for index in range(len(self.layers)):
