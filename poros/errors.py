@@ -68,4 +68,21 @@ class GuaranteeError(PorosError):
     """The guarantee label that applies is weaker than ``prepare(require=...)`` asked for."""
 
 
+# -- loading, data, configuration and checkpoints -----------------------------------------------
+class CheckpointLoadError(PorosError):
+    """A model checkpoint cannot be loaded: missing shard or file, tensor shape mismatch, unsafe format."""
+
+
+class DataError(PorosError, ValueError):
+    """A dataset cannot be turned into training examples (unknown columns, no trainable tokens...)."""
+
+
+class ConfigError(PorosError, ValueError):
+    """A Poros configuration (``poros.yaml``, CLI override, PorosConfig field) is invalid."""
+
+
+class TrainingCheckpointError(PorosError):
+    """A training checkpoint (``checkpoint-{step}/``) is missing, incomplete or does not match the run."""
+
+
 __all__ = [name for name in dir() if name.endswith("Error")]
