@@ -41,6 +41,8 @@ from poros.errors import DescriptorError
 from poros.plugin_testing import registered_plugin
 
 __all__ = [
+    "MULTIMODAL_FAMILIES",
+    "tiny_vlm",
     "TINY_VARIANTS",
     "all_linear_targets",
     "assert_descriptor_matches",
@@ -322,6 +324,45 @@ def save_tiny_checkpoint(
     model = tiny_model(family, variant, seed=seed, **config_kwargs)
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return path
+
+
+MULTIMODAL_FAMILIES = ("gemma3", "gemma4", "qwen3_5")
+
+
+def tiny_vlm(family: str, *, seed: int = 0, **config_kwargs: Any) -> transformers.PreTrainedModel:
+    """The family's real multimodal model (``*ForConditionalGeneration``) around a :func:`tiny_config`
+    text tower and a one-layer vision tower, random weights (``torch.manual_seed(seed)``), bf16.
+
+    Real Gemma 3 (4B+), Gemma 4 and Qwen 3.5/3.6 checkpoints have this shape; ``save_pretrained`` writes
+    the text weights under ``model.language_model.*`` (Gemma 3: the legacy ``language_model.model.*``).
+
+    Raises:
+        KeyError: ``family`` is not in :data:`MULTIMODAL_FAMILIES`.
+    """
+    text = tiny_config(family, **config_kwargs).to_dict()
+    if family == "gemma3":
+        config = transformers.Gemma3Config(
+            text_config=text, mm_tokens_per_image=4,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=32, patch_size=8))
+        model_class = transformers.Gemma3ForConditionalGeneration
+    elif family == "gemma4":
+        config = transformers.Gemma4Config(
+            text_config=text, audio_config=None,
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, head_dim=16))
+        model_class = transformers.Gemma4ForConditionalGeneration
+    elif family == "qwen3_5":
+        config = transformers.Qwen3_5Config(
+            text_config=text,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                               out_hidden_size=text["hidden_size"], patch_size=4, spatial_merge_size=2,
+                               temporal_patch_size=2))
+        model_class = transformers.Qwen3_5ForConditionalGeneration
+    else:
+        raise KeyError(f"no tiny multimodal model for {family!r}; choose one of {MULTIMODAL_FAMILIES}")
+    torch.manual_seed(seed)
+    return model_class._from_config(config, dtype=torch.bfloat16)
 
 
 def load_qlora(
