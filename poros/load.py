@@ -291,6 +291,22 @@ def load_pretrained(
     return LoadedModel(model, tokenizer, path, info.descriptor, info, device, unused)
 
 
+def adapters_to_device(model: nn.Module, device: torch.device | str) -> int:
+    """Move every trainable tensor (the adapters PEFT just added) to the compute device; returns how many.
+
+    PEFT creates each adapter on its base layer's device, and a loaded block's base layer is on the
+    host. Parameters keep their identity (``.data`` is swapped), so call this before building the
+    optimizer. PEFT initialises adapters on the CPU in every case, so values are unchanged.
+    """
+    device = torch.device(device)
+    moved = 0
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.device != device:
+            parameter.data = parameter.data.to(device)
+            moved += 1
+    return moved
+
+
 def _check_shapes(info: CheckpointInfo) -> None:
     """Compare every checkpoint tensor's shape (safetensors headers only) with the model the config builds.
 
@@ -446,5 +462,5 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
                 _to_host(module, name)
 
 
-__all__ = ["CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
+__all__ = ["adapters_to_device", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
            "resolve_checkpoint"]
