@@ -78,6 +78,26 @@ class PorosModel(nn.Module):
         kwargs.setdefault("use_cache", False)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
+    def forward_backward(self, micro_batches: list[dict]) -> list[torch.Tensor]:
+        """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
+        block fetched once per direction (instead of once per micro-batch per direction).
+
+        Leaves in ``.grad`` exactly what ``for mb in micro_batches: model(**mb).loss.backward()``
+        leaves -- bit for bit. Give each micro-batch ``labels`` and, for HF's accumulation
+        semantics, ``num_items_in_batch`` (the loss terms of all micro-batches together).
+
+        Returns:
+            The micro-batches' losses, detached, in order.
+
+        Raises:
+            StreamingError: a dropout with p > 0 is active (see the executor).
+        """
+        if self.store is None:
+            raise UnsupportedModelError(
+                "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
+            )
+        return self.executor.forward_backward(self.forward, micro_batches)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

@@ -33,6 +33,14 @@ Notable features:
   reverse layer order (the order autograd uses) and fed into the writer's recompute as extra
   output gradients. Any other argument that requires grad (e.g. per-layer inputs sliced from the
   prelude) is an input of the block's node, so its gradient flows back into the prelude.
+* **Two schedules.** Micro-major (the default): every ``model(batch)`` call streams every block,
+  forward and backward, and autograd drives it. Layer-major (:meth:`StreamingExecutor.forward_backward`,
+  for gradient accumulation over M micro-batches): every block is fetched once for the M forwards
+  and once for the M backwards of an optimizer step, so it crosses the link twice instead of 2·M
+  times. HF still builds each micro-batch's context (a first call of the model stops after the
+  prelude) and computes its head and loss (a second call whose trunk returns the streamed hidden
+  states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
+  LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise the same.
 * **Nothing is family-specific here.** Paths and carried-state kwargs come from the descriptor.
 """
 
@@ -57,6 +65,14 @@ from poros.stream.store import BlockStore
 # ---------------------------------------------------------------------------------------------
 class _CaptureDone(Exception):
     """Raised by the last recorder: the prelude is built, stop before the final norm."""
+
+
+class _PreludeDone(Exception):
+    """Raised by the streamed trunk in layer-major's first call: carries the captured prelude."""
+
+    def __init__(self, step: "_Step") -> None:
+        super().__init__()
+        self.step = step
 
 
 class _LayerRecorder(nn.Module):
@@ -190,6 +206,8 @@ class StreamingExecutor:
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
         #: called with the trunk's kwargs before each streamed forward (prepare's runtime gates)
         self.before_forward: Callable[[dict], None] | None = None
+        self._stop_after_prelude = False  # layer-major phases (see forward_backward)
+        self._tail: torch.Tensor | None = None
 
     # -- installing ----------------------------------------------------------------------------
     def install(self) -> None:
@@ -207,10 +225,14 @@ class StreamingExecutor:
 
     # -- the streamed trunk ----------------------------------------------------------------------
     def trunk_forward(self, *args, **kwargs) -> "_TrunkOutput":
+        if self._tail is not None:  # layer-major, second call: the blocks already ran
+            return _TrunkOutput(self.final_norm(self._tail))
         if self.before_forward is not None:
             self.before_forward(kwargs)
         kwargs["use_cache"] = False  # streaming keeps no KV cache
         step = self._capture(*args, **kwargs)
+        if self._stop_after_prelude:  # layer-major, first call: hand the prelude over, skip the rest
+            raise _PreludeDone(step)
         hidden = step.calls[0].leaves[0]
         differentiable = torch.is_grad_enabled()
         last = len(self.layers) - 1
@@ -268,7 +290,7 @@ class StreamingExecutor:
         return output
 
     def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
-                        hidden_needs_grad: bool):
+                        hidden_needs_grad: bool, keep: bool = False):
         """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release."""
         self._make_resident(index)
         self._prefetch(index - 1)
@@ -298,8 +320,81 @@ class StreamingExecutor:
                 step.pending[(name, key, writer)] = grads if earlier is None else [
                     g if e is None else (e if g is None else e + g) for e, g in zip(earlier, grads)
                 ]
-        self.store.release(index)
+        if not keep:
+            self.store.release(index)
         return leaf_hidden.grad if hidden_needs_grad else None, [t.grad for t in leaf_inputs]
+
+    # -- layer-major accumulation -------------------------------------------------------------
+    def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict]) -> list[torch.Tensor]:
+        """Forward and backward of M micro-batches, block by block; returns their losses (detached).
+
+        ``model_call(**micro_batch)`` is the full model (e.g. the PEFT wrapper) and must return an
+        output with ``.loss``; pass ``num_items_in_batch`` in each micro-batch for HF's accumulation
+        semantics. Gradients accumulate into ``.grad`` exactly as ``for mb: model(**mb).loss.backward()``
+        would leave them. Boundary states: M x L hidden states stay on the device.
+
+        Raises:
+            StreamingError: a dropout with p > 0 is active (its random draws would come in another
+                order than in ordinary accumulation; use the micro-major schedule).
+        """
+        _check_no_dropout(self.causal_lm)
+        count, last = len(self.layers), len(self.layers) - 1
+        # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
+        steps = []
+        for batch in micro_batches:
+            self._stop_after_prelude = True
+            try:
+                model_call(**batch)
+                raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
+            except _PreludeDone as done:
+                steps.append(done.step)
+            finally:
+                self._stop_after_prelude = False
+        # 2. forward, block-major: each block fetched once for all micro-batches
+        hidden = [step.calls[0].leaves[0] for step in steps]
+        inputs: list[list[torch.Tensor]] = [[] for _ in steps]
+        with torch.no_grad():
+            for index in range(count):
+                for m, step in enumerate(steps):
+                    self._note_mapping_entry(step, index)
+                    inputs[m].append(hidden[m])
+                    keep = m < len(steps) - 1 or index == last
+                    hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(), keep=keep)
+        # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
+        losses, grad_hidden = [], []
+        for batch, output in zip(micro_batches, hidden):
+            leaf = output.detach().requires_grad_(True)
+            self._tail = leaf
+            try:
+                loss = model_call(**batch).loss
+            finally:
+                self._tail = None
+            loss.backward()
+            losses.append(loss.detach())
+            grad_hidden.append(leaf.grad)
+        # 4. backward, block-major, micro-batch 0 first: the accumulation order of ordinary accumulation
+        input_grads: list[list[list]] = [[[] for _ in range(count)] for _ in steps]
+        for index in range(last, -1, -1):
+            for m, step in enumerate(steps):
+                needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
+                keep = m < len(steps) - 1
+                grad_hidden[m], input_grads[m][index] = self._backward_block(
+                    step, index, inputs[m][index], step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
+                    keep=keep)
+        # 5. the prelude of each micro-batch: its outputs' gradients into its own graph
+        for m, step in enumerate(steps):
+            roots, grads = [], []
+            if step.calls[0].leaves[0].requires_grad:
+                roots.append(step.calls[0].leaves[0])
+                grads.append(grad_hidden[m])
+            for index in range(count):
+                for tensor, grad in zip(step.calls[index].grad_tensors(), input_grads[m][index]):
+                    if grad is not None:
+                        roots.append(tensor)
+                        grads.append(grad)
+            if roots:
+                torch.autograd.backward(roots, grads)
+        return losses
 
     # -- carried mappings --------------------------------------------------------------------
     def _note_mapping_entry(self, step: _Step, index: int) -> None:
@@ -368,6 +463,20 @@ class _StreamedBlock(torch.autograd.Function):
             ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5]
         )
         return (None, None, None, None, None, hidden_grad, *input_grads)
+
+
+def _check_no_dropout(model: nn.Module) -> None:
+    if not model.training:
+        return
+    active = [name for name, module in model.named_modules()
+              if isinstance(module, nn.Dropout) and module.p > 0]
+    if active:
+        raise StreamingError(
+            f"layer-major accumulation with dropout active ({active[0]} p={model.get_submodule(active[0]).p}"
+            f"{f' and {len(active) - 1} more' if len(active) > 1 else ''}): the random draws would come in another "
+            "order than in ordinary accumulation. Set lora_dropout=0 (and attention dropout 0), or use the "
+            "micro-major schedule."
+        )
 
 
 def _rng_state(device: torch.device):
