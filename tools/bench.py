@@ -491,9 +491,16 @@ class ArmResult:
         return out
 
 
+def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
+    return [batches[i:i + grad_accum] for i in range(0, len(batches) - grad_accum + 1, grad_accum)]
+
+
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
-            vram_limit_gb: float | None = None, on_timed_start=None) -> ArmResult:
-    """``len(batches)`` AdamW steps of ``call`` (the first ``warmup`` untimed); peak memory over the steps."""
+            vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
+            forward_backward=None) -> ArmResult:
+    """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
+    ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
+    given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch."""
     result = ArmResult(name)
     params = [p for _, p in named_params]
     optimizer = torch.optim.AdamW(params, lr=lr)
@@ -505,20 +512,30 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
         torch.cuda.reset_peak_memory_stats(device)
         result.extra["allocated_before_gb"] = round(torch.cuda.memory_allocated(device) / GB, 4)
     try:
-        for index, batch in enumerate(batches):
+        for index, group in enumerate(_steps(batches, grad_accum)):
             if index == warmup and on_timed_start is not None:
                 on_timed_start()
-            batch = {k: v.to(device) for k, v in batch.items()}
+            group = [{k: v.to(device) for k, v in batch.items()} for batch in group]
+            if grad_accum > 1:  # HF accumulation semantics: each loss is a sum over the step's loss terms
+                items = torch.tensor(sum(int((b["labels"][..., 1:] != -100).sum()) for b in group), device=device)
+                group = [{**b, "num_items_in_batch": items} for b in group]
             _sync(device)
             start = time.perf_counter()
-            output = call(**batch, use_cache=False)
-            output.loss.backward()
+            if forward_backward is not None:  # layer-major: the executor drives all micro-batches
+                losses = forward_backward(group)
+            else:
+                losses = []
+                for batch in group:
+                    output = call(**batch, use_cache=False)
+                    output.loss.backward()
+                    losses.append(output.loss.detach())
+                    del output
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _sync(device)
             result.step_times.append(time.perf_counter() - start)
-            result.losses.append(output.loss.detach().to("cpu", copy=True))
-            del output, batch
+            result.losses.extend(loss.to("cpu", copy=True) for loss in losses)
+            del group, losses
     except torch.OutOfMemoryError as exc:
         result.status, result.error = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
@@ -563,7 +580,8 @@ def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
 
 
 def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"), device: torch.device, warmup: int, lr: float = 1e-3,
-                 vram_limit_gb: float | None = None, num_slots: int = 2) -> dict[str, Any]:
+                 vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
+                 schedule: str = "micro-major") -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     Returns:
@@ -579,7 +597,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         if name in arms:
             restore(named, initial)
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
-                                    vram_limit_gb=vram_limit_gb)
+                                    vram_limit_gb=vram_limit_gb, grad_accum=grad_accum)
     if "poros" in arms:
         restore(named, initial)
         peft_model.get_base_model().activation_checkpointing_disable()
@@ -591,7 +609,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             return {"arms": results, "comparison": None}
         store = streamed.store
         result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
-                         vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset)
+                         vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
+                         forward_backward=streamed.forward_backward if schedule == "layer-major" else None)
         timed_steps = len(result.step_times[warmup:])
         timed_time = sum(result.step_times[warmup:])
         copied = store.stats.bytes_copied
@@ -790,6 +809,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vram-limit", type=float, metavar="GB",
                         help="cap the process (set_per_process_memory_fraction) during each arm's steps")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="M",
+                        help="micro-batches per optimizer step (HF num_items_in_batch semantics when M > 1)")
+    parser.add_argument("--schedule", default="micro-major", choices=("micro-major", "layer-major"),
+                        help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), help="MoE experts implementation")
     parser.add_argument("--rank", type=int, default=16)
@@ -831,17 +854,20 @@ def main(argv=None) -> int:
     free_memory(device)
     build_s = time.perf_counter() - start
     allocated = torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else None
-    batches = make_batches(config, count=args.warmup + args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1)
+    batches = make_batches(config, count=(args.warmup + args.steps) * args.grad_accum, batch=args.batch, seq=args.seq,
+                           seed=args.seed + 1)
 
     outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
-                           vram_limit_gb=args.vram_limit, num_slots=args.slots)
+                           vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
+                           schedule=args.schedule)
     report = {
         "tool": "tools/bench.py",
         "environment": env,
         "config": {
             "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
-            "vram_limit_gb": args.vram_limit, "num_slots": args.slots, "attn_implementation": args.attn,
+            "vram_limit_gb": args.vram_limit, "num_slots": args.slots, "grad_accum": args.grad_accum,
+            "schedule": args.schedule, "attn_implementation": args.attn,
             "experts_implementation": args.experts, "lora": {"rank": args.rank, "alpha": args.alpha,
                                                              "dropout": 0.0, "targets": targets},
             "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
