@@ -497,7 +497,7 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
-            forward_backward=None) -> ArmResult:
+            forward_backward=None, profile: bool = False) -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
     given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch."""
@@ -511,31 +511,39 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
             torch.cuda.set_per_process_memory_fraction(min(1.0, vram_limit_gb * GB / total), device)
         torch.cuda.reset_peak_memory_stats(device)
         result.extra["allocated_before_gb"] = round(torch.cuda.memory_allocated(device) / GB, 4)
+    steps = _steps(batches, grad_accum)
+
+    def one_step(group: list[dict]) -> list[torch.Tensor]:
+        group = [{k: v.to(device) for k, v in batch.items()} for batch in group]
+        if grad_accum > 1:  # HF accumulation semantics: each loss is a sum over the step's loss terms
+            items = torch.tensor(sum(int((b["labels"][..., 1:] != -100).sum()) for b in group), device=device)
+            group = [{**b, "num_items_in_batch": items} for b in group]
+        if forward_backward is not None:  # layer-major: the executor drives all micro-batches
+            losses = forward_backward(group)
+        else:
+            losses = []
+            for batch in group:
+                output = call(**batch, use_cache=False)
+                output.loss.backward()
+                losses.append(output.loss.detach())
+                del output
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return losses
+
     try:
-        for index, group in enumerate(_steps(batches, grad_accum)):
+        for index, group in enumerate(steps):
             if index == warmup and on_timed_start is not None:
                 on_timed_start()
-            group = [{k: v.to(device) for k, v in batch.items()} for batch in group]
-            if grad_accum > 1:  # HF accumulation semantics: each loss is a sum over the step's loss terms
-                items = torch.tensor(sum(int((b["labels"][..., 1:] != -100).sum()) for b in group), device=device)
-                group = [{**b, "num_items_in_batch": items} for b in group]
             _sync(device)
             start = time.perf_counter()
-            if forward_backward is not None:  # layer-major: the executor drives all micro-batches
-                losses = forward_backward(group)
-            else:
-                losses = []
-                for batch in group:
-                    output = call(**batch, use_cache=False)
-                    output.loss.backward()
-                    losses.append(output.loss.detach())
-                    del output
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            losses = one_step(group)
             _sync(device)
             result.step_times.append(time.perf_counter() - start)
             result.losses.extend(loss.to("cpu", copy=True) for loss in losses)
-            del group, losses
+            del losses
+        if profile and device.type == "cuda" and steps:  # one more step, traced, not timed
+            result.extra["profile"] = profile_step(lambda: one_step(steps[-1]), device)
     except torch.OutOfMemoryError as exc:
         result.status, result.error = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
@@ -553,6 +561,79 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
     del optimizer
     free_memory(device)
     return result
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(a, b) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def profile_step(step, device: torch.device) -> dict[str, Any]:
+    """The copy/compute timeline of one step (torch.profiler, CUDA activity), in milliseconds.
+
+    ``kernel_busy``: union of kernel intervals; ``h2d_busy``: union of host->device copies;
+    ``h2d_exposed``: copying while no kernel runs (the copy not hidden under compute);
+    ``idle``: neither (launch overhead, host synchronisation, Python); the longest gaps are listed
+    with the kernel before them.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        step()
+        _sync(device)
+    kernels, copies, named = [], [], []
+    for event in trace.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        interval = (event.time_range.start / 1000.0, event.time_range.end / 1000.0)
+        if "Memcpy HtoD" in event.name:
+            copies.append(interval)
+        elif "Memcpy" not in event.name and "Memset" not in event.name:
+            kernels.append(interval)
+            named.append((interval, event.name))
+    if not kernels:
+        return {"error": "no CUDA kernels traced"}
+    begin = min(a for a, _ in kernels + copies)
+    end = max(b for _, b in kernels + copies)
+    busy_kernels, busy_copies = _union(kernels), _union(copies)
+    overlap = _length(_intersect(busy_kernels, busy_copies))
+    active = _union(busy_kernels + busy_copies)
+    gaps = sorted(((b[0] - a[1], a[1]) for a, b in zip(active, active[1:])), reverse=True)[:5]
+    named.sort()
+    def before(t):
+        return next((name for (s, e), name in reversed(named) if e <= t + 1e-6), None)
+    return {
+        "span_ms": round(end - begin, 3),
+        "kernel_busy_ms": round(_length(busy_kernels), 3),
+        "h2d_busy_ms": round(_length(busy_copies), 3),
+        "h2d_exposed_ms": round(_length(busy_copies) - overlap, 3),
+        "idle_ms": round((end - begin) - _length(active), 3),
+        "longest_gaps": [{"ms": round(ms, 3), "at_ms": round(at - begin, 3), "after": (before(at) or "")[:80]}
+                         for ms, at in gaps],
+    }
 
 
 def measure_link(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
@@ -581,7 +662,7 @@ def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
 
 def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"), device: torch.device, warmup: int, lr: float = 1e-3,
                  vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
-                 schedule: str = "micro-major") -> dict[str, Any]:
+                 schedule: str = "micro-major", profile: bool = False) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     Returns:
@@ -597,7 +678,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         if name in arms:
             restore(named, initial)
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
-                                    vram_limit_gb=vram_limit_gb, grad_accum=grad_accum)
+                                    vram_limit_gb=vram_limit_gb, grad_accum=grad_accum, profile=profile)
     if "poros" in arms:
         restore(named, initial)
         peft_model.get_base_model().activation_checkpointing_disable()
@@ -610,7 +691,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         store = streamed.store
         result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
                          vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
-                         forward_backward=streamed.forward_backward if schedule == "layer-major" else None)
+                         forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
+                         profile=profile)
         timed_steps = len(result.step_times[warmup:])
         timed_time = sum(result.step_times[warmup:])
         copied = store.stats.bytes_copied
@@ -811,6 +893,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--grad-accum", type=int, default=1, metavar="M",
                         help="micro-batches per optimizer step (HF num_items_in_batch semantics when M > 1)")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace one extra step per arm (CUDA): copy/compute busy, exposed copy, idle gaps")
     parser.add_argument("--schedule", default="micro-major", choices=("micro-major", "layer-major"),
                         help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
@@ -859,7 +943,7 @@ def main(argv=None) -> int:
 
     outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
                            vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
-                           schedule=args.schedule)
+                           schedule=args.schedule, profile=args.profile)
     report = {
         "tool": "tools/bench.py",
         "environment": env,
