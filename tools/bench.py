@@ -497,7 +497,7 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
-            forward_backward=None, profile: bool = False) -> ArmResult:
+            forward_backward=None, profile: bool = False, timed_stats=None) -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
     given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch."""
@@ -542,6 +542,8 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
             result.step_times.append(time.perf_counter() - start)
             result.losses.extend(loss.to("cpu", copy=True) for loss in losses)
             del losses
+        if timed_stats is not None:
+            result.extra["timed_stats"] = timed_stats()
         if profile and device.type == "cuda" and steps:  # one more step, traced, not timed
             result.extra["profile"] = profile_step(lambda: one_step(steps[-1]), device)
     except torch.OutOfMemoryError as exc:
@@ -692,17 +694,20 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
                          vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
                          forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
-                         profile=profile)
+                         profile=profile,
+                         timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)})
         timed_steps = len(result.step_times[warmup:])
         timed_time = sum(result.step_times[warmup:])
-        copied = store.stats.bytes_copied
+        counted = result.extra.pop("timed_stats", None) or {"bytes": store.stats.bytes_copied,
+                                                             "fetches": sum(store.stats.fetches)}
+        copied = counted["bytes"]
         result.extra.update({
             "host_bytes": store.host_bytes,
             "slot_bytes": store.slot_bytes,
             "num_slots": store.num_slots,
             "blocks": len(store.blocks),
             "bytes_copied_per_step": copied // timed_steps if timed_steps else None,
-            "fetches_per_step": sum(store.stats.fetches) / timed_steps if timed_steps else None,
+            "fetches_per_step": counted["fetches"] / timed_steps if timed_steps else None,
             "h2d_gb_per_s": round(copied / timed_time / GB, 3) if timed_time else None,
         })
         results["poros"] = result
