@@ -606,13 +606,14 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
         step()
         _sync(device)
-    kernels, copies, named = [], [], []
+    kernels, copies, named, small_copies = [], [], [], []
     for event in trace.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         interval = (event.time_range.start / 1000.0, event.time_range.end / 1000.0)
         if "Memcpy HtoD" in event.name:
-            copies.append(interval)
+            # block fetches take milliseconds; anything under 0.1 ms is a small copy (batch, scalars)
+            (copies if interval[1] - interval[0] >= 0.1 else small_copies).append(interval)
         elif "Memcpy" not in event.name and "Memset" not in event.name:
             kernels.append(interval)
             named.append((interval, event.name))
@@ -624,6 +625,7 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
     overlap = _length(_intersect(busy_kernels, busy_copies))
     active = _union(busy_kernels + busy_copies)
     gaps = sorted(((b[0] - a[1], a[1]) for a, b in zip(active, active[1:])), reverse=True)[:5]
+    durations = sorted(b - a for a, b in copies)
     named.sort()
     def before(t):
         return next((name for (s, e), name in reversed(named) if e <= t + 1e-6), None)
@@ -633,6 +635,8 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
         "h2d_busy_ms": round(_length(busy_copies), 3),
         "h2d_exposed_ms": round(_length(busy_copies) - overlap, 3),
         "idle_ms": round((end - begin) - _length(active), 3),
+        "h2d_copies": len(copies), "h2d_copy_ms_median": round(durations[len(durations) // 2], 3) if durations else None,
+        "h2d_small_copies": len(small_copies), "h2d_small_copy_ms": round(_length(_union(small_copies)), 3),
         "longest_gaps": [{"ms": round(ms, 3), "at_ms": round(at - begin, 3), "after": (before(at) or "")[:80]}
                          for ms, at in gaps],
     }

@@ -65,8 +65,32 @@ def render_environment() -> str:
     return "\n".join(lines)
 
 
+def _accum(config: dict) -> str:
+    """Micro-batches per optimizer step, and the Poros schedule when there are several."""
+    accum = config.get("grad_accum", 1)
+    return str(accum) if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
+
+
+def render_profile() -> str:
+    """One traced step per arm (``tools/bench.py --profile``): where the step's time goes, in ms."""
+    rows = ["| shape | seq | accum | det. | arm | traced span ms | kernels busy ms | H2D busy ms "
+            "| H2D exposed ms | idle ms | JSON |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, report in bench_reports():
+        config = report["config"]
+        for arm, result in report["arms"].items():
+            profile = result.get("profile")
+            if not profile or "span_ms" not in profile:
+                continue
+            rows.append(
+                f"| {config['model']} | {config['seq']} | {_accum(config)} | "
+                f"{'on' if config['deterministic'] else 'off'} | {arm} | {profile['span_ms']:.0f} | "
+                f"{profile['kernel_busy_ms']:.0f} | {profile['h2d_busy_ms']:.0f} | {profile['h2d_exposed_ms']:.0f} | "
+                f"{profile['idle_ms']:.0f} | [{path.name}](../{path.relative_to(ROOT)}) |")
+    return "\n".join(rows)
+
+
 def render_bench(capped: bool) -> str:
-    head = ("| shape | layers | seq | det. | resident peak GB | resident step s | Poros peak GB | Poros reserved GB "
+    head = ("| shape | layers | seq | accum | det. | resident peak GB | resident step s | Poros peak GB | Poros reserved GB "
             "| Poros step s | step ratio | memory ratio | H2D GB/s (of link) | parity | JSON |")
     if capped:
         head = ("| shape | layers | seq | cap GB | status | Poros peak GB | Poros reserved GB | Poros step s "
@@ -93,7 +117,8 @@ def render_bench(capped: bool) -> str:
             continue
         comparison = report.get("comparison") or {}
         rows.append(
-            f"| {config['model']} | {layers} | {config['seq']} | {'on' if config['deterministic'] else 'off'} | "
+            f"| {config['model']} | {layers} | {config['seq']} | {_accum(config)} | "
+            f"{'on' if config['deterministic'] else 'off'} | "
             f"{_gb(resident.get('peak_allocated_gb'))} | {_s(resident.get('median_step_s'))} | "
             f"{_gb(poros.get('peak_allocated_gb'))} | {_gb(poros.get('peak_reserved_gb'))} | "
             f"{_s(poros.get('median_step_s'))} | {_x(comparison.get('ratio_median_step_s'))} | "
@@ -136,6 +161,7 @@ BLOCKS = {
     "capped": lambda: render_bench(capped=True),
     "control": render_control,
     "gate": render_gate,
+    "profile": render_profile,
 }
 
 
