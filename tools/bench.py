@@ -603,12 +603,16 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
         step()
         _sync(device)
     kernels, copies, named, small_copies = [], [], [], []
+    host_waits: dict[str, list[float]] = {}
     for event in trace.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
+            # CUDA runtime calls on the host that wait for the device
+            if event.name.startswith("cuda") and ("Synchronize" in event.name or event.name == "cudaMemcpy"):
+                host_waits.setdefault(event.name, []).append((event.time_range.end - event.time_range.start) / 1000.0)
             continue
         interval = (event.time_range.start / 1000.0, event.time_range.end / 1000.0)
         if "Memcpy HtoD" in event.name:
@@ -635,6 +639,7 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
         "h2d_busy_ms": round(_length(busy_copies), 3),
         "h2d_exposed_ms": round(_length(busy_copies) - overlap, 3),
         "idle_ms": round((end - begin) - _length(active), 3),
+        "host_waits": {name: {"calls": len(times), "ms": round(sum(times), 3)} for name, times in host_waits.items()},
         "h2d_copies": len(copies), "h2d_copy_ms_median": round(durations[len(durations) // 2], 3) if durations else None,
         "h2d_small_copies": len(small_copies), "h2d_small_copy_ms": round(_length(_union(small_copies)), 3),
         "longest_gaps": [{"ms": round(ms, 3), "at_ms": round(at - begin, 3), "after": (before(at) or "")[:80]}
