@@ -17,6 +17,8 @@ from poros import __version__
 from poros.errors import PorosError
 
 SUBCOMMANDS = (
+    "poros.cli.init",
+    "poros.cli.train",
     "poros.cli.list_architectures",
     "poros.cli.plugins",
     "poros.cli.doctor",
@@ -24,6 +26,10 @@ SUBCOMMANDS = (
 
 EPILOG = """\
 examples:
+  $ poros train                       # bundled tiny Qwen3 + bundled chat data on the CPU -> ./poros_output
+  $ poros init                        # write a commented poros.yaml with every setting
+  $ poros train poros.yaml --dry-run  # validate it and print the memory plan; nothing is loaded
+  $ poros train poros.yaml --steps 50 --lr 1e-4   # any setting can be overridden by name
   $ poros doctor                      # versions, host memory and plugin problems, paste-ready
   $ poros list-architectures          # the model families this install can stream
   $ poros plugins                     # which package provides each family

@@ -1,0 +1,178 @@
+"""``poros train``: train a LoRA adapter from a ``poros.yaml`` and/or ``--key value`` overrides.
+
+``poros train`` alone trains the bundled tiny Qwen3 on the bundled chat data on the CPU, so a
+fresh install can go from nothing to a saved adapter without a download or a GPU.
+Exit status: 0 trained and saved (or ``--dry-run`` printed the plan), 1 a Poros error (a bad
+config value or override, a missing checkpoint...), 2 a usage error, 130 interrupted (the
+checkpoint written on the interrupt is printed with the command that resumes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from typing import Any
+
+DESCRIPTION = """\
+Train a LoRA adapter on a frozen 4-bit base that streams through the device block by block.
+
+  CONFIG          a poros.yaml (write one with `poros init`); optional: without it every
+                  field has its default (the bundled tiny model and chat data, on the CPU)
+  --KEY VALUE     override any PorosConfig field after CONFIG: --steps 50, --seq-len 256,
+                  --lr 1e-4, --target-modules q_proj,v_proj, --max-grad-norm null,
+                  --use-dora / --no-use-dora. Keys take dashes or underscores; values are
+                  checked against the field's type; an unknown key fails by name (exit 1)
+
+On success the adapter (adapter_model.safetensors + adapter_config.json, PEFT's format), the
+tokenizer and poros_config.json are in output_dir, and the command prints how to load them
+with stock PEFT. Ctrl-C finishes the step in flight, writes a checkpoint, prints the command
+that resumes it and exits with status 130.
+"""
+
+EPILOG = textwrap.dedent("""\
+    examples:
+      $ poros train                                  # bundled tiny Qwen3 + bundled chat data, CPU
+      $ poros train --steps 20 --output-dir /tmp/tiny-lora
+      $ poros train poros.yaml                       # the file written by `poros init`
+      $ poros train poros.yaml --model Qwen/Qwen2.5-7B --dataset data/chat.jsonl --seq-len 1024
+
+      $ poros train --dry-run                        # validate, print the memory plan; nothing loaded
+      poros train --dry-run: the configuration is valid (all defaults)
+      model       poros-tiny-qwen3 (bundled with poros: .../poros/assets/tiny-qwen3)
+      family      qwen3 (model_type qwen3): 4 decoder blocks, hidden 128, vocab 2048
+      base        nf4, compute bfloat16
+      adapters    LoRA r16 on 28 linears (all-linear): 155,648 trainable parameters
+      run         batch 1 x seq 512, 2 device slots, device cpu
+      blocks      116,224 B x 4 (host store, exact)
+      ...
+
+      $ poros train poros.yaml --stpes 10
+      poros train: error: unknown override --stpes: PorosConfig has no field 'stpes'; did you mean
+      'steps'? ...
+    """)
+
+USAGE = "poros train [-h] [--dry-run] [CONFIG] [--KEY VALUE ...]"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a LoRA adapter (bundled tiny model by default; --dry-run prints the memory plan)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        usage=USAGE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # `--dr 5` must be an unknown override, not --dry-run
+    )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config and print the memory plan (from config.json only) without "
+                             "loading weights or training")
+    parser.set_defaults(run=run)
+    _keep_unknown_arguments(parser)
+    return parser
+
+
+def _keep_unknown_arguments(parser: argparse.ArgumentParser) -> None:
+    """Let ``CONFIG`` and ``--key value`` overrides through the top-level ``parse_args``.
+
+    argparse hands a subcommand's arguments to the subparser's ``parse_known_args`` and rejects
+    whatever comes back unparsed. This subparser returns nothing unparsed: every argument it does
+    not know is kept, in order, in ``args.arguments`` for :func:`split_arguments` and
+    :meth:`PorosConfig.apply_overrides <poros.config.PorosConfig.apply_overrides>`, which check
+    them against the config's fields.
+    """
+    parse_known_args = parser.parse_known_args
+
+    def keep_unknown(args=None, namespace=None):
+        namespace, unknown = parse_known_args(args, namespace)
+        namespace.arguments = list(unknown)
+        return namespace, []
+
+    parser.parse_known_args = keep_unknown  # type: ignore[method-assign]
+
+
+def split_arguments(arguments: list[str]) -> tuple[str | None, list[str]]:
+    """``["poros.yaml", "--steps", "5"]`` -> ``("poros.yaml", ["--steps", "5"])``: CONFIG is the first
+    argument when it does not start with ``-``."""
+    if arguments and not arguments[0].startswith("-"):
+        return arguments[0], arguments[1:]
+    return None, list(arguments)
+
+
+def load_config(arguments: list[str]):
+    """The :class:`~poros.config.PorosConfig` of ``[CONFIG] [--key value ...]``.
+
+    Raises:
+        ConfigError: an unreadable or invalid CONFIG, or a bad override (named, with the closest field).
+    """
+    from poros.config import PorosConfig
+
+    config_path, overrides = split_arguments(arguments)
+    config = PorosConfig.from_yaml(config_path) if config_path is not None else PorosConfig()
+    return config.apply_overrides(overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    arguments = list(getattr(args, "arguments", []))
+    config = load_config(arguments)
+    if args.dry_run:
+        return dry_run(config)
+    return train(config, launch_command=["poros", "train", *arguments])
+
+
+def dry_run(config) -> int:
+    """Print the validated settings that differ from the defaults and the memory plan; load nothing."""
+    from poros.config import PorosConfig
+    from poros.stream.planner import format_plan, plan_run
+
+    plan = plan_run(config)
+    defaults = PorosConfig().to_dict()
+    changed = [f"{name}={value!r}" for name, value in config.to_dict().items() if value != defaults[name]]
+    print("poros train --dry-run: the configuration is valid"
+          + (f" (changed from the defaults: {', '.join(changed)})" if changed else " (all defaults)"))
+    print(format_plan(plan))
+    print("Nothing was loaded or trained. Run the same command without --dry-run to train.")
+    return 0
+
+
+def train(config, *, launch_command: list[str]) -> int:
+    """Load, train, save; the exit status (0, or 130 when interrupted)."""
+    import sys
+
+    from poros.trainer import PorosTrainer
+
+    try:
+        trainer = PorosTrainer.from_config(config)
+        trainer.launch_command = launch_command
+        result = trainer.train()
+    except KeyboardInterrupt:  # before training started (loading) or a second Ctrl-C: nothing to resume
+        print("poros train: interrupted; nothing was saved.", file=sys.stderr)
+        return 130
+    if result.interrupted:
+        return 130  # the trainer wrote checkpoint-{step} and printed how to resume
+    output_dir = trainer.save(config.output_dir)
+    print(loading_instructions(config.model, output_dir))
+    return 0
+
+
+def loading_instructions(model: str, output_dir: Any) -> str:
+    """How to load the saved adapter with stock transformers + PEFT (the bundled model by its path)."""
+    from pathlib import Path
+
+    from poros.assets import asset_path, is_asset
+
+    base = str(asset_path(model)) if is_asset(model) else model
+    directory = str(output_dir)
+    has_tokenizer = (Path(directory) / "tokenizer_config.json").is_file()
+    lines = [
+        f"poros train: the adapter is in {directory} (adapter_model.safetensors, adapter_config.json"
+        + (", tokenizer" if has_tokenizer else "") + ", poros_config.json). Load it with PEFT:",
+        "",
+        "    from peft import PeftModel",
+        "    from transformers import AutoModelForCausalLM" + (", AutoTokenizer" if has_tokenizer else ""),
+        f"    base = AutoModelForCausalLM.from_pretrained({base!r})",
+        f"    model = PeftModel.from_pretrained(base, {directory!r})",
+    ]
+    if has_tokenizer:
+        lines.append(f"    tokenizer = AutoTokenizer.from_pretrained({directory!r})")
+    return "\n".join(lines)

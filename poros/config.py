@@ -1,0 +1,528 @@
+"""``PorosConfig``: every knob of a training run, as one typed dataclass.
+
+The same object comes from a commented ``poros.yaml`` (written by ``poros init``), from a dict,
+from ``--key value`` overrides on the ``poros train`` command line, or from Python. Every way in
+is type-checked against the dataclass annotations, and an unknown key fails by name with the
+closest field as a suggestion (nanoGPT's configurator, made strict)::
+
+    config = PorosConfig.from_yaml("poros.yaml").apply_overrides(["--steps", "50", "--lr", "1e-4"])
+    config.to_yaml("poros.yaml")          # commented: every field with its doc line and choices
+
+Torch-free: ``import poros.config`` imports only the standard library and PyYAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import re
+import shlex
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from poros.errors import ConfigError
+
+__all__ = ["PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown"]
+
+BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
+              "on": True, "off": False}
+NULL_WORDS = ("null", "none", "~")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")
+TARGET_KEYWORDS = ("all-linear", "default")
+
+
+def _field(default: Any, doc: str, *, choices: tuple[Any, ...] = (), section: str = "") -> Any:
+    """A dataclass field carrying its one-line ``doc``, its ``choices`` and, on the first field of a
+    group, the ``section`` title used by the YAML and the docs."""
+    metadata = {"doc": doc, "choices": choices, "section": section}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class PorosConfig:
+    """A Poros training run: model, adapter, data, optimisation, checkpoints and streaming.
+
+    Build it from keywords, :meth:`from_yaml`, :meth:`from_dict` or :meth:`apply_overrides`;
+    construction type-checks every field and runs :meth:`validate`. ``docs/configuration.md``
+    documents every field (each field's ``metadata["doc"]`` is its line there and in the YAML).
+
+    Raises:
+        ConfigError: a field has the wrong type or an invalid value; the message names the field,
+            the value found, what was expected and the fix.
+    """
+
+    # -- model ---------------------------------------------------------------------------------
+    model: str = _field("poros-tiny-qwen3", "HF model id, local checkpoint directory, or the bundled "
+                        "'poros-tiny-qwen3' (a tiny Qwen3 that trains on CPU).", section="model")
+    revision: str | None = _field(None, "Git revision (branch, tag or commit) of an HF model id; null: the default "
+                                  "branch.")
+    quantization: str = _field("nf4", "4-bit type of the frozen base (bitsandbytes bnb_4bit_quant_type).",
+                               choices=("nf4", "fp4"))
+    double_quant: bool = _field(False, "Quantize the quantization constants too (bnb_4bit_use_double_quant): "
+                                "about 0.4 bits less per weight.")
+    compute_dtype: str = _field("bfloat16", "Dtype of the computation and of every unquantized base tensor.",
+                                choices=("bfloat16", "float16", "float32"))
+    # -- adapter ---------------------------------------------------------------------------------
+    lora_rank: int = _field(16, "LoRA rank r.", section="LoRA adapter")
+    lora_alpha: int = _field(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).")
+    lora_dropout: float = _field(0.0, "Dropout on the LoRA input, in [0, 1).")
+    target_modules: str | list[str] = _field(
+        "all-linear", "Linears that get adapters: 'all-linear' (every linear of a decoder block, per family), "
+        "'default' (the attention projections), or a list of leaf names such as [q_proj, v_proj].",
+        choices=("all-linear", "default", "[names]"))
+    use_rslora: bool = _field(False, "Rank-stabilised LoRA: scale by alpha / sqrt(r).")
+    use_dora: bool = _field(False, "DoRA: weight-decomposed LoRA (a trainable magnitude vector per target).")
+    # -- data -----------------------------------------------------------------------------------
+    dataset: str = _field("poros-tiny-chat", "HF dataset id, a .jsonl/.json/.csv file, 'synthetic', or the "
+                          "bundled 'poros-tiny-chat'.", section="data")
+    dataset_split: str = _field("train", "Split of an HF dataset (or of a local file loaded with datasets).")
+    chat_template: str | None = _field(None, "Jinja chat template for conversations; null: the tokenizer's own.")
+    seq_len: int = _field(512, "Tokens per example; longer examples are truncated.")
+    # -- optimisation -------------------------------------------------------------------------------
+    batch_size: int = _field(1, "Examples per micro-batch.", section="optimisation")
+    grad_accum: int = _field(1, "Micro-batches accumulated per optimizer step.")
+    steps: int = _field(100, "Optimizer steps to train.")
+    lr: float = _field(2e-4, "Peak learning rate of AdamW.")
+    schedule: str = _field("cosine", "Learning-rate schedule (transformers get_scheduler names).",
+                           choices=("constant", "constant_with_warmup", "linear", "cosine"))
+    warmup: int = _field(0, "Linear warm-up steps; fewer than steps.")
+    weight_decay: float = _field(0.0, "AdamW weight decay.")
+    max_grad_norm: float | None = _field(1.0, "Clip the global gradient norm to this; null disables clipping.")
+    seed: int = _field(42, "Seed of the adapter initialisation and of data shuffling.")
+    # -- logging and checkpoints ----------------------------------------------------------------------
+    logging_steps: int = _field(10, "Print the loss every this many steps.", section="logging and checkpoints")
+    save_steps: int = _field(0, "Write output_dir/checkpoint-{step}/ every this many steps; 0: no intermediate "
+                             "checkpoints (the final adapter is always saved).")
+    save_total_limit: int | None = _field(None, "Keep only the newest this many checkpoints; null keeps all.")
+    output_dir: str = _field("./poros_output", "Where the adapter, tokenizer, poros_config.json and checkpoints "
+                             "go.")
+    resume_from: str | None = _field(None, "Resume training: 'auto' (newest checkpoint in output_dir) or a "
+                                     "checkpoint directory; null starts fresh.", choices=(None, "auto", "PATH"))
+    # -- runtime and streaming ---------------------------------------------------------------------------
+    device: str = _field("auto", "Compute device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or "
+                         "'cuda:N'.", choices=("auto", "cpu", "cuda", "cuda:N"), section="runtime and streaming")
+    num_slots: int = _field(2, "Decoder blocks on the device at once (2: one computes while the next arrives).")
+    deterministic: bool = _field(True, "torch.use_deterministic_algorithms(True): the bitwise-reproducible mode.")
+    require: str | None = _field(None, "Refuse to train unless the run earns this guarantee label (see "
+                                 "docs/parity-modes.md); null accepts any.", choices=(None, "numerical", "bitwise"))
+    attn_implementation: str | None = _field(None, "Attention kernels of the HF model; null: transformers' default.",
+                                             choices=(None, "sdpa", "eager"))
+    embeddings_on_host: bool | None = _field(None, "Keep frozen untied embedding tables in host memory; null: on "
+                                             "when the device is CUDA.")
+
+    def __post_init__(self) -> None:
+        hints = _type_hints()
+        for f in dataclasses.fields(self):
+            value = _check_type(f.name, getattr(self, f.name), hints[f.name])
+            if f.name == "target_modules":
+                value = _normalize_targets(value)
+            object.__setattr__(self, f.name, value)
+        self.validate()
+
+    # -- checks ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every value; raise one :class:`ConfigError` listing every problem.
+
+        Raises:
+            ConfigError: each line names the field, the value found, what is expected and the fix.
+        """
+        problems: list[str] = []
+
+        def need(ok: bool, name: str, expected: str, fix: str) -> None:
+            if not ok:
+                problems.append(f"{name}={getattr(self, name)!r}: expected {expected}; {fix}")
+
+        for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "steps", "num_slots",
+                     "logging_steps"):
+            need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
+        for name in ("model", "dataset", "dataset_split", "output_dir"):
+            need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
+        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation"):
+            choices = _metadata(name)["choices"]
+            need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
+                 f"pick one of {_choice_list(choices)}")
+        need(bool(DEVICE_PATTERN.fullmatch(self.device)), "device", "'auto', 'cpu', 'cuda' or 'cuda:N'",
+             "e.g. device: cuda:0")
+        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "a float in [0, 1)", "e.g. lora_dropout: 0.05")
+        need(self.lr > 0, "lr", "a float > 0", "e.g. lr: 2.0e-4")
+        need(self.weight_decay >= 0, "weight_decay", "a float >= 0", "e.g. weight_decay: 0.0")
+        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm", "a float > 0 or null",
+             "set max_grad_norm: null to disable clipping")
+        need(self.seed >= 0, "seed", "an integer >= 0", "e.g. seed: 42")
+        need(self.warmup >= 0, "warmup", "an integer >= 0", "e.g. warmup: 0")
+        if self.warmup > 0 and self.steps >= 1:
+            need(self.warmup < self.steps, "warmup", f"fewer warm-up steps than steps={self.steps}",
+                 f"lower warmup below {self.steps} or raise steps")
+        need(self.save_steps >= 0, "save_steps", "an integer >= 0 (0: no intermediate checkpoints)",
+             "e.g. save_steps: 50")
+        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
+             "an integer >= 1 or null", "set save_total_limit: null to keep every checkpoint")
+        if isinstance(self.target_modules, str):
+            need(self.target_modules in TARGET_KEYWORDS, "target_modules", "'all-linear', 'default' or a list of "
+                 "module names", "e.g. target_modules: [q_proj, v_proj]")
+        else:
+            need(bool(self.target_modules) and all(name.strip() for name in self.target_modules), "target_modules",
+                 "a non-empty list of non-empty module names", "e.g. target_modules: [q_proj, v_proj]")
+        if self.resume_from is not None:
+            need(bool(self.resume_from.strip()), "resume_from", "'auto', a checkpoint directory or null",
+                 "e.g. resume_from: auto")
+        if self.chat_template is not None:
+            need(bool(self.chat_template.strip()), "chat_template", "a Jinja template or null",
+                 "set chat_template: null to use the tokenizer's template")
+        if len(problems) == 1:
+            raise ConfigError(f"invalid configuration: {problems[0]}")
+        if problems:
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+    # -- conversions ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, in declaration order, as plain Python values (lists copied)."""
+        return {f.name: _copy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> PorosConfig:
+        """A new config with ``changes`` applied (type-checked and validated).
+
+        Raises:
+            ConfigError: an unknown key (named, with the closest field) or an invalid value.
+        """
+        _reject_unknown(changes, "PorosConfig.replace()")
+        return PorosConfig(**{**self.to_dict(), **changes})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "the configuration") -> PorosConfig:
+        """Build a config from a mapping of field names; missing fields keep their defaults.
+
+        Args:
+            data: ``{field: value}``; values must have the field's type (an int is accepted for a
+                float field; ``None`` for an optional one).
+            source: where ``data`` came from, for error messages (e.g. the YAML path).
+
+        Raises:
+            ConfigError: ``data`` is not a mapping, holds an unknown key (named, with the closest
+                field), or a value of the wrong type or out of range.
+        """
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source} holds a {type(data).__name__}, expected a mapping of PorosConfig fields "
+                              "(key: value lines). Run `poros init` for a commented example.")
+        _reject_unknown(data, source)
+        try:
+            return cls(**data)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> PorosConfig:
+        """Read a ``poros.yaml`` (as written by :meth:`to_yaml` or by hand).
+
+        Raises:
+            ConfigError: the file is missing or not valid YAML, or :meth:`from_dict` rejects it.
+        """
+        path = Path(path)
+        try:
+            stream = path.open(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist; expected a poros.yaml. Create one with "
+                              f"`poros init {path}`, or check the path.") from None
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
+        try:
+            with stream:
+                data = yaml.load(stream, Loader=_YamlLoader)  # SafeLoader + YAML 1.2 floats (2e-4)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path} is not valid YAML: {error}. Fix the line shown, or write a fresh file "
+                              "with `poros init`.") from None
+        return cls.from_dict({} if data is None else data, source=str(path))
+
+    def to_yaml(self, path: str | Path | None = None, *, commented: bool = True) -> str:
+        """The config as YAML; also written to ``path`` when given.
+
+        Args:
+            path: file to write (overwritten).
+            commented: a header saying what the file is and how to run it, the fields grouped in
+                sections, each preceded by its doc line and choices. ``False``: plain ``key: value``.
+
+        Returns:
+            The YAML text (what :meth:`from_yaml` reads back to an equal config).
+        """
+        if not commented:
+            text = "".join(_yaml_line(name, value) + "\n" for name, value in self.to_dict().items())
+        else:
+            name = shlex.quote(str(path)) if path is not None else "poros.yaml"
+            lines = [
+                f"# {name}: a Poros training configuration (every key is a PorosConfig field).",
+                "# Written by `poros init`. Edit the values, then:",
+                f"#   poros train {name}                # train; the adapter goes to output_dir",
+                f"#   poros train {name} --dry-run      # check it and print the memory plan, no training",
+                f"#   poros train {name} --steps 50     # any key can be overridden on the command line",
+                "# Unknown keys are errors. Every key: docs/configuration.md.",
+            ]
+            for f in dataclasses.fields(self):
+                meta = f.metadata
+                if meta["section"]:
+                    lines += ["", f"# -- {meta['section']} " + "-" * (72 - len(meta["section"]))]
+                choices = f" Choices: {_choice_list(meta['choices'])}." if meta["choices"] else ""
+                lines += textwrap.wrap(f"{meta['doc']}{choices}", width=98, initial_indent="# ",
+                                       subsequent_indent="#   ", break_on_hyphens=False)
+                lines.append(_yaml_line(f.name, getattr(self, f.name)))
+            text = "\n".join(lines) + "\n"
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    def apply_overrides(self, arguments: Iterable[str]) -> PorosConfig:
+        """A new config with command-line overrides applied (nanoGPT's configurator, type-checked).
+
+        Accepted forms: ``--key value``, ``--key=value``, ``--flag`` (a bool field set to true)
+        and ``--no-flag`` (false). ``--seq-len`` and ``--seq_len`` are the same key. Values are
+        parsed by the field's type: bools accept true/false/1/0/yes/no/on/off; ints and floats
+        their literals (``1e-4``); lists are comma-separated (``--target-modules q_proj,v_proj``);
+        ``null``/``none`` gives ``None`` for an optional field.
+
+        Raises:
+            ConfigError: an argument that is not ``--key``, an unknown key (named, with the
+                closest field), a missing or unparsable value, or an invalid result.
+        """
+        arguments = list(arguments)
+        hints = _type_hints()
+        names = [f.name for f in dataclasses.fields(PorosConfig)]
+        changes: dict[str, Any] = {}
+        index = 0
+        while index < len(arguments):
+            argument = arguments[index]
+            index += 1
+            if not argument.startswith("--") or len(argument) == 2:
+                raise ConfigError(
+                    f"unexpected argument {argument!r}; overrides are --key value pairs (e.g. --steps 50). Put "
+                    "the config file first: poros train poros.yaml --steps 50."
+                )
+            key, has_value, value = argument[2:].partition("=")
+            key = key.replace("-", "_")
+            negated = False
+            if key not in names and key.startswith("no_") and key[3:] in names \
+                    and bool in _allowed_types(hints[key[3:]]):
+                key, negated = key[3:], True
+            if key not in names:
+                raise ConfigError(f"unknown override --{argument[2:].partition('=')[0]}: PorosConfig has no field "
+                                  f"{key!r}{_suggestion(key)}")
+            allowed = _allowed_types(hints[key])
+            if negated:
+                if has_value:
+                    raise ConfigError(f"--no-{key.replace('_', '-')} takes no value (got {value!r}); write "
+                                      f"--{key.replace('_', '-')} {value} instead")
+                changes[key] = False
+                continue
+            if not has_value:
+                following = arguments[index] if index < len(arguments) else None
+                takes_following = following is not None and (following.lower() in BOOL_WORDS or (
+                    type(None) in allowed and following.lower() in NULL_WORDS))
+                if bool in allowed and not takes_following:
+                    changes[key] = True  # a bare --flag
+                    continue
+                if following is None or (following.startswith("--") and len(following) > 2):
+                    raise ConfigError(f"--{key.replace('_', '-')} needs a value ({_type_name(hints[key])}), e.g. "
+                                      f"--{key.replace('_', '-')} {_example(key)}")
+                value = following
+                index += 1
+            changes[key] = _parse_value(key, value, hints[key])
+        try:
+            return self.replace(**changes)
+        except ConfigError as error:
+            raise ConfigError(f"command-line overrides: {error}") from None
+
+
+# -- fields and types --------------------------------------------------------------------------------
+
+def _metadata(name: str) -> dict[str, Any]:
+    return _fields_by_name()[name].metadata
+
+
+def _fields_by_name() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(PorosConfig)}
+
+
+def field_docs() -> list[dict[str, Any]]:
+    """One dict per field: ``name``, ``type`` (as written in the docs), ``default``, ``choices``,
+    ``doc``, ``section``; what ``docs/configuration.md`` tabulates."""
+    hints = _type_hints()
+    out, section = [], ""
+    for f in dataclasses.fields(PorosConfig):
+        section = f.metadata["section"] or section
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        out.append({"name": f.name, "type": _type_name(hints[f.name]), "default": default,
+                    "choices": list(f.metadata["choices"]), "doc": f.metadata["doc"], "section": section})
+    return out
+
+
+#: section title -> field names, in declaration order.
+FIELD_SECTIONS: dict[str, list[str]] = {}
+
+
+@functools.cache
+def _type_hints() -> dict[str, Any]:
+    return typing.get_type_hints(PorosConfig)
+
+
+def _allowed_types(hint: Any) -> tuple[Any, ...]:
+    """``str | list[str] | None`` -> ``(str, list[str], NoneType)``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _type_name(hint: Any) -> str:
+    names = []
+    for allowed in _allowed_types(hint):
+        if allowed is type(None):
+            names.append("null")
+        elif typing.get_origin(allowed) is list:
+            names.append("list of str")
+        else:
+            names.append(allowed.__name__)
+    return " or ".join(names)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> Any:
+    """``value`` if it has a type ``hint`` allows (int -> float for float fields, tuple -> list)."""
+    for allowed in _allowed_types(hint):
+        if allowed is type(None) and value is None:
+            return None
+        if allowed is bool and isinstance(value, bool):
+            return value
+        if allowed is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if allowed is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if allowed is str and isinstance(value, str):
+            return value
+        if typing.get_origin(allowed) is list and isinstance(value, (list, tuple)) \
+                and all(isinstance(item, str) for item in value):
+            return list(value)
+    raise ConfigError(
+        f"{name}={value!r} has type {type(value).__name__}, expected {_type_name(hint)}; e.g. {name}: "
+        f"{_example(name)}"
+    )
+
+
+def _parse_value(name: str, text: str, hint: Any) -> Any:
+    """Parse one command-line string by the field's type (see :meth:`PorosConfig.apply_overrides`)."""
+    allowed = _allowed_types(hint)
+    lowered = text.strip().lower()
+    if type(None) in allowed and lowered in NULL_WORDS:
+        return None
+    for kind in allowed:
+        if kind is bool and lowered in BOOL_WORDS:
+            return BOOL_WORDS[lowered]
+        if kind is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if kind is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if typing.get_origin(kind) is list and ("," in text or str not in allowed):
+            return [item.strip() for item in text.split(",") if item.strip()]
+        if kind is str:
+            return text
+    raise ConfigError(f"--{name.replace('_', '-')} {text!r}: expected {_type_name(hint)}; e.g. "
+                      f"--{name.replace('_', '-')} {_example(name)}")
+
+
+def _normalize_targets(value: str | list[str]) -> str | list[str]:
+    """``"q_proj, v_proj"`` or ``"q_proj"`` -> a list; ``"all-linear"``/``"default"`` stay strings."""
+    if isinstance(value, str) and value not in TARGET_KEYWORDS and value.strip():
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+def _example(name: str) -> str:
+    default = _fields_by_name()[name].default
+    examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
+                "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main",
+                "chat_template": "null", "target_modules": "q_proj,v_proj"}
+    if name in examples:
+        return examples[name]
+    if isinstance(default, bool):
+        return str(default).lower()
+    return str(default)
+
+
+def _choice_list(choices: Iterable[Any]) -> str:
+    return ", ".join("null" if choice is None else str(choice) for choice in choices)
+
+
+def _suggestion(key: str) -> str:
+    names = [f.name for f in dataclasses.fields(PorosConfig)]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return hint + " Every field is listed in docs/configuration.md (or run `poros init` for a commented poros.yaml)."
+
+
+def _reject_unknown(data: dict[str, Any], source: str) -> None:
+    names = {f.name for f in dataclasses.fields(PorosConfig)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{source}: unknown key {key!r}; PorosConfig has no such field{_suggestion(str(key))}")
+
+
+def _yaml_line(name: str, value: Any) -> str:
+    """``name: value`` as YAML; lists in flow style (``[q_proj, v_proj]``). Strings that would read
+    back as another type (``'null'``, ``'2e-4'``) are quoted."""
+    if isinstance(value, list):
+        return f"{name}: " + yaml.dump(value, Dumper=_YamlDumper, default_flow_style=True, width=1_000).strip()
+    return yaml.dump({name: value}, Dumper=_YamlDumper, default_flow_style=False, width=1_000).rstrip("\n")
+
+
+def fields_markdown() -> str:
+    """The Markdown table of every field (name, type, default, what it does) that
+    ``docs/configuration.md`` embeds between its ``fields`` markers; a test keeps them equal."""
+    lines = []
+    for section, names in FIELD_SECTIONS.items():
+        lines += [f"**{section}**", "", "| field | type | default | what it does |", "|---|---|---|---|"]
+        for doc in field_docs():
+            if doc["name"] not in names:
+                continue
+            default = _yaml_line("x", doc["default"]).removeprefix("x: ")
+            choices = f" Choices: {_choice_list(doc['choices'])}." if doc["choices"] else ""
+            text = f"{doc['doc']}{choices}".replace("|", "\\|")
+            lines.append(f"| `{doc['name']}` | {doc['type']} | `{default}` | {text} |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats without a dot (``2e-4``), which YAML 1.1 calls strings."""
+
+
+class _YamlDumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings :class:`_YamlLoader` would read as floats (``'2e-4'``)."""
+
+
+for _resolving in (_YamlLoader, _YamlDumper):
+    _resolving.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+del _resolving
+
+_current = ""
+for _f in dataclasses.fields(PorosConfig):
+    _current = _f.metadata["section"] or _current
+    FIELD_SECTIONS.setdefault(_current, []).append(_f.name)
+del _current, _f

@@ -1,0 +1,279 @@
+"""``poros init`` and ``poros train``: the YAML, overrides, the --dry-run plan against the real block
+store of every family, exit statuses, and one end-to-end run through the real entry point.
+
+Exit statuses of ``poros train``: 0 trained (or planned), 1 a Poros error (bad config value, unknown
+override, checkpoint not available offline), 2 an argparse usage error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from poros.cli.main import main
+from poros.config import PorosConfig
+from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
+
+DEFAULT_VARIANTS = [(family, variants[0]) for family, variants in TINY_VARIANTS.items()]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny sharded checkpoint per family (its default variant)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: save_tiny_checkpoint(root / family, family, variant) for family, variant in DEFAULT_VARIANTS}
+
+
+# -- poros init -------------------------------------------------------------------------------
+
+def test_init_writes_the_commented_defaults_and_prints_the_next_command(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status, out, _ = run_cli(capsys, "init")
+    assert status == 0
+    assert PorosConfig.from_yaml(tmp_path / "poros.yaml") == PorosConfig()
+    assert "# " in (tmp_path / "poros.yaml").read_text().splitlines()[0]
+    assert "poros train poros.yaml --dry-run" in out and "poros train poros.yaml " in out
+
+
+def test_init_refuses_to_overwrite_without_force(capsys, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 3\n")
+    status, out, err = run_cli(capsys, "init", str(path))
+    assert status == 1 and out == ""
+    assert "already exists" in err and "--force" in err
+    assert path.read_text() == "steps: 3\n"
+    status, _, _ = run_cli(capsys, "init", str(path), "--force", "--model", "Qwen/Qwen3-8B", "--dataset", "synthetic")
+    assert status == 0
+    assert PorosConfig.from_yaml(path) == PorosConfig(model="Qwen/Qwen3-8B", dataset="synthetic")
+
+
+def test_init_into_a_new_directory_and_not_onto_a_directory(capsys, tmp_path):
+    status, _, _ = run_cli(capsys, "init", str(tmp_path / "runs" / "a.yaml"))
+    assert status == 0 and (tmp_path / "runs" / "a.yaml").is_file()
+    status, _, err = run_cli(capsys, "init", str(tmp_path / "runs"))
+    assert status == 1 and "is a directory" in err
+
+
+# -- poros train: configuration and overrides -------------------------------------------------
+
+def test_unknown_override_fails_by_name_with_exit_1(capsys, tmp_path):
+    config = tmp_path / "poros.yaml"
+    PorosConfig().to_yaml(config)
+    status, out, err = run_cli(capsys, "train", str(config), "--stpes", "10", "--dry-run")
+    assert status == 1 and out == ""
+    assert "unknown override --stpes" in err and "did you mean 'steps'" in err
+
+
+def test_bad_config_file_and_bad_values_exit_1(capsys, tmp_path):
+    status, _, err = run_cli(capsys, "train", str(tmp_path / "missing.yaml"), "--dry-run")
+    assert status == 1 and "does not exist" in err and "poros init" in err
+    status, _, err = run_cli(capsys, "train", "--seq-len", "0", "--dry-run")
+    assert status == 1 and "seq_len=0" in err
+    status, _, err = run_cli(capsys, "train", "--dry-run", "--steps", "5", "extra.yaml")
+    assert status == 1 and "unexpected argument 'extra.yaml'" in err
+
+
+def test_abbreviated_options_are_overrides_not_dry_run(capsys):
+    status, _, err = run_cli(capsys, "train", "--dry", "--steps", "3")
+    assert status == 1 and "unknown override --dry" in err
+
+
+def test_overrides_reach_the_config_wherever_dry_run_stands(capsys, tmp_path, checkpoints):
+    config = tmp_path / "poros.yaml"
+    PorosConfig(model=str(checkpoints["qwen3"]), steps=10).to_yaml(config)
+    for argv in (["train", "--dry-run", str(config), "--seq-len", "64", "--device", "cpu"],
+                 ["train", str(config), "--seq_len=64", "--dry-run", "--device", "cpu"]):
+        status, out, err = run_cli(capsys, *argv)
+        assert status == 0, err
+        assert "changed from the defaults:" in out and "seq_len=64" in out and "steps=10" in out
+        assert "batch 1 x seq 64" in out
+
+
+# -- poros train --dry-run: the plan against the real block store ---------------------------------
+
+@pytest.mark.parametrize(("family", "variant"), DEFAULT_VARIANTS, ids=[f for f, _ in DEFAULT_VARIANTS])
+def test_dry_run_plan_equals_the_block_store(capsys, checkpoints, family, variant):
+    import poros
+    from poros.stream.planner import plan_run
+
+    path = checkpoints[family]
+    status, out, err = run_cli(capsys, "train", "--model", str(path), "--device", "cpu", "--dry-run")
+    assert status == 0, err
+    plan = plan_run(PorosConfig(model=str(path), device="cpu"))
+    assert f"family      {family} " in out
+    assert "peak device memory (estimate)" in out and "expected host RAM (estimate" in out
+    assert "Nothing was loaded or trained" in out
+
+    model = poros.prepare(load_qlora(path, lora_rank=16, lora_alpha=32))
+    assert list(plan.block_bytes) == [block.nbytes for block in model.store.blocks]
+    assert plan.host_store_bytes == model.store.host_bytes
+    assert plan.lora_parameters == sum(p.numel() for p in model.trainable_parameters())
+    assert plan.num_blocks == len(model.store.blocks)
+    assert f"{plan.host_store_bytes:,}" in out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def test_dry_run_plan_with_double_quant_and_dora_equals_the_block_store(checkpoints, family):
+    import poros
+    from poros.stream.planner import plan_run
+
+    path = checkpoints[family]
+    plan = plan_run(PorosConfig(model=str(path), device="cpu", double_quant=True, use_dora=True, lora_rank=4,
+                                target_modules="default"))
+    model = poros.prepare(load_qlora(path, lora_rank=4, double_quant=True, use_dora=True,
+                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    assert list(plan.block_bytes) == [block.nbytes for block in model.store.blocks]
+    assert plan.lora_parameters == sum(p.numel() for p in model.trainable_parameters())
+
+
+def test_dry_run_plans_the_text_tower_of_a_multimodal_checkpoint(capsys, tmp_path, checkpoints):
+    import transformers
+
+    from poros.stream.planner import plan_run
+    from poros.testing import tiny_config
+
+    multimodal = transformers.Gemma3Config(
+        text_config=tiny_config("gemma3").to_dict(),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+    )
+    multimodal.save_pretrained(tmp_path)  # config.json only: a dry run reads no weights
+    status, out, err = run_cli(capsys, "train", "--model", str(tmp_path), "--device", "cpu", "--dry-run")
+    assert status == 0, err
+    assert "model_type gemma3_text, text tower of gemma3" in out
+    text_only = plan_run(PorosConfig(model=str(checkpoints["gemma3"]), device="cpu"))
+    assert plan_run(PorosConfig(model=str(tmp_path), device="cpu")).block_bytes == text_only.block_bytes
+
+
+def test_dry_run_finds_a_hub_id_in_the_hf_cache_and_never_downloads(capsys, tmp_path, monkeypatch, checkpoints):
+    import huggingface_hub
+
+    commit = "0" * 40
+    repo = tmp_path / "models--poros-test--tiny-qwen2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((checkpoints["qwen2"] / "config.json").read_text())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+
+    status, out, err = run_cli(capsys, "train", "--model", "poros-test/tiny-qwen2", "--device", "cpu", "--dry-run")
+    assert status == 0, err
+    assert "poros-test/tiny-qwen2 (HF cache:" in out and "family      qwen2 " in out
+
+    status, out, err = run_cli(capsys, "train", "--model", "poros-test/not-cached", "--dry-run")
+    assert status == 1 and out == ""
+    assert "not in the HF cache" in err and "never downloads" in err and "hf download poros-test/not-cached" in err
+
+
+def test_dry_run_on_the_bundled_default(capsys):
+    status, out, err = run_cli(capsys, "train", "--dry-run", "--device", "cpu")
+    assert status == 0, err
+    assert "(all defaults)" not in out  # --device cpu changed one field
+    assert "poros-tiny-qwen3 (bundled with poros:" in out and "family      qwen3 " in out
+
+
+BENCH_RECORDS = sorted((Path(__file__).resolve().parents[1] / "registry" / "results").glob("h200-*/bench-*layers-*.json"))
+
+
+@pytest.mark.parametrize("record_path", BENCH_RECORDS, ids=[f"{p.parent.name}/{p.stem}" for p in BENCH_RECORDS])
+def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch, record_path):
+    """Real shapes (cut to a few layers) as tools/bench.py built them on the GPU: exact block bytes,
+    and a peak estimate at or above the peak the bench measured."""
+    import importlib.util
+
+    from poros.stream.planner import plan_run
+
+    spec = importlib.util.spec_from_file_location("poros_bench", record_path.parents[3] / "tools" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    record = json.loads(record_path.read_text())
+    setup, measured = record["config"], record["arms"]["poros"]
+    config, _ = bench.model_config(setup["model"], layers=setup["model_info"]["num_hidden_layers"])
+    config.save_pretrained(tmp_path)
+    plan = plan_run(PorosConfig(
+        model=str(tmp_path), device="cuda", seq_len=setup["seq"], batch_size=setup["batch"],
+        double_quant=setup["quantization"]["double_quant"], compute_dtype=setup["quantization"]["compute_dtype"],
+        target_modules=setup["lora"]["targets"], lora_rank=setup["lora"]["rank"], num_slots=setup["num_slots"],
+        embeddings_on_host=True,
+    ))
+    assert plan.host_store_bytes == measured["host_bytes"]
+    assert plan.largest_block_bytes == measured["slot_bytes"]
+    assert plan.lora_parameters == record["build"]["trainable_parameters"]
+    assert plan.peak_device_bytes_estimate >= measured["peak_allocated_gb"] * 1e9
+
+
+def test_planner_quantized_bytes_follow_bitsandbytes():
+    from poros.stream.planner import padded, quantized_tensor_bytes
+
+    # 64x64 weight: 2048 packed bytes, 64 fp32 absmax, 16-value fp32 code table.
+    assert quantized_tensor_bytes(4096, double_quant=False) == [2048, 256, 64]
+    # double quant: uint8 absmax, fp32 offset, one nested fp32 absmax per 256 absmax, 256-value code.
+    assert quantized_tensor_bytes(4096, double_quant=True) == [2048, 64, 64, 4, 4, 1024]
+    assert quantized_tensor_bytes(65, double_quant=False) == [33, 8, 64]
+    assert [padded(n) for n in (0, 1, 512, 513)] == [0, 512, 512, 1024]
+
+
+# -- poros train: running ---------------------------------------------------------------------
+
+class _InterruptedTrainer:
+    launch_command = None
+
+    def train(self):
+        from poros.trainer import TrainResult
+
+        return TrainResult(steps=1, losses=[1.0], final_loss=1.0, interrupted=True, output_dir=Path("."),
+                           last_checkpoint=Path("checkpoint-1"))
+
+    def save(self, directory):  # pragma: no cover - must not be called for an interrupted run
+        raise AssertionError("an interrupted run must not save over the adapter")
+
+
+def test_interrupted_run_exits_130_and_hands_the_command_to_the_trainer(capsys, monkeypatch, tmp_path):
+    from poros.trainer import PorosTrainer
+
+    trainer = _InterruptedTrainer()
+    seen = []
+    monkeypatch.setattr(PorosTrainer, "from_config", classmethod(lambda cls, config: seen.append(config) or trainer))
+    config = tmp_path / "poros.yaml"
+    PorosConfig(steps=7).to_yaml(config)
+    status, _, _ = run_cli(capsys, "train", str(config), "--seq-len", "64")
+    assert status == 130
+    assert seen[0] == PorosConfig(steps=7, seq_len=64)
+    assert trainer.launch_command == ["poros", "train", str(config), "--seq-len", "64"]
+
+
+def test_train_end_to_end_through_the_entry_point(tmp_path, child_env):
+    """``python -m poros.cli.main train`` on the bundled model and data: adapter out, loadable by stock PEFT."""
+    output_dir = tmp_path / "adapter"
+    result = subprocess.run(
+        [sys.executable, "-m", "poros.cli.main", "train", "--steps", "2", "--seq-len", "64", "--logging-steps", "1",
+         "--output-dir", str(output_dir), "--device", "cpu"],
+        capture_output=True, text=True, timeout=300, check=False, env=child_env(POROS_LOAD_PLUGINS="", OMP_NUM_THREADS="1"),  # 1 thread: fast even on a busy CPU
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("adapter_model.safetensors", "adapter_config.json", "poros_config.json"):
+        assert (output_dir / name).is_file(), name
+    record = json.loads((output_dir / "poros_config.json").read_text())
+    assert record["config"]["steps"] == 2 and record["config"]["seq_len"] == 64
+
+    # The printed loading recipe works as printed.
+    snippet = re.search(r"Load it with PEFT:\n\n((?:    .*\n?)+)", result.stdout)
+    assert snippet, result.stdout[-2000:]
+    namespace: dict = {}
+    exec(textwrap.dedent(snippet.group(1)), namespace)  # noqa: S102 - our own printed snippet
+    names = [name for name, _ in namespace["model"].named_parameters() if "lora_A" in name]
+    assert names and all(".default." in name for name in names)
