@@ -222,6 +222,7 @@ def load_pretrained(
     load_tokenizer: bool = True,
     allow_pickle: bool = False,
     revision: str | None = None,
+    _blocks_to_host_on_cpu: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint as the family's causal LM with a 4-bit base, decoder blocks on the host.
 
@@ -265,7 +266,9 @@ def load_pretrained(
         extra["key_mapping"] = info.key_mapping
     _check_shapes(info)
     blocks_prefix = info.descriptor.decoder_layers + "."
-    with _blocks_to_host(blocks_prefix, move=device.type != "cpu"):
+    # On CPU the blocks are already on the host; tests pass _blocks_to_host_on_cpu=True to run the
+    # CUDA path's moves (each tensor replaced by a host copy) where there is no GPU.
+    with _blocks_to_host(blocks_prefix, move=device.type != "cpu" or _blocks_to_host_on_cpu):
         try:
             model, loading_info = transformers.AutoModelForCausalLM.from_pretrained(
                 path, config=info.text_config, quantization_config=quantization_config,
@@ -433,21 +436,32 @@ _LIBC = None
 
 
 def _to_host(module: nn.Module, name: str) -> None:
+    """Replace ``module.<name>`` by a host copy, keeping what transformers marked on it.
+
+    ``_is_hf_initialized`` must survive: transformers initialises, after loading, every tensor
+    without it (a Gemma 4 ``layer_scalar`` buffer would silently become 1.0).
+    """
     if name in module._buffers:
         buffer = module._buffers[name]
-        if buffer is not None and buffer.device.type != "cpu":
-            module._buffers[name] = buffer.to("cpu")
+        if buffer is not None:
+            moved = buffer.to("cpu", copy=True)
+            _keep_marks(buffer, moved)
+            module._buffers[name] = moved
         return
     param = module._parameters.get(name)
-    if param is None or param.device.type == "cpu":
+    if param is None:
         return
-    initialized = getattr(param, "_is_hf_initialized", False)
     if hasattr(param, "quant_state"):  # bnb Params4bit: .to moves the QuantState too, keeps the packing
-        moved = param.to("cpu")
+        moved = param.to("cpu") if param.device.type != "cpu" else param
     else:
-        moved = nn.Parameter(param.data.to("cpu"), requires_grad=param.requires_grad)
-    moved._is_hf_initialized = initialized
+        moved = nn.Parameter(param.data.to("cpu", copy=True), requires_grad=param.requires_grad)
+    _keep_marks(param, moved)
     module._parameters[name] = moved
+
+
+def _keep_marks(old: torch.Tensor, new: torch.Tensor) -> None:
+    if new is not old and hasattr(old, "_is_hf_initialized"):
+        new._is_hf_initialized = old._is_hf_initialized
 
 
 def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) -> None:
@@ -456,10 +470,9 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
 
     for layer in resolve_path(model, descriptor.decoder_layers):
         for module in layer.modules():
-            for name in list(module._parameters):
-                _to_host(module, name)
-            for name in list(module._buffers):
-                _to_host(module, name)
+            for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None and tensor.device.type != "cpu":
+                    _to_host(module, name)
 
 
 __all__ = ["adapters_to_device", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",

@@ -49,6 +49,16 @@ def test_loaded_base_is_bitwise_the_reference_base(family, tmp_path):
     assert_same_tensors(loaded.model.state_dict(), reference_base(path).state_dict())
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_device_paths_move_to_the_host_keeps_every_tensor(family, tmp_path):
+    """The CUDA path replaces each block tensor by a host copy as transformers sets it; run that path
+    here. transformers re-initialises any tensor that lost its ``_is_hf_initialized`` mark (Gemma 4's
+    ``layer_scalar`` buffers became 1.0 on the H200 before the mark was kept)."""
+    path = save_tiny_checkpoint(tmp_path / family, family, max_shard_size="20KB")
+    loaded = load_pretrained(path, load_tokenizer=False, device="cpu", _blocks_to_host_on_cpu=True)
+    assert_same_tensors(loaded.model.state_dict(), reference_base(path).state_dict())
+
+
 def save_text_tower(vlm, family: str, path: pathlib.Path) -> pathlib.Path:
     """The VLM's text weights as a text-only checkpoint of the family's causal LM (the expected result)."""
     causal = transformers.AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.bfloat16)
