@@ -17,7 +17,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "ArchitectureDescriptor": "poros.descriptor",
     "CarriedState": "poros.descriptor",
+    "PorosConfig": "poros.config",
     "PorosModel": "poros.model",
+    "PorosTrainer": "poros.trainer",
     "prepare": "poros.model",
     "patch_hf_model": "poros.model",
     "registry": "poros.registry",

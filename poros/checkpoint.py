@@ -1,0 +1,459 @@
+"""Training checkpoints: ``checkpoint-{step}/`` directories in the HF layout, written atomically.
+
+::
+
+    output_dir/
+      metrics.jsonl
+      checkpoint-50/                 complete: every file of REQUIRED_FILES is there
+        adapter_model.safetensors    PEFT's own save (keys base_model.model.<module path>.lora_A.weight)
+        adapter_config.json
+        optimizer.pt                 optimizer.state_dict()
+        scheduler.pt                 scheduler.state_dict()
+        rng_state.pth                python, numpy, torch CPU (+ CUDA) generator states
+        trainer_state.json           global_step, max_steps, losses, log_history, num_tokens, ...
+        data_state.json              the BatchIterator's position
+        poros_config.json            the run's PorosConfig, poros version, family, guarantee label
+      .checkpoint-100.tmp-<pid>-<hex>/   a save in progress (or killed): never looks like a checkpoint
+
+Notable choices:
+
+* **Atomic.** A checkpoint is written into a hidden temporary directory next to its final name,
+  flushed to disk, and renamed into place in one ``rename``: a kill at any moment leaves either
+  the complete ``checkpoint-{step}`` or nothing under that name, and the previous checkpoints
+  untouched. Rotation renames a checkpoint away before deleting it, for the same reason.
+  :func:`atomic_directory` is the one helper; ``PorosTrainer.save`` uses it too.
+* **Complete means every file.** :func:`list_checkpoints` ignores a ``checkpoint-*`` directory
+  that lacks a required file (e.g. a partial copy), so ``resume_from="auto"`` never picks one.
+* **Resuming refuses a different run.** :func:`check_resumable` compares the fields of the
+  configuration that change the math and names every one that differs, with the fix.
+* **Torch-free at import.** torch is imported inside the functions that save or load tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from poros.errors import TrainingCheckpointError
+
+logger = logging.getLogger("poros")
+
+CHECKPOINT_PREFIX = "checkpoint-"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_STATE_FILE = "rng_state.pth"
+TRAINER_STATE_FILE = "trainer_state.json"
+DATA_STATE_FILE = "data_state.json"
+POROS_CONFIG_FILE = "poros_config.json"
+REQUIRED_FILES = (ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_STATE_FILE,
+                  TRAINER_STATE_FILE, DATA_STATE_FILE, POROS_CONFIG_FILE)
+
+#: PorosConfig fields whose value changes what a training step computes. A checkpoint written
+#: with one value cannot continue a run with another (``steps`` is checked apart: see
+#: :data:`STEP_INDEPENDENT_SCHEDULES`).
+MATH_FIELDS = (
+    "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
+    "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
+    "dataset", "dataset_split", "chat_template", "seq_len", "batch_size", "grad_accum",
+    "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed",
+)
+#: Schedules whose learning rate at a step does not depend on the total number of steps: a run
+#: resumed with more (or fewer) ``steps`` continues the same curve.
+STEP_INDEPENDENT_SCHEDULES = ("constant", "constant_with_warmup")
+
+_CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+_TEMPORARY_NAME = re.compile(r"^\..+\.(tmp|old)-\d+-[0-9a-f]+$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic directories
+# ---------------------------------------------------------------------------------------------
+def _hidden_sibling(target: pathlib.Path, kind: str) -> pathlib.Path:
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _fsync_tree(directory: pathlib.Path) -> None:
+    """Flush every file under ``directory`` and the directories themselves to disk."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_directory(pathlib.Path(root))
+
+
+def _fsync_directory(directory: pathlib.Path) -> None:
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms that cannot open a directory (Windows): rename is still atomic
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def remove_directory(path: pathlib.Path) -> None:
+    """Delete a directory so that it never exists under its name half-deleted: rename, then delete."""
+    doomed = _hidden_sibling(path, "old")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike, *, merge: bool = False,
+                     written_last: str | None = None) -> Iterator[pathlib.Path]:
+    """Write a directory atomically: yield a temporary directory next to ``target``, then rename it.
+
+    On normal exit the temporary directory is flushed to disk and renamed to ``target``. An
+    existing ``target`` is touched only then: replaced whole (renamed away, the new one renamed
+    in, the old one deleted), or with ``merge`` kept, each new entry renamed over its namesake in
+    it (``written_last`` last) so that its other entries survive. On an exception the temporary
+    directory is deleted and ``target`` is untouched.
+
+    Args:
+        target: the directory to create or replace; its parent is created if missing.
+        merge: keep the entries of an existing ``target`` that the new directory does not have.
+        written_last: with ``merge``, the entry moved in after all others (a completion marker).
+
+    Raises:
+        TrainingCheckpointError: ``target`` exists and is not a directory.
+    """
+    target = pathlib.Path(target)
+    if target.exists() and not target.is_dir():
+        raise TrainingCheckpointError(
+            f"{target} exists and is a file; expected a directory (or nothing) to write into. Choose another "
+            "path or remove the file."
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = _hidden_sibling(target, "tmp")
+    temporary.mkdir()
+    try:
+        yield temporary
+        _fsync_tree(temporary)
+        if target.exists() and merge:
+            _merge_into(temporary, target, written_last)
+        elif target.exists():
+            previous = _hidden_sibling(target, "old")
+            os.rename(target, previous)
+            os.rename(temporary, target)
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.rename(temporary, target)
+        _fsync_directory(target.parent)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def _merge_into(source: pathlib.Path, target: pathlib.Path, written_last: str | None) -> None:
+    """Rename every entry of ``source`` over its namesake in ``target``; then delete ``source``."""
+    names = sorted(entry.name for entry in source.iterdir())
+    if written_last in names:
+        names.remove(written_last)
+        names.append(written_last)
+    for name in names:
+        destination = target / name
+        if destination.is_dir() and not destination.is_symlink():
+            remove_directory(destination)
+        os.replace(source / name, destination)
+    source.rmdir()
+
+
+def remove_partial_saves(directory: str | os.PathLike) -> list[pathlib.Path]:
+    """Delete the hidden temporary directories a killed save or rotation left in ``directory``."""
+    directory = pathlib.Path(directory)
+    removed = []
+    if directory.is_dir():
+        for path in sorted(directory.iterdir()):
+            if path.is_dir() and _TEMPORARY_NAME.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    if removed:
+        logger.info("poros: removed %d partial save(s) left by an interrupted run in %s", len(removed), directory)
+    return removed
+
+
+def write_json(path: pathlib.Path, payload: Any) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding checkpoints
+# ---------------------------------------------------------------------------------------------
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step of a ``checkpoint-{step}`` directory name, or None for any other name."""
+    match = _CHECKPOINT_NAME.match(pathlib.Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def missing_files(path: str | os.PathLike) -> list[str]:
+    """The files of :data:`REQUIRED_FILES` that ``path`` lacks (all of them when it is no directory)."""
+    path = pathlib.Path(path)
+    return [name for name in REQUIRED_FILES if not (path / name).is_file()]
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """Complete ``checkpoint-{step}`` directories in ``output_dir``, oldest step first."""
+    output_dir = pathlib.Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for path in output_dir.iterdir():
+        step = checkpoint_step(path)
+        if step is None or not path.is_dir():
+            continue
+        missing = missing_files(path)
+        if missing:
+            logger.warning("poros: ignoring incomplete checkpoint %s (missing %s)", path, ", ".join(missing))
+            continue
+        found.append((step, path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> pathlib.Path | None:
+    """The complete checkpoint with the highest step in ``output_dir``, or None."""
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def rotate_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> list[pathlib.Path]:
+    """Delete all but the ``keep`` newest complete checkpoints; returns the deleted paths.
+
+    Args:
+        keep: how many to keep (>= 1); None keeps all.
+    """
+    if keep is None:
+        return []
+    checkpoints = list_checkpoints(output_dir)
+    doomed = checkpoints[:max(len(checkpoints) - max(keep, 1), 0)]
+    for path in doomed:
+        remove_directory(path)
+        logger.info("poros: deleted %s (save_total_limit=%d)", path, keep)
+    return doomed
+
+
+# ---------------------------------------------------------------------------------------------
+# Random number generators
+# ---------------------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU and (when initialized) CUDA generator states, loadable with weights_only."""
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set every generator :func:`capture_rng_state` captured."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+def write_checkpoint(
+    output_dir: str | os.PathLike,
+    step: int,
+    *,
+    write_adapter: Callable[[pathlib.Path], None],
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    data_state: dict[str, Any],
+    poros_config: dict[str, Any],
+    save_total_limit: int | None = None,
+) -> pathlib.Path:
+    """Write ``output_dir/checkpoint-{step}`` atomically, then keep the ``save_total_limit`` newest.
+
+    Args:
+        write_adapter: writes the adapter files (``adapter_model.safetensors``,
+            ``adapter_config.json``) into the directory it is given.
+        optimizer, scheduler: saved with their ``state_dict()``.
+        trainer_state: counters and history, written as ``trainer_state.json``.
+        data_state: the batch iterator's ``state_dict()``, written as ``data_state.json``.
+        poros_config: written as ``poros_config.json``.
+        save_total_limit: complete checkpoints to keep, newest first; None keeps all.
+
+    Returns:
+        The checkpoint directory.
+    """
+    import torch
+
+    path = pathlib.Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}"
+    with atomic_directory(path) as directory:
+        write_adapter(directory)
+        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
+        torch.save(capture_rng_state(), directory / RNG_STATE_FILE)
+        write_json(directory / TRAINER_STATE_FILE, trainer_state)
+        write_json(directory / DATA_STATE_FILE, data_state)
+        write_json(directory / POROS_CONFIG_FILE, poros_config)
+        missing = missing_files(directory)
+        if missing:
+            raise TrainingCheckpointError(
+                f"checkpoint {path} would lack {', '.join(missing)} (the adapter writer did not write them); "
+                "expected every file of poros.checkpoint.REQUIRED_FILES. This is a bug in the caller of "
+                "write_checkpoint."
+            )
+    rotate_checkpoints(output_dir, save_total_limit)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class TrainingCheckpoint:
+    """A complete checkpoint directory, its JSON files read; tensors are loaded on demand.
+
+    Attributes:
+        path: the ``checkpoint-{step}`` directory.
+        step: ``trainer_state["global_step"]``.
+        trainer_state, data_state, poros_config: the parsed JSON files.
+    """
+
+    path: pathlib.Path
+    step: int
+    trainer_state: dict[str, Any]
+    data_state: dict[str, Any]
+    poros_config: dict[str, Any]
+
+    def adapter_state_dict(self, device=None) -> dict[str, Any]:
+        """The adapter tensors, keyed as PEFT saves them."""
+        from safetensors.torch import load_file
+
+        return load_file(self.path / ADAPTER_WEIGHTS_FILE, device=str(device or "cpu"))
+
+    def optimizer_state_dict(self, device=None) -> dict[str, Any]:
+        return _load_tensors(self.path / OPTIMIZER_FILE, device)
+
+    def scheduler_state_dict(self) -> dict[str, Any]:
+        return _load_tensors(self.path / SCHEDULER_FILE, "cpu")
+
+    def rng_state(self) -> dict[str, Any]:
+        return _load_tensors(self.path / RNG_STATE_FILE, "cpu")
+
+
+def _load_tensors(path: pathlib.Path, device) -> Any:
+    import torch
+
+    try:
+        return torch.load(path, map_location=device or "cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file: say which one
+        raise TrainingCheckpointError(
+            f"cannot read {path}: {type(error).__name__}: {error}; expected a file written by Poros's "
+            "write_checkpoint. Resume from another checkpoint (resume_from=<path>) or start fresh."
+        ) from error
+
+
+def read_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
+    """Open a checkpoint directory and read its JSON files.
+
+    Raises:
+        TrainingCheckpointError: ``path`` is not a directory, lacks a required file, or holds a
+            JSON file that cannot be parsed; the message names what is missing and the checkpoints
+            that do exist beside it.
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        siblings = [p.name for p in list_checkpoints(path.parent)] if path.parent.is_dir() else []
+        raise TrainingCheckpointError(
+            f"no checkpoint directory at {path}; expected a checkpoint-{{step}} directory written during training "
+            f"(complete ones beside it: {', '.join(siblings) or 'none'}). Pass one of those, or "
+            "resume_from='auto' to take the newest in output_dir."
+        )
+    missing = missing_files(path)
+    if missing:
+        raise TrainingCheckpointError(
+            f"checkpoint {path} is incomplete: it lacks {', '.join(missing)} (a checkpoint has "
+            f"{', '.join(REQUIRED_FILES)}). It was not written by a finished save; resume from an earlier "
+            "checkpoint, or resume_from='auto', which skips incomplete ones."
+        )
+    parsed = {}
+    for name in (TRAINER_STATE_FILE, DATA_STATE_FILE, POROS_CONFIG_FILE):
+        try:
+            parsed[name] = json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise TrainingCheckpointError(
+                f"cannot parse {path / name}: {error}; expected the JSON Poros wrote. Resume from another "
+                "checkpoint or start fresh."
+            ) from error
+    state = parsed[TRAINER_STATE_FILE]
+    return TrainingCheckpoint(path, int(state.get("global_step", checkpoint_step(path) or 0)), state,
+                              parsed[DATA_STATE_FILE], parsed[POROS_CONFIG_FILE])
+
+
+def _normalized(value: Any) -> Any:
+    return json.loads(json.dumps(value))  # tuples become lists, as in the JSON file
+
+
+def check_resumable(checkpoint: TrainingCheckpoint, config: dict[str, Any]) -> None:
+    """Refuse to continue ``config``'s run from a checkpoint written with different math.
+
+    Args:
+        checkpoint: the checkpoint to resume from.
+        config: the run's ``PorosConfig.to_dict()``.
+
+    Raises:
+        TrainingCheckpointError: a field of :data:`MATH_FIELDS` differs, ``steps`` differs under
+            a schedule that depends on it, or the checkpoint is past ``steps``.
+    """
+    saved = checkpoint.poros_config.get("config", {})
+    differences = []
+    for name in MATH_FIELDS:
+        if name in saved and _normalized(saved[name]) != _normalized(config.get(name)):
+            differences.append((name, saved[name], config.get(name)))
+    saved_steps = saved.get("steps", config.get("steps"))
+    if saved_steps != config.get("steps") and config.get("schedule") not in STEP_INDEPENDENT_SCHEDULES:
+        differences.append(("steps", saved_steps, config.get("steps")))
+    if differences:
+        listed = "; ".join(f"{name}: checkpoint {old!r}, this run {new!r}" for name, old, new in differences)
+        fix = ", ".join(f"{name}={old!r}" for name, old, _ in differences)
+        steps_note = (" (steps sets the length of the learning-rate schedule; only the "
+                      f"{'/'.join(STEP_INDEPENDENT_SCHEDULES)} schedules may be resumed with other steps)"
+                      if any(name == "steps" for name, _, _ in differences) else "")
+        raise TrainingCheckpointError(
+            f"checkpoint {checkpoint.path} was written by a run that computes differently — {listed}{steps_note}. "
+            f"Resuming continues the same run, so these must match. Fix: resume with {fix}, or start a new run "
+            "without resume_from (in another output_dir to keep these checkpoints)."
+        )
+    if checkpoint.step > int(config.get("steps", checkpoint.step)):
+        raise TrainingCheckpointError(
+            f"checkpoint {checkpoint.path} is at step {checkpoint.step}, past this run's steps={config.get('steps')}; "
+            f"expected steps >= {checkpoint.step}. Resume with steps={saved_steps}, or from an earlier checkpoint."
+        )
