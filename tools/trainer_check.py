@@ -22,7 +22,7 @@ report = {}
 for family in sys.argv[1:]:
     ckpt = save_tiny_checkpoint(work / family, family, seed=5, vocab_size=len(tok)); tok.save_pretrained(ckpt)
     chat = str(asset_path("poros-tiny-chat"))
-    S = dict(steps=4, seq_len=64, batch_size=2, grad_accum=2, lr=2e-2, schedule="linear", warmup=1,
+    S = dict(steps=4, seq_len=64, batch_size=int(os.environ.get("BATCH", 2)), grad_accum=int(os.environ.get("ACCUM", 2)), lr=2e-2, schedule="linear", warmup=1,
              weight_decay=0.01, max_grad_norm=0.5, seed=11, logging_steps=1, save_steps=2)
     t = PorosTrainer.from_pretrained(ckpt, lora_rank=4, lora_alpha=8, seed=11, output_dir=str(work / f"o{family}"))
     r = t.train(chat, **S)
@@ -35,10 +35,10 @@ for family in sys.argv[1:]:
     params = [p for p in ref.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-2, weight_decay=0.01)
     sch = transformers.get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=4)
-    it = BatchIterator(load_dataset(chat, tok, seq_len=64, seed=11), batch_size=2, pad_token_id=tok.pad_token_id, seed=11)
+    it = BatchIterator(load_dataset(chat, tok, seq_len=64, seed=11), batch_size=S["batch_size"], pad_token_id=tok.pad_token_id, seed=11)
     losses = []
     for _ in range(4):
-        mb = [{k: v.cuda() for k, v in it.next_batch().items()} for _ in range(2)]
+        mb = [{k: v.cuda() for k, v in it.next_batch().items()} for _ in range(S["grad_accum"])]
         n = sum((b["labels"][..., 1:] != -100).sum() for b in mb)
         sl = 0
         for b in mb:
