@@ -35,7 +35,9 @@ for family in sys.argv[1:]:
     params = [p for p in ref.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-2, weight_decay=0.01)
     sch = transformers.get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=4)
-    it = BatchIterator(load_dataset(chat, tok, seq_len=64, seed=11), batch_size=S["batch_size"], pad_token_id=tok.pad_token_id, seed=11)
+    # the tokenizer as PorosTrainer loads it from the checkpoint: for a qwen2 config.json AutoTokenizer
+    # picks Qwen2Tokenizer, which splits digits differently from the bundled tokenizer object `tok`
+    it = BatchIterator(load_dataset(chat, t.tokenizer, seq_len=64, seed=11), batch_size=S["batch_size"], pad_token_id=t.tokenizer.pad_token_id, seed=11)
     losses = []
     for _ in range(4):
         mb = [{k: v.cuda() for k, v in it.next_batch().items()} for _ in range(S["grad_accum"])]
