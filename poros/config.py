@@ -29,7 +29,7 @@ import yaml
 
 from poros.errors import ConfigError
 
-__all__ = ["PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown"]
+__all__ = ["PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget"]
 
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
               "on": True, "off": False}
@@ -118,6 +118,15 @@ class PorosConfig:
                                              choices=(None, "sdpa", "eager"))
     embeddings_on_host: bool | None = _field(None, "Keep frozen untied embedding tables in host memory; null: on "
                                              "when the device is CUDA.")
+    vram_budget: str | None = _field(None, "Device memory the run may use, e.g. '7GiB', '24GB', '7000MiB', '7.5G' "
+                                     "(binary): the planner picks the device slots and keeps as many of the last "
+                                     "blocks resident as fit (`poros plan` shows its plan); null: stream every block.")
+    stream_schedule: str = _field("layer-major", "How gradient accumulation streams the blocks: 'layer-major' (each "
+                                  "block crosses the link twice per step for all micro-batches, whose boundary "
+                                  "states stay on the device; bitwise the same gradients; with lora_dropout > 0 "
+                                  "the run falls back to micro-major and says so) or 'micro-major' (each "
+                                  "micro-batch streams every block, 2 x grad_accum copies per block per step).",
+                                  choices=("micro-major", "layer-major"))
 
     def __post_init__(self) -> None:
         hints = _type_hints()
@@ -146,7 +155,7 @@ class PorosConfig:
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
-        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation"):
+        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule"):
             choices = _metadata(name)["choices"]
             need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
                  f"pick one of {_choice_list(choices)}")
@@ -172,6 +181,12 @@ class PorosConfig:
         else:
             need(bool(self.target_modules) and all(name.strip() for name in self.target_modules), "target_modules",
                  "a non-empty list of non-empty module names", "e.g. target_modules: [q_proj, v_proj]")
+        if self.vram_budget is not None:
+            try:
+                parse_budget(self.vram_budget)
+            except ConfigError:
+                need(False, "vram_budget", "a size such as '7GiB', '24GB', '7000MiB' or '7.5G', or null",
+                     "e.g. vram_budget: 7GiB")
         if self.resume_from is not None:
             need(bool(self.resume_from.strip()), "resume_from", "'auto', a checkpoint directory or null",
                  "e.g. resume_from: auto")
@@ -341,6 +356,36 @@ class PorosConfig:
 
 # -- fields and types --------------------------------------------------------------------------------
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+               "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_budget(value: str | int) -> int:
+    """Bytes of a VRAM budget: ``"7GiB"`` (2^30), ``"7GB"`` (10^9), ``"7000MiB"``, ``"7.5G"`` (a bare
+    K/M/G/T is binary, as in ``ls -h``), ``"24 GiB"``, or an int of bytes.
+
+    Raises:
+        ConfigError: not a positive size in one of those forms.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"vram_budget={value!r} ({type(value).__name__}): expected a size such as '7GiB', "
+                          "'7GB', '7000MiB', '7.5G' or an int of bytes.")
+    if isinstance(value, int):
+        number, unit = float(value), ""
+    else:
+        match = _SIZE.fullmatch(value)
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise ConfigError(f"vram_budget={value!r} is not a size: expected a number and a unit such as '7GiB' "
+                              "(2^30 bytes), '7GB' (10^9), '7000MiB', '7.5G' (binary) or an int of bytes, e.g. "
+                              "--vram-budget 7GiB.")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    nbytes = int(number * _SIZE_UNITS[unit])
+    if nbytes <= 0:
+        raise ConfigError(f"vram_budget={value!r} is {nbytes} bytes; a budget must be positive, e.g. 7GiB.")
+    return nbytes
+
+
 def _metadata(name: str) -> dict[str, Any]:
     return _fields_by_name()[name].metadata
 
@@ -450,7 +495,7 @@ def _example(name: str) -> str:
     default = _fields_by_name()[name].default
     examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
                 "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main",
-                "chat_template": "null", "target_modules": "q_proj,v_proj"}
+                "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB"}
     if name in examples:
         return examples[name]
     if isinstance(default, bool):

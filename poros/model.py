@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import platform as _platform
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from poros.errors import (
     BaseNotFrozenError,
     CacheDuringTrainingError,
     CheckpointingError,
+    ConfigError,
     GuaranteeError,
     OffloadedModelError,
     QuantizationError,
@@ -33,6 +34,9 @@ from poros.errors import (
 )
 from poros.stream.executor import StreamingExecutor
 from poros.stream.store import BlockStore, HostEmbedding
+
+if TYPE_CHECKING:
+    from poros.stream.planner import Workload
 
 logger = logging.getLogger("poros")
 
@@ -55,6 +59,7 @@ class PorosModel(nn.Module):
         descriptor: the family descriptor found in the registry.
         store: the :class:`~poros.stream.store.BlockStore` holding the frozen block tensors.
         executor: the :class:`~poros.stream.executor.StreamingExecutor`.
+        budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
     """
 
     def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
@@ -308,8 +313,10 @@ def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module]):
     return check
 
 
-def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | None = None,
-            require: str | None = None) -> PorosModel:
+def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_host: bool | None = None,
+            require: str | None = None, resident_blocks: int | Iterable[int] | None = None,
+            vram_budget: str | int | None = None,
+            workload: Workload | Mapping[str, Any] | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
 
     Detects the family, quantization, adapters and platform, runs every gate, decides the guarantee
@@ -319,12 +326,22 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
     Args:
         model: an HF ``*ForCausalLM`` loaded with ``BitsAndBytesConfig(load_in_4bit=True, ...)`` and
             wrapped by PEFT (``get_peft_model``), or the bare causal LM.
-        num_slots: device slots in the block ring (2: compute one block while the next arrives).
+        num_slots: device slots in the block ring (default 2: compute one block while the next
+            arrives). With ``vram_budget`` the ring asked for; the planner gives fewer only when the
+            budget cannot hold them.
         embeddings_on_host: keep frozen embedding tables that are not tied to the head (the input
             embedding, Gemma 4's per-layer table) in host memory and look tokens up there; only the
             looked-up rows cross the link. Default: on when the compute device is CUDA.
         require: ``"bitwise"`` or ``"numerical"``: raise :class:`~poros.errors.GuaranteeError` if the
             label that applies is weaker.
+        resident_blocks: blocks kept on the device for good instead of streamed: an int N for the
+            last N blocks (the last of forward are the first of backward), or block indices.
+        vram_budget: device memory the run may use (``"7GiB"``, ``"24GB"``, an int of bytes): the
+            planner (``poros.stream.planner.plan_budget``) picks the slots and the resident blocks
+            for it and logs its decision; the plan is kept as ``PorosModel.budget_plan``. Needs
+            ``workload``; excludes ``resident_blocks``.
+        workload: the step the budget is planned for: a ``poros.stream.planner.Workload`` or a dict
+            of its fields (``batch_size``, ``seq_len``, ``grad_accum``, ``schedule``).
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
@@ -333,7 +350,11 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
         AlreadyPreparedError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
         BaseNotFrozenError, TrainableInBlockError, CheckpointingError, GuaranteeError: the gates
             (``docs/prepare.md`` lists each with its message).
+        ConfigError: ``resident_blocks`` names no block, or with ``vram_budget``; ``vram_budget``
+            without ``workload``, unparsable, or below the minimum the run needs (the message says
+            how much it needs).
     """
+    _check_budget_options(resident_blocks, vram_budget, workload)
     causal_lm = _causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
         raise AlreadyPreparedError(
@@ -367,6 +388,22 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
             f"pass require={label!r} (or None) to accept it."
         )
     logger.info(detection.summary())
+    if embeddings_on_host is None:
+        embeddings_on_host = device.type == "cuda"
+    budget_plan = None
+    if vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
+        from poros.stream import planner
+
+        budget_plan = planner.plan_for_model(
+            causal_lm, layers, _host_tables(causal_lm, descriptor), budget=vram_budget,
+            workload=_workload(workload), device=device,
+            compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
+            embeddings_on_host=embeddings_on_host)
+        logger.info(budget_plan.summary())
+        resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
+        embeddings_on_host = budget_plan.embeddings_on_host
+    else:
+        resident, num_slots = _resident_indices(resident_blocks, len(layers)), num_slots or 2
 
     # -- past the gates: now weights move --------------------------------------------------
     restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
@@ -374,9 +411,7 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
-    store = BlockStore(layers, device, num_slots=num_slots)
-    if embeddings_on_host is None:
-        embeddings_on_host = device.type == "cuda"
+    store = BlockStore(layers, device, num_slots=num_slots, resident=resident)
     host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
@@ -385,8 +420,55 @@ def prepare(model: nn.Module, *, num_slots: int = 2, embeddings_on_host: bool | 
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
     handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection)
+    object.__setattr__(handle, "budget_plan", budget_plan)  # the planner's decision (vram_budget), else None
     object.__setattr__(causal_lm, "_poros_handle", handle)
     return handle
+
+
+def _check_budget_options(resident_blocks: Any, vram_budget: Any, workload: Any) -> None:
+    if vram_budget is not None and resident_blocks is not None:
+        raise ConfigError(
+            f"prepare(resident_blocks={resident_blocks!r}, vram_budget={vram_budget!r}): the budget planner chooses "
+            "the resident blocks. Pass one of the two."
+        )
+    if vram_budget is not None and workload is None:
+        raise ConfigError(
+            f"prepare(vram_budget={vram_budget!r}) needs the step it plans for: the activations depend on it. Pass "
+            "workload={'seq_len': 512, 'batch_size': 1} (and 'grad_accum', 'schedule' when accumulating)."
+        )
+
+
+def _workload(workload: Any):
+    """A planner ``Workload`` from itself or a dict of its fields."""
+    from poros.stream.planner import Workload
+
+    if isinstance(workload, Workload):
+        return workload
+    if isinstance(workload, Mapping):
+        unknown = sorted(set(workload) - {"batch_size", "seq_len", "grad_accum", "schedule"})
+        if unknown:
+            raise ConfigError(f"workload has unknown keys {unknown}; expected batch_size, seq_len, grad_accum, "
+                              "schedule.")
+        return Workload(**workload)
+    raise ConfigError(f"workload={workload!r}: expected a poros.stream.planner.Workload or a dict of its fields, "
+                      "e.g. {'seq_len': 512, 'batch_size': 1}.")
+
+
+def _resident_indices(resident_blocks: int | Iterable[int] | None, count: int) -> tuple[int, ...]:
+    """``resident_blocks`` as block indices: an int N is the last N blocks."""
+    if resident_blocks is None:
+        return ()
+    if isinstance(resident_blocks, bool) or (isinstance(resident_blocks, int) and not 0 <= resident_blocks <= count):
+        raise ConfigError(f"resident_blocks={resident_blocks!r}: expected a number of blocks from 0 to {count} (the "
+                          f"last ones stay on the device) or a list of block indices.")
+    if isinstance(resident_blocks, int):
+        return tuple(range(count - resident_blocks, count))
+    indices = tuple(sorted(set(resident_blocks)))
+    wrong = [i for i in indices if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < count]
+    if wrong:
+        raise ConfigError(f"resident_blocks names {wrong}, not blocks of this model (indices 0..{count - 1}). Pass "
+                          "indices in that range, or an int N for the last N blocks.")
+    return indices
 
 
 def _host_tables(causal_lm: nn.Module, descriptor: ArchitectureDescriptor) -> list[nn.Module]:
@@ -413,7 +495,8 @@ def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
 
     Args:
         model: as for :func:`prepare`.
-        **options: passed to :func:`prepare` (``num_slots``, ``embeddings_on_host``, ``require``).
+        **options: passed to :func:`prepare` (``num_slots``, ``embeddings_on_host``, ``require``,
+            ``resident_blocks``, ``vram_budget``, ``workload``).
 
     Returns:
         The :class:`PorosModel` handle: ``detection``/``guarantee``, ``store`` and ``executor`` for

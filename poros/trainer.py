@@ -278,8 +278,16 @@ class PorosTrainer:
         torch.manual_seed(config.seed)
         peft_model = peft.get_peft_model(loaded.model, lora_config)
         adapters_to_device(peft_model, loaded.device)  # PEFT puts block adapters beside their host base layer
+        workload = None
+        if config.vram_budget is not None:
+            from poros.stream.planner import Workload
+
+            workload = Workload(config.batch_size, config.seq_len, config.grad_accum,
+                                _stream_schedule(config, peft_model))
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
-                        require=config.require)
+                        require=config.require, vram_budget=config.vram_budget, workload=workload)
+        if model.budget_plan is not None:
+            _echo(model.budget_plan.summary())
         if model.detection is not None:
             _echo(model.detection.summary())
         return cls(model, loaded.tokenizer, config)
@@ -628,7 +636,10 @@ class _Run:
 
         parameters = self.model.trainable_parameters()
         self.model.train()
-        layer_major = config.grad_accum > 1 and not _active_dropout(self.model)
+        layer_major = config.grad_accum > 1 and _stream_schedule(config, self.model) == "layer-major"
+        if config.grad_accum > 1 and config.stream_schedule == "layer-major" and not layer_major:
+            _echo("poros: dropout is active, so gradient accumulation runs micro-major (layer-major would "
+                  "draw the dropout masks in another order); set lora_dropout 0 for layer-major")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # peak_memory_gb: this run's training peak
         interrupted = False
@@ -760,6 +771,14 @@ class _Run:
               f"{self.last_checkpoint}\n"
               f"poros: resume with\n    {command}\n"
               f"poros: or in Python\n    {python}")
+
+
+def _stream_schedule(config, model) -> str:
+    """The schedule a run uses: the configured one, micro-major when a dropout is active."""
+    if config.stream_schedule == "layer-major" and any(
+            isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()):
+        return "micro-major"
+    return config.stream_schedule
 
 
 def _active_dropout(model: nn.Module) -> bool:

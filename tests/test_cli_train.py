@@ -208,7 +208,8 @@ def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch
         model=str(tmp_path), device="cuda", seq_len=setup["seq"], batch_size=setup["batch"],
         double_quant=setup["quantization"]["double_quant"], compute_dtype=setup["quantization"]["compute_dtype"],
         target_modules=setup["lora"]["targets"], lora_rank=setup["lora"]["rank"], num_slots=setup["num_slots"],
-        embeddings_on_host=True,
+        embeddings_on_host=True, grad_accum=setup.get("grad_accum", 1),
+        stream_schedule=setup.get("schedule", "micro-major"),
     ))
     assert plan.host_store_bytes == measured["host_bytes"]
     assert plan.largest_block_bytes == measured["slot_bytes"]

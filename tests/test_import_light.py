@@ -41,7 +41,8 @@ CHILD = textwrap.dedent("""\
     for argv in (["list-architectures"], ["list-architectures", "--json"], ["plugins"], ["plugins", "--json"],
                  ["doctor"], ["doctor", "--json"]):
         statuses[" ".join(argv)] = main(argv)
-    for argv in (["--help"], ["--version"], ["doctor", "--help"], ["init", "--help"], ["train", "--help"]):
+    for argv in (["--help"], ["--version"], ["doctor", "--help"], ["init", "--help"], ["train", "--help"],
+                 ["plan", "--help"]):
         try:
             main(argv)
         except SystemExit as exit_:
@@ -64,7 +65,7 @@ def test_poros_and_the_cli_run_without_the_ml_stack(child_env):
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     outcome = json.loads(line.removeprefix("RESULT "))
     assert outcome["families"] == ["qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4"]
-    assert len(outcome["statuses"]) == 11
+    assert len(outcome["statuses"]) == 12
     assert all(status == 0 for status in outcome["statuses"].values()), outcome["statuses"]
     assert outcome["foreign"] == [], f"imported beyond stdlib + core deps: {outcome['foreign']}"
     assert "is blocked" not in result.stderr

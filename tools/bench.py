@@ -6,6 +6,7 @@
         --arms resident,poros --json out.json
     python tools/bench.py --model qwen2.5-72b --layers 20          # truncated depth, same width
     python tools/bench.py --model qwen2.5-32b --arms poros --vram-limit 8   # an 8 GB card
+    python tools/bench.py --model qwen2.5-32b --arms poros --vram-budget 12GiB  # planner: resident blocks
     python tools/bench.py --model qwen2.5-72b --arms resident,control,poros # + reference vs itself
     python tools/bench.py --model tiny --device cpu --steps 2 --warmup 1    # CPU smoke test
 
@@ -673,13 +674,19 @@ def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
 
 def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"), device: torch.device, warmup: int, lr: float = 1e-3,
                  vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
-                 schedule: str = "micro-major", profile: bool = False) -> dict[str, Any]:
+                 schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
+                 compute=None, link_bytes_per_s: float | None = None) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
+
+    ``vram_budget`` goes to ``poros.prepare`` (the planner picks slots and resident blocks); the
+    poros arm records the planner's prediction for the setup prepare made (``prediction``: peak,
+    copy bytes, and the step when ``compute`` times and the link are given) next to what it measures.
 
     Returns:
         ``{"arms": {name: ArmResult}, "comparison": compare(...)}``.
     """
     import poros
+    from poros.stream import planner
 
     device = _device(device)
     named = trainable(peft_model)
@@ -693,12 +700,19 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
     if "poros" in arms:
         restore(named, initial)
         peft_model.get_base_model().activation_checkpointing_disable()
+        batch, seq = batches[0]["input_ids"].shape
+        workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule)
         try:
-            streamed = poros.prepare(peft_model, num_slots=num_slots)
+            streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
+                                     workload=workload if vram_budget is not None else None)
         except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
             results["poros"] = ArmResult("poros", status="error",
                                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             return {"arms": results, "comparison": None}
+        try:  # the planner's prediction for this setup, recorded next to the measurement
+            prediction = planner.predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
+        except Exception as exc:  # noqa: BLE001 - a planner bug must not cost the measurement
+            prediction = {"error": f"{type(exc).__name__}: {exc}"}
         store = streamed.store
         result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
                          vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
@@ -714,10 +728,14 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             "host_bytes": store.host_bytes,
             "slot_bytes": store.slot_bytes,
             "num_slots": store.num_slots,
+            "resident_blocks": list(store.resident_blocks),
+            "resident_bytes": store.resident_bytes,
             "blocks": len(store.blocks),
             "bytes_copied_per_step": copied // timed_steps if timed_steps else None,
             "fetches_per_step": counted["fetches"] / timed_steps if timed_steps else None,
             "h2d_gb_per_s": round(copied / timed_time / GB, 3) if timed_time else None,
+            "prediction": prediction,
+            "budget_plan": streamed.budget_plan.to_dict() if streamed.budget_plan is not None else None,
         })
         results["poros"] = result
     return {"arms": results, "comparison": compare(results, warmup)}
@@ -905,6 +923,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vram-limit", type=float, metavar="GB",
                         help="cap the process (set_per_process_memory_fraction) during each arm's steps")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
+    parser.add_argument("--vram-budget", metavar="SIZE",
+                        help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks")
+    parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
+                        help="time one block with the planner's compute probe before building, so the JSON holds "
+                             "the planner's step prediction (default: on CUDA when the poros arm runs)")
     parser.add_argument("--grad-accum", type=int, default=1, metavar="M",
                         help="micro-batches per optimizer step (HF num_items_in_batch semantics when M > 1)")
     parser.add_argument("--profile", action="store_true",
@@ -944,6 +967,16 @@ def main(argv=None) -> int:
     config, info = model_config(args.model, layers=args.layers)
     env = environment(device, args.commit)
     link = measure_link(device) if "poros" in args.arms else None
+    compute = None
+    if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):
+        from poros.stream import planner  # the planner's own probe, before the model takes the memory
+
+        compute = planner.probe_compute(
+            config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule), device,
+            compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
+            lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)
+            else targets)
+        free_memory(device)
 
     start = time.perf_counter()
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
@@ -957,14 +990,16 @@ def main(argv=None) -> int:
 
     outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
                            vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
-                           schedule=args.schedule, profile=args.profile)
+                           schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
+                           link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
         "environment": env,
         "config": {
             "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
-            "vram_limit_gb": args.vram_limit, "num_slots": args.slots, "grad_accum": args.grad_accum,
+            "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
+            "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
             "experts_implementation": args.experts, "lora": {"rank": args.rank, "alpha": args.alpha,
                                                              "dropout": 0.0, "targets": targets},

@@ -19,6 +19,7 @@ from poros.errors import PorosError
 SUBCOMMANDS = (
     "poros.cli.init",
     "poros.cli.train",
+    "poros.cli.plan",
     "poros.cli.list_architectures",
     "poros.cli.plugins",
     "poros.cli.doctor",
@@ -30,6 +31,7 @@ examples:
   $ poros init                        # write a commented poros.yaml with every setting
   $ poros train poros.yaml --dry-run  # validate it and print the memory plan; nothing is loaded
   $ poros train poros.yaml --steps 50 --lr 1e-4   # any setting can be overridden by name
+  $ poros plan poros.yaml --vram-budget 8GiB      # slots, resident blocks, peak and step for a budget
   $ poros doctor                      # versions, host memory and plugin problems, paste-ready
   $ poros list-architectures          # the model families this install can stream
   $ poros plugins                     # which package provides each family

@@ -17,12 +17,18 @@ forward pre-hook on the block and on every module in it that owns a streamed ten
 :class:`~poros.errors.StreamingError` if it is called while evicted. A QuantState is
 restored from its snapshot on every fetch, so bitsandbytes' in-place CPU repacking in eval mode
 (AVX512-BF16 CPUs) cannot leak from one fetch into the next.
+
+**Resident blocks** (``resident=``, e.g. the last blocks of forward, which backward needs first)
+are packed the same way into a buffer of their own on the device, bound once and never released:
+``fetch``/``wait``/``release`` do nothing for them, they never take a slot, and the ring of slots
+is sized for the streamed blocks only. The modules compute on the same bytes at the same
+alignment either way, so a resident block changes where bytes live, not what is computed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -55,9 +61,24 @@ class BlockRecord:
     module: nn.Module
     entries: list[Entry]
     nbytes: int
-    host: torch.Tensor  # uint8 [nbytes], pinned when the compute device is CUDA
+    # uint8 [nbytes]: the host buffer (pinned when the compute device is CUDA) of a streamed block,
+    # the block's own device buffer of a resident one
+    buffer: torch.Tensor
     quant_snapshots: list[tuple[Any, dict]] = field(default_factory=list)  # (QuantState, plain fields)
-    slot: int | None = None  # device slot holding the block, None when evicted
+    slot: int | None = None  # device slot holding the block, None when evicted (always None when resident)
+    resident: bool = False  # bound to its own device buffer for good
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host buffer of a streamed block.
+
+        Raises:
+            StreamingError: the block is resident (its bytes live on the device, there is no host copy).
+        """
+        if self.resident:
+            raise StreamingError(f"block {self.index} is resident: its bytes live in a device buffer, not on the "
+                                 "host. Read BlockRecord.buffer.")
+        return self.buffer
 
 
 @dataclass
@@ -109,6 +130,38 @@ def _quant_state_tensors(prefix: str, quant_state):
         yield from _quant_state_tensors(f"{prefix}.state2", nested)
 
 
+def _shared_tensor_keys(blocks: list[nn.Module]) -> set[tuple[int, str]]:
+    """``(id(owner), attr)`` of every tensor slot that several blocks reference (it stays where it is)."""
+    seen_in: dict[tuple[int, str], set[int]] = {}
+    for i, block in enumerate(blocks):
+        for _, owner, attr, _, _ in _frozen_tensors(block):
+            seen_in.setdefault((id(owner), attr), set()).add(i)
+    return {key for key, where in seen_in.items() if len(where) > 1}
+
+
+def _layout(block: nn.Module, shared: set[tuple[int, str]]) -> tuple[list[Entry], list[torch.Tensor], int]:
+    """Where each frozen tensor of ``block`` goes in its buffer: ``(entries, tensors, buffer bytes)``."""
+    entries: list[Entry] = []
+    tensors: list[torch.Tensor] = []
+    offset = 0
+    for name, owner, attr, kind, tensor in _frozen_tensors(block):
+        if (id(owner), attr) in shared:
+            continue
+        span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+        nbytes = span * tensor.element_size()
+        entries.append(Entry(name, owner, attr, kind, offset, nbytes, tensor.dtype, tuple(tensor.shape),
+                             tuple(tensor.stride()), span))
+        tensors.append(tensor)
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return entries, tensors, offset
+
+
+def packed_block_bytes(blocks: list[nn.Module]) -> list[int]:
+    """The buffer bytes :class:`BlockStore` gives each of ``blocks`` (before packing, nothing moves)."""
+    shared = _shared_tensor_keys(blocks)
+    return [_layout(block, shared)[2] for block in blocks]
+
+
 def _owners(block: nn.Module) -> list[nn.Module]:
     """The block and every module in it with a frozen parameter or a buffer of its own."""
     owners = [block]
@@ -128,67 +181,74 @@ def _quant_states(block: nn.Module):
 
 
 class BlockStore:
-    """Host buffers for the frozen tensors of ``blocks`` and a ring of ``num_slots`` device slots.
+    """Host buffers for the frozen tensors of ``blocks`` and a ring of device slots.
 
     Args:
         blocks: the decoder layers, in order.
-        device: the compute device; slots live there.
-        num_slots: how many blocks may hold weights on the device at once (>= 1).
+        device: the compute device; slots (and resident blocks) live there.
+        num_slots: how many streamed blocks may hold weights on the device at once (>= 1). The
+            ring never has more slots than there are streamed blocks.
         pin_memory: pin host buffers (default: when ``device`` is CUDA).
+        resident: indices of blocks kept on the device for good (copied once, here).
+
+    Raises:
+        StreamingError: ``num_slots < 1``, or a resident index that is not a block index.
     """
 
     def __init__(self, blocks: list[nn.Module], device: torch.device | str, *, num_slots: int = 2,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, resident: Iterable[int] = ()) -> None:
         if num_slots < 1:
             raise StreamingError(f"num_slots={num_slots}; a store needs at least 1 device slot. Pass num_slots>=1.")
+        resident = sorted(set(resident))
+        outside = [i for i in resident if not 0 <= i < len(blocks)]
+        if outside:
+            raise StreamingError(f"resident blocks {outside} do not exist: the model has {len(blocks)} decoder blocks "
+                                 f"(indices 0..{len(blocks) - 1}). Pass indices in that range.")
         self.device = torch.device(device)
-        self.num_slots = num_slots
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
         # A tensor slot that several blocks share (e.g. one adapter buffer referenced by every layer)
         # cannot follow one block's residency: it stays where it is, resident.
-        seen_in: dict[tuple[int, str], set[int]] = {}
-        for i, block in enumerate(blocks):
-            for _, owner, attr, _, _ in _frozen_tensors(block):
-                seen_in.setdefault((id(owner), attr), set()).add(i)
-        self.shared = {key for key, where in seen_in.items() if len(where) > 1}
-        self.blocks: list[BlockRecord] = [self._pack(i, block) for i, block in enumerate(blocks)]
-        self.slot_bytes = max((b.nbytes for b in self.blocks), default=0)
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
-        self.slot_owner: list[int | None] = [None] * num_slots
+        self.shared = _shared_tensor_keys(blocks)
+        self.blocks: list[BlockRecord] = [self._pack(i, block, i in resident) for i, block in enumerate(blocks)]
+        streamed = [b for b in self.blocks if not b.resident]
+        self.num_slots = min(num_slots, len(streamed))
+        self.slot_bytes = max((b.nbytes for b in streamed), default=0)
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(self.num_slots)]
+        self.slot_owner: list[int | None] = [None] * self.num_slots
         # CUDA: copies run on their own stream. `slot_ready[s]` fires when slot s holds its block;
         # `slot_free[s]` when the compute that last read slot s is done. No host synchronisation.
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
-        self.slot_ready = [torch.cuda.Event() for _ in range(num_slots)] if self.on_cuda else []
-        self.slot_free = [torch.cuda.Event() for _ in range(num_slots)] if self.on_cuda else []
+        self.slot_ready = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
+        self.slot_free = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
         self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # Guard the block and every module in it that owns a streamed tensor: calling any of
-        # them while the block is evicted raises, even when called directly.
+        # them while the block is evicted raises, even when called directly. Resident blocks
+        # are never evicted: they need no guard.
         self._hooks = [module.register_forward_pre_hook(self._guard(b.index))
-                       for b in self.blocks for module in _owners(b.module)]
+                       for b in streamed for module in _owners(b.module)]
         for block in self.blocks:
-            self._bind_placeholders(block)
+            if block.resident:
+                self._bind_all(block, block.buffer)
+            else:
+                self._bind_placeholders(block)
 
     # -- packing ---------------------------------------------------------------------------
-    def _pack(self, index: int, block: nn.Module) -> BlockRecord:
-        entries: list[Entry] = []
-        offset = 0
-        tensors = [t for t in _frozen_tensors(block) if (id(t[1]), t[2]) not in self.shared]
-        for name, owner, attr, kind, tensor in tensors:
-            span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
-            nbytes = span * tensor.element_size()
-            entries.append(Entry(name, owner, attr, kind, offset, nbytes, tensor.dtype, tuple(tensor.shape),
-                                 tuple(tensor.stride()), span))
-            offset += -(-nbytes // ALIGN) * ALIGN
-        host = torch.empty(offset, dtype=torch.uint8, pin_memory=self.pin_memory)
-        for entry, (_, _, _, _, tensor) in zip(entries, tensors):
-            self._view(host, entry).copy_(tensor)
-        # Plain fields only: the tensors are bound to slot views on fetch, and holding the
+    def _pack(self, index: int, block: nn.Module, resident: bool) -> BlockRecord:
+        entries, tensors, nbytes = _layout(block, self.shared)
+        if resident:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        for entry, tensor in zip(entries, tensors):
+            self._view(buffer, entry).copy_(tensor)
+        # Plain fields only: the tensors are bound to buffer or slot views, and holding the
         # originals here would keep the unpacked copies alive.
         snapshots = [(state, {k: None if isinstance(v, torch.Tensor) else v for k, v in vars(state).items()})
                      for state in _quant_states(block) if (id(state), "absmax") not in self.shared]
-        return BlockRecord(index, block, entries, offset, host, snapshots)
+        return BlockRecord(index, block, entries, nbytes, buffer, snapshots, resident=resident)
 
     @staticmethod
     def _view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
@@ -198,16 +258,24 @@ class BlockStore:
 
     # -- residency -------------------------------------------------------------------------
     def is_resident(self, index: int) -> bool:
-        return self.blocks[index].slot is not None
+        """Whether block ``index``'s weights are on the device now (fetched, or resident for good)."""
+        block = self.blocks[index]
+        return block.resident or block.slot is not None
+
+    @property
+    def resident_blocks(self) -> tuple[int, ...]:
+        """Indices of the blocks kept on the device for good."""
+        return tuple(b.index for b in self.blocks if b.resident)
 
     def fetch(self, index: int) -> None:
         """Make block ``index`` resident: copy its buffer into a free slot and bind its tensors.
+        Nothing happens for a block already fetched or resident for good.
 
         Raises:
             StreamingError: every slot holds another block (release one first).
         """
         block = self.blocks[index]
-        if block.slot is not None:
+        if block.resident or block.slot is not None:
             return
         slot = next((s for s, owner in enumerate(self.slot_owner) if owner is None), None)
         if slot is None:
@@ -219,17 +287,13 @@ class BlockStore:
         if self.on_cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.slot_free[slot])
-                target.copy_(block.host, non_blocking=True)
+                target.copy_(block.buffer, non_blocking=True)
                 self.slot_ready[slot].record(self.copy_stream)
         else:
-            target.copy_(block.host)
+            target.copy_(block.buffer)
         self.slot_owner[slot] = index
         block.slot = slot
-        for state, fields in block.quant_snapshots:
-            vars(state).clear()
-            vars(state).update(fields)
-        for entry in block.entries:
-            self._bind(entry, self._view(target, entry))
+        self._bind_all(block, target)
         self.stats.fetches[index] += 1
         self.stats.bytes_copied += block.nbytes
         self.stats.resident.add(index)
@@ -237,7 +301,10 @@ class BlockStore:
         self.stats.log.append(("fetch", index))
 
     def wait(self, index: int) -> None:
-        """Order the current (compute) stream after block ``index``'s copy. No-op on CPU."""
+        """Order the current (compute) stream after block ``index``'s copy. No-op on CPU and for a
+        resident block."""
+        if self.blocks[index].resident:
+            return
         slot = self.blocks[index].slot
         if slot is None:
             raise StreamingError(f"wait({index}): block {index} is not fetched; call fetch({index}) first.")
@@ -245,7 +312,8 @@ class BlockStore:
             torch.cuda.current_stream(self.device).wait_event(self.slot_ready[slot])
 
     def release(self, index: int) -> None:
-        """Evict block ``index``: placeholders back in, its slot free once queued compute is done."""
+        """Evict block ``index``: placeholders back in, its slot free once queued compute is done.
+        Nothing happens for a block not fetched or resident for good."""
         block = self.blocks[index]
         if block.slot is None:
             return
@@ -272,6 +340,14 @@ class BlockStore:
         else:
             setattr(entry.owner, entry.attr, tensor)
 
+    def _bind_all(self, block: BlockRecord, buffer: torch.Tensor) -> None:
+        """Point every tensor of ``block`` at its view of ``buffer`` (a slot or its resident buffer)."""
+        for state, fields in block.quant_snapshots:
+            vars(state).clear()
+            vars(state).update(fields)
+        for entry in block.entries:
+            self._bind(entry, self._view(buffer, entry))
+
     def _bind_placeholders(self, block: BlockRecord) -> None:
         for entry in block.entries:
             key = (entry.dtype, self.device)
@@ -297,7 +373,7 @@ class BlockStore:
                 vars(state).clear()
                 vars(state).update(fields)
             for entry in block.entries:
-                self._bind(entry, self._view(block.host, entry).to(self.device, copy=True))
+                self._bind(entry, self._view(block.buffer, entry).to(self.device, copy=True))
             block.slot = None
         self.slot_owner = [None] * self.num_slots
         for hook in self._hooks:
@@ -307,7 +383,13 @@ class BlockStore:
 
     @property
     def host_bytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks)
+        """Bytes of the streamed blocks' host buffers."""
+        return sum(b.nbytes for b in self.blocks if not b.resident)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the resident blocks' device buffers."""
+        return sum(b.nbytes for b in self.blocks if b.resident)
 
 
 class HostEmbedding:

@@ -1,0 +1,159 @@
+"""``poros plan``: what a VRAM budget buys -- device slots, resident blocks, peak and step time.
+
+Reads the same configuration as ``poros train`` (a ``poros.yaml`` and ``--key value``
+overrides; ``--vram-budget`` is the ``vram_budget`` field) and the checkpoint's ``config.json``
+only: nothing is loaded or trained. On CUDA it times one block of the model at the run's shapes
+(the compute probe) and the host-to-device link, and predicts the step; on the CPU, give the
+times (``--block-ms``, ``--link-gb-per-s``) or the step time is reported as unknown.
+Exit status: 0 planned, 1 a Poros error (the budget is below the minimum -- the message says how
+much the run needs --, a bad value or override), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from typing import Any
+
+DESCRIPTION = """\
+Plan a run for a VRAM budget without loading or training anything.
+
+  CONFIG          a poros.yaml (optional; `poros init` writes one)
+  --KEY VALUE     any PorosConfig field: --model, --vram-budget 7GiB, --seq-len, --batch-size,
+                  --grad-accum, --stream-schedule layer-major, --num-slots, --device ...
+
+The planner keeps the embedding tables on the host, gives the ring its slots, and makes the last
+blocks resident (the last of forward are the first of backward) as far as the budget allows: a
+resident block is never copied again. It prints the decisions, the predicted peak and its parts
+against the budget, the bytes copied per step, the predicted step time, and the budget that would
+take the copy off the critical path (the fewest resident blocks for which no block waits for its
+copy).
+"""
+
+EPILOG = textwrap.dedent("""\
+    examples:
+      $ poros plan --vram-budget 1GiB --device cpu          # the bundled tiny Qwen3, memory plan only
+      $ poros plan --model Qwen/Qwen2.5-32B --vram-budget 8GiB     # on CUDA: probe + step prediction
+      $ poros plan poros.yaml --vram-budget 24GB --seq-len 2048 --json
+      $ poros plan --model ./ckpt --vram-budget 12GiB --device cpu --block-ms 6,12 --link-gb-per-s 25
+
+      $ poros plan --model Qwen/Qwen2.5-72B --vram-budget 4GiB
+      poros plan: error: VRAM budget 4.29 GB is below the minimum for this run: it needs at least
+      ... Raise the budget to at least ...
+    """)
+
+USAGE = ("poros plan [-h] [CONFIG] [--KEY VALUE ...] [--block-ms FWD,BWD] [--head-ms MS] "
+         "[--link-gb-per-s GB] [--probe | --no-probe] [--json]")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan device slots and resident blocks for a VRAM budget; predict peak and step time",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        usage=USAGE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an abbreviation must be an unknown override, not one of these options
+    )
+    parser.add_argument("--block-ms", metavar="FWD,BWD",
+                        help="compute per block and micro-batch in ms: forward, recompute+backward (one number: "
+                             "their sum, split 1:2); skips the probe")
+    parser.add_argument("--head-ms", type=float, default=0.0, metavar="MS",
+                        help="head and loss, forward and backward, per micro-batch in ms (with --block-ms)")
+    parser.add_argument("--link-gb-per-s", type=float, metavar="GB",
+                        help="host-to-device GB/s (10^9 bytes); default: measured on CUDA")
+    parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
+                        help="time one block at the run's shapes on the device (default: on CUDA, unless "
+                             "--block-ms is given)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+    from poros.cli.train import _keep_unknown_arguments
+
+    _keep_unknown_arguments(parser)
+    return parser
+
+
+def parse_block_ms(text: str) -> tuple[float, float]:
+    """``"6,12"`` -> ``(0.006, 0.012)`` seconds; ``"18"`` -> ``(0.006, 0.012)`` (split 1:2).
+
+    Raises:
+        ConfigError: not one or two positive numbers.
+    """
+    from poros.errors import ConfigError
+
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or any(v <= 0 for v in values):
+        raise ConfigError(f"--block-ms {text!r}: expected FWD,BWD milliseconds per block and micro-batch (e.g. 6,12) "
+                          "or one total (split 1:2 between forward and recompute+backward).")
+    if len(values) == 1:
+        return values[0] / 3000, 2 * values[0] / 3000
+    return values[0] / 1000, values[1] / 1000
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from poros.cli.output import print_json
+    from poros.cli.train import load_config
+    from poros.errors import ConfigError
+    from poros.stream import planner
+    from poros.trainer import resolve_device
+
+    config = load_config(list(getattr(args, "arguments", [])))
+    device = resolve_device(config.device)
+    on_cuda = device.type == "cuda"
+    budget = config.vram_budget
+    if budget is None:
+        if not on_cuda:
+            raise ConfigError("poros plan needs a budget on the CPU: pass --vram-budget (e.g. --vram-budget 8GiB for "
+                              "an 8 GiB card); on CUDA it defaults to the device's memory.")
+        budget = torch.cuda.get_device_properties(device).total_memory
+    plan = planner.plan_run(config)
+    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule)
+
+    compute = link = None
+    link_source = None
+    if args.block_ms is not None:
+        forward, backward = parse_block_ms(args.block_ms)
+        compute = planner.ComputeTimes.uniform(plan.num_blocks, forward, backward, args.head_ms / 1000,
+                                               source=f"given: --block-ms {args.block_ms}"
+                                                      + (f" --head-ms {args.head_ms:g}" if args.head_ms else ""))
+    elif args.probe or (args.probe is None and on_cuda):
+        _, text_config = planner.load_text_config(Path(plan.checkpoint))
+        try:
+            compute = planner.probe_compute(
+                text_config, workload, device, compute_dtype=getattr(torch, config.compute_dtype),
+                quant_type=config.quantization, double_quant=config.double_quant,
+                attn_implementation=config.attn_implementation, lora_rank=config.lora_rank,
+                lora_alpha=config.lora_alpha, target_modules=config.target_modules,
+                lora_parameters=plan.lora_parameters)
+        except torch.OutOfMemoryError as error:
+            print(f"poros plan: the compute probe did not fit on {device} ({str(error).splitlines()[0]}); the step "
+                  "time stays unknown. Give --block-ms (and --link-gb-per-s) from another run, or free the device.",
+                  file=sys.stderr)
+    if args.link_gb_per_s is not None:
+        if args.link_gb_per_s <= 0:
+            raise ConfigError(f"--link-gb-per-s {args.link_gb_per_s:g}: expected a positive GB/s, e.g. 25 (PCIe 4 x16).")
+        link, link_source = args.link_gb_per_s * 1e9, "given: --link-gb-per-s"
+    elif compute is not None and (on_cuda or args.probe):
+        link = planner.measure_link(device)
+        link_source = "measured: one pinned 256 MiB copy" if on_cuda else "measured: a 256 MiB host memcpy (cpu)"
+    on_host = config.embeddings_on_host if config.embeddings_on_host is not None else on_cuda
+    budget_plan = planner.plan_budget(
+        plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
+        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0)
+    if args.json:
+        print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
+                    "device": plan.device, "link_source": link_source,
+                    "footprint": planner.asdict(plan.footprint()),
+                    "compute": planner.asdict(compute) if compute else None, "plan": budget_plan.to_dict()})
+    else:
+        print(planner.format_budget_plan(plan, budget_plan, link_source=link_source))
+    return 0

@@ -1,0 +1,462 @@
+"""The VRAM-budget planner, resident blocks in the store, ``prepare(vram_budget=)`` and ``poros plan``.
+
+* Resident blocks: streamed training with the last blocks kept on the device is bit-for-bit the
+  resident HF training (micro-major and layer-major), and the fetch counts drop by exactly them.
+* The planner's arithmetic on synthetic footprints: budgets parse, copy bytes and the pipeline
+  model follow their formulas, and the decisions keep their promises (a bigger budget never keeps
+  fewer blocks resident, a budget below the minimum fails naming it, at the minimum the plan fits,
+  a returned plan never needs more than the budget).
+* Calibration: the predicted peak against every bench record measured on the H200.
+* ``poros plan`` on the CPU (memory plan, given times, the probe) and its exit statuses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import poros
+from poros import registry
+from poros.cli.main import main
+from poros.descriptor import resolve_path
+from poros.config import PorosConfig
+from poros.errors import ConfigError
+from poros.stream import planner
+from poros.stream.planner import ComputeTimes, Footprint, Workload
+from poros.testing import load_qlora, save_tiny_checkpoint
+from test_layer_major import layer_major_steps, resident_steps, with_item_counts
+from test_parity import BASE_SETUP, assert_bitwise, make_batch, run_parity
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny ops run faster on one thread, and far faster when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    causal_lm = model.get_base_model()
+    return list(resolve_path(causal_lm, registry.for_config(causal_lm.config).decoder_layers))
+
+
+@pytest.fixture(scope="module")
+def gemma4_checkpoint(tmp_path_factory):
+    """Gemma 4 with KV sharing and per-layer inputs: a carried mapping crosses the resident boundary."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("g4") / "ckpt", "gemma4", "e2b", seed=5)
+
+
+# -- resident blocks in the store --------------------------------------------------------------
+
+def test_resident_blocks_are_bound_for_good_and_take_no_slot(gemma4_checkpoint):
+    model = load_qlora(gemma4_checkpoint, seed=5)
+    layers = decoder_layers(model)
+    originals = {name: t.detach().clone() for name, t in layers[-1].named_parameters() if not t.requires_grad}
+    streamed = poros.prepare(model, resident_blocks=2)
+    store = streamed.store
+    count = len(store.blocks)
+    assert store.resident_blocks == (count - 2, count - 1)
+    assert store.num_slots == 2 and store.slot_bytes == max(b.nbytes for b in store.blocks[:-2])
+    assert store.host_bytes == sum(b.nbytes for b in store.blocks[:-2])
+    assert store.resident_bytes == sum(b.nbytes for b in store.blocks[-2:])
+    for record in store.blocks:
+        params = [e for e in record.entries if e.kind == "param"]
+        if record.resident:  # real tensors, views of the block's own buffer, on the compute device
+            assert all(e.owner.numel() > 0 and e.owner.data_ptr() >= record.buffer.data_ptr() for e in params)
+        else:
+            assert all(e.owner.numel() == 0 for e in params)
+    before = (list(store.stats.fetches), store.stats.bytes_copied)
+    for index in store.resident_blocks:  # fetch / wait / release are no-ops: no copy, no count
+        store.fetch(index)
+        store.wait(index)
+        store.release(index)
+        assert store.is_resident(index)
+    assert (store.stats.fetches, store.stats.bytes_copied) == before and None in store.slot_owner
+
+    batch = make_batch(0, 2, 16, "left")
+    store.stats.reset()
+    streamed(**batch).loss.backward()
+    streamed_bytes = sum(b.nbytes for b in store.blocks[:-2])
+    assert store.stats.fetches == [2] * (count - 2) + [0, 0]  # the last streamed block is not kept across the turn
+    assert store.stats.bytes_copied == 2 * streamed_bytes
+    assert all(owner is None for owner in store.slot_owner)
+    store.stats.reset()
+    store.release_all()
+    streamed.unpatch()
+    restored = {name: t for name, t in layers[-1].named_parameters() if not t.requires_grad}
+    assert all(torch.equal(restored[name], value) for name, value in originals.items())
+
+
+def test_a_store_of_only_resident_blocks_has_no_ring(gemma4_checkpoint):
+    streamed = poros.prepare(load_qlora(gemma4_checkpoint, seed=5), resident_blocks=6)
+    assert streamed.store.num_slots == 0 and streamed.store.slot_bytes == 0 and streamed.store.host_bytes == 0
+    streamed(**make_batch(1, 1, 12, "none")).loss.backward()
+    assert sum(streamed.store.stats.fetches) == 0
+
+
+@pytest.mark.parametrize(("family", "variant", "resident"), [("qwen3", "default", 1), ("gemma4", "e2b", [0, 4, 5]),
+                                                             ("qwen3_5", "default", 2)],
+                         ids=["qwen3-last-1", "gemma4-e2b-scattered", "qwen3_5-last-2"])
+def test_training_with_resident_blocks_is_bitwise_resident(tmp_path, family, variant, resident):
+    streamed = run_parity(family, variant, BASE_SETUP, tmp_path, resident_blocks=resident)
+    count = len(streamed.store.blocks)
+    indices = set(range(count - resident, count)) if isinstance(resident, int) else set(resident)
+    assert set(streamed.store.resident_blocks) == indices
+    assert all((fetches == 0) == (i in indices) for i, fetches in enumerate(streamed.store.stats.fetches))
+
+
+def test_layer_major_with_resident_blocks_is_bitwise_and_fetches_streamed_blocks_twice(gemma4_checkpoint):
+    steps = [with_item_counts([make_batch(7 + 10 * s + m, 2, 14, "left") for m in range(3)]) for s in range(2)]
+    reference = load_qlora(gemma4_checkpoint, seed=5)
+    ref_losses, ref_opt = resident_steps(reference, steps)
+    model = load_qlora(gemma4_checkpoint, seed=5)
+    streamed = poros.prepare(model, resident_blocks=3)
+    streamed.store.stats.reset()
+    losses, opt = layer_major_steps(streamed, steps)
+    assert_bitwise(reference, model, ref_losses, losses, ref_opt, opt)
+    count = len(streamed.store.blocks)
+    # per optimizer step: each streamed block once per direction for all 3 micro-batches; resident ones never
+    assert streamed.store.stats.fetches == [2 * len(steps)] * (count - 3) + [0] * 3
+    workload = Workload(2, 14, 3, "layer-major")
+    block_bytes = tuple(b.nbytes for b in streamed.store.blocks)
+    assert streamed.store.stats.bytes_copied == len(steps) * planner.copy_bytes_per_step(
+        block_bytes, workload, streamed.store.resident_blocks)
+
+
+def test_resident_blocks_and_budget_options_are_checked_before_anything_moves(gemma4_checkpoint):
+    model = load_qlora(gemma4_checkpoint, seed=5)
+    for bad in (7, -1, [0, 6], True):
+        with pytest.raises(ConfigError, match="resident_blocks"):
+            poros.prepare(model, resident_blocks=bad)
+    with pytest.raises(ConfigError, match="Pass one of the two"):
+        poros.prepare(model, resident_blocks=1, vram_budget="1GiB", workload={"seq_len": 16})
+    with pytest.raises(ConfigError, match="workload="):
+        poros.prepare(model, vram_budget="1GiB")
+    with pytest.raises(ConfigError, match="needs at least"):
+        poros.prepare(model, vram_budget=1000, workload={"seq_len": 16})
+    # nothing moved: the model still runs as loaded and can be prepared
+    assert all(p.numel() > 0 for p in model.parameters())
+    poros.prepare(model).unpatch()
+
+
+def test_prepare_with_a_budget_applies_the_plan_and_trains_bitwise(tmp_path):
+    """A budget between the pipelined minimum and full residency: some blocks resident, the plan applied.
+    (With uniform blocks, once no more than ``num_slots`` blocks stream, their slots' bytes hold them
+    for good: the planner then makes every block resident.)"""
+    path = save_tiny_checkpoint(tmp_path / "probe", "qwen3", seed=3, num_layers=4)
+    model = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3, double_quant=True)
+    workload = Workload(batch_size=2, seq_len=20)
+    causal_lm = model.get_base_model()
+    layers = decoder_layers(model)
+    footprint = planner.footprint_of_model(causal_lm, layers, [], workload, device=torch.device("cpu"),
+                                           compute_dtype=torch.bfloat16)
+    # room for the ring and one resident block (two more would need a third block's bytes)
+    peak = planner.predict_peak(footprint, workload, resident=[3], num_slots=2, embeddings_on_host=False)
+    budget = planner.budget_for_peak(peak.total, context_bytes=0, slack=planner.ALLOCATOR_SLACK)
+
+    streamed = run_parity("qwen3", "default", {**BASE_SETUP, "config": {"num_layers": 4}}, tmp_path,
+                          vram_budget=budget, workload=workload)
+    plan = streamed.budget_plan
+    assert plan.resident_blocks == (3,) == streamed.store.resident_blocks
+    assert plan.num_slots == streamed.store.num_slots == 2 and not plan.embeddings_on_host
+    assert plan.needed_bytes <= budget
+    assert 0 not in streamed.store.stats.fetches[:3] and streamed.store.stats.fetches[3] == 0
+
+
+# -- the planner's arithmetic ------------------------------------------------------------------
+
+def test_budgets_parse_in_binary_and_decimal_units():
+    assert planner.parse_budget("7GiB") == 7 * GiB
+    assert planner.parse_budget("7GB") == 7 * 10**9
+    assert planner.parse_budget("7000MiB") == 7000 * 2**20
+    assert planner.parse_budget("7.5G") == int(7.5 * GiB)
+    assert planner.parse_budget(" 24 gib ") == 24 * GiB
+    assert planner.parse_budget(123456) == 123456
+    for bad in ("7 GB?", "seven", "7XB", "", "0GB", 0, -5, True, 7.5):
+        with pytest.raises(ConfigError, match="vram_budget"):
+            planner.parse_budget(bad)
+    with pytest.raises(ConfigError, match="vram_budget='7 GB\\?'"):
+        PorosConfig(vram_budget="7 GB?")
+
+
+def footprint(blocks: int = 8, block: int = 100, **changes) -> Footprint:
+    values = dict(block_bytes=(block,) * blocks, device_non_block_bytes=500, host_embedding_bytes=300,
+                  lora_parameter_bytes=40, boundary_bytes=10, recompute_bytes=60, head_bytes=200)
+    return Footprint(**{**values, **changes})
+
+
+def test_copy_bytes_per_step_follow_the_schedule():
+    sizes = (100, 110, 120, 130)
+    for micro in (1, 2, 5):
+        assert planner.copy_bytes_per_step(sizes, Workload(grad_accum=micro)) == micro * (2 * 460 - 130)
+        # layer-major: every block crosses the link twice per step, whatever M is (the last once)
+        assert planner.copy_bytes_per_step(sizes, Workload(grad_accum=micro, schedule="layer-major")) == 2 * 460 - 130
+    # resident tail: every streamed block twice (the last streamed one is not kept across the turn)
+    assert planner.copy_bytes_per_step(sizes, Workload(grad_accum=3), [2, 3]) == 3 * 2 * 210
+    assert planner.copy_bytes_per_step(sizes, Workload(), range(4)) == 0
+
+
+def test_the_pipeline_model_is_max_of_copy_and_compute_per_stage():
+    blocks, copy, fwd, bwd, head, optimizer = 6, 8.0, 5.0, 12.0, 3.0, 1.0  # copy in seconds at 1 byte/s
+    sizes = (copy,) * blocks
+    compute = ComputeTimes.uniform(blocks, fwd, bwd, head, optimizer)
+    step = planner.predict_step(sizes, Workload(), compute, 1.0)
+    # forward copy-bound (block 0's copy opens the pass), head, backward compute-bound (last block kept)
+    assert step.forward_s == pytest.approx(blocks * copy + fwd)
+    assert step.backward_s == pytest.approx(blocks * bwd)
+    assert step.step_s == pytest.approx(blocks * copy + fwd + head + blocks * bwd + optimizer)
+    assert step.copy_bound_stages == blocks - 1 and not step.copy_hidden
+    assert step.compute_s == pytest.approx(blocks * (fwd + bwd) + head + optimizer)
+    # one slot: nothing overlaps, every copy waits
+    one = planner.predict_step(sizes, Workload(), compute, 1.0, num_slots=1)
+    assert one.step_s == pytest.approx(step.compute_s + (2 * blocks - 1) * copy)
+    # everything resident: pure compute
+    assert planner.predict_step(sizes, Workload(), compute, 1.0, resident=range(blocks)).step_s \
+        == pytest.approx(step.compute_s)
+    # layer-major with M=2 makes forward compute-bound too: only the pass start waits
+    layer_major = planner.predict_step(sizes, Workload(grad_accum=2, schedule="layer-major"), compute, 1.0)
+    assert layer_major.copy_hidden and layer_major.exposed_copy_s == pytest.approx(copy)
+    with pytest.raises(ConfigError, match="model has 6"):
+        planner.predict_step(sizes, Workload(), ComputeTimes.uniform(5, 1, 1), 1.0)
+
+
+def test_peak_phases():
+    fp = footprint(blocks=4, block=100)
+    peak = planner.predict_peak(fp, Workload(), num_slots=2)
+    persistent = 2 * 100 + 500 + 3 * 40
+    assert peak.phase.startswith("head and loss") and peak.total == persistent + 4 * 10 + 200
+    big_recompute = planner.predict_peak(footprint(blocks=4, recompute_bytes=400), Workload())
+    assert big_recompute.phase == "block recompute and backward"
+    assert big_recompute.total == persistent + max(4 * 10 + 40 // 4, 2 * 10 + 40) + 400
+    # layer-major keeps M x L boundary states until backward is over
+    layer_major = planner.predict_peak(footprint(blocks=4, head_bytes=0), Workload(grad_accum=3, schedule="layer-major"))
+    assert layer_major.total == persistent + 3 * 5 * 10 + 40 + 60
+    # resident blocks replace streaming, the ring shrinks to the streamed blocks
+    assert planner.predict_peak(fp, Workload(), resident=[1, 2, 3]).persistent[0][1] == 100
+    assert planner.predict_peak(fp, Workload(), resident=range(4)).persistent[0][1] == 0
+    assert planner.predict_peak(fp, Workload(), embeddings_on_host=False).total == peak.total + 300
+
+
+def test_a_budget_below_the_minimum_names_the_minimum():
+    fp, workload = footprint(), Workload()
+    minimum = planner.minimum_budget(fp, workload)
+    with pytest.raises(ConfigError, match=f"needs at least {planner.format_gb(minimum)}".replace(".", r"\.")):
+        planner.plan_budget(fp, workload, minimum - 1)
+    plan = planner.plan_budget(fp, workload, minimum)
+    assert plan.needed_bytes <= minimum and plan.num_slots == 1 and plan.resident_blocks == ()
+    assert "1 device slot instead of 2" in plan.notes[0]
+    pipelined = planner.plan_budget(fp, workload, plan.pipelined_minimum_bytes)
+    assert pipelined.num_slots == 2 and pipelined.resident_blocks == ()
+
+
+def test_boundary_offload_is_reported_not_planned():
+    fp = footprint(boundary_bytes=1000)
+    workload = Workload(grad_accum=4, schedule="layer-major")
+    plan = planner.plan_budget(fp, workload, 10**6)
+    assert plan.boundary_states == "device" and plan.boundary_bytes == 4 * 8 * 1000
+    assert plan.boundary_offload_minimum_bytes < plan.minimum_bytes
+    with pytest.raises(ConfigError, match="boundary states on the host \\(not implemented yet\\)"):
+        planner.plan_budget(fp, workload, plan.minimum_bytes - 1)
+
+
+def test_hiding_the_copy():
+    fp = footprint(blocks=6, block=8)
+    slow_link = ComputeTimes.uniform(6, 5.0, 12.0, 1.0)  # copy 8 s > forward 5 s: forward copy-bound
+    plan = planner.plan_budget(fp, Workload(), 10**6, compute=slow_link, link_bytes_per_s=1.0)
+    # all but block 0: its forward copy opens the pass (nothing to hide it behind), its backward copy
+    # hides behind block 1's backward; block 0 resident would not be faster but for that first copy
+    assert plan.hide_copy_resident == 5 and plan.hide_copy_step.copy_hidden
+    assert plan.hide_copy_step.step_s == pytest.approx(plan.hide_copy_step.compute_s + 8.0)
+    assert plan.resident_blocks == tuple(range(6)) and plan.step.step_s == pytest.approx(plan.step.compute_s)
+    assert "5 already take the copy off the critical path" in plan.notes[0]
+    tight = planner.plan_budget(fp, Workload(), plan.hide_copy_bytes - 1, compute=slow_link, link_bytes_per_s=1.0)
+    assert len(tight.resident_blocks) < 5 and not tight.step.copy_hidden
+    assert any("layer-major accumulation over 2 or more" in note for note in plan.notes)
+    fast_link = ComputeTimes.uniform(6, 9.0, 12.0, 1.0)  # compute-bound everywhere: no block needs to stay
+    plan = planner.plan_budget(fp, Workload(), 10**6, compute=fast_link, link_bytes_per_s=1.0)
+    assert plan.hide_copy_resident == 0 and plan.hide_copy_bytes == plan.pipelined_minimum_bytes
+    assert planner.plan_budget(fp, Workload(), 10**6).hide_copy_resident is None  # unknown without times
+
+
+footprints = st.builds(
+    Footprint,
+    block_bytes=st.lists(st.integers(1, 10**6), min_size=1, max_size=12).map(tuple),
+    device_non_block_bytes=st.integers(0, 10**7), host_embedding_bytes=st.integers(0, 10**7),
+    lora_parameter_bytes=st.integers(0, 10**6), boundary_bytes=st.integers(0, 10**5),
+    recompute_bytes=st.integers(0, 10**6), head_bytes=st.integers(0, 10**7), workspace_bytes=st.integers(0, 10**5))
+workloads = st.builds(Workload, batch_size=st.just(1), seq_len=st.just(1), grad_accum=st.integers(1, 4),
+                      schedule=st.sampled_from(planner.SCHEDULES))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(fp=footprints, workload=workloads, slots=st.integers(1, 3), context=st.integers(0, 10**6),
+       timed=st.booleans(), data=st.data())
+def test_decisions_keep_their_promises(fp, workload, slots, context, timed, data):
+    compute = ComputeTimes.uniform(fp.num_blocks, data.draw(st.floats(0.001, 1.0)), data.draw(st.floats(0.001, 1.0)),
+                                   0.01) if timed else None
+    options = dict(num_slots=slots, compute=compute, link_bytes_per_s=10**6 if timed else None, context_bytes=context)
+    minimum = planner.minimum_budget(fp, workload, context_bytes=context)
+    assert planner.plan_budget(fp, workload, minimum, **options).needed_bytes <= minimum  # at the minimum it fits
+    with pytest.raises(ConfigError, match="needs at least"):
+        planner.plan_budget(fp, workload, minimum - 1, **options)
+    previous = -1
+    full = planner.budget_for_peak(planner.predict_peak(fp, workload, resident=range(fp.num_blocks)).total,
+                                   context_bytes=context, slack=planner.ALLOCATOR_SLACK)
+    for budget in sorted({minimum, *(minimum + (full - minimum) * k // 7 for k in range(1, 9)), full + 1}):
+        plan = planner.plan_budget(fp, workload, budget, **options)
+        assert plan.needed_bytes <= budget and plan.peak.total < plan.needed_bytes or plan.peak.total == 0
+        assert len(plan.resident_blocks) >= previous  # a bigger budget never keeps fewer blocks resident
+        assert plan.resident_blocks == tuple(range(fp.num_blocks - len(plan.resident_blocks), fp.num_blocks))
+        previous = len(plan.resident_blocks)
+        if timed and plan.hide_copy_bytes is not None and budget >= plan.hide_copy_bytes:
+            assert plan.step.copy_hidden
+    assert previous == fp.num_blocks  # with room for everything, everything stays
+
+
+# -- calibration against the H200 --------------------------------------------------------------
+
+BENCH_RECORDS = sorted(p for p in (ROOT / "registry" / "results").glob("h200-*/bench-*.json")
+                       if json.loads(p.read_text())["arms"].get("poros", {}).get("status") == "ok")
+
+
+@cache
+def _bench():
+    spec = importlib.util.spec_from_file_location("poros_bench_for_planner", ROOT / "tools" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@cache
+def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
+                 targets: tuple[str, ...], rank: int, attn: str | None) -> planner.Plan:
+    config, _ = _bench().model_config(model, layers=layers)
+    directory = tmp_root / f"{model}-{layers}"
+    config.save_pretrained(directory)
+    return planner.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
+                                        double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
+                                        embeddings_on_host=True, attn_implementation=attn))
+
+
+def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, float]:
+    record = json.loads(record_path.read_text())
+    setup, measured = record["config"], record["arms"]["poros"]
+    plan = _record_plan(tmp_root, setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"],
+                        setup["batch"], setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]),
+                        setup["lora"]["rank"], setup.get("attn_implementation"))
+    workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major")
+    peak = planner.predict_peak(plan.footprint(), workload, resident=measured.get("resident_blocks", ()),
+                                num_slots=setup["num_slots"])
+    assert plan.host_store_bytes - sum(plan.block_bytes[i] for i in measured.get("resident_blocks", ())) \
+        == measured["host_bytes"]
+    return peak.total, measured["peak_allocated_gb"] * 1e9
+
+
+def test_predicted_peak_is_within_15_percent_of_every_h200_record(tmp_path_factory):
+    """Every bench record with a finished Poros arm (micro-major and layer-major, seq 512 and 2048, 7B to 72B)."""
+    assert len(BENCH_RECORDS) >= 15
+    root = tmp_path_factory.mktemp("shapes")
+    errors = {}
+    for path in BENCH_RECORDS:
+        predicted, measured = predicted_and_measured(path, root)
+        errors[f"{path.parent.name}/{path.stem}"] = predicted / measured - 1
+    far = {name: f"{error:+.1%}" for name, error in errors.items() if abs(error) > 0.15}
+    assert not far, f"predicted peak off by more than 15 %: {far}"
+    assert any("layer-major" in name for name in errors)
+
+
+# -- poros plan --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("plan") / "ckpt", "qwen3", num_layers=4)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_plan_on_cpu_prints_the_memory_plan(capsys, tiny_checkpoint):
+    status, out, err = run_cli(capsys, "plan", "--model", str(tiny_checkpoint), "--vram-budget", "1GiB",
+                               "--device", "cpu", "--seq-len", "64")
+    assert status == 0, err
+    for line in ("budget      1.07 GB (1.0 GiB)", "resident blocks   4 of 4 (0..3)", "predicted peak allocated",
+                 "budget (fits)", "step time   unknown", "Minimum budget for this run"):
+        assert line in out, line
+    assert "hide copy   unknown" in out
+
+
+def test_plan_with_given_times_and_json(capsys, tiny_checkpoint):
+    base = ["plan", "--model", str(tiny_checkpoint), "--device", "cpu", "--seq-len", "64", "--grad-accum", "2",
+            "--stream-schedule", "layer-major", "--block-ms", "0.3,0.6", "--link-gb-per-s", "0.001"]
+    status, out, err = run_cli(capsys, *base, "--vram-budget", "1GiB", "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    plan = report["plan"]
+    assert plan["workload"] == {"batch_size": 1, "seq_len": 64, "grad_accum": 2, "schedule": "layer-major"}
+    assert plan["step"]["step_s"] > 0 and report["compute"]["source"] == "given: --block-ms 0.3,0.6"
+    assert plan["needed_bytes"] <= plan["budget_bytes"] and plan["hide_copy_resident"] is not None
+    minimum = plan["minimum_bytes"]
+    status, out, err = run_cli(capsys, *base, "--vram-budget", str(plan["pipelined_minimum_bytes"]))
+    assert status == 0, err
+    assert "resident blocks   0 of 4" in out and "predicted step" in out.lower() and "hide copy   needs" in out
+    status, out, err = run_cli(capsys, *base, "--vram-budget", str(minimum - 1))
+    assert status == 1 and out == ""
+    assert "below the minimum" in err and f"needs at least {planner.format_gb(minimum)}" in err
+
+
+def test_plan_probes_on_request(capsys, tiny_checkpoint):
+    status, out, err = run_cli(capsys, "plan", "--model", str(tiny_checkpoint), "--vram-budget", "1GiB",
+                               "--device", "cpu", "--seq-len", "32", "--probe")
+    assert status == 0, err
+    assert "compute     probe on cpu (1 block at batch 1 x seq 32" in out
+    assert "link        " in out and "(measured: a 256 MiB host memcpy (cpu))" in out
+
+
+def test_probe_segments_per_micro_batch():
+    """The probe's marks, layer-major over 2 micro-batches: each block's time runs from its first entry to
+    the next block's, divided by M."""
+    labels = ["start", "block 0", "block 0", "block 1", "block 1", "head", "head", "block 1", "block 1", "block 0",
+              "block 0", "end", "optimizer"]
+    times = [0, 1, 3, 5, 7, 9, 10, 11, 17, 23, 27, 31, 32]
+    segments = planner._segments(labels, [float(t) for t in times], layers=2, micro=2)
+    assert segments == {"forward 0": 2.0, "forward 1": 2.0, "backward 1": 6.0, "backward 0": 4.0, "head": 1.0,
+                        "optimizer": 1.0}
+    with pytest.raises(poros.errors.StreamingError, match="do not follow the executor's order"):
+        planner._segments(labels[:3] + labels[5:], [float(t) for t in times[:3] + times[5:]], layers=2, micro=2)
+
+
+def test_plan_errors_exit_1(capsys, tiny_checkpoint):
+    status, _, err = run_cli(capsys, "plan", "--model", str(tiny_checkpoint), "--device", "cpu")
+    assert status == 1 and "needs a budget on the CPU" in err
+    status, _, err = run_cli(capsys, "plan", "--model", str(tiny_checkpoint), "--device", "cpu",
+                             "--vram-budget", "7 GB?")
+    assert status == 1 and "vram_budget='7 GB?'" in err
+    status, _, err = run_cli(capsys, "plan", "--vram-budget", "1GiB", "--device", "cpu", "--block-ms", "fast")
+    assert status == 1 and "--block-ms 'fast'" in err
+
+
+# -- docs/consumer-gpus.md -----------------------------------------------------------------------
+
+def test_consumer_gpus_page_matches_the_planner_and_the_records(child_env):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "tools/gen_consumer_docs.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env=child_env(OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -1,0 +1,216 @@
+"""Render the generated tables of docs/consumer-gpus.md: what fits on which card, from the planner.
+
+    python tools/gen_consumer_docs.py            # rewrite the generated blocks of docs/consumer-gpus.md
+    python tools/gen_consumer_docs.py --check    # exit 1 if the page is stale (a test runs this)
+
+Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` is
+rewritten. The numbers come from two places, and every table says which:
+
+* **measured**: the H200 bench records under ``registry/results/h200-*/`` (named in the table);
+* **predicted**: ``poros.stream.planner`` on the real shapes of ``tools/bench.py``'s SHAPES (built
+  from their configs on the meta device, no download): block bytes exact, the rest its estimates.
+  Step times use per-block compute times *derived* from the H200 measurements (COMPUTE_RULE, printed
+  on the page), not measured on any consumer card.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docgen  # noqa: E402  (tools/docgen.py: write or --check)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "consumer-gpus.md"
+SHAPES = ("qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-32b", "gemma3-27b", "gemma4-31b", "qwen3.6-27b")
+CARDS_GIB = (8, 12, 16, 24, 32)
+LINKS_GB_PER_S = {"PCIe 4": 25.0, "PCIe 5": 55.0}
+SEQ, BATCH, RANK = 512, 1, 16
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+COMPUTE_RULE = ("resident reference step on the H200 (median, deterministic algorithms off, seq 512) divided by "
+                "the number of decoder blocks, split 1:2 between a block's forward and its recompute + backward; "
+                "head and optimizer counted inside that share")
+
+
+def _bench():
+    import bench  # tools/bench.py: the shapes and their configs
+
+    return bench
+
+
+def reference_records() -> dict[str, tuple[Path, dict]]:
+    """Per shape, the first full-depth H200 bench record at seq 512, batch 1, one micro-batch, no cap,
+    deterministic algorithms off, both arms finished."""
+    found: dict[str, tuple[Path, dict]] = {}
+    for path in sorted(ROOT.glob("registry/results/h200-*/bench-*.json")):
+        record = json.loads(path.read_text())
+        setup, arms = record["config"], record["arms"]
+        info = setup["model_info"]
+        if (setup["model"] in SHAPES and setup["model"] not in found and setup["seq"] == SEQ
+                and setup["batch"] == BATCH and setup.get("grad_accum", 1) == 1 and not setup.get("vram_limit_gb")
+                and not setup.get("vram_budget") and not setup["deterministic"]
+                and info["num_hidden_layers"] == info["full_depth"]
+                and all(arms.get(arm, {}).get("status") == "ok" for arm in ("resident", "poros"))):
+            found[setup["model"]] = (path, record)
+    return found
+
+
+def capped_records() -> list[tuple[Path, dict]]:
+    out = []
+    for path in sorted(ROOT.glob("registry/results/h200-*/bench-*.json")):
+        record = json.loads(path.read_text())
+        if record["config"].get("vram_limit_gb") and record["arms"].get("poros", {}).get("status") == "ok":
+            out.append((path, record))
+    return out
+
+
+_PLANS: dict[str, object] = {}
+
+
+def shape_plan(name: str):
+    """The planner's view of shape ``name`` at the page's run: NF4 + double quant, LoRA r16 on the seven
+    projections, seq 512, batch 1, on CUDA with the embeddings on the host."""
+    if name not in _PLANS:
+        from poros.config import PorosConfig
+        from poros.stream import planner
+
+        config, _ = _bench().model_config(name)
+        with tempfile.TemporaryDirectory() as directory:
+            config.save_pretrained(directory)
+            _PLANS[name] = planner.plan_run(PorosConfig(
+                model=directory, device="cuda", seq_len=SEQ, batch_size=BATCH, double_quant=True, lora_rank=RANK,
+                lora_alpha=2 * RANK, target_modules=list(TARGETS), embeddings_on_host=True,
+                attn_implementation="sdpa"))
+    return _PLANS[name]
+
+
+def derived_compute(name: str):
+    """Per-block compute times of shape ``name`` derived from its H200 resident step (COMPUTE_RULE)."""
+    from poros.stream import planner
+
+    _, record = reference_records()[name]
+    blocks = record["config"]["model_info"]["num_hidden_layers"]
+    per_block = record["arms"]["resident"]["median_step_s"] / blocks
+    return planner.ComputeTimes.uniform(blocks, per_block / 3, 2 * per_block / 3,
+                                        source="derived from the H200 resident step")
+
+
+def _plan(name: str, budget, link_gb_per_s: float | None = None):
+    from poros.stream import planner
+
+    plan = shape_plan(name)
+    return planner.plan_budget(
+        plan.footprint(), planner.Workload(BATCH, SEQ), budget, embeddings_on_host=True,
+        compute=derived_compute(name) if link_gb_per_s else None,
+        link_bytes_per_s=link_gb_per_s * 1e9 if link_gb_per_s else None, context_bytes=planner.CUDA_CONTEXT_BYTES)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f}"
+
+
+def _link(path: Path) -> str:
+    return f"[{path.name}](../{path.relative_to(ROOT).as_posix()})"
+
+
+def render_measured() -> str:
+    from poros.stream import planner
+
+    rows = ["| shape | blocks | resident peak GB | Poros peak GB | planner peak GB (error) | resident step s | "
+            "Poros step s | planner step s (derived compute, link as measured) | JSON |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, (path, record) in reference_records().items():
+        arms, plan = record["arms"], shape_plan(name)
+        workload = planner.Workload(BATCH, SEQ)
+        peak = planner.predict_peak(plan.footprint(), workload, num_slots=record["config"]["num_slots"]).total
+        measured = arms["poros"]["peak_allocated_gb"] * 1e9
+        link = record["build"]["link_h2d_gb_per_s"] * 1e9
+        step = planner.predict_step(plan.block_bytes, workload, derived_compute(name), link,
+                                    num_slots=record["config"]["num_slots"]).step_s
+        rows.append(f"| {name} | {plan.num_blocks} | {arms['resident']['peak_allocated_gb']:.2f} | {measured / 1e9:.2f} | "
+                    f"{_gb(peak)} ({peak / measured - 1:+.1%}) | {arms['resident']['median_step_s']:.3f} | "
+                    f"{arms['poros']['median_step_s']:.3f} | {step:.3f} | {_link(path)} |")
+    return "\n".join(rows)
+
+
+def render_capped() -> str:
+    rows = ["| shape | cap GB | Poros peak allocated GB | Poros peak reserved GB | Poros step s | JSON |",
+            "|---|---|---|---|---|---|"]
+    for path, record in capped_records():
+        poros = record["arms"]["poros"]
+        rows.append(f"| {record['config']['model']} | {record['config']['vram_limit_gb']:g} | "
+                    f"{poros['peak_allocated_gb']:.2f} | {poros['peak_reserved_gb']:.2f} | "
+                    f"{poros['median_step_s']:.3f} | {_link(path)} |")
+    return "\n".join(rows)
+
+
+def render_minimums() -> str:
+    rows = ["| shape | blocks | block MB | minimum budget GB (1 slot) | with 2 slots GB | peak allocated GB (2 slots) "
+            "| budget to hide the copy GB, PCIe 4 (blocks resident) | PCIe 5 | everything resident GB |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name in SHAPES:
+        plan = shape_plan(name)
+        base = _plan(name, 10**15)  # a budget that holds everything: all blocks resident
+        hide = {label: _plan(name, 10**15, link) for label, link in LINKS_GB_PER_S.items()}
+        pipelined = _plan(name, base.pipelined_minimum_bytes)
+        cells = [f"{_gb(p.hide_copy_bytes)} ({p.hide_copy_resident})" for p in hide.values()]
+        rows.append(f"| {name} | {plan.num_blocks} | {plan.largest_block_bytes / 1e6:.0f} | {_gb(base.minimum_bytes)} | "
+                    f"{_gb(base.pipelined_minimum_bytes)} | {_gb(pipelined.peak.total)} | {' | '.join(cells)} | "
+                    f"{_gb(base.needed_bytes)} |")
+    return "\n".join(rows)
+
+
+def render_cards() -> str:
+    from poros.errors import ConfigError
+
+    rows = ["| shape | card | fits | slots | resident blocks | peak allocated GB | needed GB | step s, PCIe 4 "
+            "(copy hidden) | step s, PCIe 5 (copy hidden) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in SHAPES:
+        for card in CARDS_GIB:
+            budget = f"{card}GiB"
+            try:
+                plans = [_plan(name, budget, link) for link in LINKS_GB_PER_S.values()]
+            except ConfigError:
+                minimum = _plan(name, 10**15).minimum_bytes
+                rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - |")
+                continue
+            plan = plans[0]
+            steps = " | ".join(f"{p.step.step_s:.2f} ({'yes' if p.step.copy_hidden else 'no'})" for p in plans)
+            rows.append(f"| {name} | {card} GiB | yes | {plan.num_slots} | {len(plan.resident_blocks)} of "
+                        f"{plan.num_blocks} | {_gb(plan.peak.total)} | {_gb(plan.needed_bytes)} | {steps} |")
+    return "\n".join(rows)
+
+
+BLOCKS = {
+    "rule": lambda: f"the {COMPUTE_RULE}.",
+    "measured": render_measured,
+    "capped": render_capped,
+    "minimums": render_minimums,
+    "cards": render_cards,
+}
+
+
+def render(page: str) -> str:
+    for name, function in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
+        if not pattern.search(page):
+            raise SystemExit(f"{PAGE}: no generated block {name!r}; add the BEGIN/END markers")
+        page = pattern.sub(lambda m: m.group(1) + function() + "\n" + m.group(2), page)
+    return page
+
+
+def main(argv=None) -> int:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return docgen.main(__doc__, PAGE, render, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
