@@ -7,11 +7,23 @@ not what the generator would write (the tests run that, so a page cannot drift f
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:
+    """Replace the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``
+    with ``blocks[name]()`` for every name; the prose around the markers is kept."""
+    for name, function in blocks.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
+        if not pattern.search(page_text):
+            raise SystemExit(f"{page}: no generated block {name!r}; add the BEGIN/END markers")
+        page_text = pattern.sub(lambda m: m.group(1) + function() + "\n" + m.group(2), page_text)
+    return page_text
 
 
 def main(description: str, page: Path, render: Callable[[str], str], argv: list[str] | None = None) -> int:

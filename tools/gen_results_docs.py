@@ -11,7 +11,6 @@ blocks comes from a JSON file under ``registry/results/h200-*/``, named in the t
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -166,12 +165,7 @@ BLOCKS = {
 
 
 def render(page: str) -> str:
-    for name, function in BLOCKS.items():
-        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
-        if not pattern.search(page):
-            raise SystemExit(f"{PAGE}: no generated block {name!r}; add the BEGIN/END markers")
-        page = pattern.sub(lambda m: m.group(1) + function() + "\n" + m.group(2), page)
-    return page
+    return docgen.fill_blocks(page, BLOCKS, PAGE)
 
 
 def main(argv=None) -> int:
