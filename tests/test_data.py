@@ -299,13 +299,28 @@ def test_explicit_chat_template_wins(tokenizer):
     assert labelled_runs(tokenizer, example) == ["Hello." + END]
 
 
-def test_template_that_rewrites_earlier_turns_is_rejected(tokenizer):
+def test_template_that_rewrites_earlier_turns_splits_conversations_per_turn(tokenizer, caplog):
     # Marks the last assistant message, as templates that strip <think> from past turns do.
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if loop.last and m['role'] == 'assistant' %}"
                 "[final] {% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                 {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with caplog.at_level("WARNING", logger="poros.data"):
+        data = tokenize_examples([Example.conversation(messages)], tokenizer, seq_len=64, chat_template=template)
+    first, second = data.examples
+    assert labelled_runs(tokenizer, first) == ["[final] b" + END]
+    assert labelled_runs(tokenizer, second) == ["[final] d" + END]
+    # the second example's context is the history as the template renders it (no [final] on b)
+    assert "assistant\nb" + END in tokenizer.decode(second["input_ids"])
+    assert "1 multi-turn conversations became one example per assistant turn" in caplog.text
+
+
+def test_template_not_prefix_stable_for_one_turn_is_rejected(tokenizer):
+    # The generation prompt is not how the template renders an assistant turn: no fallback can label it.
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant:\n{% endif %}")
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     with pytest.raises(DataError, match="prefix by prefix"):
         tokenize_examples([Example.conversation(messages)], tokenizer, seq_len=64, chat_template=template)
 
@@ -335,13 +350,17 @@ def test_real_model_templates_label_the_assistant_turns(tokenizer, template_name
     assert labelled_runs(tokenizer, example) == [header + "5." + end_of_turn, header + "8." + end_of_turn]
 
 
-def test_qwen3_template_is_not_prefix_stable_on_multi_turn(tokenizer):
+def test_qwen3_template_trains_multi_turn_one_assistant_turn_at_a_time(tokenizer, caplog):
     template = _trl_chat_template("qwen3")  # Qwen3's own: drops <think> from past assistant turns
     [single] = tokenize_examples([Example.conversation(MULTI_TURN[:3])], tokenizer, seq_len=512,
                                  chat_template=template).examples
     assert labelled_runs(tokenizer, single) == ["<think>\n\n</think>\n\n5.<|im_end|>"]
-    with pytest.raises(DataError, match="qwen3_training.jinja"):
-        tokenize_examples([Example.conversation(MULTI_TURN)], tokenizer, seq_len=512, chat_template=template)
+    with caplog.at_level("WARNING", logger="poros.data"):
+        first, second = tokenize_examples([Example.conversation(MULTI_TURN)], tokenizer, seq_len=512,
+                                          chat_template=template).examples
+    assert first == single
+    assert labelled_runs(tokenizer, second) == ["<think>\n\n</think>\n\n8.<|im_end|>"]
+    assert "qwen3_training.jinja" in caplog.text
 
 
 def test_template_that_raises_becomes_a_data_error(tokenizer):

@@ -14,7 +14,11 @@ conversation is rendered prefix by prefix with the chat template. ``messages[:i]
 through that turn's end. The tokens between the two are the turn, less any whitespace-only tokens
 the template puts after the end-of-turn token (the ``\\n`` between ChatML turns: the model never
 has to generate it). This needs every rendering to be a token prefix of the next one, which is
-checked; a template that rewrites earlier turns depending on what follows fails loudly.
+checked. A template that rewrites earlier turns depending on what follows (Qwen3's drops the
+``<think>`` block from every assistant turn but the last) cannot label a whole multi-turn
+conversation this way: such a conversation becomes one example per assistant turn (the turns
+before it as context, rendered as the template renders history), with one WARNING for the
+dataset; a template that is not prefix-stable even for one turn fails loudly.
 
 Imports no torch; the tokenizer is any HF tokenizer (``PreTrainedTokenizerBase``).
 """
@@ -110,6 +114,10 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None = None) -> s
     return CHATML_TEMPLATE
 
 
+class _NotPrefixStable(DataError):
+    """The chat template rendered a conversation prefix differently from the longer conversation."""
+
+
 class _ConversationTokenizer:
     """Per-message tokenization of conversations with one tokenizer and template."""
 
@@ -117,6 +125,17 @@ class _ConversationTokenizer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._blank: dict[int, bool] = {}
+        self.split = 0  # conversations split into one example per assistant turn
+
+    def per_turn(self, example: Example) -> list[tuple[list[int], list[int]]]:
+        """One example per trained turn: the messages up to it, loss on that turn only."""
+        results = []
+        for turn in self.trained_turns(example):
+            single = Example.conversation(example.messages[: turn + 1], trained_turns=[turn])
+            results.append(self.labelled(single, _encode(self.tokenizer, self.texts(single),
+                                                         add_special_tokens=False)))
+        self.split += 1
+        return results
 
     def render(self, messages: Sequence[Any], *, add_generation_prompt: bool) -> str:
         try:
@@ -164,7 +183,7 @@ class _ConversationTokenizer:
         at = next((i for i, (a, b) in enumerate(zip(shorter, longer)) if a != b), len(longer))
         before = self.tokenizer.decode(shorter[at: at + 12])
         after = self.tokenizer.decode(longer[at: at + 12])
-        raise DataError(
+        raise _NotPrefixStable(
             f"the chat template does not render conversations prefix by prefix: the tokens of {what} differ at token "
             f"{at} ({before!r} became {after!r}). Poros labels each assistant turn as the tokens between the "
             "rendering of the messages before it (with add_generation_prompt=True) and the rendering through it, "
@@ -243,7 +262,12 @@ def _tokenized(examples: Sequence[Example], tokenizer: Any, conversations: _Conv
             if example.kind == "conversation":
                 turns = conversations.trained_turns(example)
                 count = 2 * len(turns) + 1 if turns else 0
-                yield conversations.labelled(example, plain_ids[plain_at: plain_at + count])
+                try:
+                    yield conversations.labelled(example, plain_ids[plain_at: plain_at + count])
+                except _NotPrefixStable:
+                    if len(turns) < 2:
+                        raise  # not even one turn renders as a prefix: nothing to fall back to
+                    yield from conversations.per_turn(example)
             elif example.kind == "prompt_completion":
                 prompt_ids = special_ids[special_at]
                 completion_ids = _eos_appended(plain_ids[plain_at], eos_token_id)
@@ -309,6 +333,12 @@ def tokenize_examples(
             num_truncated += 1
             input_ids, labels = input_ids[:seq_len], labels[:seq_len]
         kept.append({"input_ids": input_ids, "labels": labels})
+    if conversations is not None and conversations.split:
+        logger.warning(
+            "poros: the chat template renders earlier turns differently once more turns follow (Qwen3's drops "
+            "<think> from past assistant turns), so %d multi-turn conversations became one example per assistant "
+            "turn. To train them whole, pass chat_template= a template that renders every turn the same way "
+            "(for Qwen3: trl/chat_templates/qwen3_training.jinja)", conversations.split)
     if not kept:
         reasons = []
         if untrainable:
