@@ -47,3 +47,16 @@ def child_env():
         return env
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny ops run faster on one thread, and far faster when other processes share the cores (two
+    OpenMP threads wait on each other at every op). Results are thread-count invariant on CPU.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -50,6 +50,8 @@ import poros
 from poros.testing import TINY_VARIANTS, all_linear_targets, load_qlora, save_tiny_checkpoint
 from test_parity import assert_bitwise, make_batch, train, trainable
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MATRIX_JSON = ROOT / "docs" / "adapters.json"
 WRITE_MATRIX = os.environ.get("POROS_WRITE_ADAPTER_MATRIX") == "1"
@@ -179,13 +181,6 @@ LORA_OPTIONS = {"lora_rank": 4, "lora_alpha": 8, "double_quant": True, "seed": S
 _outcomes: dict[tuple[str, str], dict[str, Any]] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny ops run faster on one thread; results are thread-count invariant on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", autouse=True)

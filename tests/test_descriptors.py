@@ -32,19 +32,13 @@ from poros.testing import (  # noqa: E402
     tiny_model,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 DESCRIPTORS = [r.descriptor for r in registry.architectures()]
 FAMILY_VARIANTS = [(d, v) for d in DESCRIPTORS for v in TINY_VARIANTS.get(d.name, ())]
 SEQUENCE_LENGTH = 2 * TINY_SLIDING_WINDOW  # longer than every sliding window
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny ops run faster on one thread, and far faster when other processes share the cores
-    (two OpenMP threads wait on each other at every op). Results are thread-count invariant on CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _variant_id(case) -> str:
