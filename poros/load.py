@@ -147,17 +147,13 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, *, revision: str | None 
         ) from exc
 
 
-def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool = False) -> CheckpointInfo:
-    """Check a checkpoint directory without reading weights: config, family, shards, format, tokenizer.
+def read_config(path: pathlib.Path) -> tuple[Any, Any]:
+    """``(config, text_config)`` of a checkpoint directory; ``text_config is config`` for a text model.
 
     Raises:
-        CheckpointLoadError: no or unreadable ``config.json``; an index naming a shard that is missing;
-            no weights; only pickle weights without ``allow_pickle=True``.
-        UnknownArchitectureError: no registered family claims the config's ``model_type``.
+        CheckpointLoadError: no ``config.json``, or transformers cannot read it.
     """
     import transformers
-
-    from poros import registry
 
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -170,7 +166,20 @@ def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool = False) -> Che
             f"{config_file} could not be read by transformers {transformers.__version__}: {exc}. A newer "
             f"model type may need a newer transformers; a hand-edited config must be valid JSON."
         ) from exc
-    text_config = config.get_text_config()
+    return config, config.get_text_config()
+
+
+def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool = False) -> CheckpointInfo:
+    """Check a checkpoint directory without reading weights: config, family, shards, format, tokenizer.
+
+    Raises:
+        CheckpointLoadError: no or unreadable ``config.json``; an index naming a shard that is missing;
+            no weights; only pickle weights without ``allow_pickle=True``.
+        UnknownArchitectureError: no registered family claims the config's ``model_type``.
+    """
+    from poros import registry
+
+    config, text_config = read_config(path)
     descriptor = registry.for_config(text_config)  # UnknownArchitectureError lists the known families
     weight_format, weight_files = _weight_files(path, allow_pickle)
     has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
@@ -475,5 +484,5 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
                     _to_host(module, name)
 
 
-__all__ = ["adapters_to_device", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
+__all__ = ["adapters_to_device", "read_config", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
            "resolve_checkpoint"]

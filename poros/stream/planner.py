@@ -117,27 +117,10 @@ def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tupl
 
 
 def load_text_config(directory: pathlib.Path) -> tuple[Any, Any]:
-    """``(config, text_config)`` of a checkpoint directory; ``text_config is config`` for a text model.
+    """``(config, text_config)`` of a checkpoint directory (:func:`poros.load.read_config`)."""
+    from poros.load import read_config
 
-    Raises:
-        CheckpointLoadError: no ``config.json``, or transformers cannot read it.
-    """
-    import json
-
-    import transformers
-
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise CheckpointLoadError(f"{directory} has no config.json: not a transformers checkpoint directory. "
-                                  "Point at the directory that save_pretrained wrote.")
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
-        raise CheckpointLoadError(
-            f"{config_file} could not be read by transformers {transformers.__version__}: {exc}. A newer model "
-            "type may need a newer transformers; a hand-edited config must be valid JSON."
-        ) from exc
-    return config, config.get_text_config()
+    return read_config(directory)
 
 
 def meta_skeleton(text_config: Any, compute_dtype: torch.dtype) -> nn.Module:
