@@ -140,6 +140,7 @@ def atomic_directory(target: str | os.PathLike, *, merge: bool = False,
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = _hidden_sibling(target, "tmp")
     temporary.mkdir()
+    previous = None
     try:
         yield temporary
         _fsync_tree(temporary)
@@ -155,6 +156,8 @@ def atomic_directory(target: str | os.PathLike, *, merge: bool = False,
         _fsync_directory(target.parent)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
+        if previous is not None and previous.exists() and not target.exists():
+            os.rename(previous, target)  # interrupted between the two renames: the old one goes back
         raise
 
 
@@ -229,15 +232,22 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> pathlib.Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def rotate_checkpoints(output_dir: str | os.PathLike, keep: int | None) -> list[pathlib.Path]:
+def rotate_checkpoints(output_dir: str | os.PathLike, keep: int | None,
+                       newest: str | os.PathLike | None = None) -> list[pathlib.Path]:
     """Delete all but the ``keep`` newest complete checkpoints; returns the deleted paths.
 
     Args:
         keep: how many to keep (>= 1); None keeps all.
+        newest: the checkpoint just written. Checkpoints with a higher step (left in ``output_dir``
+            by another run) are not this run's: they are neither counted nor deleted, so the one
+            just written is never the one that goes.
     """
     if keep is None:
         return []
     checkpoints = list_checkpoints(output_dir)
+    if newest is not None:
+        limit = checkpoint_step(pathlib.Path(newest))
+        checkpoints = [path for path in checkpoints if checkpoint_step(path) <= limit]
     doomed = checkpoints[:max(len(checkpoints) - max(keep, 1), 0)]
     for path in doomed:
         remove_directory(path)
@@ -330,7 +340,7 @@ def write_checkpoint(
                 "expected every file of poros.checkpoint.REQUIRED_FILES. This is a bug in the caller of "
                 "write_checkpoint."
             )
-    rotate_checkpoints(output_dir, save_total_limit)
+    rotate_checkpoints(output_dir, save_total_limit, newest=path)
     return path
 
 

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from poros import checkpoint as checkpoints
-from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
+from poros.errors import ConfigError, DataError, TrainingCheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
@@ -557,8 +557,13 @@ class _Run:
         from poros.data import BatchIterator, load_dataset
 
         config, tokenizer = self.config, self.trainer.tokenizer
+        if tokenizer is None and not (isinstance(self.data_source, str) and self.data_source == "synthetic"):
+            raise DataError(f"the checkpoint {config.model} has no tokenizer files, so only dataset 'synthetic' can "
+                            "be trained without one. Fix: copy the base model's tokenizer files next to its "
+                            "config.json, or pass a tokenizer: PorosTrainer(model, tokenizer, config)")
         data = load_dataset(self.data_source, tokenizer, seq_len=config.seq_len, split=config.dataset_split,
-                            chat_template=config.chat_template, seed=config.seed)
+                            chat_template=config.chat_template, seed=config.seed,
+                            vocab_size=self.model.config.vocab_size)
         pad_token_id = None
         if tokenizer is not None:
             pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -609,6 +614,10 @@ class _Run:
         self.losses = [float(loss) for loss in state.get("losses", [])]
         self.num_tokens = int(state.get("num_tokens", 0))
         self.log_history = list(state.get("log_history", []))
+        # the logging window in progress at the checkpoint (a resume between two logging steps): its
+        # first row must average the same steps as the uninterrupted run's
+        last_logged = self.log_history[-1]["step"] if self.log_history else 0
+        self.window_losses = self.losses[last_logged:]
         checkpoints.restore_rng_state(checkpoint.rng_state())
         _echo(f"poros: resumed from {checkpoint.path} at step {checkpoint.step}/{self.config.steps}")
 

@@ -105,6 +105,38 @@ def test_rotation_keeps_the_newest(tmp_path):
     assert _entries(tmp_path) == ["checkpoint-3", "checkpoint-4"]  # nothing half-deleted left behind
 
 
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    """Checkpoints of a later step left by another run in the same output_dir are not this run's."""
+    for step in (200, 300):
+        _fake_checkpoint(tmp_path, step)
+    newest = _fake_checkpoint(tmp_path, 50)
+    assert checkpoints.rotate_checkpoints(tmp_path, 2, newest=newest) == []
+    _fake_checkpoint(tmp_path, 60)
+    _fake_checkpoint(tmp_path, 70)
+    deleted = checkpoints.rotate_checkpoints(tmp_path, 2, newest=tmp_path / "checkpoint-70")
+    assert [p.name for p in deleted] == ["checkpoint-50"]
+    assert _entries(tmp_path) == ["checkpoint-200", "checkpoint-300", "checkpoint-60", "checkpoint-70"]
+
+
+def test_replacing_a_checkpoint_interrupted_between_the_renames_keeps_the_old_one(tmp_path, monkeypatch):
+    target = _fake_checkpoint(tmp_path, 5)
+    real_rename, calls = checkpoints.os.rename, []
+
+    def rename(source, destination):
+        calls.append(destination)
+        if len(calls) == 2:  # the new directory into place: a second Ctrl-C lands here
+            raise KeyboardInterrupt
+        real_rename(source, destination)
+
+    monkeypatch.setattr(checkpoints.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        with checkpoints.atomic_directory(target) as temporary:
+            (temporary / "new").write_text("new")
+    monkeypatch.setattr(checkpoints.os, "rename", real_rename)
+    assert (target / checkpoints.TRAINER_STATE_FILE).exists() and not (target / "new").exists()
+    assert _entries(tmp_path) == ["checkpoint-5"]
+
+
 def test_read_checkpoint_names_what_is_missing(tmp_path):
     _fake_checkpoint(tmp_path, 4)
     _fake_checkpoint(tmp_path, 6, skip=(checkpoints.RNG_STATE_FILE,))

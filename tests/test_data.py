@@ -197,7 +197,8 @@ def test_text_is_all_trainable_and_ends_with_eos(tokenizer):
     assert example["labels"] == example["input_ids"]
     assert example["input_ids"][-1] == tokenizer.eos_token_id
     assert tokenizer.decode(example["input_ids"]) == "The day after Monday is Tuesday." + END
-    assert data.trainable_share == 1.0
+    # every token but the first is a loss term (nothing precedes the first to predict it from)
+    assert data.trainable_tokens == len(example["input_ids"]) - 1
 
 
 def test_prompt_completion_strings_train_on_the_completion_only(tokenizer):
@@ -372,6 +373,33 @@ def test_template_that_raises_becomes_a_data_error(tokenizer):
 
 
 # -- truncation, dropping, nothing trainable --------------------------------------------------------
+def test_an_example_whose_only_label_is_its_first_token_is_dropped(tokenizer):
+    """labels[0] is never a loss term (the loss shifts labels by one): an empty text (eos only) would
+    give a step with num_items_in_batch 0, a 0/0 loss."""
+    data = tokenize_examples(to_examples([{"text": ""}, {"text": "Hello world"}], "text"), tokenizer, seq_len=64)
+    assert data.num_examples == 1 and data.num_dropped == 1
+    [example] = data.examples
+    assert data.trainable_tokens == len(example["labels"]) - 1  # every label but the first is a loss term
+
+
+def test_synthetic_data_without_a_tokenizer_takes_the_vocabulary_size():
+    data = load_dataset("synthetic", None, seq_len=16, vocab_size=100)
+    assert all(max(example["input_ids"]) < 100 for example in data.examples)
+    with pytest.raises(DataError, match="vocab_size"):
+        load_dataset("synthetic", None, seq_len=16)
+
+
+def test_local_files_with_a_byte_order_mark(tmp_path):
+    """Excel's "CSV UTF-8" and Notepad start files with a BOM; it is not part of the first column name."""
+    csv_file = tmp_path / "data.csv"
+    csv_file.write_text("text\nhello\n", encoding="utf-8-sig")
+    jsonl_file = tmp_path / "data.jsonl"
+    jsonl_file.write_text('{"text": "hello"}\n', encoding="utf-8-sig")
+    assert load_records(str(csv_file)) == [{"text": "hello"}]
+    assert load_records(str(jsonl_file)) == [{"text": "hello"}]
+
+
+
 def test_truncation_keeps_the_start_and_counts(tokenizer):
     long_answer = "The capital of France is Paris. " * 20
     records = [{"messages": [{"role": "user", "content": "Tell me about Paris."},

@@ -139,7 +139,7 @@ def train(config, *, launch_command: list[str]) -> int:
     """Load, train, save; the exit status (0, or 130 when interrupted)."""
     import sys
 
-    from poros.trainer import PorosTrainer
+    from poros.trainer import PorosTrainer, _StopRequest
 
     try:
         trainer = PorosTrainer.from_config(config)
@@ -150,8 +150,15 @@ def train(config, *, launch_command: list[str]) -> int:
         return 130
     if result.interrupted:
         return 130  # the trainer wrote checkpoint-{step} and printed how to resume
-    output_dir = trainer.save(config.output_dir)
+    # A signal during the final save (a preemption's SIGTERM) waits for the save: with save_steps 0
+    # the adapter is the only copy of the run.
+    with _StopRequest() as stop:
+        output_dir = trainer.save(config.output_dir)
     print(loading_instructions(config.model, output_dir))
+    if stop.signal_name is not None:
+        print(f"poros train: {stop.signal_name} arrived during the final save; the adapter was saved first.",
+              file=sys.stderr)
+        return 130
     return 0
 
 

@@ -81,7 +81,7 @@ def _read_json(text: str, path: pathlib.Path, split: str) -> list[Any]:
 
 
 def _read_csv(path: pathlib.Path) -> list[Any]:
-    with path.open(newline="", encoding="utf-8") as handle:
+    with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: Excel's "CSV UTF-8" starts with a BOM
         return list(csv.DictReader(handle))
 
 
@@ -114,7 +114,7 @@ def read_local_file(path: str | os.PathLike, *, split: str = "train") -> list[di
     if suffix == ".csv":
         records = _read_csv(path)
     else:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (Notepad) is not data
         records = _read_json_lines(text, path) if suffix == ".jsonl" else _read_json(text, path, split)
     return _check_records(records, str(path))
 
@@ -203,6 +203,7 @@ def load_dataset(
     split: str = "train",
     chat_template: str | None = None,
     seed: int = 0,
+    vocab_size: int | None = None,
 ):
     """From what the user brings to tokenized, loss-masked examples: the one call the trainer makes.
 
@@ -216,6 +217,8 @@ def load_dataset(
         chat_template: a Jinja chat template instead of the tokenizer's own.
         seed: the seed of ``"synthetic"`` data (real data is not shuffled here; the batch
             iterator shuffles).
+        vocab_size: the vocabulary of ``"synthetic"`` data when there is no tokenizer (the model's
+            ``config.vocab_size``).
 
     Returns:
         :class:`~poros.data.TokenizedData`; its :meth:`~poros.data.TokenizedData.summary` is
@@ -232,7 +235,10 @@ def load_dataset(
     if isinstance(source, TokenizedData):
         data = source
     elif isinstance(source, str) and source == SYNTHETIC:
-        data = synthetic_examples(vocab_size=len(tokenizer), seq_len=seq_len, seed=seed)
+        if tokenizer is None and vocab_size is None:
+            raise DataError('dataset "synthetic" needs a vocabulary size: pass a tokenizer or vocab_size=')
+        data = synthetic_examples(vocab_size=len(tokenizer) if tokenizer is not None else vocab_size,
+                                  seq_len=seq_len, seed=seed)
     else:
         records = load_records(source, split=split)
         fmt = detect_format(records)

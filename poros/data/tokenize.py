@@ -67,8 +67,9 @@ class TokenizedData:
 
     def __post_init__(self) -> None:
         self.total_tokens = sum(len(example["input_ids"]) for example in self.examples)
+        # labels[0] is never predicted (the loss shifts labels by one): only labels[1:] are loss terms
         self.trainable_tokens = sum(
-            sum(label != IGNORE_INDEX for label in example["labels"]) for example in self.examples
+            sum(label != IGNORE_INDEX for label in example["labels"][1:]) for example in self.examples
         )
 
     @property
@@ -322,7 +323,9 @@ def tokenize_examples(
     untrainable = 0  # examples with no trainable token even before truncation
     first_trainable: list[int] = []  # per truncated-away example: the index of its first trainable token
     for input_ids, labels in _tokenized(examples, tokenizer, conversations):
-        trainable_at = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+        # the first loss term: labels[0] is never predicted (the loss shifts labels by one), so an
+        # example whose only label is its first token would give a step with no loss term (0 / 0)
+        trainable_at = next((i for i, label in enumerate(labels) if i > 0 and label != IGNORE_INDEX), None)
         if trainable_at is None:
             untrainable += 1
             continue
