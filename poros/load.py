@@ -395,8 +395,18 @@ def _blocks_to_host(prefix: str, *, move: bool):
     load's RSS would grow with the model instead of staying at NF4 + one tensor). The allocator
     warm-up, which reserves device memory for the whole model up front, is skipped.
     """
+    import transformers
     from transformers import core_model_loading, modeling_utils
 
+    if not hasattr(core_model_loading, "set_param_for_module"):
+        if not move:  # on the CPU the blocks are on the host already: load as transformers does
+            yield
+            return
+        raise CheckpointLoadError(
+            f"transformers {transformers.__version__} has no core_model_loading.set_param_for_module, where Poros "
+            "moves each block to the host as it is loaded (transformers 5.24 has it). Install the tested "
+            "version (pip install 'transformers==5.24.*'), or load on the CPU (device='cpu')."
+        )
     set_param = core_model_loading.set_param_for_module
     warmup = modeling_utils.caching_allocator_warmup
     current_block = [None]

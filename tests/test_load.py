@@ -59,6 +59,15 @@ def test_the_device_paths_move_to_the_host_keeps_every_tensor(family, tmp_path):
     assert_same_tensors(loaded.model.state_dict(), reference_base(path).state_dict())
 
 
+def test_a_transformers_without_the_loading_hook_is_a_clear_error(tmp_path, monkeypatch):
+    from transformers import core_model_loading
+
+    path = save_tiny_checkpoint(tmp_path, "qwen3")
+    monkeypatch.delattr(core_model_loading, "set_param_for_module")
+    with pytest.raises(CheckpointLoadError, match="transformers==5.24"):
+        load_pretrained(path, load_tokenizer=False, device="cpu", _blocks_to_host_on_cpu=True)
+
+
 def save_text_tower(vlm, family: str, path: pathlib.Path) -> pathlib.Path:
     """The VLM's text weights as a text-only checkpoint of the family's causal LM (the expected result)."""
     causal = transformers.AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.bfloat16)
