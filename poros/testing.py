@@ -433,13 +433,11 @@ def load_qlora(
 
 
 def all_linear_targets(model: nn.Module) -> list[str]:
-    """PEFT target names for "all-linear" per the family descriptor (see :func:`load_qlora`)."""
-    from poros import registry
+    """PEFT target names for "all-linear" per the family descriptor (see :func:`load_qlora`):
+    :func:`poros.trainer.lora_target_modules`, the targets PorosTrainer uses."""
+    from poros.trainer import lora_target_modules
 
-    base = _unwrap(model)
-    descriptor = registry.for_config(base.config)
-    present = [path for path in descriptor.model_level_linears if _resolves(base, path)]
-    return [*descriptor.lora_targets_all_linear, *present]
+    return lora_target_modules(model, "all-linear")
 
 
 def qlora_model(

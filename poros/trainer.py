@@ -783,16 +783,12 @@ class _Run:
 
 
 def _stream_schedule(config, model) -> str:
-    """The schedule a run uses: the configured one, micro-major when a dropout is active."""
-    if config.stream_schedule == "layer-major" and any(
-            isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()):
+    """The schedule a run uses: the configured one, micro-major when the model has a dropout."""
+    from poros.stream.executor import dropout_modules
+
+    if config.stream_schedule == "layer-major" and dropout_modules(model):
         return "micro-major"
     return config.stream_schedule
-
-
-def _active_dropout(model: nn.Module) -> bool:
-    """Whether a dropout with p > 0 is active: layer-major accumulation would draw its masks in another order."""
-    return model.training and any(isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules())
 
 
 def _seed_everything(seed: int) -> None:

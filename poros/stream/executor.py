@@ -465,11 +465,13 @@ class _StreamedBlock(torch.autograd.Function):
         return (None, None, None, None, None, hidden_grad, *input_grads)
 
 
+def dropout_modules(model: nn.Module) -> list[str]:
+    """Names of the dropouts with p > 0 in ``model`` (active in training mode)."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Dropout) and module.p > 0]
+
+
 def _check_no_dropout(model: nn.Module) -> None:
-    if not model.training:
-        return
-    active = [name for name, module in model.named_modules()
-              if isinstance(module, nn.Dropout) and module.p > 0]
+    active = dropout_modules(model) if model.training else []
     if active:
         raise StreamingError(
             f"layer-major accumulation with dropout active ({active[0]} p={model.get_submodule(active[0]).p}"
