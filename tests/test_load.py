@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 
 import pathlib
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -175,59 +173,19 @@ def test_hub_id_resolves_from_the_cache_offline(tmp_path, monkeypatch):
         resolve_checkpoint("poros-test/not-cached")
 
 
-RSS_CHILD = textwrap.dedent("""
-    import json, sys, threading, time
-    import bitsandbytes, torch, transformers, safetensors.torch
-    from poros.load import load_pretrained
-
-    def anon_kb():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-
-    path, mode, warmup = sys.argv[1], sys.argv[2], sys.argv[3]
-    if mode == "poros":  # first-call initialisation (bitsandbytes, transformers) is not the load's memory
-        load_pretrained(warmup, load_tokenizer=False, device="cpu")
-    baseline, peak, running = anon_kb(), [0], [True]
-    def sample():
-        while running[0]:
-            peak[0] = max(peak[0], anon_kb())
-            time.sleep(0.0005)
-    thread = threading.Thread(target=sample); thread.start()
-    if mode == "poros":
-        kept = load_pretrained(path, load_tokenizer=False, device="cpu")
-    else:  # the negative control: the bf16 model materialised in memory (load_file alone only maps the files)
-        import pathlib
-        kept = [{key: value.clone() for key, value in safetensors.torch.load_file(f).items()}
-                for f in sorted(pathlib.Path(path).glob("*.safetensors"))]
-    time.sleep(0.05)
-    running[0] = False; thread.join()
-    print(json.dumps({"peak_delta_bytes": (max(peak[0], anon_kb()) - baseline) * 1024}))
-""")
-
-
 @pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_host_memory_during_load_stays_below_the_bf16_model(tmp_path, child_env):
-    """Peak anonymous RSS while loading ~100 MB of bf16 shards: well under their size (NF4 + a tensor
-    in flight: 60 MB of 101 MB here, 88 of 202 MB with 32 layers), while materialising the shards (the
-    control) reaches their size."""
-    # Many small tensors: the load's transient (one tensor quantized on the host) stays small beside the total.
-    shape = dict(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1536)
-    path = save_tiny_checkpoint(tmp_path / "big", "qwen3", num_layers=16, max_shard_size="20MB", **shape)
-    warmup = save_tiny_checkpoint(tmp_path / "warmup", "qwen3", num_layers=1, **shape)
-    bf16_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    assert bf16_bytes > 90e6
+def test_host_memory_during_load_stays_below_the_bf16_model(tmp_path):
+    """Peak anonymous RSS while loading ~100 MB of bf16 shards (``tools/load_memory.py``): well under
+    their size (NF4 + a tensor in flight), while materialising the shards (the control) reaches it."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+    from load_memory import measure
 
-    def peak(mode: str) -> int:
-        result = subprocess.run([sys.executable, "-c", RSS_CHILD, str(path), mode, str(warmup)], capture_output=True, text=True,
-                                env=child_env(), check=True)
-        return json.loads(result.stdout.strip().splitlines()[-1])["peak_delta_bytes"]
-
-    control, streamed = peak("control"), peak("poros")
-    assert control > 0.9 * bf16_bytes, (control, bf16_bytes)  # the measurement sees a full read
-    print(f"bf16 shards {bf16_bytes / 1e6:.0f} MB: load peak +{streamed / 1e6:.0f} MB anonymous RSS, "
-          f"control +{control / 1e6:.0f} MB")
-    assert streamed < 0.75 * bf16_bytes, f"load peaked at {streamed / 1e6:.0f} MB for {bf16_bytes / 1e6:.0f} MB bf16"
+    result = measure(tmp_path, layers=16)
+    bf16, control, streamed = (result["bf16_checkpoint_bytes"], result["control_peak_delta_bytes"],
+                               result["poros_peak_delta_bytes"])
+    assert bf16 > 90e6
+    assert control > 0.9 * bf16, (control, bf16)  # the measurement sees a full read
+    assert streamed < 0.75 * bf16, f"load peaked at {streamed / 1e6:.0f} MB for {bf16 / 1e6:.0f} MB bf16"
 
 
 def test_bundled_tiny_model_resolves(tmp_path):
