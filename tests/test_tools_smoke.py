@@ -41,6 +41,8 @@ def smoke(tmp_path_factory, child_env):
                   "--json", str(folder / "bench.json")],
         "gate": ["tools/parity_gate.py", "--device", "cpu", "--tiny", "--json", str(folder / "gate.json"),
                  "--append-registry", "--registry-dir", str(registry)],
+        "curve": ["tools/vram_curve.py", "--model", "tiny-qwen2", "--device", "cpu", "--points", "3", "--steps", "1",
+                  "--warmup", "1", "--grad-accum", "2", "--deterministic", "--json", str(folder / "curve.json")],
     }
     running = {name: subprocess.Popen([sys.executable, *args], cwd=REPO, env=child_env(POROS_COMMIT="test"),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -51,7 +53,95 @@ def smoke(tmp_path_factory, child_env):
         if process.returncode != 0:
             failures.append(f"{' '.join(commands[name])} exited {process.returncode}:\n{output}")
     assert not failures, "\n\n".join(failures)
-    return {"bench": folder / "bench.json", "gate": folder / "gate.json", "registry": registry}
+    return {"bench": folder / "bench.json", "gate": folder / "gate.json", "curve": folder / "curve.json",
+            "registry": registry}
+
+
+def test_vram_curve_smoke(smoke):
+    """Budgets from the two-slot minimum to all-resident: more budget, more resident blocks; every point
+    bitwise against the resident arm, with the planner's prediction beside the measurement."""
+    report = json.loads(smoke["curve"].read_text())
+    rows = report["rows"]
+    assert len(rows) == 3 and all(row["status"] == "ok" for row in rows)
+    assert rows[0]["resident_blocks"] == 0 and rows[0]["num_slots"] == 2
+    assert rows[-1]["resident_blocks"] == rows[-1]["blocks"] == 4 and rows[-1]["bytes_copied_per_step"] == 0
+    assert [r["resident_blocks"] for r in rows] == sorted(r["resident_blocks"] for r in rows)
+    assert all(row["parity"]["bitwise"] for row in rows)
+    assert all(row["predicted_peak_gb"] and row["predicted_copy_bytes_per_step"] == row["bytes_copied_per_step"]
+               for row in rows)
+    assert report["resident"]["status"] == "ok" and report["config"]["schedule"] == "layer-major"
+
+
+def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch):
+    """The CUDA-event bookkeeping of ``bench --timeline``, on a fake clock: a wait stalls the compute by
+    max(0, copy done - compute reached it); the phase turns to backward when block indices go down."""
+    import bench
+    import torch
+
+    clock = {"gpu": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            self.at = clock["gpu"]
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    class Block:
+        def __init__(self, index):
+            self.index, self.resident, self.slot = index, False, None
+
+    class Store:
+        device, copy_stream = "cuda", None
+
+        def __init__(self):
+            self.blocks = [Block(i) for i in range(3)]
+
+        def fetch(self, index):
+            self.blocks[index].slot = 0
+
+        def wait(self, index):
+            pass
+
+    store = Store()
+    timeline = bench.CopyTimeline(store)
+    begin, end = timeline.hooks(warmup=1)
+    begin(0)  # a warm-up step: not traced
+    store.fetch(0)
+    store.blocks[0].slot = None
+    end(0)
+    begin(1)
+
+    def copy(index, done_at):  # the copy finishes at done_at (ms after the step began)
+        clock["gpu"] = done_at
+        store.fetch(index)
+
+    def want(index, at):
+        clock["gpu"] = at
+        store.wait(index)
+
+    copy(0, 5.0); want(0, 1.0)          # forward, block 0: waited 4 ms
+    copy(1, 8.0); want(1, 9.0)          # forward, block 1: copy was done first: no stall
+    want(2, 12.0)                       # block 2 never copied this step (resident in a slot): no stall
+    store.blocks[1].slot = None         # released after the forward
+    copy(1, 20.0); want(1, 18.5)        # backward (index went down), block 1: 1.5 ms
+    store.blocks[0].resident = True
+    want(0, 30.0)                       # a resident block is never waited for
+    end(1)
+    timeline.detach()
+    assert store.fetch.__func__ is Store.fetch and store.wait.__func__ is Store.wait
+    (step,) = timeline.steps
+    assert step["stall_forward_ms"] == 4.0 and step["stall_backward_ms"] == 1.5
+    assert step["waits"] == 4 and step["stalled_waits"] == 2
+    assert step["largest_stalls"][0] == {"ms": 4.0, "block": 0, "phase": "forward"}
+    assert timeline.summary()["median_stall_forward_ms"] == 4.0
 
 
 def test_bench_smoke(smoke):

@@ -498,10 +498,11 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
-            forward_backward=None, profile: bool = False, timed_stats=None) -> ArmResult:
+            forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None) -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
-    given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch."""
+    given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch.
+    ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing."""
     result = ArmResult(name)
     params = [p for _, p in named_params]
     optimizer = torch.optim.AdamW(params, lr=lr)
@@ -537,10 +538,14 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
             if index == warmup and on_timed_start is not None:
                 on_timed_start()
             _sync(device)
+            if step_hooks is not None:
+                step_hooks[0](index)
             start = time.perf_counter()
             losses = one_step(group)
             _sync(device)
             result.step_times.append(time.perf_counter() - start)
+            if step_hooks is not None:
+                step_hooks[1](index)
             result.losses.extend(loss.to("cpu", copy=True) for loss in losses)
             del losses
         if timed_stats is not None:
@@ -648,6 +653,101 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
     }
 
 
+class CopyTimeline:
+    """How long the compute stream waited for block copies in each timed step: CUDA events, no profiler.
+
+    Wraps this store instance's ``fetch`` and ``wait``: after each copy an event on the copy stream
+    (*copy done*); before each wait an event on the compute stream (*wanted*: the compute reached
+    the block) and the host clock. A wait stalls the compute by ``max(0, done - wanted)`` -- time
+    the GPU lost to the link, unlike the profiler's *exposed copy*, which also counts copies that
+    run while the GPU waits for the host. ``gpu_lag``: how long after the host issued a wait the
+    compute stream reached it -- near zero the GPU is starved by the host (launch-bound), large
+    the host runs ahead of the GPU.
+    """
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self._fetch, self._wait = store.fetch, store.wait
+        self._copy_done: dict[int, Any] = {}
+        self._waits: list[tuple[int, Any, float, Any]] = []
+        self._origin = None
+        self._host_origin = 0.0
+        self.steps: list[dict[str, Any]] = []
+        store.fetch, store.wait = self._traced_fetch, self._traced_wait
+
+    def detach(self) -> None:
+        """Give the store its own ``fetch`` and ``wait`` back."""
+        del self.store.fetch, self.store.wait
+
+    def _traced_fetch(self, index: int) -> None:
+        block = self.store.blocks[index]
+        copies = not block.resident and block.slot is None
+        self._fetch(index)
+        if copies and self._origin is not None:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(self.store.copy_stream)
+            self._copy_done[index] = done
+
+    def _traced_wait(self, index: int) -> None:
+        if self._origin is not None and not self.store.blocks[index].resident:
+            wanted = torch.cuda.Event(enable_timing=True)
+            wanted.record(torch.cuda.current_stream(self.store.device))
+            self._waits.append((index, wanted, time.perf_counter(), self._copy_done.get(index)))
+        self._wait(index)
+
+    def hooks(self, warmup: int):
+        """``(begin, end)`` for :func:`run_arm`: trace the steps from index ``warmup`` on."""
+        def begin(step: int) -> None:
+            if step >= warmup:
+                self._copy_done, self._waits = {}, []
+                self._origin = torch.cuda.Event(enable_timing=True)
+                self._origin.record(torch.cuda.current_stream(self.store.device))
+                self._host_origin = time.perf_counter()
+
+        def end(step: int) -> None:
+            if step >= warmup and self._origin is not None:
+                torch.cuda.synchronize(self.store.device)
+                try:  # a diagnostic must not cost the arm
+                    self.steps.append(self._step_summary())
+                except Exception as exc:  # noqa: BLE001
+                    self.steps.append({"error": f"{type(exc).__name__}: {exc}"})
+                self._origin = None
+        return begin, end
+
+    def _step_summary(self) -> dict[str, Any]:
+        stalls = {"forward": 0.0, "backward": 0.0}
+        lags, worst, phase, previous = [], [], "forward", -1
+        for index, wanted, host_time, done in self._waits:
+            if index < previous:
+                phase = "backward"
+            previous = index
+            at = self._origin.elapsed_time(wanted)
+            lags.append(at - (host_time - self._host_origin) * 1000.0)
+            stall = max(0.0, self._origin.elapsed_time(done) - at) if done is not None else 0.0
+            stalls[phase] += stall
+            worst.append((stall, index, phase))
+        lags.sort()
+        worst.sort(reverse=True)
+        return {
+            "waits": len(self._waits), "copies": len(self._copy_done),
+            "stall_forward_ms": round(stalls["forward"], 3), "stall_backward_ms": round(stalls["backward"], 3),
+            "stalled_waits": sum(1 for s, _, _ in worst if s > 0.05),
+            "gpu_lag_ms_median": round(lags[len(lags) // 2], 3) if lags else None,
+            "gpu_lag_ms_p10": round(lags[len(lags) // 10], 3) if lags else None,
+            "waits_gpu_starved": sum(1 for lag in lags if lag < 0.1),
+            "largest_stalls": [{"ms": round(s, 3), "block": i, "phase": p} for s, i, p in worst[:3] if s > 0],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Per-step records and their medians (milliseconds)."""
+        def median(key):
+            values = sorted(step[key] for step in self.steps if step.get(key) is not None)
+            return values[len(values) // 2] if values else None
+        return {"steps": self.steps,
+                **{f"median_{k}": median(k) for k in ("stall_forward_ms", "stall_backward_ms", "gpu_lag_ms_median",
+                                                       "waits_gpu_starved", "waits")}}
+
+
 def measure_link(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
     """Pinned host->device GB/s of one ``nbytes`` copy (best of ``repeats``): the link the poros arm streams over."""
     if device.type != "cuda":
@@ -675,7 +775,7 @@ def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
 def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"), device: torch.device, warmup: int, lr: float = 1e-3,
                  vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
-                 compute=None, link_bytes_per_s: float | None = None) -> dict[str, Any]:
+                 compute=None, link_bytes_per_s: float | None = None, timeline: bool = False) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     ``vram_budget`` goes to ``poros.prepare`` (the planner picks slots and resident blocks); the
@@ -685,9 +785,6 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
     Returns:
         ``{"arms": {name: ArmResult}, "comparison": compare(...)}``.
     """
-    import poros
-    from poros.stream import planner
-
     device = _device(device)
     named = trainable(peft_model)
     initial = snapshot(named)
@@ -699,46 +796,71 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                                     vram_limit_gb=vram_limit_gb, grad_accum=grad_accum, profile=profile)
     if "poros" in arms:
         restore(named, initial)
-        peft_model.get_base_model().activation_checkpointing_disable()
-        batch, seq = batches[0]["input_ids"].shape
-        workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule)
-        try:
-            streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
-                                     workload=workload if vram_budget is not None else None)
-        except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
-            results["poros"] = ArmResult("poros", status="error",
-                                         error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        results["poros"], handle = run_poros_arm(
+            peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=vram_limit_gb,
+            num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile, vram_budget=vram_budget,
+            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline)
+        if handle is None:
             return {"arms": results, "comparison": None}
-        try:  # the planner's prediction for this setup, recorded next to the measurement
-            prediction = planner.predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
-        except Exception as exc:  # noqa: BLE001 - a planner bug must not cost the measurement
-            prediction = {"error": f"{type(exc).__name__}: {exc}"}
-        store = streamed.store
-        result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
-                         vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
-                         forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
-                         profile=profile,
-                         timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)})
-        timed_steps = len(result.step_times[warmup:])
-        timed_time = sum(result.step_times[warmup:])
-        counted = result.extra.pop("timed_stats", None) or {"bytes": store.stats.bytes_copied,
-                                                             "fetches": sum(store.stats.fetches)}
-        copied = counted["bytes"]
-        result.extra.update({
-            "host_bytes": store.host_bytes,
-            "slot_bytes": store.slot_bytes,
-            "num_slots": store.num_slots,
-            "resident_blocks": list(store.resident_blocks),
-            "resident_bytes": store.resident_bytes,
-            "blocks": len(store.blocks),
-            "bytes_copied_per_step": copied // timed_steps if timed_steps else None,
-            "fetches_per_step": counted["fetches"] / timed_steps if timed_steps else None,
-            "h2d_gb_per_s": round(copied / timed_time / GB, 3) if timed_time else None,
-            "prediction": prediction,
-            "budget_plan": streamed.budget_plan.to_dict() if streamed.budget_plan is not None else None,
-        })
-        results["poros"] = result
     return {"arms": results, "comparison": compare(results, warmup)}
+
+
+def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
+                  vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
+                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
+                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False):
+    """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
+
+    The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
+    bytes, and the step when ``compute`` times and the link are given) next to what it measures;
+    with ``timeline`` the copy stalls of each timed step (:class:`CopyTimeline`). ``handle`` is the
+    ``PorosModel`` (``unpatch()`` it to run another arm), or None when ``prepare`` failed.
+    """
+    import poros
+    from poros.stream import planner
+
+    peft_model.get_base_model().activation_checkpointing_disable()
+    batch, seq = batches[0]["input_ids"].shape
+    workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule)
+    try:
+        streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
+                                 workload=workload if vram_budget is not None else None)
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
+        return ArmResult("poros", status="error",
+                         error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
+    try:  # the planner's prediction for this setup, recorded next to the measurement
+        prediction = planner.predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
+    except Exception as exc:  # noqa: BLE001 - a planner bug must not cost the measurement
+        prediction = {"error": f"{type(exc).__name__}: {exc}"}
+    store = streamed.store
+    copies = CopyTimeline(store) if timeline and store.on_cuda else None
+    result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
+                     vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
+                     forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
+                     profile=profile, step_hooks=copies.hooks(warmup) if copies else None,
+                     timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)})
+    if copies is not None:
+        copies.detach()
+        result.extra["copy_timeline"] = copies.summary()
+    timed_steps = len(result.step_times[warmup:])
+    timed_time = sum(result.step_times[warmup:])
+    counted = result.extra.pop("timed_stats", None) or {"bytes": store.stats.bytes_copied,
+                                                         "fetches": sum(store.stats.fetches)}
+    copied = counted["bytes"]
+    result.extra.update({
+        "host_bytes": store.host_bytes,
+        "slot_bytes": store.slot_bytes,
+        "num_slots": store.num_slots,
+        "resident_blocks": list(store.resident_blocks),
+        "resident_bytes": store.resident_bytes,
+        "blocks": len(store.blocks),
+        "bytes_copied_per_step": copied // timed_steps if timed_steps else None,
+        "fetches_per_step": counted["fetches"] / timed_steps if timed_steps else None,
+        "h2d_gb_per_s": round(copied / timed_time / GB, 3) if timed_time else None,
+        "prediction": prediction,
+        "budget_plan": streamed.budget_plan.to_dict() if streamed.budget_plan is not None else None,
+    })
+    return result, streamed
 
 
 def _max_abs_diff(a: dict[str, torch.Tensor] | list, b) -> tuple[float | None, bool]:
@@ -888,6 +1010,9 @@ def print_table(report: dict[str, Any]) -> None:
     link, fraction = report["build"].get("link_h2d_gb_per_s"), report["arms"].get("poros", {}).get("h2d_fraction_of_link")
     if link:
         print(f"pinned host->device link: {link} GB/s; poros achieved {_format(fraction, 3)} of it over its timed steps")
+    timeline = report["arms"].get("poros", {}).get("copy_timeline")
+    if timeline:
+        print(timeline_line(timeline))
     comparison = report.get("comparison") or {}
     if "bitwise" in comparison:
         print(f"poros/resident: step time x{_format(comparison.get('ratio_median_step_s'))}, "
@@ -895,6 +1020,15 @@ def print_table(report: dict[str, Any]) -> None:
         print(_parity_line("parity poros vs resident", comparison))
     if "control" in comparison:
         print(_parity_line("control resident vs resident", comparison["control"]))
+
+
+def timeline_line(timeline: dict[str, Any]) -> str:
+    """One line from :meth:`CopyTimeline.summary`."""
+    return (f"copy stalls per step (median): forward {_format(timeline.get('median_stall_forward_ms'), 1)} ms, "
+            f"backward {_format(timeline.get('median_stall_backward_ms'), 1)} ms; the GPU reached a block "
+            f"{_format(timeline.get('median_gpu_lag_ms_median'), 2)} ms after the host asked for it (median); "
+            f"{timeline.get('median_waits_gpu_starved')} of {timeline.get('median_waits')} waits found the GPU "
+            "starved by the host (< 0.1 ms)")
 
 
 def _parity_line(title: str, diffs: dict[str, Any]) -> str:
@@ -932,6 +1066,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="micro-batches per optimizer step (HF num_items_in_batch semantics when M > 1)")
     parser.add_argument("--profile", action="store_true",
                         help="trace one extra step per arm (CUDA): copy/compute busy, exposed copy, idle gaps")
+    parser.add_argument("--timeline", action="store_true",
+                        help="Poros arm on CUDA: per timed step, how long compute waited for block copies (CUDA "
+                             "events) and how far the GPU trails the host")
     parser.add_argument("--schedule", default="micro-major", choices=("micro-major", "layer-major"),
                         help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
@@ -991,6 +1128,7 @@ def main(argv=None) -> int:
     outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
                            vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
+                           timeline=args.timeline,
                            link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
@@ -999,6 +1137,7 @@ def main(argv=None) -> int:
             "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
+            "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
             "experts_implementation": args.experts, "lora": {"rank": args.rank, "alpha": args.alpha,

@@ -7,8 +7,8 @@
 #   tools/gpu_run.sh bench:qwen2.5-7b:layers=4:deterministic
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
 #
-# A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE) or `load`
-# (tools/load_check.py), each
+# A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
+# `curve:SHAPE` (tools/vram_curve.py --model SHAPE) or `load` (tools/load_check.py), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -122,11 +122,16 @@ main() {
         # shellcheck disable=SC2086
         cmd=(python3 tools/bench.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"} ${BENCH_ARGS:-}) ;;
+      curve)
+        model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 tools/vram_curve.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 tools/load_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...] or load[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...] or load[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

@@ -1,0 +1,207 @@
+"""VRAM budget against step time: one model, the resident reference, then Poros at several budgets.
+
+    python tools/vram_curve.py --model qwen2.5-32b --grad-accum 8 --schedule layer-major \\
+        --points 5 --deterministic --json out/curve-qwen2.5-32b.json
+    python tools/vram_curve.py --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
+
+The model is built once (``tools/bench.py``'s random weights at the real shape). The resident arm
+(HF + bnb NF4 + PEFT, gradient checkpointing) runs first; then, for each budget, the LoRA state
+is reset, ``poros.prepare(vram_budget=...)`` lets the planner pick slots and resident blocks,
+the arm runs, and ``unpatch()`` puts the weights back for the next budget. Budgets run from the
+smallest one the planner accepts with a two-slot ring up to the one that keeps every block
+resident, evenly spaced (``--points``), or as listed (``--budgets 9GiB,12GiB``). Each row holds
+what the planner predicted (peak, step time from the compute probe and the measured link) beside
+what was measured, and parity against the resident arm. JSON out; the curve in
+``docs/results-h200.md`` is generated from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench  # noqa: E402  (tools/bench.py: model building, arms, parity)
+
+GIB = 2**30
+
+
+def budget_range(peft_model, workload, device: torch.device, num_slots: int = 2) -> tuple[int, int]:
+    """(smallest budget with ``num_slots`` slots and nothing resident, budget that keeps every block
+    resident) in bytes, as the planner computes them for this loaded model."""
+    from poros import registry
+    from poros.descriptor import resolve_path
+    from poros.model import _host_tables
+    from poros.stream import planner
+
+    causal_lm = peft_model.get_base_model()
+    descriptor = registry.for_config(causal_lm.config)
+    layers = list(resolve_path(causal_lm, descriptor.decoder_layers))
+    footprint = planner.footprint_of_model(causal_lm, layers, _host_tables(causal_lm, descriptor), workload,
+                                           device=device, compute_dtype=torch.bfloat16)
+    context = planner.CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
+    everything = planner.plan_budget(footprint, workload, 1 << 50, num_slots=num_slots, context_bytes=context,
+                                     embeddings_on_host=device.type == "cuda")  # prepare's default
+    return everything.pipelined_minimum_bytes, everything.needed_bytes
+
+
+def budgets_for(points: int, low: int, high: int) -> list[str]:
+    """``points`` budgets from ``low`` to ``high`` bytes, evenly spaced, as GiB (MiB below 1 GiB)
+    strings rounded up to the hundredth."""
+    values = [low] if points < 2 else [low + (high - low) * i / (points - 1) for i in range(points)]
+    unit, size = ("GiB", GIB) if low >= GIB else ("MiB", 2**20)
+    return [f"{-(-int(v) * 100 // size) / 100:.2f}{unit}" for v in values]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-32b", choices=sorted(bench.SHAPES), metavar="SHAPE")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="M")
+    parser.add_argument("--schedule", default="layer-major", choices=("micro-major", "layer-major"),
+                        help="the Poros schedule when M > 1")
+    parser.add_argument("--points", type=int, default=5, help="budgets from the minimum to all-resident")
+    parser.add_argument("--budgets", help="comma list of budgets instead of --points (e.g. 9GiB,12GiB)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--timeline", action="store_true", help="record copy stalls per step (CUDA events)")
+    parser.add_argument("--no-resident", action="store_true", help="skip the resident reference arm")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--commit")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.seq is None:
+        args.seq = 64 if args.model.startswith("tiny") else 512
+    if args.threads is None and args.model.startswith("tiny") and args.device == "cpu":
+        args.threads = 1
+    return args
+
+
+def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | None, warmup: int) -> dict[str, Any]:
+    summary = result.summary(warmup)
+    prediction = summary.get("prediction") or {}
+    step = prediction.get("step") or {}
+    plan = summary.get("budget_plan") or {}
+    row = {
+        "budget": budget, "status": result.status, "error": result.error,
+        "resident_blocks": len(summary.get("resident_blocks") or []), "blocks": summary.get("blocks"),
+        "num_slots": summary.get("num_slots"),
+        "predicted_peak_gb": round(prediction["peak_allocated_bytes"] / 1e9, 4)
+        if "peak_allocated_bytes" in prediction else None,
+        "predicted_step_s": step.get("step_s"),
+        "planner_needed_gb": round(plan["needed_bytes"] / 1e9, 4) if plan.get("needed_bytes") else None,
+        "peak_allocated_gb": summary.get("peak_allocated_gb"), "peak_reserved_gb": summary.get("peak_reserved_gb"),
+        "median_step_s": summary.get("median_step_s"), "step_times_s": summary.get("step_times_s"),
+        "bytes_copied_per_step": summary.get("bytes_copied_per_step"),
+        "predicted_copy_bytes_per_step": prediction.get("copy_bytes_per_step"),
+        "copy_timeline": summary.get("copy_timeline"),
+    }
+    for key, measured, predicted in (("peak", row["peak_allocated_gb"], row["predicted_peak_gb"]),
+                                     ("step", row["median_step_s"], row["predicted_step_s"])):
+        row[f"{key}_error"] = round(predicted / measured - 1, 4) if measured and predicted is not None else None
+    if reference is not None and reference.status == "ok" and result.status == "ok":
+        parity = bench.parity(reference, result)
+        row["parity"] = parity
+        ref = reference.summary(warmup)
+        row["ratio_step"] = round(row["median_step_s"] / ref["median_step_s"], 4) if ref.get("median_step_s") else None
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    bench.configure_determinism(args.deterministic)
+    bench.configure_threads(args.threads)
+    device = bench._device(args.device)
+    config, info = bench.model_config(args.model, layers=args.layers)
+    env = bench.environment(device, args.commit)
+    from poros.stream import planner
+
+    workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)
+    link = bench.measure_link(device)
+    compute = None
+    if device.type == "cuda":
+        compute = planner.probe_compute(config, workload, device, compute_dtype=torch.bfloat16, double_quant=True,
+                                        attn_implementation="sdpa", target_modules=list(bench.SEVEN_PROJECTIONS))
+        bench.free_memory(device)
+    start = time.perf_counter()
+    model = bench.build_model(config, device, seed=args.seed)
+    peft_model = bench.add_lora(model)
+    bench.free_memory(device)
+    build_s = time.perf_counter() - start
+    batches = bench.make_batches(config, count=(args.warmup + args.steps) * args.grad_accum, batch=args.batch,
+                                 seq=args.seq, seed=args.seed + 1)
+    named = bench.trainable(peft_model)
+    initial = bench.snapshot(named)
+
+    reference = None
+    if not args.no_resident:
+        reference = bench.run_arm("resident", peft_model, named, batches, device=device, warmup=args.warmup,
+                                  lr=args.lr, grad_accum=args.grad_accum)
+        print(f"resident: {reference.status} peak {reference.extra.get('peak_allocated_gb')} GB, "
+              f"median step {reference.summary(args.warmup).get('median_step_s')} s", flush=True)
+    low, high = budget_range(peft_model, workload, device)
+    budgets = args.budgets.split(",") if args.budgets else budgets_for(args.points, low, high)
+    rows = []
+    for budget in budgets:
+        bench.restore(named, initial)
+        result, handle = bench.run_poros_arm(
+            peft_model, batches, device=device, warmup=args.warmup, lr=args.lr, grad_accum=args.grad_accum,
+            schedule=args.schedule, vram_budget=budget, compute=compute,
+            link_bytes_per_s=link * bench.GB if link else None, timeline=args.timeline)
+        if handle is not None:
+            handle.unpatch()
+        bench.free_memory(device)
+        row = row_for(budget, result, reference, args.warmup)
+        rows.append(row)
+        print(f"budget {budget}: {row['status']} {row['resident_blocks']}/{row['blocks']} resident, "
+              f"{row['num_slots']} slots; peak {row['peak_allocated_gb']} GB (predicted {row['predicted_peak_gb']}), "
+              f"step {row['median_step_s']} s (predicted {row['predicted_step_s']}), "
+              f"x{row.get('ratio_step')} of resident, "
+              f"{'bitwise' if (row.get('parity') or {}).get('bitwise') else 'parity: ' + str(row.get('parity'))}",
+              flush=True)
+        if row["copy_timeline"]:
+            print("  " + bench.timeline_line(row["copy_timeline"]), flush=True)
+        if result.error:
+            print("  " + result.error.splitlines()[0], flush=True)
+
+    report = {
+        "tool": "tools/vram_curve.py", "environment": env,
+        "config": {"model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch,
+                   "grad_accum": args.grad_accum, "schedule": args.schedule, "steps": args.steps,
+                   "warmup": args.warmup, "deterministic": args.deterministic, "lora": {"rank": 16, "alpha": 32,
+                   "targets": list(bench.SEVEN_PROJECTIONS)}, "optimizer": {"name": "AdamW", "lr": args.lr},
+                   "seed": args.seed},
+        "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
+                  "compute_probe": None if compute is None else dataclasses.asdict(compute)},
+        "range": {"minimum_budget_bytes": low, "all_resident_budget_bytes": high},
+        "resident": None if reference is None else reference.summary(args.warmup),
+        "rows": rows,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    failed = any(r["status"] != "ok" for r in rows) or (reference is not None and reference.status != "ok")
+    mismatch = any(not (r.get("parity") or {"bitwise": True})["bitwise"] for r in rows) and args.deterministic
+    return 1 if failed or mismatch else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
