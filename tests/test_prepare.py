@@ -74,7 +74,10 @@ def test_gate_already_prepared(checkpoint):
     handle = poros.prepare(model)
     with pytest.raises(errors.AlreadyPreparedError, match="unpatch"):
         poros.prepare(model)
+    store = handle.store
     handle.unpatch()
+    # a handle (or store) kept after unpatch holds no block memory: the weights are back in the model
+    assert store.slots == [] and all(block.buffer is None for block in store.blocks)
     poros.prepare(model)  # after unpatch it can be prepared again
 
 

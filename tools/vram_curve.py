@@ -159,6 +159,19 @@ def main(argv=None) -> int:
     low, high = budget_range(peft_model, workload, device)
     budgets = args.budgets.split(",") if args.budgets else budgets_for(args.points, low, high)
     rows = []
+    report = {
+        "tool": "tools/vram_curve.py", "environment": env,
+        "config": {"model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch,
+                   "grad_accum": args.grad_accum, "schedule": args.schedule, "steps": args.steps,
+                   "warmup": args.warmup, "deterministic": args.deterministic, "lora": {"rank": 16, "alpha": 32,
+                   "targets": list(bench.SEVEN_PROJECTIONS)}, "optimizer": {"name": "AdamW", "lr": args.lr},
+                   "seed": args.seed, "budgets": budgets},
+        "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
+                  "compute_probe": None if compute is None else dataclasses.asdict(compute)},
+        "range": {"minimum_budget_bytes": low, "all_resident_budget_bytes": high},
+        "resident": None if reference is None else reference.summary(args.warmup),
+        "rows": rows,
+    }
     for budget in budgets:
         bench.restore(named, initial)
         result, handle = bench.run_poros_arm(
@@ -167,6 +180,7 @@ def main(argv=None) -> int:
             link_bytes_per_s=link * bench.GB if link else None, timeline=args.timeline)
         if handle is not None:
             handle.unpatch()
+        handle = None  # this arm's store must not live on into the next arm's peak
         bench.free_memory(device)
         row = row_for(budget, result, reference, args.warmup)
         rows.append(row)
@@ -180,20 +194,10 @@ def main(argv=None) -> int:
             print("  " + bench.timeline_line(row["copy_timeline"]), flush=True)
         if result.error:
             print("  " + result.error.splitlines()[0], flush=True)
+        if args.json:  # after every row: a run cut short keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
-    report = {
-        "tool": "tools/vram_curve.py", "environment": env,
-        "config": {"model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch,
-                   "grad_accum": args.grad_accum, "schedule": args.schedule, "steps": args.steps,
-                   "warmup": args.warmup, "deterministic": args.deterministic, "lora": {"rank": 16, "alpha": 32,
-                   "targets": list(bench.SEVEN_PROJECTIONS)}, "optimizer": {"name": "AdamW", "lr": args.lr},
-                   "seed": args.seed},
-        "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
-                  "compute_probe": None if compute is None else dataclasses.asdict(compute)},
-        "range": {"minimum_budget_bytes": low, "all_resident_budget_bytes": high},
-        "resident": None if reference is None else reference.summary(args.warmup),
-        "rows": rows,
-    }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -63,7 +63,7 @@ class BlockRecord:
     nbytes: int
     # uint8 [nbytes]: the host buffer (pinned when the compute device is CUDA) of a streamed block,
     # the block's own device buffer of a resident one
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None once the store is restored
     quant_snapshots: list[tuple[Any, dict]] = field(default_factory=list)  # (QuantState, plain fields)
     slot: int | None = None  # device slot holding the block, None when evicted (always None when resident)
     resident: bool = False  # bound to its own device buffer for good
@@ -367,7 +367,8 @@ class BlockStore:
 
     # -- undo ------------------------------------------------------------------------------
     def restore(self) -> None:
-        """Put every frozen tensor back as an ordinary tensor on ``device`` and remove the guards."""
+        """Put every frozen tensor back as an ordinary tensor on ``device``, remove the guards, and let
+        go of the host buffers, resident buffers and slots (a store kept after this holds no memory)."""
         for block in self.blocks:
             for state, fields in block.quant_snapshots:
                 vars(state).clear()
@@ -375,6 +376,8 @@ class BlockStore:
             for entry in block.entries:
                 self._bind(entry, self._view(block.buffer, entry).to(self.device, copy=True))
             block.slot = None
+            block.buffer = None
+        self.slots = []
         self.slot_owner = [None] * self.num_slots
         for hook in self._hooks:
             hook.remove()
