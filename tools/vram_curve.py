@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="record copy stalls per step (CUDA events)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident reference arm")
+    parser.add_argument("--control", action="store_true",
+                        help="run the resident arm again after the budgets: how much the machine drifted meanwhile")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
@@ -198,6 +200,16 @@ def main(argv=None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
+    if args.control:
+        bench.restore(named, initial)
+        peft_model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        control = bench.run_arm("control", peft_model, named, batches, device=device, warmup=args.warmup, lr=args.lr,
+                                grad_accum=args.grad_accum)
+        report["control"] = control.summary(args.warmup)
+        if reference is not None:
+            report["control"]["parity"] = bench.parity(reference, control)
+        print(f"control (resident again): {control.status} median step {report['control'].get('median_step_s')} s",
+              flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
