@@ -316,7 +316,7 @@ def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module]):
 def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_host: bool | None = None,
             require: str | None = None, resident_blocks: int | Iterable[int] | None = None,
             vram_budget: str | int | None = None,
-            workload: Workload | Mapping[str, Any] | None = None) -> PorosModel:
+            workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
 
     Detects the family, quantization, adapters and platform, runs every gate, decides the guarantee
@@ -342,6 +342,10 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             ``workload``; excludes ``resident_blocks``.
         workload: the step the budget is planned for: a ``poros.stream.planner.Workload`` or a dict
             of its fields (``batch_size``, ``seq_len``, ``grad_accum``, ``schedule``).
+        boundary_states: where layer-major accumulation (``forward_backward``) keeps the M x L block
+            inputs until backward: ``"device"`` (default) or ``"host"`` (pinned host memory, copied on
+            a side stream; bitwise the same). With ``vram_budget`` the planner decides (host only
+            when the budget needs it) unless this is given.
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
@@ -352,9 +356,12 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             (``docs/prepare.md`` lists each with its message).
         ConfigError: ``resident_blocks`` names no block, or with ``vram_budget``; ``vram_budget``
             without ``workload``, unparsable, or below the minimum the run needs (the message says
-            how much it needs).
+            how much it needs); ``boundary_states`` not ``"device"`` or ``"host"``.
     """
     _check_budget_options(resident_blocks, vram_budget, workload)
+    if boundary_states not in (None, "device", "host"):
+        raise ConfigError(f"boundary_states={boundary_states!r}: expected 'device' or 'host' (pinned host memory, "
+                          "for layer-major accumulation when the device cannot hold the M x L block inputs).")
     causal_lm = _causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
         raise AlreadyPreparedError(
@@ -398,10 +405,11 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             causal_lm, layers, _host_tables(causal_lm, descriptor), budget=vram_budget,
             workload=_workload(workload), device=device,
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
-            embeddings_on_host=embeddings_on_host)
+            embeddings_on_host=embeddings_on_host, boundary_states=boundary_states)
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         embeddings_on_host = budget_plan.embeddings_on_host
+        boundary_states = budget_plan.boundary_states
     else:
         resident, num_slots = _resident_indices(resident_blocks, len(layers)), num_slots or 2
 
@@ -415,6 +423,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
+    executor.boundary_states = boundary_states or "device"
     executor.before_forward = _runtime_gates(causal_lm, layers)
     executor.install()
     if device.type == "cuda":
@@ -496,7 +505,7 @@ def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
     Args:
         model: as for :func:`prepare`.
         **options: passed to :func:`prepare` (``num_slots``, ``embeddings_on_host``, ``require``,
-            ``resident_blocks``, ``vram_budget``, ``workload``).
+            ``resident_blocks``, ``vram_budget``, ``workload``, ``boundary_states``).
 
     Returns:
         The :class:`PorosModel` handle: ``detection``/``guarantee``, ``store`` and ``executor`` for

@@ -74,7 +74,7 @@ def setups(draw, family: str, variant: str):
     }
 
 
-def run(family: str, variant: str, setup: dict, directory: pathlib.Path):
+def run(family: str, variant: str, setup: dict, directory: pathlib.Path, boundary_states: str = "device"):
     try:
         path = save_tiny_checkpoint(directory / "ckpt", family, variant, seed=setup["seed"], **setup["config"])
     except ValueError:
@@ -86,7 +86,7 @@ def run(family: str, variant: str, setup: dict, directory: pathlib.Path):
     reference = load_qlora(path, **lora)
     ref_losses, ref_opt = resident_steps(reference, steps)
     model = load_qlora(path, **lora)
-    streamed = poros.prepare(model)
+    streamed = poros.prepare(model, boundary_states=boundary_states)
     streamed.store.stats.reset()
     poros_losses, poros_opt = layer_major_steps(streamed, steps)
     assert_bitwise(reference, model, ref_losses, poros_losses, ref_opt, poros_opt)
@@ -105,6 +105,34 @@ def test_layer_major_accumulation_is_bitwise_resident_accumulation(family, varia
             run(family, variant, setup, pathlib.Path(directory))
 
     check()
+
+
+FIXED_SETUP = {"config": {"num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "attn_implementation": "sdpa"},
+               "seed": 7, "micro_batches": 3, "batch": 2, "seq": 14, "padding": "left", "lora_rank": 4, "steps": 2}
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
+def test_boundary_states_on_the_host_are_bitwise_too(family, variant, tmp_path, monkeypatch):
+    """prepare(boundary_states="host"): every block input but the prelude's goes out to the stash
+    and comes back for backward (on CPU through the same bookkeeping), and the run stays bitwise."""
+    from poros.stream import executor
+
+    taken = []
+    original = executor._HostStash.take
+    monkeypatch.setattr(executor._HostStash, "take", lambda self, key: taken.append(key) or original(self, key))
+    setup = {**FIXED_SETUP, "config": {**FIXED_SETUP["config"],
+                                       "num_layers": max(3, MIN_LAYERS.get((family, variant), 1))}}
+    streamed = run(family, variant, setup, tmp_path, boundary_states="host")
+    layers = len(streamed.executor.layers)
+    assert streamed.executor.boundary_states == "host"
+    assert len(taken) == setup["steps"] * setup["micro_batches"] * (layers - 1)
+    assert sorted(set(taken)) == [(m, i) for m in range(setup["micro_batches"]) for i in range(1, layers)]
+
+
+def test_boundary_states_option_is_checked(tmp_path):
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=5, num_layers=2)
+    with pytest.raises(poros.errors.ConfigError, match="boundary_states='disk'.*'device' or 'host'"):
+        poros.prepare(load_qlora(path, seed=5), boundary_states="disk")
 
 
 def test_micro_batch_order_matters_so_the_test_can_fail(tmp_path):

@@ -257,14 +257,37 @@ def test_a_budget_below_the_minimum_names_the_minimum():
     assert pipelined.num_slots == 2 and pipelined.resident_blocks == ()
 
 
-def test_boundary_offload_is_reported_not_planned():
+def test_layer_major_boundary_states_go_to_the_host_only_when_the_device_cannot_hold_them():
     fp = footprint(boundary_bytes=1000)
     workload = Workload(grad_accum=4, schedule="layer-major")
-    plan = planner.plan_budget(fp, workload, 10**6)
-    assert plan.boundary_states == "device" and plan.boundary_bytes == 4 * 8 * 1000
-    assert plan.boundary_offload_minimum_bytes < plan.minimum_bytes
-    with pytest.raises(ConfigError, match="boundary states on the host \\(not implemented yet\\)"):
-        planner.plan_budget(fp, workload, plan.minimum_bytes - 1)
+    roomy = planner.plan_budget(fp, workload, 10**6)
+    assert roomy.boundary_states == "device" and roomy.boundary_bytes == 4 * 8 * 1000
+    assert "boundary states on the device" in " ".join(roomy.notes)
+    on_device = planner.predict_peak(fp, workload, num_slots=2)
+    on_host = planner.predict_peak(fp, workload, num_slots=2, boundary_on_host=True)
+    # M(L+2)B at the turn on the device; on the host only those in flight: 2MB at the turn, 3MB in backward
+    assert dict(on_device.transient)["boundary states (M x L) + outputs and their gradients"] == 4 * 10 * 1000
+    assert on_host.phase == "block recompute and backward" and on_host.total < on_device.total
+    assert dict(on_host.transient)["boundary states in flight (this block's M inputs, the next block's, M gradients)"] \
+        == 3 * 4 * 1000
+    # below what the ring needs with the states on the device: host, and no resident block
+    tight = planner.plan_budget(fp, workload, roomy.pipelined_minimum_bytes - 1)
+    assert tight.boundary_states == "host" and tight.num_slots == 2 and tight.resident_blocks == ()
+    assert tight.needed_bytes < roomy.pipelined_minimum_bytes and "on the host" in " ".join(tight.notes)
+    # the smallest budget: one slot, states on the host; below it the error names that minimum
+    minimum = planner.minimum_budget(fp, workload)
+    assert minimum == roomy.boundary_offload_minimum_bytes < roomy.minimum_bytes
+    assert planner.plan_budget(fp, workload, minimum).boundary_states == "host"
+    with pytest.raises(ConfigError, match="needs at least.*boundary states on the host"):
+        planner.plan_budget(fp, workload, minimum - 1)
+    # asked for: the device (then the device minimum holds), or the host with a roomy budget
+    with pytest.raises(ConfigError, match="needs at least"):
+        planner.plan_budget(fp, workload, roomy.minimum_bytes - 1, boundary_states="device")
+    assert planner.plan_budget(fp, workload, 10**6, boundary_states="host").boundary_states == "host"
+    # micro-major: autograd keeps the states; never offloaded
+    micro = Workload(grad_accum=4)
+    assert planner.plan_budget(fp, micro, 10**6).boundary_states == "device"
+    assert planner.minimum_budget(fp, micro) == planner.plan_budget(fp, micro, 10**6).minimum_bytes
 
 
 def test_hiding_the_copy():
@@ -376,6 +399,31 @@ def test_predicted_peak_is_within_15_percent_of_every_h200_record(tmp_path_facto
 
 # -- poros plan --------------------------------------------------------------------------------
 
+CURVE_RECORDS = sorted((ROOT / "registry" / "results").glob("h200-*/curve-*.json"))
+
+
+def test_predicted_peak_is_within_15_percent_across_the_published_curves(tmp_path_factory):
+    """Every budget of every published VRAM curve (tools/vram_curve.py: 32B and 72B, accumulation 1
+    and 8 layer-major, from no resident block to all of them), recomputed from the shape's config."""
+    assert {json.loads(p.read_text())["config"]["model"] for p in CURVE_RECORDS} >= {"qwen2.5-32b", "qwen2.5-72b"}
+    root = tmp_path_factory.mktemp("curves")
+    errors = {}
+    for path in CURVE_RECORDS:
+        record = json.loads(path.read_text())
+        setup = record["config"]
+        layers = setup["model_info"]["num_hidden_layers"]
+        plan = _record_plan(root, setup["model"], layers, setup["seq"], setup["batch"], True,
+                            tuple(setup["lora"]["targets"]), setup["lora"]["rank"], "sdpa")
+        workload = Workload(setup["batch"], setup["seq"], setup["grad_accum"], setup["schedule"])
+        for row in record["rows"]:
+            resident = range(layers - row["resident_blocks"], layers)
+            peak = planner.predict_peak(plan.footprint(), workload, resident=resident, num_slots=max(row["num_slots"], 1))
+            errors[f"{path.stem} @ {row['budget']}"] = peak.total / (row["peak_allocated_gb"] * 1e9) - 1
+    assert len(errors) >= 16
+    far = {name: f"{error:+.1%}" for name, error in errors.items() if abs(error) > 0.15}
+    assert not far, f"predicted peak off by more than 15 %: {far}"
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("plan") / "ckpt", "qwen3", num_layers=4)
@@ -407,10 +455,14 @@ def test_plan_with_given_times_and_json(capsys, tiny_checkpoint):
     assert plan["workload"] == {"batch_size": 1, "seq_len": 64, "grad_accum": 2, "schedule": "layer-major"}
     assert plan["step"]["step_s"] > 0 and report["compute"]["source"] == "given: --block-ms 0.3,0.6"
     assert plan["needed_bytes"] <= plan["budget_bytes"] and plan["hide_copy_resident"] is not None
-    minimum = plan["minimum_bytes"]
+    minimum = plan["boundary_offload_minimum_bytes"]  # layer-major: the states may wait on the host
+    assert plan["boundary_states"] == "device" and minimum < plan["minimum_bytes"]
     status, out, err = run_cli(capsys, *base, "--vram-budget", str(plan["pipelined_minimum_bytes"]))
     assert status == 0, err
     assert "resident blocks   0 of 4" in out and "predicted step" in out.lower() and "hide copy   needs" in out
+    status, out, err = run_cli(capsys, *base, "--vram-budget", str(minimum))
+    assert status == 0, err
+    assert "boundary states   host" in out
     status, out, err = run_cli(capsys, *base, "--vram-budget", str(minimum - 1))
     assert status == 1 and out == ""
     assert "below the minimum" in err and f"needs at least {planner.format_gb(minimum)}" in err

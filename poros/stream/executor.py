@@ -208,6 +208,8 @@ class StreamingExecutor:
         self.before_forward: Callable[[dict], None] | None = None
         self._stop_after_prelude = False  # layer-major phases (see forward_backward)
         self._tail: torch.Tensor | None = None
+        #: layer-major: where the M x L boundary states wait for backward, "device" or "host" (pinned)
+        self.boundary_states = "device"
 
     # -- installing ----------------------------------------------------------------------------
     def install(self) -> None:
@@ -331,7 +333,9 @@ class StreamingExecutor:
         ``model_call(**micro_batch)`` is the full model (e.g. the PEFT wrapper) and must return an
         output with ``.loss``; pass ``num_items_in_batch`` in each micro-batch for HF's accumulation
         semantics. Gradients accumulate into ``.grad`` exactly as ``for mb: model(**mb).loss.backward()``
-        would leave them. Boundary states: M x L hidden states stay on the device.
+        would leave them. Boundary states: the M x L block inputs stay on the device, or with
+        ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
+        one block ahead of backward, on their own stream; exact copies, so bitwise the same).
 
         Raises:
             StreamingError: a dropout with p > 0 is active (its random draws would come in another
@@ -352,12 +356,17 @@ class StreamingExecutor:
                 self._stop_after_prelude = False
         # 2. forward, block-major: each block fetched once for all micro-batches
         hidden = [step.calls[0].leaves[0] for step in steps]
-        inputs: list[list[torch.Tensor]] = [[] for _ in steps]
+        stash = _HostStash(hidden[0].device) if self.boundary_states == "host" else None
+        inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
         with torch.no_grad():
             for index in range(count):
                 for m, step in enumerate(steps):
                     self._note_mapping_entry(step, index)
-                    inputs[m].append(hidden[m])
+                    if stash is not None and index > 0:  # block 0's input is the prelude's: HF holds it anyway
+                        stash.put((m, index), hidden[m])
+                        inputs[m].append(None)
+                    else:
+                        inputs[m].append(hidden[m])
                     keep = m < len(steps) - 1 or index == last
                     hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(), keep=keep)
         # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
@@ -375,12 +384,19 @@ class StreamingExecutor:
         # 4. backward, block-major, micro-batch 0 first: the accumulation order of ordinary accumulation
         input_grads: list[list[list]] = [[[] for _ in range(count)] for _ in steps]
         for index in range(last, -1, -1):
+            if stash is not None:  # this block's inputs (already on their way), the next block's start now
+                for ahead in (index, index - 1):
+                    for m in range(len(steps)):
+                        if ahead > 0:
+                            stash.fetch((m, ahead))
             for m, step in enumerate(steps):
                 needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
                 keep = m < len(steps) - 1
+                block_input = stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
                 grad_hidden[m], input_grads[m][index] = self._backward_block(
-                    step, index, inputs[m][index], step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
+                    step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
                     keep=keep)
+                del block_input
         # 5. the prelude of each micro-batch: its outputs' gradients into its own graph
         for m, step in enumerate(steps):
             roots, grads = [], []
@@ -444,6 +460,58 @@ class StreamingExecutor:
         """Start bringing block ``index`` in if a slot is free (it is needed next)."""
         if 0 <= index < len(self.layers) and None in self.store.slot_owner:
             self.store.fetch(index)
+
+
+class _HostStash:
+    """Layer-major boundary states in host memory (pinned on CUDA), moved on their own stream.
+
+    ``put`` starts copying a state to the host right after the compute stream made it (the device
+    memory is reused only once the copy is done: ``record_stream``); ``fetch`` starts bringing one
+    back into a tensor allocated on the compute stream; ``take`` makes the compute stream wait for
+    it. Copies are exact: what comes back is bit for bit what went out. On CPU the "host" is the
+    device: the same bookkeeping, plain copies (what the tests exercise).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self.host: dict[Any, torch.Tensor] = {}
+        self.back: dict[Any, tuple[torch.Tensor, Any]] = {}
+
+    def put(self, key, tensor: torch.Tensor) -> None:
+        if not self.on_cuda:
+            self.host[key] = tensor.clone()
+            return
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self.stream)
+        self.host[key] = host
+
+    def fetch(self, key) -> None:
+        if key in self.back:
+            return
+        host = self.host.pop(key)
+        if not self.on_cuda:
+            self.back[key] = (host, None)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        self.stream.wait_stream(compute)  # the memory's earlier readers are done
+        with torch.cuda.stream(self.stream):
+            tensor.copy_(host, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(self.stream)
+        self.back[key] = (tensor, arrived)
+
+    def take(self, key) -> torch.Tensor:
+        self.fetch(key)
+        tensor, arrived = self.back.pop(key)
+        if arrived is not None:
+            torch.cuda.current_stream(self.device).wait_event(arrived)
+        return tensor
 
 
 class _StreamedBlock(torch.autograd.Function):

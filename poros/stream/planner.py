@@ -415,8 +415,10 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
       block and G at the last; layer-major keeps all M x L until the step's backward is over);
     * **optimizer**: G + AdamW's temporary (one more copy of the LoRA parameters).
 
-    ``boundary_on_host`` counts the boundary states as offloaded (not implemented: the planner
-    uses it to say what an offload would save).
+    ``boundary_on_host`` (layer-major): the boundary states wait in host memory; on the device
+    only those in flight: at the turn each micro-batch's output and its gradient (2 x M x B), in
+    backward the block's M inputs, the next block's M arriving, and the M gradients (3 x M x B).
+    Micro-major keeps its boundary states on the device (autograd saves them): ignored there.
     """
     resident = set(resident)
     streamed = [n for i, n in enumerate(footprint.block_bytes) if i not in resident]
@@ -431,8 +433,14 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         ("library workspaces", footprint.workspace_bytes),
     ]
     micro, blocks = workload.grad_accum, footprint.num_blocks
-    boundary = 0 if boundary_on_host else footprint.boundary_bytes
-    if workload.schedule == "layer-major":
+    boundary = footprint.boundary_bytes
+    if workload.schedule == "layer-major" and boundary_on_host:
+        turn = [("boundary states in flight (M outputs and their gradients; the rest on the host)", 2 * micro * boundary),
+                ("head and loss working set", footprint.head_bytes)]
+        backward = [("boundary states in flight (this block's M inputs, the next block's, M gradients)",
+                     3 * micro * boundary),
+                    ("LoRA gradients", lora), ("one block's recompute working set", footprint.recompute_bytes)]
+    elif workload.schedule == "layer-major":
         turn = [("boundary states (M x L) + outputs and their gradients", micro * (blocks + 2) * boundary),
                 ("head and loss working set", footprint.head_bytes)]
         backward = [("boundary states (M x L, kept until backward ends)", micro * (blocks + 1) * boundary),
@@ -602,10 +610,13 @@ class BudgetPlan:
         needed_bytes: what this plan needs of the budget: context + peak x (1 + slack).
         copy_bytes_per_step: host-to-device bytes per optimizer step.
         step: the predicted step time, or None without compute times and a link bandwidth.
+        boundary_states: where layer-major keeps its M x L boundary states: ``"device"``, or
+            ``"host"`` when the budget cannot hold them (or when asked).
         minimum_bytes: the smallest budget any plan fits in (1 slot, nothing resident, embeddings
-            on the host when they may be); ``pipelined_minimum_bytes`` with the requested slots.
-        boundary_offload_minimum_bytes: the minimum if the boundary states lived on the host (not
-            implemented: the engine keeps them on the device).
+            on the host when they may be, boundary states where this plan keeps them);
+            ``pipelined_minimum_bytes`` with the requested slots.
+        boundary_offload_minimum_bytes: the minimum with the boundary states on the host
+            (layer-major; the same as ``minimum_bytes`` otherwise).
         hide_copy_resident: the fewest resident blocks (the last ones) for which no stage but the
             pass starts waits for a copy; None when unknown (no compute times).
         hide_copy_bytes, hide_copy_peak_bytes: the budget that plan needs, and its peak allocated.
@@ -623,6 +634,7 @@ class BudgetPlan:
     num_slots: int
     resident_blocks: tuple[int, ...]
     embeddings_on_host: bool
+    boundary_states: str
     peak: PeakBreakdown
     needed_bytes: int
     copy_bytes_per_step: int
@@ -638,26 +650,23 @@ class BudgetPlan:
     hide_copy_step: StepPrediction | None
     notes: tuple[str, ...]
 
-    @property
-    def boundary_states(self) -> str:
-        """Where the boundary states live: always ``"device"`` (host offload is not implemented)."""
-        return "device"
-
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
         resident = (f"{len(self.resident_blocks)} of {self.num_blocks} blocks resident "
                     f"({self.resident_blocks[0]}..{self.resident_blocks[-1]})" if self.resident_blocks
                     else f"no resident block of {self.num_blocks}")
         step = f", predicted step {self.step.step_s:.3f} s" if self.step else ""
+        boundary = ", boundary states on the host" if self.boundary_states == "host" else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
                 f"{'s' if self.num_slots != 1 else ''}, embeddings on the {'host' if self.embeddings_on_host else 'device'}"
+                f"{boundary}"
                 f"; predicted peak {format_gb(self.peak.total)} allocated ({format_gb(self.needed_bytes)} with the "
                 f"context and allocator slack), {format_gb(self.copy_bytes_per_step)} copied per step{step}")
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("peak", "step", "hide_copy_step", "workload",
                                                                    "block_bytes")}
-        out.update(workload=asdict(self.workload), peak=self.peak.to_dict(), boundary_states=self.boundary_states,
+        out.update(workload=asdict(self.workload), peak=self.peak.to_dict(),
                    step=self.step.to_dict() if self.step else None,
                    hide_copy_step=self.hide_copy_step.to_dict() if self.hide_copy_step else None,
                    resident_blocks=list(self.resident_blocks), notes=list(self.notes))
@@ -675,15 +684,17 @@ def _fits_plan(footprint: Footprint, workload: Workload, resident: int, slots: i
 def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, num_slots: int = 2,
                 embeddings_on_host: bool | None = None, compute: ComputeTimes | None = None,
                 link_bytes_per_s: float | None = None, context_bytes: int = 0,
-                slack: float = ALLOCATOR_SLACK) -> BudgetPlan:
-    """Decide slots, resident blocks and embedding placement for ``budget``; predict peak and step.
+                slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None) -> BudgetPlan:
+    """Decide slots, resident blocks, embedding and boundary-state placement for ``budget``;
+    predict peak and step.
 
     Rules: embedding tables go to the host (only the looked-up rows cross the link) unless
-    ``embeddings_on_host=False``; the ring gets ``num_slots`` slots, fewer only when the budget
-    cannot hold them (with 1 slot every copy waits); the rest of the budget makes blocks resident,
-    the last ones first (the last of forward are the first of backward). With compute times it
-    also finds the fewest resident blocks that take the copy off the critical path, and the budget
-    they need.
+    ``embeddings_on_host=False``; layer-major's M x L boundary states go to the host when the
+    budget cannot hold them beside the ring asked for (``boundary_states`` forces either); the
+    ring gets ``num_slots`` slots, fewer only when the budget cannot hold them (with 1 slot every
+    copy waits); the rest of the budget makes blocks resident, the last ones first (the last of
+    forward are the first of backward). With compute times it also finds the fewest resident
+    blocks that take the copy off the critical path, and the budget they need.
 
     Args:
         footprint: the model's bytes and the run's activations.
@@ -693,6 +704,8 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         compute, link_bytes_per_s: for the step-time prediction (both, or neither).
         context_bytes: memory outside PyTorch's allocator (:data:`CUDA_CONTEXT_BYTES` on CUDA, 0 on CPU).
         slack: allocator slack, a fraction of the peak.
+        boundary_states: ``"device"`` or ``"host"`` to force where layer-major keeps its boundary
+            states; None lets the budget decide.
 
     Raises:
         ConfigError: an unparsable budget, or a budget below the minimum (the message names the
@@ -704,32 +717,40 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     blocks = footprint.num_blocks
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
 
-    def needs(resident: int, slots: int, boundary_on_host: bool = False) -> tuple[PeakBreakdown, int]:
-        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, boundary_on_host)
+    layer_major = workload.schedule == "layer-major"
+    offload_minimum = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, True)[1]
+    on_device_pipelined = _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, False)[1]
+    # To the host only when no plan with the ring asked for fits with them on the device, and then
+    # with no resident block (so a bigger budget never keeps fewer blocks resident); or when asked.
+    auto_host = boundary_states is None and layer_major and not any(
+        _fits_plan(footprint, workload, k, num_slots, on_host, context_bytes, slack, False)[1] <= budget_bytes
+        for k in range(blocks + 1))
+    boundary_states = "host" if auto_host else boundary_states or "device"
+    offload = layer_major and boundary_states == "host"
+
+    def needs(resident: int, slots: int) -> tuple[PeakBreakdown, int]:
+        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, offload)
 
     minimum_peak, minimum = needs(0, 1)
     pipelined = needs(0, num_slots)[1]
-    offload_minimum = needs(0, 1, boundary_on_host=True)[1]
-    boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if workload.schedule == "layer-major"
-                                                          else 1)
+    boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if layer_major else 1)
     if budget_bytes < minimum:
         parts = ", ".join(f"{name} {format_gb(n)}" for name, n in (*minimum_peak.persistent, *minimum_peak.transient)
                           if n)
-        offload = (f" With the boundary states on the host (not implemented yet) it would need "
-                   f"{format_gb(offload_minimum)}." if offload_minimum < minimum else "")
+        where = " (boundary states on the host)" if offload else ""
         raise ConfigError(
             f"VRAM budget {format_gb(budget_bytes)} is below the minimum for this run: it needs at least "
             f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block"
-            f"{', embeddings on the host' if on_host else ''}), {format_gb(pipelined)} with {num_slots} slots. "
+            f"{', embeddings on the host' if on_host else ''}{where}), {format_gb(pipelined)} with {num_slots} slots. "
             f"Predicted peak {format_gb(minimum_peak.total)} at the {minimum_peak.phase}: {parts}; plus "
-            f"{format_gb(context_bytes)} context and {slack:.0%} allocator slack.{offload} Raise the budget to at "
+            f"{format_gb(context_bytes)} context and {slack:.0%} allocator slack. Raise the budget to at "
             f"least {format_gb(minimum)}, or shrink the activations (seq_len, batch_size"
             f"{', or micro-major accumulation' if workload.schedule == 'layer-major' and workload.grad_accum > 1 else ''})."
         )
     # The ring first: a second slot overlaps every copy, a resident block saves one. So resident
     # blocks only with the ring asked for (as many slots as blocks still stream, at most); without
     # room for it, fewer slots and nothing resident. A bigger budget never means fewer resident blocks.
-    fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes]
+    fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes and not (auto_host and k)]
     slots, most = num_slots, max(fitting, default=0)
     while not fitting and slots > 1 and needs(0, slots)[1] > budget_bytes:
         slots -= 1
@@ -770,9 +791,17 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
                      "only the looked-up rows cross the link)" if on_host else
                      f"embedding tables on the device ({format_gb(footprint.host_embedding_bytes)}): "
                      "embeddings_on_host is off (its default off CUDA)")
-    notes.append(f"boundary states on the device ({format_gb(boundary_total)}); host offload is not implemented"
-                 + (f" (it would lower the minimum budget to {format_gb(offload_minimum)})"
-                    if offload_minimum < minimum else ""))
+    if offload:
+        notes.append(f"boundary states on the host ({format_gb(boundary_total)} in pinned memory; on the device only "
+                     "the ones in flight) " + (f"because the budget cannot hold them beside {num_slots} slots "
+                                               f"({format_gb(on_device_pipelined)} needed), so no block is resident"
+                                               if auto_host else "as asked"))
+    elif layer_major:
+        notes.append(f"boundary states on the device ({format_gb(boundary_total)})"
+                     + (f"; with them on the host the minimum budget is {format_gb(offload_minimum)}"
+                        if offload_minimum < minimum else ""))
+    else:
+        notes.append(f"boundary states on the device ({format_gb(boundary_total)}, saved by autograd)")
     if timed and hide_resident:
         hint = _layer_major_hint(footprint, workload, compute, link_bytes_per_s, num_slots, on_host, context_bytes,
                                  slack)
@@ -784,7 +813,8 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     return BudgetPlan(
         budget_bytes=budget_bytes, context_bytes=context_bytes, slack=slack, workload=workload, num_blocks=blocks,
         block_bytes=footprint.block_bytes, requested_slots=num_slots, num_slots=min(slots, streamed),
-        resident_blocks=tuple(range(blocks - resident, blocks)), embeddings_on_host=on_host, peak=peak,
+        resident_blocks=tuple(range(blocks - resident, blocks)), embeddings_on_host=on_host,
+        boundary_states="host" if offload else "device", peak=peak,
         needed_bytes=needed, copy_bytes_per_step=copy_bytes_per_step(footprint.block_bytes, workload,
                                                                       range(blocks - resident, blocks)),
         link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=minimum, pipelined_minimum_bytes=pipelined,
@@ -811,9 +841,10 @@ def _layer_major_hint(footprint: Footprint, workload: Workload, compute: Compute
 
 def minimum_budget(footprint: Footprint, workload: Workload, *, embeddings_on_host: bool | None = None,
                    context_bytes: int = 0, slack: float = ALLOCATOR_SLACK) -> int:
-    """The smallest budget :func:`plan_budget` accepts for this run (1 slot, nothing resident)."""
+    """The smallest budget :func:`plan_budget` accepts for this run (1 slot, nothing resident;
+    layer-major with its boundary states on the host)."""
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
-    return _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack)[1]
+    return _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, workload.schedule == "layer-major")[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1114,7 +1145,8 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
     resident = store.resident_blocks
     slots = max(store.num_slots, 1)
     peak = predict_peak(footprint, workload, resident=resident, num_slots=slots,
-                        embeddings_on_host=bool(model.host_tables))
+                        embeddings_on_host=bool(model.host_tables),
+                        boundary_on_host=model.executor.boundary_states == "host")
     step = None
     if compute is not None and link_bytes_per_s:
         step = predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s, resident=resident,
@@ -1128,7 +1160,8 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
 
 def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module], *,
                    budget: str | int, workload: Workload, device: torch.device, compute_dtype: torch.dtype,
-                   num_slots: int = 2, embeddings_on_host: bool | None = None) -> BudgetPlan:
+                   num_slots: int = 2, embeddings_on_host: bool | None = None,
+                   boundary_states: str | None = None) -> BudgetPlan:
     """:func:`plan_budget` for a loaded model (what ``prepare(vram_budget=...)`` asks); no compute
     times, so the plan fills the budget with resident blocks.
 
@@ -1138,7 +1171,8 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
     footprint = footprint_of_model(causal_lm, layers, host_tables, workload, device=device,
                                    compute_dtype=compute_dtype)
     return plan_budget(footprint, workload, budget, num_slots=num_slots, embeddings_on_host=embeddings_on_host,
-                       context_bytes=CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)
+                       context_bytes=CUDA_CONTEXT_BYTES if device.type == "cuda" else 0,
+                       boundary_states=boundary_states)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1394,7 +1428,8 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
         ("resident blocks", f"{len(resident)} of {bp.num_blocks}" + (f" ({resident[0]}..{resident[-1]})"
                                                                      if resident else "")),
         ("embedding tables", "host" if bp.embeddings_on_host else "device"),
-        ("boundary states", f"device ({gb(bp.boundary_bytes)}; host offload not implemented)"),
+        ("boundary states", f"{bp.boundary_states} ({gb(bp.boundary_bytes)}"
+                            + ("; pinned, in flight on the device" if bp.boundary_states == "host" else "") + ")"),
         ("head", "device (head streaming not implemented)"),
     ]
     memory = [(name, n) for name, n in (*bp.peak.persistent, *bp.peak.transient) if n]
