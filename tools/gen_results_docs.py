@@ -51,15 +51,16 @@ def bench_reports() -> list[tuple[Path, dict]]:
 
 
 def render_environment() -> str:
+    reports = bench_reports() + curve_reports()
     envs = {json.dumps({k: r["environment"].get(k) for k in ("platform", "torch_build", "transformers", "peft",
                                                               "bitsandbytes", "python")}, sort_keys=True)
-            for _, r in bench_reports()}
+            for _, r in reports}
     lines = []
     for env in sorted(envs):
         e = json.loads(env)
         lines.append(f"- {e['platform']}, torch {e['torch_build']}, transformers {e['transformers']}, "
                      f"PEFT {e['peft']}, bitsandbytes {e['bitsandbytes']}, Python {e['python']}")
-    dates = sorted({(r["environment"]["date"], r["environment"]["commit"]) for _, r in bench_reports()})
+    dates = sorted({(r["environment"]["date"], r["environment"]["commit"]) for _, r in reports})
     lines.append("- runs: " + ", ".join(f"{d} at commit `{c}`" for d, c in dates))
     return "\n".join(lines)
 
@@ -141,6 +142,59 @@ def render_control() -> str:
     return "\n".join(rows)
 
 
+def curve_reports() -> list[tuple[Path, dict]]:
+    return [(p, _load(p)) for d in RESULTS for p in sorted(d.glob("curve-*.json"))]
+
+
+def _err(value) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+def render_curve() -> str:
+    """``tools/vram_curve.py``: Poros at budgets from the minimum to all-resident, predictions beside."""
+    rows = ["| shape | accum | budget | resident blocks | slots | peak GB (predicted, error) "
+            "| step s (predicted, error) | x resident | copy stall ms/step | waits GPU-starved | parity | JSON |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, report in curve_reports():
+        config, resident = report["config"], report.get("resident") or {}
+        link = f"[JSON](../{path.relative_to(ROOT)})"
+        accum = _accum(config)
+        rows.append(f"| {config['model']} | {accum} | resident reference (HF checkpointing) | all | - | "
+                    f"{_gb(resident.get('peak_allocated_gb'))} | {_s(resident.get('median_step_s'))} | 1.00x | - | - "
+                    f"| - | {link} |")
+        for row in report["rows"]:
+            timeline = row.get("copy_timeline") or {}
+            stall = timeline.get("median_stall_forward_ms")
+            stall = "-" if stall is None else f"{stall + (timeline.get('median_stall_backward_ms') or 0):.0f}"
+            starved = "-" if not timeline.get("median_waits") else \
+                f"{timeline['median_waits_gpu_starved']} of {timeline['median_waits']}"
+            rows.append(
+                f"| {config['model']} | {accum} | {row['budget']} | {row['resident_blocks']} of {row['blocks']} | "
+                f"{row['num_slots']} | {_gb(row['peak_allocated_gb'])} ({_gb(row['predicted_peak_gb'])}, "
+                f"{_err(row['peak_error'])}) | {_s(row['median_step_s'])} ({_s(row['predicted_step_s'])}, "
+                f"{_err(row['step_error'])}) | {_x(row.get('ratio_step'))} | {stall} | {starved} | "
+                f"{_parity(row.get('parity'))} | {link} |")
+    return "\n".join(rows)
+
+
+def render_timeline() -> str:
+    """``tools/bench.py --timeline``: how long the compute waited for block copies, per step."""
+    rows = ["| shape | seq | accum | det. | step ratio | copy stall forward ms | copy stall backward ms "
+            "| GPU behind host ms (median) | waits GPU-starved | JSON |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for path, report in bench_reports():
+        timeline = (report["arms"].get("poros") or {}).get("copy_timeline")
+        if not timeline:
+            continue
+        config = report["config"]
+        rows.append(
+            f"| {config['model']} | {config['seq']} | {_accum(config)} | {'on' if config['deterministic'] else 'off'} "
+            f"| {_x((report.get('comparison') or {}).get('ratio_median_step_s'))} | "
+            f"{timeline['median_stall_forward_ms']:.1f} | {timeline['median_stall_backward_ms']:.1f} | "
+            f"{timeline['median_gpu_lag_ms_median']:.2f} | {timeline['median_waits_gpu_starved']} of "
+            f"{timeline['median_waits']} | [{path.name}](../{path.relative_to(ROOT)}) |")
+    return "\n".join(rows)
+
+
 def render_gate() -> str:
     rows = ["| variant | family | shape | label | max diff loss / LoRA / AdamW | JSON |", "|---|---|---|---|---|---|"]
     for directory in RESULTS:
@@ -161,6 +215,8 @@ BLOCKS = {
     "control": render_control,
     "gate": render_gate,
     "profile": render_profile,
+    "curve": render_curve,
+    "timeline": render_timeline,
 }
 
 
