@@ -409,7 +409,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         embeddings_on_host = budget_plan.embeddings_on_host
-        boundary_states = budget_plan.boundary_states
+        boundary_states = boundary_states or budget_plan.boundary_states  # an explicit choice stands
     else:
         resident, num_slots = _resident_indices(resident_blocks, len(layers)), num_slots or 2
 

@@ -129,6 +129,50 @@ def test_boundary_states_on_the_host_are_bitwise_too(family, variant, tmp_path, 
     assert sorted(set(taken)) == [(m, i) for m in range(setup["micro_batches"]) for i in range(1, layers)]
 
 
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_boundary_states_held_in_backward_are_what_the_planner_counts(placement, tmp_path, monkeypatch):
+    """At the entry of every block's backward, the block-input-sized tensors alive (outside the host
+    stash) are at most what the planner's peak model counts: M(L+1) on the device (all inputs + the
+    gradients), 4M with the host stash (the prelude's, this block's, the next block's, the gradients).
+    With the host stash the next block's states are asked for before this block's are used, and
+    nothing is left in the stash at the end."""
+    import gc
+
+    from poros.stream import executor
+
+    layers, micro, batch, seq = 6, 3, 2, 14
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=5, num_layers=layers)
+    streamed = poros.prepare(load_qlora(path, seed=5), boundary_states=placement)
+    hidden_size = streamed.config.hidden_size
+    stashes, log, alive = [], [], []
+    original_init, original_fetch, original_take = (executor._HostStash.__init__, executor._HostStash.fetch,
+                                                     executor._HostStash.take)
+    monkeypatch.setattr(executor._HostStash, "__init__",
+                        lambda self, *a: (original_init(self, *a), stashes.append(self))[0])
+    monkeypatch.setattr(executor._HostStash, "fetch",
+                        lambda self, key: (log.append(("fetch", key)), original_fetch(self, key))[1])
+    monkeypatch.setattr(executor._HostStash, "take",
+                        lambda self, key: (log.append(("take", key)), original_take(self, key))[1])
+
+    def count() -> int:
+        stashed = {t.untyped_storage().data_ptr() for stash in stashes for t in stash.host.values()}
+        return len({o.untyped_storage().data_ptr() for o in gc.get_objects()
+                    if isinstance(o, torch.Tensor) and tuple(o.shape) == (batch, seq, hidden_size)} - stashed)
+
+    original_backward = executor.StreamingExecutor._backward_block
+    monkeypatch.setattr(executor.StreamingExecutor, "_backward_block",
+                        lambda self, *a, **k: (alive.append(count()), original_backward(self, *a, **k))[1])
+    streamed.forward_backward(with_item_counts([make_batch(s, batch, seq, "none") for s in range(micro)]))
+    bound = micro * (layers + 1) if placement == "device" else 4 * micro
+    assert len(alive) == layers * micro and max(alive) <= bound, alive
+    if placement == "host":
+        (stash,) = stashes
+        assert not stash.host and not stash.back
+        for index in range(2, layers):
+            first_take = log.index(("take", (0, index)))
+            assert log.index(("fetch", (0, index - 1))) < first_take  # the next block is on its way first
+
+
 def test_boundary_states_option_is_checked(tmp_path):
     path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=5, num_layers=2)
     with pytest.raises(poros.errors.ConfigError, match="boundary_states='disk'.*'device' or 'host'"):

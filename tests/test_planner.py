@@ -171,6 +171,29 @@ def test_prepare_with_a_budget_applies_the_plan_and_trains_bitwise(tmp_path):
     assert 0 not in streamed.store.stats.fetches[:3] and streamed.store.stats.fetches[3] == 0
 
 
+def test_a_tight_layer_major_budget_puts_the_boundary_states_on_the_host(tmp_path):
+    """prepare(vram_budget=...) below what the ring needs with the states on the device: the plan's
+    host placement reaches the executor, and layer-major training is still bitwise; an explicit
+    boundary_states stands whatever the plan says."""
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=3, num_layers=4)
+    workload = Workload(batch_size=2, seq_len=14, grad_accum=3, schedule="layer-major")
+    model = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3)
+    footprint = planner.footprint_of_model(model.get_base_model(), decoder_layers(model), [], workload,
+                                           device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    on_device = planner.plan_budget(footprint, workload, 10**12).pipelined_minimum_bytes
+    steps = [with_item_counts([make_batch(3 + m, 2, 14, "left") for m in range(3)]) for _ in range(2)]
+    reference = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3)
+    ref_losses, ref_opt = resident_steps(reference, steps)
+    streamed = poros.prepare(model, vram_budget=on_device - 1, workload=workload)
+    assert streamed.budget_plan.boundary_states == "host" == streamed.executor.boundary_states
+    losses, opt = layer_major_steps(streamed, steps)
+    assert_bitwise(reference, model, ref_losses, losses, ref_opt, opt)
+    # an explicit choice is kept, even where the plan (micro-major) would say "device"
+    other = poros.prepare(load_qlora(path, lora_rank=4, lora_alpha=8, seed=3), vram_budget=10**12,
+                          workload=Workload(batch_size=2, seq_len=14), boundary_states="host")
+    assert other.budget_plan.boundary_states == "device" and other.executor.boundary_states == "host"
+
+
 # -- the planner's arithmetic ------------------------------------------------------------------
 
 def test_budgets_parse_in_binary_and_decimal_units():
@@ -265,29 +288,43 @@ def test_layer_major_boundary_states_go_to_the_host_only_when_the_device_cannot_
     assert "boundary states on the device" in " ".join(roomy.notes)
     on_device = planner.predict_peak(fp, workload, num_slots=2)
     on_host = planner.predict_peak(fp, workload, num_slots=2, boundary_on_host=True)
-    # M(L+2)B at the turn on the device; on the host only those in flight: 2MB at the turn, 3MB in backward
+    # M(L+2)B at the turn on the device; on the host the M prelude outputs and those in flight:
+    # 3MB at the turn, 4MB in backward (this block's inputs, the next block's, the gradients)
     assert dict(on_device.transient)["boundary states (M x L) + outputs and their gradients"] == 4 * 10 * 1000
     assert on_host.phase == "block recompute and backward" and on_host.total < on_device.total
-    assert dict(on_host.transient)["boundary states in flight (this block's M inputs, the next block's, M gradients)"] \
-        == 3 * 4 * 1000
+    assert [n for name, n in on_host.transient if name.startswith("boundary")] == [4 * 4 * 1000]
     # below what the ring needs with the states on the device: host, and no resident block
+    device_minimum = planner.minimum_budget(fp, workload, boundary_states="device")
     tight = planner.plan_budget(fp, workload, roomy.pipelined_minimum_bytes - 1)
     assert tight.boundary_states == "host" and tight.num_slots == 2 and tight.resident_blocks == ()
     assert tight.needed_bytes < roomy.pipelined_minimum_bytes and "on the host" in " ".join(tight.notes)
     # the smallest budget: one slot, states on the host; below it the error names that minimum
     minimum = planner.minimum_budget(fp, workload)
-    assert minimum == roomy.boundary_offload_minimum_bytes < roomy.minimum_bytes
+    assert minimum == roomy.boundary_offload_minimum_bytes == roomy.minimum_bytes < device_minimum
     assert planner.plan_budget(fp, workload, minimum).boundary_states == "host"
     with pytest.raises(ConfigError, match="needs at least.*boundary states on the host"):
         planner.plan_budget(fp, workload, minimum - 1)
-    # asked for: the device (then the device minimum holds), or the host with a roomy budget
-    with pytest.raises(ConfigError, match="needs at least"):
-        planner.plan_budget(fp, workload, roomy.minimum_bytes - 1, boundary_states="device")
+    # forced to the device: its own minimum, and the error says what the host would need
+    with pytest.raises(ConfigError, match="needs at least.*With the boundary states on the host"):
+        planner.plan_budget(fp, workload, device_minimum - 1, boundary_states="device")
     assert planner.plan_budget(fp, workload, 10**6, boundary_states="host").boundary_states == "host"
+    with pytest.raises(ConfigError, match="boundary_states='disk'"):
+        planner.plan_budget(fp, workload, 10**6, boundary_states="disk")
     # micro-major: autograd keeps the states; never offloaded
     micro = Workload(grad_accum=4)
     assert planner.plan_budget(fp, micro, 10**6).boundary_states == "device"
     assert planner.minimum_budget(fp, micro) == planner.plan_budget(fp, micro, 10**6).minimum_bytes
+
+
+def test_the_host_placement_is_only_chosen_where_it_fits():
+    """One block: the states on the host (4 x M in flight) take more than on the device (M x 2):
+    the planner keeps them on the device, and its minimum is the device's."""
+    fp = footprint(blocks=1, boundary_bytes=1000)
+    workload = Workload(grad_accum=4, schedule="layer-major")
+    device = planner.minimum_budget(fp, workload, boundary_states="device")
+    host = planner.minimum_budget(fp, workload, boundary_states="host")
+    assert device < host and planner.minimum_budget(fp, workload) == device
+    assert planner.plan_budget(fp, workload, device).boundary_states == "device"
 
 
 def test_hiding_the_copy():
@@ -456,7 +493,7 @@ def test_plan_with_given_times_and_json(capsys, tiny_checkpoint):
     assert plan["step"]["step_s"] > 0 and report["compute"]["source"] == "given: --block-ms 0.3,0.6"
     assert plan["needed_bytes"] <= plan["budget_bytes"] and plan["hide_copy_resident"] is not None
     minimum = plan["boundary_offload_minimum_bytes"]  # layer-major: the states may wait on the host
-    assert plan["boundary_states"] == "device" and minimum < plan["minimum_bytes"]
+    assert plan["boundary_states"] == "device" and minimum == plan["minimum_bytes"]
     status, out, err = run_cli(capsys, *base, "--vram-budget", str(plan["pipelined_minimum_bytes"]))
     assert status == 0, err
     assert "resident blocks   0 of 4" in out and "predicted step" in out.lower() and "hide copy   needs" in out

@@ -210,6 +210,7 @@ class StreamingExecutor:
         self._tail: torch.Tensor | None = None
         #: layer-major: where the M x L boundary states wait for backward, "device" or "host" (pinned)
         self.boundary_states = "device"
+        self._stash_stream = None  # the host stash's side stream, made once
 
     # -- installing ----------------------------------------------------------------------------
     def install(self) -> None:
@@ -342,6 +343,8 @@ class StreamingExecutor:
                 order than in ordinary accumulation; use the micro-major schedule).
         """
         _check_no_dropout(self.causal_lm)
+        if not micro_batches:
+            return []
         count, last = len(self.layers), len(self.layers) - 1
         # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
         steps = []
@@ -356,7 +359,12 @@ class StreamingExecutor:
                 self._stop_after_prelude = False
         # 2. forward, block-major: each block fetched once for all micro-batches
         hidden = [step.calls[0].leaves[0] for step in steps]
-        stash = _HostStash(hidden[0].device) if self.boundary_states == "host" else None
+        stash = None
+        if self.boundary_states == "host":
+            device = self.store.device
+            if device.type == "cuda" and self._stash_stream is None:
+                self._stash_stream = torch.cuda.Stream(device)
+            stash = _HostStash(device, self._stash_stream)
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
         with torch.no_grad():
             for index in range(count):
@@ -381,6 +389,7 @@ class StreamingExecutor:
             loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
+        hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
         # 4. backward, block-major, micro-batch 0 first: the accumulation order of ordinary accumulation
         input_grads: list[list[list]] = [[[] for _ in range(count)] for _ in steps]
         for index in range(last, -1, -1):
@@ -472,10 +481,10 @@ class _HostStash:
     device: the same bookkeeping, plain copies (what the tests exercise).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stream=None) -> None:
         self.device = device
         self.on_cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self.stream = stream
         self.host: dict[Any, torch.Tensor] = {}
         self.back: dict[Any, tuple[torch.Tensor, Any]] = {}
 
@@ -483,7 +492,7 @@ class _HostStash:
         if not self.on_cuda:
             self.host[key] = tensor.clone()
             return
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)  # same strides: bitwise-same layout back
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(tensor, non_blocking=True)
@@ -498,12 +507,13 @@ class _HostStash:
             self.back[key] = (host, None)
             return
         compute = torch.cuda.current_stream(self.device)
-        tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        tensor = torch.empty_like(host, device=self.device)
         self.stream.wait_stream(compute)  # the memory's earlier readers are done
         with torch.cuda.stream(self.stream):
             tensor.copy_(host, non_blocking=True)
             arrived = torch.cuda.Event()
             arrived.record(self.stream)
+        tensor.record_stream(self.stream)  # freed untaken (an exception): not reused under the copy
         self.back[key] = (tensor, arrived)
 
     def take(self, key) -> torch.Tensor:

@@ -416,8 +416,9 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
     * **optimizer**: G + AdamW's temporary (one more copy of the LoRA parameters).
 
     ``boundary_on_host`` (layer-major): the boundary states wait in host memory; on the device
-    only those in flight: at the turn each micro-batch's output and its gradient (2 x M x B), in
-    backward the block's M inputs, the next block's M arriving, and the M gradients (3 x M x B).
+    only the M prelude outputs (HF's graph holds them) and those in flight: at the turn each
+    micro-batch's output and its gradient (3 x M x B with the prelude's), in backward the block's
+    M inputs, the next block's M arriving and the M gradients (4 x M x B).
     Micro-major keeps its boundary states on the device (autograd saves them): ignored there.
     """
     resident = set(resident)
@@ -435,10 +436,11 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
     micro, blocks = workload.grad_accum, footprint.num_blocks
     boundary = footprint.boundary_bytes
     if workload.schedule == "layer-major" and boundary_on_host:
-        turn = [("boundary states in flight (M outputs and their gradients; the rest on the host)", 2 * micro * boundary),
+        turn = [("boundary states on the device (M prelude outputs, M outputs, their gradients; the rest on "
+                 "the host)", 3 * micro * boundary),
                 ("head and loss working set", footprint.head_bytes)]
-        backward = [("boundary states in flight (this block's M inputs, the next block's, M gradients)",
-                     3 * micro * boundary),
+        backward = [("boundary states on the device (M prelude outputs, this block's M inputs, the next block's, "
+                     "M gradients)", 4 * micro * boundary),
                     ("LoRA gradients", lora), ("one block's recompute working set", footprint.recompute_bytes)]
     elif workload.schedule == "layer-major":
         turn = [("boundary states (M x L) + outputs and their gradients", micro * (blocks + 2) * boundary),
@@ -714,36 +716,49 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     budget_bytes = parse_budget(budget)
     if num_slots < 1:
         raise ConfigError(f"num_slots={num_slots}: expected an integer >= 1 (2 overlaps copy and compute).")
+    if boundary_states not in (None, "device", "host"):
+        raise ConfigError(f"boundary_states={boundary_states!r}: expected 'device', 'host' or None (the budget decides).")
     blocks = footprint.num_blocks
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
 
     layer_major = workload.schedule == "layer-major"
-    offload_minimum = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, True)[1]
-    on_device_pipelined = _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, False)[1]
-    # To the host only when no plan with the ring asked for fits with them on the device, and then
-    # with no resident block (so a bigger budget never keeps fewer blocks resident); or when asked.
-    auto_host = boundary_states is None and layer_major and not any(
-        _fits_plan(footprint, workload, k, num_slots, on_host, context_bytes, slack, False)[1] <= budget_bytes
-        for k in range(blocks + 1))
-    boundary_states = "host" if auto_host else boundary_states or "device"
-    offload = layer_major and boundary_states == "host"
+
+    def fits(resident: int, slots: int, host: bool) -> int:
+        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host)[1]
+
+    device_minimum = fits(0, 1, False)
+    offload_minimum = fits(0, 1, True) if layer_major else device_minimum
+    accepted_minimum = _accepted_minimum(device_minimum, offload_minimum, layer_major, boundary_states)
+    # To the host only when no plan with the ring asked for fits with them on the device, and the
+    # host plan does fit -- with the ring, or at all where the device cannot hold even one slot --
+    # and then with no resident block (so a bigger budget never keeps fewer blocks resident); or
+    # when asked.
+    auto_host = boundary_states is None and layer_major and offload_minimum <= budget_bytes and not any(
+        fits(k, num_slots, False) <= budget_bytes for k in range(blocks + 1)) and (
+        fits(0, num_slots, True) <= budget_bytes or device_minimum > budget_bytes)
+    offload = layer_major and (auto_host or boundary_states == "host")
 
     def needs(resident: int, slots: int) -> tuple[PeakBreakdown, int]:
         return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, offload)
 
-    minimum_peak, minimum = needs(0, 1)
     pipelined = needs(0, num_slots)[1]
     boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if layer_major else 1)
-    if budget_bytes < minimum:
+    if budget_bytes < accepted_minimum:  # name the placement that reaches the smallest budget
+        host = layer_major and boundary_states != "device" and accepted_minimum == offload_minimum \
+            and (boundary_states == "host" or offload_minimum < device_minimum)
+        minimum_peak, minimum = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, host)
+        pipelined = fits(0, num_slots, host)
+        where = " (boundary states on the host)" if host else ""
+        other = (f" With the boundary states on the host it would need {format_gb(offload_minimum)}."
+                 if boundary_states == "device" and layer_major and offload_minimum < device_minimum else "")
         parts = ", ".join(f"{name} {format_gb(n)}" for name, n in (*minimum_peak.persistent, *minimum_peak.transient)
                           if n)
-        where = " (boundary states on the host)" if offload else ""
         raise ConfigError(
             f"VRAM budget {format_gb(budget_bytes)} is below the minimum for this run: it needs at least "
             f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block"
             f"{', embeddings on the host' if on_host else ''}{where}), {format_gb(pipelined)} with {num_slots} slots. "
             f"Predicted peak {format_gb(minimum_peak.total)} at the {minimum_peak.phase}: {parts}; plus "
-            f"{format_gb(context_bytes)} context and {slack:.0%} allocator slack. Raise the budget to at "
+            f"{format_gb(context_bytes)} context and {slack:.0%} allocator slack.{other} Raise the budget to at "
             f"least {format_gb(minimum)}, or shrink the activations (seq_len, batch_size"
             f"{', or micro-major accumulation' if workload.schedule == 'layer-major' and workload.grad_accum > 1 else ''})."
         )
@@ -793,13 +808,16 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
                      "embeddings_on_host is off (its default off CUDA)")
     if offload:
         notes.append(f"boundary states on the host ({format_gb(boundary_total)} in pinned memory; on the device only "
-                     "the ones in flight) " + (f"because the budget cannot hold them beside {num_slots} slots "
-                                               f"({format_gb(on_device_pipelined)} needed), so no block is resident"
-                                               if auto_host else "as asked"))
+                     "the prelude's and the ones in flight) " + (
+                         f"because the budget cannot hold them beside {num_slots} slots "
+                         f"({format_gb(fits(0, num_slots, False))} needed), so no block is resident"
+                         if auto_host else "as asked")
+                     + f"; their copies (2 x {format_gb(boundary_total)} per step, half each way) are not in the step "
+                       "prediction")
     elif layer_major:
         notes.append(f"boundary states on the device ({format_gb(boundary_total)})"
                      + (f"; with them on the host the minimum budget is {format_gb(offload_minimum)}"
-                        if offload_minimum < minimum else ""))
+                        if offload_minimum < device_minimum else ""))
     else:
         notes.append(f"boundary states on the device ({format_gb(boundary_total)}, saved by autograd)")
     if timed and hide_resident:
@@ -817,7 +835,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         boundary_states="host" if offload else "device", peak=peak,
         needed_bytes=needed, copy_bytes_per_step=copy_bytes_per_step(footprint.block_bytes, workload,
                                                                       range(blocks - resident, blocks)),
-        link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=minimum, pipelined_minimum_bytes=pipelined,
+        link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=accepted_minimum, pipelined_minimum_bytes=pipelined,
         boundary_bytes=boundary_total, boundary_offload_minimum_bytes=offload_minimum,
         hide_copy_resident=hide_resident, hide_copy_bytes=hide_bytes, hide_copy_peak_bytes=hide_peak,
         hide_copy_step=hide_step, notes=tuple(notes),
@@ -840,11 +858,20 @@ def _layer_major_hint(footprint: Footprint, workload: Workload, compute: Compute
 
 
 def minimum_budget(footprint: Footprint, workload: Workload, *, embeddings_on_host: bool | None = None,
-                   context_bytes: int = 0, slack: float = ALLOCATOR_SLACK) -> int:
-    """The smallest budget :func:`plan_budget` accepts for this run (1 slot, nothing resident;
-    layer-major with its boundary states on the host)."""
+                   context_bytes: int = 0, slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None) -> int:
+    """The smallest budget :func:`plan_budget` accepts for this run with the same options (1 slot,
+    nothing resident; layer-major's boundary states where that is smaller unless forced)."""
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
-    return _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, workload.schedule == "layer-major")[1]
+    layer_major = workload.schedule == "layer-major"
+    device = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, False)[1]
+    host = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, True)[1] if layer_major else device
+    return _accepted_minimum(device, host, layer_major, boundary_states)
+
+
+def _accepted_minimum(device: int, host: int, layer_major: bool, boundary_states: str | None) -> int:
+    if not layer_major or boundary_states == "device":
+        return device
+    return host if boundary_states == "host" else min(device, host)
 
 
 # ---------------------------------------------------------------------------------------------
