@@ -120,10 +120,13 @@ class PorosConfig:
                                              "when the device is CUDA.")
     vram_budget: str | None = _field(None, "Device memory the run may use, e.g. '7GiB', '24GB', '7000MiB', '7.5G' "
                                      "(binary): the planner picks the device slots and keeps as many of the last "
-                                     "blocks resident as fit (`poros plan` shows its plan); null: stream every block.")
+                                     "blocks resident as fit, and with layer-major accumulation moves the boundary "
+                                     "states to pinned host memory when the budget cannot hold them (`poros plan` "
+                                     "shows its plan); null: stream every block.")
     stream_schedule: str = _field("layer-major", "How gradient accumulation streams the blocks: 'layer-major' (each "
                                   "block crosses the link twice per step for all micro-batches, whose boundary "
-                                  "states stay on the device; bitwise the same gradients; with lora_dropout > 0 "
+                                  "states wait on the device, or on the host under a tight vram_budget; bitwise the "
+                                  "same gradients; with lora_dropout > 0 "
                                   "the run falls back to micro-major and says so) or 'micro-major' (each "
                                   "micro-batch streams every block, 2 x grad_accum copies per block per step).",
                                   choices=("micro-major", "layer-major"))

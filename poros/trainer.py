@@ -23,7 +23,8 @@ Notable choices:
 * **Layer-major accumulation.** With ``grad_accum`` > 1 and no active dropout, the k micro-batches
   run through :meth:`PorosModel.forward_backward`: every block crosses the link twice per
   optimizer step instead of 2k times, with the same gradients bit for bit (the micro-batches'
-  boundary states, k per block, stay on the device). With dropout, the plain loop above runs.
+  boundary states, k per block, wait on the device, or in pinned host memory when ``vram_budget``
+  cannot hold them). With dropout, the plain loop above runs.
 * **No host sync in the step** except at logging steps: losses, token counts and norms stay
   tensors until a log line (or the end of the run) needs them.
 * **Stopping is a checkpoint.** SIGINT/SIGTERM during ``train`` finish the optimizer step in
