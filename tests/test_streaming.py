@@ -57,6 +57,8 @@ def test_blocks_stream_once_per_pass_and_residency_is_bounded(gemma4_checkpoint)
         assert backward_order == list(range(blocks - 1, -1, -1))
         assert not stats.resident
         assert stats.bytes_copied == sum(b.nbytes for b in model.store.blocks) * 2 - model.store.blocks[-1].nbytes
+    # the event log keeps the latest events only: a long run does not grow it without end
+    assert model.store.stats.log.maxlen is not None
 
 
 def test_the_store_allocates_nothing_in_the_block_loop(gemma4_checkpoint):

@@ -46,11 +46,9 @@ def budget_range(peft_model, workload, device: torch.device, num_slots: int = 2)
     causal_lm = peft_model.get_base_model()
     descriptor = registry.for_config(causal_lm.config)
     layers = list(resolve_path(causal_lm, descriptor.decoder_layers))
-    footprint = planner.footprint_of_model(causal_lm, layers, _host_tables(causal_lm, descriptor), workload,
-                                           device=device, compute_dtype=torch.bfloat16)
-    context = planner.CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
-    everything = planner.plan_budget(footprint, workload, 1 << 50, num_slots=num_slots, context_bytes=context,
-                                     embeddings_on_host=device.type == "cuda")  # prepare's default
+    everything = planner.plan_for_model(causal_lm, layers, _host_tables(causal_lm, descriptor), budget=1 << 50,
+                                        workload=workload, device=device, compute_dtype=torch.bfloat16,
+                                        num_slots=num_slots, embeddings_on_host=device.type == "cuda")
     return everything.pipelined_minimum_bytes, everything.needed_bytes
 
 
@@ -117,11 +115,10 @@ def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | N
     for key, measured, predicted in (("peak", row["peak_allocated_gb"], row["predicted_peak_gb"]),
                                      ("step", row["median_step_s"], row["predicted_step_s"])):
         row[f"{key}_error"] = round(predicted / measured - 1, 4) if measured and predicted is not None else None
-    if reference is not None and reference.status == "ok" and result.status == "ok":
-        parity = bench.parity(reference, result)
-        row["parity"] = parity
-        ref = reference.summary(warmup)
-        row["ratio_step"] = round(row["median_step_s"] / ref["median_step_s"], 4) if ref.get("median_step_s") else None
+    comparison = bench.compare({"resident": reference, "poros": result}, warmup) if reference is not None else None
+    if comparison:
+        row["parity"] = comparison
+        row["ratio_step"] = comparison.get("ratio_median_step_s")
     return row
 
 
@@ -174,6 +171,12 @@ def main(argv=None) -> int:
         "resident": None if reference is None else reference.summary(args.warmup),
         "rows": rows,
     }
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
     for budget in budgets:
         bench.restore(named, initial)
         result, handle = bench.run_poros_arm(
@@ -196,9 +199,7 @@ def main(argv=None) -> int:
             print("  " + bench.timeline_line(row["copy_timeline"]), flush=True)
         if result.error:
             print("  " + result.error.splitlines()[0], flush=True)
-        if args.json:  # after every row: a run cut short keeps what it measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        save()  # after every row: a run cut short keeps what it measured
 
     if args.control:
         bench.restore(named, initial)
@@ -210,9 +211,8 @@ def main(argv=None) -> int:
             report["control"]["parity"] = bench.parity(reference, control)
         print(f"control (resident again): {control.status} median step {report['control'].get('median_step_s')} s",
               flush=True)
+    save()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     failed = any(r["status"] != "ok" for r in rows) or (reference is not None and reference.status != "ok")
     mismatch = any(not (r.get("parity") or {"bitwise": True})["bitwise"] for r in rows) and args.deterministic

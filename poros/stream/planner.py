@@ -723,8 +723,11 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
 
     layer_major = workload.schedule == "layer-major"
 
+    def sized(resident: int, slots: int, host: bool) -> tuple[PeakBreakdown, int]:
+        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host)
+
     def fits(resident: int, slots: int, host: bool) -> int:
-        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host)[1]
+        return sized(resident, slots, host)[1]
 
     device_minimum = fits(0, 1, False)
     offload_minimum = fits(0, 1, True) if layer_major else device_minimum
@@ -739,14 +742,14 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     offload = layer_major and (auto_host or boundary_states == "host")
 
     def needs(resident: int, slots: int) -> tuple[PeakBreakdown, int]:
-        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, offload)
+        return sized(resident, slots, offload)
 
     pipelined = needs(0, num_slots)[1]
     boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if layer_major else 1)
     if budget_bytes < accepted_minimum:  # name the placement that reaches the smallest budget
-        host = layer_major and boundary_states != "device" and accepted_minimum == offload_minimum \
-            and (boundary_states == "host" or offload_minimum < device_minimum)
-        minimum_peak, minimum = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, host)
+        host = layer_major and (boundary_states == "host"
+                                or (boundary_states is None and offload_minimum < device_minimum))
+        minimum_peak, minimum = sized(0, 1, host)
         pipelined = fits(0, num_slots, host)
         where = " (boundary states on the host)" if host else ""
         other = (f" With the boundary states on the host it would need {format_gb(offload_minimum)}."

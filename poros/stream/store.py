@@ -27,6 +27,7 @@ alignment either way, so a resident block changes where bytes live, not what is 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -35,6 +36,7 @@ from torch import nn
 
 from poros.errors import StreamingError
 
+STATS_LOG_EVENTS = 1 << 16  # events kept in StoreStats.log
 ALIGN = 512  # bytes; every tensor starts on a 512-byte boundary of the block buffer
 QUANT_STATE_TENSORS = ("absmax", "code", "offset")
 
@@ -90,7 +92,8 @@ class StoreStats:
     resident: set[int] = field(default_factory=set)
     max_resident: int = 0
     bytes_copied: int = 0
-    log: list[tuple[str, int]] = field(default_factory=list)
+    # the latest fetch / release events (bounded: a long run must not grow it without end)
+    log: deque[tuple[str, int]] = field(default_factory=lambda: deque(maxlen=STATS_LOG_EVENTS))
 
     def reset(self) -> None:
         self.fetches = [0] * len(self.fetches)
@@ -340,11 +343,16 @@ class BlockStore:
         else:
             setattr(entry.owner, entry.attr, tensor)
 
-    def _bind_all(self, block: BlockRecord, buffer: torch.Tensor) -> None:
-        """Point every tensor of ``block`` at its view of ``buffer`` (a slot or its resident buffer)."""
+    @staticmethod
+    def _restore_quant_states(block: BlockRecord) -> None:
+        """Give the block's QuantStates back their plain fields (their tensors are bound after)."""
         for state, fields in block.quant_snapshots:
             vars(state).clear()
             vars(state).update(fields)
+
+    def _bind_all(self, block: BlockRecord, buffer: torch.Tensor) -> None:
+        """Point every tensor of ``block`` at its view of ``buffer`` (a slot or its resident buffer)."""
+        self._restore_quant_states(block)
         for entry in block.entries:
             self._bind(entry, self._view(buffer, entry))
 
@@ -370,9 +378,7 @@ class BlockStore:
         """Put every frozen tensor back as an ordinary tensor on ``device``, remove the guards, and let
         go of the host buffers, resident buffers and slots (a store kept after this holds no memory)."""
         for block in self.blocks:
-            for state, fields in block.quant_snapshots:
-                vars(state).clear()
-                vars(state).update(fields)
+            self._restore_quant_states(block)
             for entry in block.entries:
                 self._bind(entry, self._view(block.buffer, entry).to(self.device, copy=True))
             block.slot = None
