@@ -316,6 +316,19 @@ def test_layer_major_boundary_states_go_to_the_host_only_when_the_device_cannot_
     assert planner.minimum_budget(fp, micro) == planner.plan_budget(fp, micro, 10**6).minimum_bytes
 
 
+def test_the_budget_that_hides_the_copy_is_priced_with_the_states_on_the_device():
+    """Found by hypothesis: a budget that only fits with the states on the host keeps no resident
+    block, so the hiding budget (which needs resident blocks) must not be priced in the host placement."""
+    fp = Footprint(block_bytes=(1, 1, 1), device_non_block_bytes=0, host_embedding_bytes=0, lora_parameter_bytes=0,
+                   boundary_bytes=1, recompute_bytes=0, head_bytes=0, workspace_bytes=0)
+    workload = Workload(grad_accum=3, schedule="layer-major")
+    times = ComputeTimes.uniform(3, 1.0, 1.0, 0.01)
+    for budget in range(planner.minimum_budget(fp, workload), 40):
+        plan = planner.plan_budget(fp, workload, budget, num_slots=1, compute=times, link_bytes_per_s=10**6)
+        if budget >= plan.hide_copy_bytes:
+            assert plan.boundary_states == "device" and plan.step.copy_hidden, budget
+
+
 def test_the_host_placement_is_only_chosen_where_it_fits():
     """One block: the states on the host (4 x M in flight) take more than on the device (M x 2):
     the planner keeps them on the device, and its minimum is the device's."""

@@ -781,7 +781,9 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
 
     if timed:  # with the ring asked for, whatever this budget holds
         hide_resident = next(k for k in range(blocks + 1) if step_for(k, num_slots).copy_hidden)
-        hide_peak, hide_bytes = needs(hide_resident, num_slots)
+        # resident blocks come with the states on the device unless asked otherwise (an automatic
+        # host placement keeps none), so that is the placement the hiding budget is priced in
+        hide_peak, hide_bytes = sized(hide_resident, num_slots, offload and not auto_host)
         hide_peak = hide_peak.total
         hide_step = step_for(hide_resident, num_slots)
     # Fill the budget: a block resident beyond the ones that hide the copy still saves its copies
