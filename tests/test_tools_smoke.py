@@ -70,6 +70,44 @@ def test_vram_curve_smoke(smoke):
     assert all(row["predicted_peak_gb"] and row["predicted_copy_bytes_per_step"] == row["bytes_copied_per_step"]
                for row in rows)
     assert report["resident"]["status"] == "ok" and report["config"]["schedule"] == "layer-major"
+    # how long the host took to queue each step is recorded beside the step (0 < host <= step)
+    assert all(0 < row["median_host_s"] <= row["median_step_s"] for row in rows)
+
+
+def test_vram_curve_names_the_ends_of_its_range():
+    import vram_curve
+
+    args = vram_curve.parse_args(["--budgets", "all,min,6GiB"])
+    assert vram_curve.resolve_budgets(args.budgets, args.points, 2 * 2**30, 5 * 2**30) == ["5.00GiB", "2.00GiB", "6GiB"]
+    assert vram_curve.resolve_budgets(None, 2, 2 * 2**30, 5 * 2**30) == ["2.00GiB", "5.00GiB"]
+
+
+def test_sync_check_counts_each_synchronising_call_and_where_it_came_from(monkeypatch):
+    """CUDA's sync debug mode warns once per synchronising call; the check counts them per call site
+    (other warnings are not counted). Run here with the mode switch stubbed: there is no GPU."""
+    import warnings
+
+    import bench
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def item_call():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    def step():
+        for _ in range(3):
+            item_call()
+        warnings.warn("something else")
+
+    report = bench.sync_check(step, torch.device("cpu"))
+    assert report["syncs"] == 3 and len(report["sites"]) == 1
+    assert report["sites"][0]["calls"] == 3 and report["sites"][0]["where"].startswith("test_tools_smoke.py:")
+    assert "item_call" in report["sites"][0]["where"] and modes == ["warn", 0]
+    line = bench.diagnostics_line({"median_host_s": 0.5, "median_step_s": 1.0, "host_syncs": report})
+    assert "host queued a step in 0.500 s of 1.0 s" in line and "3 host syncs" in line
 
 
 def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch):

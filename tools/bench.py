@@ -489,6 +489,9 @@ class ArmResult:
                "median_step_s": round(statistics.median(timed), 6) if timed else None,
                "timed_steps": len(timed)}
         out.update(self.extra)
+        host = self.extra.get("host_times_s", [])[warmup:]
+        if host:  # how long the host took to queue a step, beside how long the step took
+            out["median_host_s"] = round(statistics.median(host), 6)
         return out
 
 
@@ -533,15 +536,21 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
         optimizer.zero_grad(set_to_none=True)
         return losses
 
+    allocator_before = None
+    host_times = result.extra.setdefault("host_times_s", [])
     try:
         for index, group in enumerate(steps):
-            if index == warmup and on_timed_start is not None:
-                on_timed_start()
+            if index == warmup:
+                if on_timed_start is not None:
+                    on_timed_start()
+                if device.type == "cuda":
+                    allocator_before = torch.cuda.memory_stats(device)
             _sync(device)
             if step_hooks is not None:
                 step_hooks[0](index)
             start = time.perf_counter()
             losses = one_step(group)
+            host_times.append(round(time.perf_counter() - start, 6))  # the host is done queueing the step
             _sync(device)
             result.step_times.append(time.perf_counter() - start)
             if step_hooks is not None:
@@ -550,8 +559,11 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
             del losses
         if timed_stats is not None:
             result.extra["timed_stats"] = timed_stats()
-        if profile and device.type == "cuda" and steps:  # one more step, traced, not timed
+        if allocator_before is not None:
+            result.extra["allocator_per_step"] = allocator_delta(allocator_before, device, len(steps) - warmup)
+        if profile and device.type == "cuda" and steps:  # two more steps, not timed: traced, then sync-checked
             result.extra["profile"] = profile_step(lambda: one_step(steps[-1]), device)
+            result.extra["host_syncs"] = sync_check(lambda: one_step(steps[-1]), device)
     except torch.OutOfMemoryError as exc:
         result.status, result.error = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
@@ -569,6 +581,45 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
     del optimizer
     free_memory(device)
     return result
+
+
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+                      "allocation.all.allocated", "segment.all.allocated")
+
+
+def allocator_delta(before: dict[str, Any], device: torch.device, steps: int) -> dict[str, float]:
+    """Per timed step: the CUDA caching allocator's counters since ``before`` (retries and device
+    allocations/frees mean cudaMalloc/cudaFree in the loop, which synchronise the host)."""
+    after = torch.cuda.memory_stats(device)
+    return {key: round((after.get(key, 0) - before.get(key, 0)) / max(steps, 1), 2) for key in ALLOCATOR_COUNTERS}
+
+
+def sync_check(step, device: torch.device, top: int = 8) -> dict[str, Any]:
+    """Run ``step`` with CUDA sync debugging on: how many operations made the host wait for the
+    device, and where (the innermost frames outside torch). Not timed."""
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and not f.filename.endswith("warnings.py")]
+        site = " < ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-3:]))
+        sites[site] = sites.get(site, 0) + 1
+
+    _sync(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():  # restores showwarning on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    _sync(device)
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+    return {"syncs": sum(sites.values()), "sites": [{"calls": n, "where": where} for where, n in ranked]}
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -614,11 +665,21 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
         _sync(device)
     kernels, copies, named, small_copies = [], [], [], []
     host_waits: dict[str, list[float]] = {}
+    runtime: dict[str, list[float]] = {}  # CUDA runtime calls made by the host: count and time
+    kernel_time: dict[str, list[float]] = {}  # kernel name -> [calls, ms]
+    host_first = host_last = None
     for event in trace.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
-            # CUDA runtime calls on the host that wait for the device
-            if event.name.startswith("cuda") and ("Synchronize" in event.name or event.name == "cudaMemcpy"):
-                host_waits.setdefault(event.name, []).append((event.time_range.end - event.time_range.start) / 1000.0)
+            took = (event.time_range.end - event.time_range.start) / 1000.0
+            host_first = event.time_range.start if host_first is None else min(host_first, event.time_range.start)
+            host_last = event.time_range.end if host_last is None else max(host_last, event.time_range.end)
+            if event.name.startswith("cuda"):
+                entry = runtime.setdefault(event.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += took
+                # CUDA runtime calls on the host that wait for the device
+                if "Synchronize" in event.name or event.name == "cudaMemcpy":
+                    host_waits.setdefault(event.name, []).append(took)
             continue
         interval = (event.time_range.start / 1000.0, event.time_range.end / 1000.0)
         if "Memcpy HtoD" in event.name:
@@ -627,6 +688,9 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
         elif "Memcpy" not in event.name and "Memset" not in event.name:
             kernels.append(interval)
             named.append((interval, event.name))
+            entry = kernel_time.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += interval[1] - interval[0]
     if not kernels:
         return {"error": "no CUDA kernels traced"}
     begin = min(a for a, _ in kernels + copies)
@@ -639,8 +703,17 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
     named.sort()
     def before(t):
         return next((name for (s, e), name in reversed(named) if e <= t + 1e-6), None)
+    ops = sorted(trace.key_averages(), key=lambda a: -a.self_cpu_time_total)
     return {
         "span_ms": round(end - begin, 3),
+        "host_span_ms": round((host_last - host_first) / 1000.0, 3) if host_first is not None else None,
+        "kernels": len(kernels), "kernel_sum_ms": round(sum(b - a for a, b in kernels), 3),
+        "top_kernels": [{"name": name[:90], "calls": n, "ms": round(ms, 3)}
+                        for name, (n, ms) in sorted(kernel_time.items(), key=lambda kv: -kv[1][1])[:12]],
+        "runtime_calls": {name: {"calls": n, "ms": round(ms, 3)}
+                          for name, (n, ms) in sorted(runtime.items(), key=lambda kv: -kv[1][1])},
+        "top_host_ops": [{"name": a.key[:60], "calls": a.count, "self_ms": round(a.self_cpu_time_total / 1000.0, 3)}
+                         for a in ops if not a.key.startswith("cuda")][:25],
         "kernel_busy_ms": round(_length(busy_kernels), 3),
         "h2d_busy_ms": round(_length(busy_copies), 3),
         "h2d_exposed_ms": round(_length(busy_copies) - overlap, 3),
@@ -1029,6 +1102,27 @@ def timeline_line(timeline: dict[str, Any]) -> str:
             f"{_format(timeline.get('median_gpu_lag_ms_median'), 2)} ms after the host asked for it (median); "
             f"{timeline.get('median_waits_gpu_starved')} of {timeline.get('median_waits')} waits found the GPU "
             "starved by the host (< 0.1 ms)")
+
+
+def diagnostics_line(summary: dict[str, Any]) -> str:
+    """One line of what an arm measured beside its step time: how long the host took to queue a step,
+    the caching allocator's device calls, and (with ``--profile``) kernels, idle GPU and host syncs."""
+    parts = []
+    if summary.get("median_host_s") is not None:
+        parts.append(f"host queued a step in {summary['median_host_s']:.3f} s of {summary.get('median_step_s')} s")
+    allocator = summary.get("allocator_per_step")
+    if allocator:
+        parts.append(f"allocator per step: {allocator['num_device_alloc']} cudaMalloc, {allocator['num_device_free']} "
+                     f"cudaFree, {allocator['num_alloc_retries']} retries, {allocator['allocation.all.allocated']} allocations")
+    profile = summary.get("profile") or {}
+    if "kernels" in profile:
+        parts.append(f"traced step: {profile['kernels']} kernels, {profile['kernel_sum_ms']:.0f} ms of kernels, GPU idle "
+                     f"{profile['idle_ms']:.0f} of {profile['span_ms']:.0f} ms")
+    syncs = summary.get("host_syncs")
+    if syncs is not None:
+        where = f" (most at {syncs['sites'][0]['where']})" if syncs["sites"] else ""
+        parts.append(f"{syncs['syncs']} host syncs{where}")
+    return "; ".join(parts)
 
 
 def _parity_line(title: str, diffs: dict[str, Any]) -> str:

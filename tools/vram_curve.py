@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402  (tools/bench.py: model building, arms, parity)
 
 GIB = 2**30
+#: what an arm measures beside its step time (bench.run_arm), copied into each row as is
+DIAGNOSTICS = ("median_host_s", "host_times_s", "allocator_per_step", "profile", "host_syncs")
 
 
 def budget_range(peft_model, workload, device: torch.device, num_slots: int = 2) -> tuple[int, int]:
@@ -60,6 +62,15 @@ def budgets_for(points: int, low: int, high: int) -> list[str]:
     return [f"{-(-int(v) * 100 // size) / 100:.2f}{unit}" for v in values]
 
 
+def resolve_budgets(listed: str | None, points: int, low: int, high: int) -> list[str]:
+    """``--budgets`` in its order ('min' and 'all' named by the planner's range), else ``points`` budgets
+    from ``low`` to ``high``."""
+    if not listed:
+        return budgets_for(points, low, high)
+    ends = {"min": budgets_for(1, low, low)[0], "all": budgets_for(1, high, high)[0]}
+    return [ends.get(budget, budget) for budget in listed.split(",")]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,11 +82,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="layer-major", choices=("micro-major", "layer-major"),
                         help="the Poros schedule when M > 1")
     parser.add_argument("--points", type=int, default=5, help="budgets from the minimum to all-resident")
-    parser.add_argument("--budgets", help="comma list of budgets instead of --points (e.g. 9GiB,12GiB)")
+    parser.add_argument("--budgets", help="comma list of budgets instead of --points, in the order given (e.g. "
+                        "all,min,6GiB: 'min' is the smallest with a two-slot ring and the states on the device, "
+                        "'all' keeps every block resident)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="record copy stalls per step (CUDA events)")
+    parser.add_argument("--profile", action="store_true",
+                        help="two more steps per arm, not timed: one traced (kernels, CUDA runtime calls, host ops), "
+                             "one with CUDA sync debugging (where the host waited for the device)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident reference arm")
     parser.add_argument("--control", action="store_true",
                         help="run the resident arm again after the budgets: how much the machine drifted meanwhile")
@@ -111,6 +127,7 @@ def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | N
         "bytes_copied_per_step": summary.get("bytes_copied_per_step"),
         "predicted_copy_bytes_per_step": prediction.get("copy_bytes_per_step"),
         "copy_timeline": summary.get("copy_timeline"),
+        **{key: summary[key] for key in DIAGNOSTICS if key in summary},
     }
     for key, measured, predicted in (("peak", row["peak_allocated_gb"], row["predicted_peak_gb"]),
                                      ("step", row["median_step_s"], row["predicted_step_s"])):
@@ -152,11 +169,12 @@ def main(argv=None) -> int:
     reference = None
     if not args.no_resident:
         reference = bench.run_arm("resident", peft_model, named, batches, device=device, warmup=args.warmup,
-                                  lr=args.lr, grad_accum=args.grad_accum)
+                                  lr=args.lr, grad_accum=args.grad_accum, profile=args.profile)
         print(f"resident: {reference.status} peak {reference.extra.get('peak_allocated_gb')} GB, "
               f"median step {reference.summary(args.warmup).get('median_step_s')} s", flush=True)
+        print("  " + bench.diagnostics_line(reference.summary(args.warmup)), flush=True)
     low, high = budget_range(peft_model, workload, device)
-    budgets = args.budgets.split(",") if args.budgets else budgets_for(args.points, low, high)
+    budgets = resolve_budgets(args.budgets, args.points, low, high)
     rows = []
     report = {
         "tool": "tools/vram_curve.py", "environment": env,
@@ -182,7 +200,7 @@ def main(argv=None) -> int:
         result, handle = bench.run_poros_arm(
             peft_model, batches, device=device, warmup=args.warmup, lr=args.lr, grad_accum=args.grad_accum,
             schedule=args.schedule, vram_budget=budget, compute=compute,
-            link_bytes_per_s=link * bench.GB if link else None, timeline=args.timeline)
+            link_bytes_per_s=link * bench.GB if link else None, timeline=args.timeline, profile=args.profile)
         if handle is not None:
             handle.unpatch()
         handle = None  # this arm's store must not live on into the next arm's peak
@@ -197,6 +215,7 @@ def main(argv=None) -> int:
               flush=True)
         if row["copy_timeline"]:
             print("  " + bench.timeline_line(row["copy_timeline"]), flush=True)
+        print("  " + bench.diagnostics_line(row), flush=True)
         if result.error:
             print("  " + result.error.splitlines()[0], flush=True)
         save()  # after every row: a run cut short keeps what it measured
@@ -205,12 +224,13 @@ def main(argv=None) -> int:
         bench.restore(named, initial)
         peft_model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         control = bench.run_arm("control", peft_model, named, batches, device=device, warmup=args.warmup, lr=args.lr,
-                                grad_accum=args.grad_accum)
+                                grad_accum=args.grad_accum, profile=args.profile)
         report["control"] = control.summary(args.warmup)
         if reference is not None:
             report["control"]["parity"] = bench.parity(reference, control)
         print(f"control (resident again): {control.status} median step {report['control'].get('median_step_s')} s",
               flush=True)
+        print("  " + bench.diagnostics_line(report["control"]), flush=True)
     save()
     if args.json:
         print(f"wrote {args.json}")
