@@ -82,6 +82,20 @@ def test_vram_curve_names_the_ends_of_its_range():
     assert vram_curve.resolve_budgets(None, 2, 2 * 2**30, 5 * 2**30) == ["2.00GiB", "5.00GiB"]
 
 
+def test_bracketed_ratios_divide_each_round_by_the_resident_runs_around_it():
+    """A machine that slows down during the run: each round's arm is compared with the mean of the
+    resident runs just before and after it, so the drift cancels."""
+    import vram_curve
+
+    rows = [{"budget": "min", "round": 0, "median_step_s": 11.0}, {"budget": "all", "round": 0, "median_step_s": 12.0},
+            {"budget": "min", "round": 1, "median_step_s": 13.2}, {"budget": "all", "round": 1, "median_step_s": 14.4},
+            {"budget": "min", "round": 2, "median_step_s": None}]
+    out = vram_curve.bracketed_ratios(rows, [10.0, 12.0, 12.0])
+    assert out["min"] == {"ratios": [1.0, 1.1], "median": 1.05}
+    assert out["all"]["ratios"] == [1.0909, 1.2] and out["all"]["median"] == pytest.approx(1.1455, abs=1e-4)
+    assert rows[0]["ratio_step_bracketed"] == 1.0 and "ratio_step_bracketed" not in rows[4]
+
+
 def test_sync_check_counts_each_synchronising_call_and_where_it_came_from(monkeypatch):
     """CUDA's sync debug mode warns once per synchronising call; the check counts them per call site
     (other warnings are not counted). Run here with the mode switch stubbed: there is no GPU."""

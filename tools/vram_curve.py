@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 import warnings
@@ -71,6 +72,23 @@ def resolve_budgets(listed: str | None, points: int, low: int, high: int) -> lis
     return [ends.get(budget, budget) for budget in listed.split(",")]
 
 
+def bracketed_ratios(rows: list[dict[str, Any]], resident_steps: list[float | None]) -> dict[str, dict[str, Any]]:
+    """Per budget: each round's step over the mean of the resident runs just before and just after that
+    round (``resident_steps[k]`` and ``[k + 1]``), and their median. A machine that drifts during the
+    run moves both sides of each ratio alike."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        k = row.get("round", 0)
+        around = [t for t in resident_steps[k:k + 2] if t]
+        if row.get("median_step_s") is None or len(around) < 2:
+            continue
+        row["ratio_step_bracketed"] = round(row["median_step_s"] / (sum(around) / 2), 4)
+        out.setdefault(row["budget"], {"ratios": []})["ratios"].append(row["ratio_step_bracketed"])
+    for entry in out.values():
+        entry["median"] = round(statistics.median(entry["ratios"]), 4)
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="two more steps per arm, not timed: one traced (kernels, CUDA runtime calls, host ops), "
                              "one with CUDA sync debugging (where the host waited for the device)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident reference arm")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the resident arm and every budget this many times, interleaved (the resident "
+                             "again at the end); each budget's ratio is taken against the resident runs around it")
     parser.add_argument("--control", action="store_true",
                         help="run the resident arm again after the budgets: how much the machine drifted meanwhile")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -166,13 +187,18 @@ def main(argv=None) -> int:
     named = bench.trainable(peft_model)
     initial = bench.snapshot(named)
 
-    reference = None
-    if not args.no_resident:
-        reference = bench.run_arm("resident", peft_model, named, batches, device=device, warmup=args.warmup,
-                                  lr=args.lr, grad_accum=args.grad_accum, profile=args.profile)
-        print(f"resident: {reference.status} peak {reference.extra.get('peak_allocated_gb')} GB, "
-              f"median step {reference.summary(args.warmup).get('median_step_s')} s", flush=True)
-        print("  " + bench.diagnostics_line(reference.summary(args.warmup)), flush=True)
+    def resident_arm(label: str) -> bench.ArmResult:
+        bench.restore(named, initial)
+        peft_model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        result = bench.run_arm(label, peft_model, named, batches, device=device, warmup=args.warmup, lr=args.lr,
+                               grad_accum=args.grad_accum, profile=args.profile)
+        summary = result.summary(args.warmup)
+        print(f"{label}: {result.status} peak {summary.get('peak_allocated_gb')} GB, "
+              f"median step {summary.get('median_step_s')} s", flush=True)
+        print("  " + bench.diagnostics_line(summary), flush=True)
+        return result
+
+    reference = None if args.no_resident else resident_arm("resident")
     low, high = budget_range(peft_model, workload, device)
     budgets = resolve_budgets(args.budgets, args.points, low, high)
     rows = []
@@ -195,7 +221,7 @@ def main(argv=None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
-    for budget in budgets:
+    def budget_arm(budget: str, round_index: int) -> None:
         bench.restore(named, initial)
         result, handle = bench.run_poros_arm(
             peft_model, batches, device=device, warmup=args.warmup, lr=args.lr, grad_accum=args.grad_accum,
@@ -206,6 +232,7 @@ def main(argv=None) -> int:
         handle = None  # this arm's store must not live on into the next arm's peak
         bench.free_memory(device)
         row = row_for(budget, result, reference, args.warmup)
+        row["round"] = round_index
         rows.append(row)
         print(f"budget {budget}: {row['status']} {row['resident_blocks']}/{row['blocks']} resident, "
               f"{row['num_slots']} slots; peak {row['peak_allocated_gb']} GB (predicted {row['predicted_peak_gb']}), "
@@ -220,17 +247,26 @@ def main(argv=None) -> int:
             print("  " + result.error.splitlines()[0], flush=True)
         save()  # after every row: a run cut short keeps what it measured
 
-    if args.control:
-        bench.restore(named, initial)
-        peft_model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        control = bench.run_arm("control", peft_model, named, batches, device=device, warmup=args.warmup, lr=args.lr,
-                                grad_accum=args.grad_accum, profile=args.profile)
+    residents = [] if reference is None else [reference]  # every resident run, in order: drift is measured
+    for round_index in range(args.rounds):
+        if round_index > 0 and reference is not None:
+            residents.append(resident_arm(f"resident (round {round_index + 1})"))
+        for budget in budgets:
+            budget_arm(budget, round_index)
+
+    if reference is not None and (args.control or args.rounds > 1):
+        control = resident_arm("control (resident again)")
+        residents.append(control)
         report["control"] = control.summary(args.warmup)
-        if reference is not None:
-            report["control"]["parity"] = bench.parity(reference, control)
-        print(f"control (resident again): {control.status} median step {report['control'].get('median_step_s')} s",
-              flush=True)
-        print("  " + bench.diagnostics_line(report["control"]), flush=True)
+        report["control"]["parity"] = bench.parity(reference, control)
+    if len(residents) > 1:
+        report["residents"] = [{"median_step_s": r.summary(args.warmup).get("median_step_s"),
+                                "step_times_s": r.summary(args.warmup).get("step_times_s"),
+                                "bitwise_with_first": bench.parity(reference, r)["bitwise"]} for r in residents]
+        report["bracketed"] = bracketed_ratios(rows, [r["median_step_s"] for r in report["residents"]])
+        for budget, entry in report["bracketed"].items():
+            print(f"budget {budget}: x{entry['median']} of the resident runs around it (rounds: {entry['ratios']})",
+                  flush=True)
     save()
     if args.json:
         print(f"wrote {args.json}")
