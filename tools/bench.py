@@ -1045,6 +1045,8 @@ def environment(device: torch.device, commit: str | None = None) -> dict[str, An
         "cuda": torch.version.cuda, "transformers": transformers.__version__, "peft": peft.__version__,
         "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version(),
         "date": datetime.date.today().isoformat(), "commit": git_commit(commit),
+        # the caching allocator's settings change what fits under a cap (expandable segments)
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
 
 

@@ -137,11 +137,14 @@ def render_measured() -> str:
 
 
 def render_capped() -> str:
-    rows = ["| shape | cap GB | Poros peak allocated GB | Poros peak reserved GB | Poros step s | JSON |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| shape | micro-batches per step | boundary states | cap GB | Poros peak allocated GB "
+            "| Poros peak reserved GB | Poros step s | JSON |", "|---|---|---|---|---|---|---|---|"]
     for path, record in capped_records():
-        poros = record["arms"]["poros"]
-        rows.append(f"| {record['config']['model']} | {record['config']['vram_limit_gb']:g} | "
+        config, poros = record["config"], record["arms"]["poros"]
+        accum = config.get("grad_accum", 1)
+        steps = "1" if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
+        states = (poros.get("budget_plan") or {}).get("boundary_states", "device") if accum > 1 else "-"
+        rows.append(f"| {config['model']} | {steps} | {states} | {config['vram_limit_gb']:g} | "
                     f"{poros['peak_allocated_gb']:.2f} | {poros['peak_reserved_gb']:.2f} | "
                     f"{poros['median_step_s']:.3f} | {_link(path)} |")
     return "\n".join(rows)

@@ -34,6 +34,10 @@ def _s(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -93,8 +97,8 @@ def render_bench(capped: bool) -> str:
     head = ("| shape | layers | seq | accum | det. | resident peak GB | resident step s | Poros peak GB | Poros reserved GB "
             "| Poros step s | step ratio | memory ratio | H2D GB/s (of link) | parity | JSON |")
     if capped:
-        head = ("| shape | layers | seq | cap GB | status | Poros peak GB | Poros reserved GB | Poros step s "
-                "| H2D GB/s (of link) | JSON |")
+        head = ("| shape | layers | seq | accum | cap GB | budget (boundary states) | status | Poros peak GB "
+                "| Poros reserved GB | Poros step s | H2D GB/s (of link) | JSON |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for path, report in bench_reports():
         config, arms = report["config"], report["arms"]
@@ -110,7 +114,11 @@ def render_bench(capped: bool) -> str:
         rel = path.relative_to(ROOT)
         layers = config["model_info"]["num_hidden_layers"]
         if capped:
-            rows.append(f"| {config['model']} | {layers} | {config['seq']} | {config['vram_limit_gb']:g} | "
+            plan = poros.get("budget_plan") or {}
+            budget = "-" if not config.get("vram_budget") else \
+                f"{config['vram_budget']} ({plan.get('boundary_states', '-')})"
+            rows.append(f"| {config['model']} | {layers} | {config['seq']} | {_accum(config)} | "
+                        f"{config['vram_limit_gb']:g} | {budget} | "
                         f"{poros.get('status')} | {_gb(poros.get('peak_allocated_gb'))} | "
                         f"{_gb(poros.get('peak_reserved_gb'))} | {_s(poros.get('median_step_s'))} | {h2d} | "
                         f"[{path.name}](../{rel}) |")
@@ -150,30 +158,83 @@ def _err(value) -> str:
     return "-" if value is None else f"{value:+.0%}"
 
 
+def _shape(config: dict) -> str:
+    info = config.get("model_info") or {}
+    layers, full = info.get("num_hidden_layers"), info.get("full_depth")
+    return config["model"] if layers == full else f"{config['model']} ({layers} layers)"
+
+
 def render_curve() -> str:
-    """``tools/vram_curve.py``: Poros at budgets from the minimum to all-resident, predictions beside."""
-    rows = ["| shape | accum | budget | resident blocks | slots | peak GB (predicted, error) "
-            "| step s (predicted, error) | x resident | copy stall ms/step | waits GPU-starved | parity | JSON |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """``tools/vram_curve.py``: Poros at budgets from the minimum to all-resident, predictions beside.
+    Runs with a control or ``--rounds`` also give each row its ratio to the resident runs around it."""
+    rows = ["| shape | accum | budget | resident blocks | slots | boundary states | peak GB (predicted, error) "
+            "| step s (predicted, error) | x first resident | x resident runs around it | copy stall ms/step "
+            "| waits GPU-starved | parity | JSON |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, report in curve_reports():
         config, resident = report["config"], report.get("resident") or {}
         link = f"[JSON](../{path.relative_to(ROOT)})"
-        accum = _accum(config)
-        rows.append(f"| {config['model']} | {accum} | resident reference (HF checkpointing) | all | - | "
-                    f"{_gb(resident.get('peak_allocated_gb'))} | {_s(resident.get('median_step_s'))} | 1.00x | - | - "
-                    f"| - | {link} |")
+        accum, shape = _accum(config), _shape(config)
+        runs = [r["median_step_s"] for r in report.get("residents", [])]
+        if not runs and report.get("control"):
+            runs = [resident.get("median_step_s"), report["control"].get("median_step_s")]
+        again = "" if len(runs) < 2 else " (again: " + ", ".join(_s(t) for t in runs[1:]) + ")"
+        rows.append(f"| {shape} | {accum} | resident reference (HF checkpointing) | all | - | - | "
+                    f"{_gb(resident.get('peak_allocated_gb'))} | {_s(resident.get('median_step_s'))}{again} | 1.00x "
+                    f"| - | - | - | - | {link} |")
         for row in report["rows"]:
             timeline = row.get("copy_timeline") or {}
             stall = timeline.get("median_stall_forward_ms")
             stall = "-" if stall is None else f"{stall + (timeline.get('median_stall_backward_ms') or 0):.0f}"
             starved = "-" if not timeline.get("median_waits") else \
                 f"{timeline['median_waits_gpu_starved']} of {timeline['median_waits']}"
+            bracketed = row.get("ratio_step_bracketed")
+            if bracketed is None and len(runs) == 2 and row.get("median_step_s") and all(runs):
+                bracketed = row["median_step_s"] / (sum(runs) / 2)  # one round: the reference and the control
+            budget = row["budget"] if row.get("round") in (None, 0) else f"{row['budget']} (round {row['round'] + 1})"
             rows.append(
-                f"| {config['model']} | {accum} | {row['budget']} | {row['resident_blocks']} of {row['blocks']} | "
-                f"{row['num_slots']} | {_gb(row['peak_allocated_gb'])} ({_gb(row['predicted_peak_gb'])}, "
-                f"{_err(row['peak_error'])}) | {_s(row['median_step_s'])} ({_s(row['predicted_step_s'])}, "
-                f"{_err(row['step_error'])}) | {_x(row.get('ratio_step'))} | {stall} | {starved} | "
-                f"{_parity(row.get('parity'))} | {link} |")
+                f"| {shape} | {accum} | {budget} | {row['resident_blocks']} of {row['blocks']} | "
+                f"{row['num_slots']} | {_states(row, report)} | {_gb(row['peak_allocated_gb'])} "
+                f"({_gb(row['predicted_peak_gb'])}, {_err(row['peak_error'])}) | {_s(row['median_step_s'])} "
+                f"({_s(row['predicted_step_s'])}, {_err(row['step_error'])}) | {_x(row.get('ratio_step'))} | "
+                f"{_x(bracketed)} | {stall} | {starved} | {_parity(row.get('parity'))} | {link} |")
+    return "\n".join(rows)
+
+
+def _states(row: dict, report: dict) -> str:
+    """Where layer-major's boundary states waited. Rows from before vram_curve recorded the plan's choice:
+    below the smallest budget that holds them on the device beside a two-slot ring, the planner can
+    only have put them on the host (``prepare`` fails otherwise); at or above it, on the device."""
+    if report["config"].get("schedule") != "layer-major" or report["config"].get("grad_accum", 1) < 2:
+        return "-"
+    if row.get("boundary_states"):
+        return row["boundary_states"]
+    from poros.config import parse_budget
+
+    return "host" if parse_budget(row["budget"]) < report["range"]["minimum_budget_bytes"] else "device"
+
+
+def render_host() -> str:
+    """``vram_curve.py --profile``: per arm, how long the host took to queue a step against the step,
+    the traced step's kernels and idle GPU, the host syncs and the caching allocator's device calls."""
+    rows = ["| shape | accum | arm | step s | host queued s | kernels (traced) | kernel ms | GPU idle ms of traced "
+            "| host syncs | cudaMalloc / step | JSON |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, report in curve_reports():
+        arms = [("resident", report.get("resident") or {})]
+        arms += [(f"Poros {r['budget']} ({r['resident_blocks']} of {r['blocks']} resident)", r) for r in report["rows"]]
+        arms += [("resident again (control)", report["control"])] if report.get("control") else []
+        if not any((arm.get("profile") or {}).get("kernels") for _, arm in arms):
+            continue
+        config = report["config"]
+        for name, arm in arms:
+            profile, syncs = arm.get("profile") or {}, arm.get("host_syncs") or {}
+            allocator = arm.get("allocator_per_step") or {}
+            rows.append(
+                f"| {_shape(config)} | {_accum(config)} | {name} | {_s(arm.get('median_step_s'))} | "
+                f"{_s(arm.get('median_host_s'))} | {profile.get('kernels', '-')} | "
+                f"{_ms(profile.get('kernel_sum_ms'))} | {_ms(profile.get('idle_ms'))} of {_ms(profile.get('span_ms'))} | "
+                f"{syncs.get('syncs', '-')} | "
+                f"{allocator.get('num_device_alloc', '-')} | [JSON](../{path.relative_to(ROOT)}) |")
     return "\n".join(rows)
 
 
@@ -215,6 +276,7 @@ BLOCKS = {
     "control": render_control,
     "gate": render_gate,
     "profile": render_profile,
+    "host": render_host,
     "curve": render_curve,
     "timeline": render_timeline,
 }

@@ -138,7 +138,7 @@ def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | N
     row = {
         "budget": budget, "status": result.status, "error": result.error,
         "resident_blocks": len(summary.get("resident_blocks") or []), "blocks": summary.get("blocks"),
-        "num_slots": summary.get("num_slots"),
+        "num_slots": summary.get("num_slots"), "boundary_states": plan.get("boundary_states"),
         "predicted_peak_gb": round(prediction["peak_allocated_bytes"] / 1e9, 4)
         if "peak_allocated_bytes" in prediction else None,
         "predicted_step_s": step.get("step_s"),
