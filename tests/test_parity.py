@@ -178,3 +178,19 @@ def test_embedding_tables_on_host_keep_parity(family, variant, tmp_path):
     moved = {id(t.module) for t in streamed.host_tables}
     assert id(streamed.causal_lm.get_input_embeddings()) in moved
     assert len(moved) == (2 if family == "gemma4" else 1)  # gemma4 e2b: also the per-layer table
+
+
+def test_host_embedding_rows_arrive_as_a_leaf():
+    """A frozen table's rows cross to the device as a leaf: when a hook made the lookup require grad
+    (transformers' input-require-grads), its gradient must not travel back to the host copy."""
+    from poros.stream.store import HostEmbedding
+
+    table = torch.nn.Embedding(10, 4).requires_grad_(False)
+    table.register_forward_hook(lambda module, args, output: output.requires_grad_(True))  # as transformers does
+    host = HostEmbedding(table, "meta")  # a device other than the host's, without a GPU
+    rows = table(torch.tensor([[1, 2]]))
+    assert rows.is_meta and rows.requires_grad and rows.grad_fn is None  # no copy node back to the host
+    host.device = torch.device("cpu")
+    assert torch.equal(table(torch.tensor([[1, 2]])), table.weight[[1, 2]].unsqueeze(0))  # the same rows
+    plain = HostEmbedding(torch.nn.Embedding(10, 4).requires_grad_(False), "meta").module(torch.tensor([1]))
+    assert plain.is_meta and not plain.requires_grad

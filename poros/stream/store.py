@@ -425,7 +425,11 @@ class HostEmbedding:
         return (args[0].to("cpu"), *args[1:])
 
     def _rows_to_device(self, module, args, output):
-        return output.to(self.device)
+        # The table is frozen, so nothing upstream of its output learns: the rows arrive as a leaf.
+        # (transformers' input-require-grads hook, on while checkpointing, makes the output require
+        # grad; through a plain copy its gradient would go back to the host for nothing, with a sync.)
+        rows = output.detach().to(self.device)
+        return rows.requires_grad_() if output.requires_grad else rows
 
     def restore(self) -> None:
         for hook in self._hooks:
