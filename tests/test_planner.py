@@ -27,7 +27,7 @@ import poros
 from poros import registry
 from poros.cli.main import main
 from poros.descriptor import resolve_path
-from poros.config import PorosConfig, parse_budget
+from poros.config import PorosConfig
 from poros.errors import ConfigError
 from poros.stream import planner
 from poros.stream.planner import ComputeTimes, Footprint, Workload
@@ -410,6 +410,14 @@ def _bench():
 
 
 @cache
+def _results_docs():
+    spec = importlib.util.spec_from_file_location("poros_results_docs", ROOT / "tools" / "gen_results_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@cache
 def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
                  targets: tuple[str, ...], rank: int, attn: str | None) -> planner.Plan:
     config, _ = _bench().model_config(model, layers=layers)
@@ -470,12 +478,17 @@ def test_predicted_peak_is_within_15_percent_across_the_published_curves(tmp_pat
         workload = Workload(setup["batch"], setup["seq"], setup["grad_accum"], setup["schedule"])
         for row in record["rows"]:
             resident = range(layers - row["resident_blocks"], layers)
-            # where the boundary states waited: recorded by newer runs; below the smallest budget that
-            # holds them on the device the planner can only have put them on the host
-            on_host = row.get("boundary_states") == "host" if row.get("boundary_states") else \
-                parse_budget(row["budget"]) < record["range"]["minimum_budget_bytes"]
+            # the planner's decision for this budget, made again: it must be what ran (slots, resident
+            # blocks, and where the boundary states waited, recorded by newer runs, shown by the results page)
+            chosen = planner.plan_budget(plan.footprint(), workload, row["budget"], embeddings_on_host=True,
+                                         context_bytes=planner.CUDA_CONTEXT_BYTES)
+            assert (chosen.num_slots, len(chosen.resident_blocks)) == (row["num_slots"], row["resident_blocks"]), \
+                f"{path.stem} @ {row['budget']}"
+            assert row.get("boundary_states", chosen.boundary_states) == chosen.boundary_states
+            if workload.schedule == "layer-major" and workload.grad_accum > 1:
+                assert _results_docs()._states(row, record) == chosen.boundary_states
             peak = planner.predict_peak(plan.footprint(), workload, resident=resident, num_slots=max(row["num_slots"], 1),
-                                        boundary_on_host=on_host)
+                                        boundary_on_host=chosen.boundary_states == "host")
             errors[f"{path.stem} @ {row['budget']}"] = peak.total / (row["peak_allocated_gb"] * 1e9) - 1
     assert len(errors) >= 16
     far = {name: f"{error:+.1%}" for name, error in errors.items() if abs(error) > 0.15}

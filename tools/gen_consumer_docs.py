@@ -143,7 +143,8 @@ def render_capped() -> str:
         config, poros = record["config"], record["arms"]["poros"]
         accum = config.get("grad_accum", 1)
         steps = "1" if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
-        states = (poros.get("budget_plan") or {}).get("boundary_states", "device") if accum > 1 else "-"
+        layer_major = accum > 1 and config.get("schedule") == "layer-major"
+        states = (poros.get("budget_plan") or {}).get("boundary_states", "device") if layer_major else "-"
         rows.append(f"| {config['model']} | {steps} | {states} | {config['vram_limit_gb']:g} | "
                     f"{poros['peak_allocated_gb']:.2f} | {poros['peak_reserved_gb']:.2f} | "
                     f"{poros['median_step_s']:.3f} | {_link(path)} |")

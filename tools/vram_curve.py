@@ -247,23 +247,35 @@ def main(argv=None) -> int:
             print("  " + result.error.splitlines()[0], flush=True)
         save()  # after every row: a run cut short keeps what it measured
 
-    residents = [] if reference is None else [reference]  # every resident run, in order: drift is measured
+    # every resident run, in order (drift is measured): its step times and parity with the first, not
+    # its adapter and optimizer snapshots (host copies of the whole LoRA state each)
+    residents: list[dict[str, Any]] = []
+
+    def again(label: str) -> bench.ArmResult:
+        result = resident_arm(label)
+        summary = result.summary(args.warmup)
+        residents.append({"median_step_s": summary.get("median_step_s"), "step_times_s": summary.get("step_times_s"),
+                          "bitwise_with_first": bench.parity(reference, result)["bitwise"] if reference else None})
+        return result
+
+    if reference is not None:
+        residents.append({"median_step_s": report["resident"].get("median_step_s"),
+                          "step_times_s": report["resident"].get("step_times_s"), "bitwise_with_first": True})
     for round_index in range(args.rounds):
         if round_index > 0 and reference is not None:
-            residents.append(resident_arm(f"resident (round {round_index + 1})"))
+            again(f"resident (round {round_index + 1})")
         for budget in budgets:
             budget_arm(budget, round_index)
 
-    if reference is not None and (args.control or args.rounds > 1):
-        control = resident_arm("control (resident again)")
-        residents.append(control)
+    if args.control or (reference is not None and args.rounds > 1):
+        control = again("control (resident again)")
         report["control"] = control.summary(args.warmup)
-        report["control"]["parity"] = bench.parity(reference, control)
-    if len(residents) > 1:
-        report["residents"] = [{"median_step_s": r.summary(args.warmup).get("median_step_s"),
-                                "step_times_s": r.summary(args.warmup).get("step_times_s"),
-                                "bitwise_with_first": bench.parity(reference, r)["bitwise"]} for r in residents]
-        report["bracketed"] = bracketed_ratios(rows, [r["median_step_s"] for r in report["residents"]])
+        if reference is not None:
+            report["control"]["parity"] = bench.parity(reference, control)
+        control = None
+    if len(residents) > 1 and reference is not None:
+        report["residents"] = residents
+        report["bracketed"] = bracketed_ratios(rows, [r["median_step_s"] for r in residents])
         for budget, entry in report["bracketed"].items():
             print(f"budget {budget}: x{entry['median']} of the resident runs around it (rounds: {entry['ratios']})",
                   flush=True)
