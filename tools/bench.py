@@ -578,7 +578,7 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
         result.optimizer = optimizer_snapshot(optimizer, named_params)
     for p in params:
         p.grad = None
-    del optimizer
+    optimizer = None  # its state goes before the next arm measures
     free_memory(device)
     return result
 
@@ -667,12 +667,9 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
     host_waits: dict[str, list[float]] = {}
     runtime: dict[str, list[float]] = {}  # CUDA runtime calls made by the host: count and time
     kernel_time: dict[str, list[float]] = {}  # kernel name -> [calls, ms]
-    host_first = host_last = None
     for event in trace.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             took = (event.time_range.end - event.time_range.start) / 1000.0
-            host_first = event.time_range.start if host_first is None else min(host_first, event.time_range.start)
-            host_last = event.time_range.end if host_last is None else max(host_last, event.time_range.end)
             if event.name.startswith("cuda"):
                 entry = runtime.setdefault(event.name, [0, 0.0])
                 entry[0] += 1
@@ -706,7 +703,6 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
     ops = sorted(trace.key_averages(), key=lambda a: -a.self_cpu_time_total)
     return {
         "span_ms": round(end - begin, 3),
-        "host_span_ms": round((host_last - host_first) / 1000.0, 3) if host_first is not None else None,
         "kernels": len(kernels), "kernel_sum_ms": round(sum(b - a for a, b in kernels), 3),
         "top_kernels": [{"name": name[:90], "calls": n, "ms": round(ms, 3)}
                         for name, (n, ms) in sorted(kernel_time.items(), key=lambda kv: -kv[1][1])[:12]],
@@ -1003,6 +999,16 @@ def configure_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def start_tool(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
+    """A GPU tool's common start (bench, parity gate, VRAM curve): quiet transformers' checkpointing
+    warning, deterministic algorithms and CPU threads as asked; returns the device and the environment."""
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    configure_determinism(args.deterministic)
+    configure_threads(args.threads)
+    device = _device(args.device)
+    return device, environment(device, args.commit)
+
+
 def configure_determinism(enabled: bool) -> None:
     """Deterministic algorithms on; call before the first CUDA operation (cuBLAS reads the env var then)."""
     if enabled:
@@ -1192,13 +1198,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    configure_determinism(args.deterministic)
-    configure_threads(args.threads)
-    device = _device(args.device)
+    device, env = start_tool(args)
     targets = "all-linear" if args.targets == "all-linear" else tuple(args.targets.split(","))
     config, info = model_config(args.model, layers=args.layers)
-    env = environment(device, args.commit)
     link = measure_link(device) if "poros" in args.arms else None
     compute = None
     if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):

@@ -15,6 +15,12 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def accum_label(config: dict) -> str:
+    """A run's micro-batches per optimizer step, with the Poros schedule when there are several."""
+    accum = config.get("grad_accum", 1)
+    return str(accum) if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
+
+
 def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:
     """Replace the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``
     with ``blocks[name]()`` for every name; the prose around the markers is kept."""

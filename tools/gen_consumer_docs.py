@@ -141,11 +141,9 @@ def render_capped() -> str:
             "| Poros peak reserved GB | Poros step s | JSON |", "|---|---|---|---|---|---|---|---|"]
     for path, record in capped_records():
         config, poros = record["config"], record["arms"]["poros"]
-        accum = config.get("grad_accum", 1)
-        steps = "1" if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
-        layer_major = accum > 1 and config.get("schedule") == "layer-major"
+        layer_major = config.get("grad_accum", 1) > 1 and config.get("schedule") == "layer-major"
         states = (poros.get("budget_plan") or {}).get("boundary_states", "device") if layer_major else "-"
-        rows.append(f"| {config['model']} | {steps} | {states} | {config['vram_limit_gb']:g} | "
+        rows.append(f"| {config['model']} | {docgen.accum_label(config)} | {states} | {config['vram_limit_gb']:g} | "
                     f"{poros['peak_allocated_gb']:.2f} | {poros['peak_reserved_gb']:.2f} | "
                     f"{poros['median_step_s']:.3f} | {_link(path)} |")
     return "\n".join(rows)

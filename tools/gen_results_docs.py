@@ -69,12 +69,6 @@ def render_environment() -> str:
     return "\n".join(lines)
 
 
-def _accum(config: dict) -> str:
-    """Micro-batches per optimizer step, and the Poros schedule when there are several."""
-    accum = config.get("grad_accum", 1)
-    return str(accum) if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
-
-
 def render_profile() -> str:
     """One traced step per arm (``tools/bench.py --profile``): where the step's time goes, in ms."""
     rows = ["| shape | seq | accum | det. | arm | traced span ms | kernels busy ms | H2D busy ms "
@@ -86,7 +80,7 @@ def render_profile() -> str:
             if not profile or "span_ms" not in profile:
                 continue
             rows.append(
-                f"| {config['model']} | {config['seq']} | {_accum(config)} | "
+                f"| {config['model']} | {config['seq']} | {docgen.accum_label(config)} | "
                 f"{'on' if config['deterministic'] else 'off'} | {arm} | {profile['span_ms']:.0f} | "
                 f"{profile['kernel_busy_ms']:.0f} | {profile['h2d_busy_ms']:.0f} | {profile['h2d_exposed_ms']:.0f} | "
                 f"{profile['idle_ms']:.0f} | [{path.name}](../{path.relative_to(ROOT)}) |")
@@ -117,7 +111,7 @@ def render_bench(capped: bool) -> str:
             plan = poros.get("budget_plan") or {}
             budget = "-" if not config.get("vram_budget") else \
                 f"{config['vram_budget']} ({plan.get('boundary_states', '-')})"
-            rows.append(f"| {config['model']} | {layers} | {config['seq']} | {_accum(config)} | "
+            rows.append(f"| {config['model']} | {layers} | {config['seq']} | {docgen.accum_label(config)} | "
                         f"{config['vram_limit_gb']:g} | {budget} | "
                         f"{poros.get('status')} | {_gb(poros.get('peak_allocated_gb'))} | "
                         f"{_gb(poros.get('peak_reserved_gb'))} | {_s(poros.get('median_step_s'))} | {h2d} | "
@@ -125,7 +119,7 @@ def render_bench(capped: bool) -> str:
             continue
         comparison = report.get("comparison") or {}
         rows.append(
-            f"| {config['model']} | {layers} | {config['seq']} | {_accum(config)} | "
+            f"| {config['model']} | {layers} | {config['seq']} | {docgen.accum_label(config)} | "
             f"{'on' if config['deterministic'] else 'off'} | "
             f"{_gb(resident.get('peak_allocated_gb'))} | {_s(resident.get('median_step_s'))} | "
             f"{_gb(poros.get('peak_allocated_gb'))} | {_gb(poros.get('peak_reserved_gb'))} | "
@@ -174,7 +168,7 @@ def render_curve() -> str:
     for path, report in curve_reports():
         config, resident = report["config"], report.get("resident") or {}
         link = f"[JSON](../{path.relative_to(ROOT)})"
-        accum, shape = _accum(config), _shape(config)
+        accum, shape = docgen.accum_label(config), _shape(config)
         runs = [r["median_step_s"] for r in report.get("residents", [])]
         if not runs and report.get("control"):
             runs = [resident.get("median_step_s"), report["control"].get("median_step_s")]
@@ -230,7 +224,7 @@ def render_host() -> str:
             profile, syncs = arm.get("profile") or {}, arm.get("host_syncs") or {}
             allocator = arm.get("allocator_per_step") or {}
             rows.append(
-                f"| {_shape(config)} | {_accum(config)} | {name} | {_s(arm.get('median_step_s'))} | "
+                f"| {_shape(config)} | {docgen.accum_label(config)} | {name} | {_s(arm.get('median_step_s'))} | "
                 f"{_s(arm.get('median_host_s'))} | {profile.get('kernels', '-')} | "
                 f"{_ms(profile.get('kernel_sum_ms'))} | {_ms(profile.get('idle_ms'))} of {_ms(profile.get('span_ms'))} | "
                 f"{syncs.get('syncs', '-')} | "
@@ -248,7 +242,7 @@ def render_timeline() -> str:
             continue
         config = report["config"]
         rows.append(
-            f"| {config['model']} | {config['seq']} | {_accum(config)} | {'on' if config['deterministic'] else 'off'} "
+            f"| {config['model']} | {config['seq']} | {docgen.accum_label(config)} | {'on' if config['deterministic'] else 'off'} "
             f"| {_x((report.get('comparison') or {}).get('ratio_median_step_s'))} | "
             f"{timeline['median_stall_forward_ms']:.1f} | {timeline['median_stall_backward_ms']:.1f} | "
             f"{timeline['median_gpu_lag_ms_median']:.2f} | {timeline['median_waits_gpu_starved']} of "

@@ -321,11 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    bench.configure_determinism(args.deterministic)
-    bench.configure_threads(args.threads)
-    device = bench._device(args.device)
-    env = bench.environment(device, args.commit)
+    device, env = bench.start_tool(args)
     print(f"parity gate on {bench.environment_line(env)} | deterministic {args.deterministic}")
     header = f"{'variant':<12}{'family':<9}{'width':>7}{'label':>11}{'max|dloss|':>12}{'max|dLoRA|':>12}" \
              f"{'max|dAdamW|':>13}{'LoRA':>6}  note"

@@ -23,7 +23,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +161,8 @@ def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | N
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    bench.configure_determinism(args.deterministic)
-    bench.configure_threads(args.threads)
-    device = bench._device(args.device)
+    device, env = bench.start_tool(args)
     config, info = bench.model_config(args.model, layers=args.layers)
-    env = bench.environment(device, args.commit)
     from poros.stream import planner
 
     workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)
@@ -251,16 +246,17 @@ def main(argv=None) -> int:
     # its adapter and optimizer snapshots (host copies of the whole LoRA state each)
     residents: list[dict[str, Any]] = []
 
+    def remember(summary: dict[str, Any], bitwise: bool | None) -> None:
+        residents.append({"median_step_s": summary.get("median_step_s"), "step_times_s": summary.get("step_times_s"),
+                          "bitwise_with_first": bitwise})
+
     def again(label: str) -> bench.ArmResult:
         result = resident_arm(label)
-        summary = result.summary(args.warmup)
-        residents.append({"median_step_s": summary.get("median_step_s"), "step_times_s": summary.get("step_times_s"),
-                          "bitwise_with_first": bench.parity(reference, result)["bitwise"] if reference else None})
+        remember(result.summary(args.warmup), bench.parity(reference, result)["bitwise"] if reference else None)
         return result
 
     if reference is not None:
-        residents.append({"median_step_s": report["resident"].get("median_step_s"),
-                          "step_times_s": report["resident"].get("step_times_s"), "bitwise_with_first": True})
+        remember(report["resident"], True)
     for round_index in range(args.rounds):
         if round_index > 0 and reference is not None:
             again(f"resident (round {round_index + 1})")
