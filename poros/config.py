@@ -131,6 +131,22 @@ class PorosConfig:
                                   "micro-batch streams every block, 2 x grad_accum copies per block per step).",
                                   choices=("micro-major", "layer-major"))
 
+    host_tier: str | None = _field(None, "Where the streamed NF4 blocks live on the host: 'pinned' (page-locked RAM, "
+                                   "one copy per process), 'mapped' (the NF4 block cache file mapped and registered "
+                                   "for DMA: one copy per node in the page cache), 'disk' (read from the cache file "
+                                   "into a small pinned ring ahead of use, for host RAM smaller than the model); "
+                                   "null: pinned, or what host_budget needs (docs/cache-and-host-memory.md).",
+                                   choices=(None, "pinned", "mapped", "disk"))
+    host_budget: str | None = _field(None, "Host RAM the blocks may use, e.g. '24GiB': the planner keeps them "
+                                     "pinned when they fit and streams them from disk through a ring of read_ahead "
+                                     "blocks when they do not; null: no limit.")
+    read_ahead: int = _field(3, "Ring buffers of the disk tier (>= 2): one copying to the device, the rest read "
+                             "ahead.")
+    cache_dir: str | None = _field(None, "Root of the NF4 block cache (the first load quantizes and writes the "
+                                   "blocks, later loads map them); null: $POROS_CACHE_DIR, else ~/.cache/poros.")
+    no_cache: bool = _field(False, "Bypass the NF4 block cache: quantize the checkpoint on every load and write "
+                            "nothing.")
+
     def __post_init__(self) -> None:
         hints = _type_hints()
         for f in dataclasses.fields(self):
@@ -158,7 +174,8 @@ class PorosConfig:
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
-        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule"):
+        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule",
+                     "host_tier"):
             choices = _metadata(name)["choices"]
             need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
                  f"pick one of {_choice_list(choices)}")
@@ -190,6 +207,12 @@ class PorosConfig:
             except ConfigError:
                 need(False, "vram_budget", "a size such as '7GiB', '24GB', '7000MiB' or '7.5G', or null",
                      "e.g. vram_budget: 7GiB")
+        need(self.read_ahead >= 2, "read_ahead", "an integer >= 2", "e.g. read_ahead: 3")
+        if self.host_budget is not None:
+            try:
+                parse_budget(self.host_budget, "host_budget")
+            except ConfigError:
+                need(False, "host_budget", "a size such as '24GiB', '32GB' or '16G', or null", "e.g. host_budget: 24GiB")
         if self.resume_from is not None:
             need(bool(self.resume_from.strip()), "resume_from", "'auto', a checkpoint directory or null",
                  "e.g. resume_from: auto")
@@ -364,7 +387,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20,
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 
-def parse_budget(value: str | int) -> int:
+def parse_budget(value: str | int, name: str = "vram_budget") -> int:
     """Bytes of a VRAM budget: ``"7GiB"`` (2^30), ``"7GB"`` (10^9), ``"7000MiB"``, ``"7.5G"`` (a bare
     K/M/G/T is binary, as in ``ls -h``), ``"24 GiB"``, or an int of bytes.
 
@@ -372,20 +395,20 @@ def parse_budget(value: str | int) -> int:
         ConfigError: not a positive size in one of those forms.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"vram_budget={value!r} ({type(value).__name__}): expected a size such as '7GiB', "
+        raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected a size such as '7GiB', "
                           "'7GB', '7000MiB', '7.5G' or an int of bytes.")
     if isinstance(value, int):
         number, unit = float(value), ""
     else:
         match = _SIZE.fullmatch(value)
         if not match or match.group(2).lower() not in _SIZE_UNITS:
-            raise ConfigError(f"vram_budget={value!r} is not a size: expected a number and a unit such as '7GiB' "
+            raise ConfigError(f"{name}={value!r} is not a size: expected a number and a unit such as '7GiB' "
                               "(2^30 bytes), '7GB' (10^9), '7000MiB', '7.5G' (binary) or an int of bytes, e.g. "
-                              "--vram-budget 7GiB.")
+                              f"--{name.replace('_', '-')} 7GiB.")
         number, unit = float(match.group(1)), match.group(2).lower()
     nbytes = int(number * _SIZE_UNITS[unit])
     if nbytes <= 0:
-        raise ConfigError(f"vram_budget={value!r} is {nbytes} bytes; a budget must be positive, e.g. 7GiB.")
+        raise ConfigError(f"{name}={value!r} is {nbytes} bytes; a budget must be positive, e.g. 7GiB.")
     return nbytes
 
 

@@ -85,4 +85,8 @@ class TrainingCheckpointError(PorosError):
     """A training checkpoint (``checkpoint-{step}/``) is missing, incomplete or does not match the run."""
 
 
+class CacheEntryError(PorosError):
+    """An NF4 block cache entry is damaged (truncated, a checksum differs) or does not fit the model loaded."""
+
+
 __all__ = [name for name in dir() if name.endswith("Error")]

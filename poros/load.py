@@ -231,6 +231,7 @@ def load_pretrained(
     load_tokenizer: bool = True,
     allow_pickle: bool = False,
     revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
     _blocks_to_host_on_cpu: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint as the family's causal LM with a 4-bit base, decoder blocks on the host.
@@ -247,6 +248,10 @@ def load_pretrained(
         load_tokenizer: also load the checkpoint's tokenizer (None, with a warning, if it has none).
         allow_pickle: accept ``pytorch_model.bin`` checkpoints (unsafe: pickle runs code).
         revision: hub revision for a hub id.
+        cache_dir: the NF4 block cache root (``docs/cache-and-host-memory.md``): the first load writes
+            the packed blocks there, later loads map them instead of reading and quantizing the
+            checkpoint's block weights. None: no cache (every load quantizes). The blocks of the
+            returned model are then views of the mapped entry (``model.poros_block_file``).
 
     Raises:
         CheckpointLoadError: see :func:`inspect_checkpoint`; a weight the checkpoint does not provide
@@ -275,22 +280,35 @@ def load_pretrained(
         extra["key_mapping"] = info.key_mapping
     _check_shapes(info)
     blocks_prefix = info.descriptor.decoder_layers + "."
-    # On CPU the blocks are already on the host; tests pass _blocks_to_host_on_cpu=True to run the
-    # CUDA path's moves (each tensor replaced by a host copy) where there is no GPU.
-    with _blocks_to_host(blocks_prefix, move=device.type != "cpu" or _blocks_to_host_on_cpu):
-        try:
-            model, loading_info = transformers.AutoModelForCausalLM.from_pretrained(
-                path, config=info.text_config, quantization_config=quantization_config,
-                device_map={"": str(device)}, dtype=compute_dtype, use_safetensors=info.weight_format == "safetensors",
-                output_loading_info=True, **extra,
-            )
-        except RuntimeError as exc:
-            if "mismatch" in str(exc):
-                raise CheckpointLoadError(_mismatch_message(info, str(exc))) from exc
-            raise
-    _check_loading_info(info, model, loading_info)
-    if device.type != "cpu":
-        _sweep_blocks_to_host(model, info.descriptor)
+    move = device.type != "cpu" or _blocks_to_host_on_cpu
+
+    def load(skip_blocks=contextlib.nullcontext()):
+        # On CPU the blocks are already on the host; tests pass _blocks_to_host_on_cpu=True to run the
+        # CUDA path's moves (each tensor replaced by a host copy) where there is no GPU.
+        with _blocks_to_host(blocks_prefix, move=move), skip_blocks:
+            try:
+                model, loading_info = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, config=info.text_config, quantization_config=quantization_config,
+                    device_map={"": str(device)}, dtype=compute_dtype,
+                    use_safetensors=info.weight_format == "safetensors", output_loading_info=True, **extra,
+                )
+            except RuntimeError as exc:
+                if "mismatch" in str(exc):
+                    raise CheckpointLoadError(_mismatch_message(info, str(exc))) from exc
+                raise
+        _check_loading_info(info, model, loading_info)
+        if device.type != "cpu":
+            _sweep_blocks_to_host(model, info.descriptor)
+        return model, loading_info
+
+    if cache_dir is None:
+        model, loading_info = load()
+    else:
+        from poros.cache_blocks import load_through_cache
+
+        model, loading_info = load_through_cache(
+            load, cache_dir, model=os.fspath(name_or_path), info=info, revision=revision, device=device,
+            quantization_config=quantization_config)
     tokenizer = None
     if load_tokenizer:
         if info.has_tokenizer:

@@ -60,6 +60,7 @@ class PorosModel(nn.Module):
         store: the :class:`~poros.stream.store.BlockStore` holding the frozen block tensors.
         executor: the :class:`~poros.stream.executor.StreamingExecutor`.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
+        host_plan: the host tier decision (``poros.host_tiers.HostPlan``: tier, read-ahead, why).
     """
 
     def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
@@ -316,7 +317,9 @@ def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module]):
 def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_host: bool | None = None,
             require: str | None = None, resident_blocks: int | Iterable[int] | None = None,
             vram_budget: str | int | None = None,
-            workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None) -> PorosModel:
+            workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None,
+            host_tier: str | None = None, host_budget: str | int | None = None, read_ahead: int | None = None,
+            cache_dir: str | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
 
     Detects the family, quantization, adapters and platform, runs every gate, decides the guarantee
@@ -346,6 +349,14 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             inputs until backward: ``"device"`` (default) or ``"host"`` (pinned host memory, copied on
             a side stream; bitwise the same). With ``vram_budget`` the planner decides (host only
             when the budget needs it) unless this is given.
+        host_tier: where the streamed blocks live on the host: ``"pinned"`` (default), ``"mapped"``
+            or ``"disk"`` (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block
+            cache is served from its entry; any other model is first written to a spill file.
+        host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
+            planner (``poros.host_tiers.choose_host_tier``) keeps them pinned when they fit and
+            streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
+        read_ahead: ring buffers of the disk tier (default 3; with ``host_budget``, at most what fits).
+        cache_dir: cache root whose ``spill/`` directory takes spill files (default: as for the cache).
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
@@ -419,7 +430,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
-    store = BlockStore(layers, device, num_slots=num_slots, resident=resident)
+    host_plan, tier = _host_tier(causal_lm, layers, resident, host_tier, host_budget, read_ahead, cache_dir)
+    store = BlockStore(layers, device, num_slots=num_slots, resident=resident, host_tier=tier)
     host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
@@ -430,8 +442,30 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
     handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection)
     object.__setattr__(handle, "budget_plan", budget_plan)  # the planner's decision (vram_budget), else None
+    object.__setattr__(handle, "host_plan", host_plan)  # the host tier decision (poros.host_tiers.HostPlan)
     object.__setattr__(causal_lm, "_poros_handle", handle)
     return handle
+
+
+def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable[int], host_tier: str | None,
+               host_budget: str | int | None, read_ahead: int | None, cache_dir: str | None):
+    """The host plan and the store's host tier object (None: pinned)."""
+    from poros import cache
+    from poros.config import parse_budget
+    from poros.host_tiers import DEFAULT_READ_AHEAD, choose_host_tier
+    from poros.stream.store import packed_block_bytes
+    from poros.stream.tiers import make_host_tier
+
+    resident = set(resident)
+    budget = parse_budget(host_budget, "host_budget") if host_budget is not None else None
+    streamed = [n for i, n in enumerate(packed_block_bytes(layers)) if i not in resident]
+    plan = choose_host_tier(streamed, budget, requested=host_tier, read_ahead=read_ahead)
+    if host_tier is not None or budget is not None:
+        logger.info("poros: %s", plan.reason)
+    tier = make_host_tier(plan.tier, getattr(causal_lm, "poros_block_file", None),
+                          read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
+                          spill_dir=cache.cache_root(cache_dir) / "spill")
+    return plan, tier
 
 
 def _check_budget_options(resident_blocks: Any, vram_budget: Any, workload: Any) -> None:

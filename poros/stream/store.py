@@ -159,6 +159,29 @@ def _layout(block: nn.Module, shared: set[tuple[int, str]]) -> tuple[list[Entry]
     return entries, tensors, offset
 
 
+def block_layouts(blocks: list[nn.Module]) -> list[tuple[list[Entry], list[torch.Tensor], int]]:
+    """``(entries, tensors, buffer bytes)`` of each of ``blocks``, as :class:`BlockStore` packs them: the
+    layout a host tier (``poros.stream.tiers``) and the NF4 block cache write to a file."""
+    shared = _shared_tensor_keys(blocks)
+    return [_layout(block, shared) for block in blocks]
+
+
+def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The tensor of ``entry`` as a view into ``buffer`` (a uint8 block buffer, slot or mapped file region)."""
+    raw = buffer[entry.offset: entry.offset + entry.nbytes]
+    return raw.view(entry.dtype).as_strided(entry.shape, entry.stride)
+
+
+def bind_entry(entry: Entry, tensor: torch.Tensor | None) -> None:
+    """Point the module tensor that ``entry`` describes at ``tensor``."""
+    if entry.kind == "param":
+        entry.owner.data = tensor
+    elif entry.kind == "buffer":
+        entry.owner._buffers[entry.attr] = tensor
+    else:
+        setattr(entry.owner, entry.attr, tensor)
+
+
 def packed_block_bytes(blocks: list[nn.Module]) -> list[int]:
     """The buffer bytes :class:`BlockStore` gives each of ``blocks`` (before packing, nothing moves)."""
     shared = _shared_tensor_keys(blocks)
@@ -193,13 +216,16 @@ class BlockStore:
             ring never has more slots than there are streamed blocks.
         pin_memory: pin host buffers (default: when ``device`` is CUDA).
         resident: indices of blocks kept on the device for good (copied once, here).
+        host_tier: where the streamed blocks' bytes live on the host: None keeps one pinned buffer
+            per block (the ``pinned`` tier); a ``poros.stream.tiers`` ``MappedTier`` or ``DiskTier``
+            serves them from a file of packed blocks instead (same bytes, same layout).
 
     Raises:
         StreamingError: ``num_slots < 1``, or a resident index that is not a block index.
     """
 
     def __init__(self, blocks: list[nn.Module], device: torch.device | str, *, num_slots: int = 2,
-                 pin_memory: bool | None = None, resident: Iterable[int] = ()) -> None:
+                 pin_memory: bool | None = None, resident: Iterable[int] = (), host_tier: Any = None) -> None:
         if num_slots < 1:
             raise StreamingError(f"num_slots={num_slots}; a store needs at least 1 device slot. Pass num_slots>=1.")
         resident = sorted(set(resident))
@@ -212,7 +238,12 @@ class BlockStore:
         # A tensor slot that several blocks share (e.g. one adapter buffer referenced by every layer)
         # cannot follow one block's residency: it stays where it is, resident.
         self.shared = _shared_tensor_keys(blocks)
-        self.blocks: list[BlockRecord] = [self._pack(i, block, i in resident) for i, block in enumerate(blocks)]
+        layouts = [_layout(block, self.shared) for block in blocks]
+        self.host_tier = host_tier
+        if host_tier is not None:  # the tier finds (or writes) the file holding the streamed blocks' bytes
+            host_tier.attach({i: layout for i, layout in enumerate(layouts) if i not in resident}, self.device)
+        self.blocks: list[BlockRecord] = [self._pack(i, block, i in resident, layouts[i])
+                                          for i, block in enumerate(blocks)]
         streamed = [b for b in self.blocks if not b.resident]
         self.num_slots = min(num_slots, len(streamed))
         self.slot_bytes = max((b.nbytes for b in streamed), default=0)
@@ -239,25 +270,24 @@ class BlockStore:
                 self._bind_placeholders(block)
 
     # -- packing ---------------------------------------------------------------------------
-    def _pack(self, index: int, block: nn.Module, resident: bool) -> BlockRecord:
-        entries, tensors, nbytes = _layout(block, self.shared)
+    def _pack(self, index: int, block: nn.Module, resident: bool, layout) -> BlockRecord:
+        entries, tensors, nbytes = layout
         if resident:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        elif self.host_tier is not None:
+            buffer = self.host_tier.host_buffer(index)  # the tier's view of the block, None when it reads ahead
         else:
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        for entry, tensor in zip(entries, tensors):
-            self._view(buffer, entry).copy_(tensor)
+        if resident or self.host_tier is None:
+            for entry, tensor in zip(entries, tensors):
+                self._view(buffer, entry).copy_(tensor)
         # Plain fields only: the tensors are bound to buffer or slot views, and holding the
         # originals here would keep the unpacked copies alive.
         snapshots = [(state, {k: None if isinstance(v, torch.Tensor) else v for k, v in vars(state).items()})
                      for state in _quant_states(block) if (id(state), "absmax") not in self.shared]
         return BlockRecord(index, block, entries, nbytes, buffer, snapshots, resident=resident)
 
-    @staticmethod
-    def _view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
-        """The tensor of ``entry`` as a view into ``buffer`` (a uint8 block buffer or slot)."""
-        raw = buffer[entry.offset: entry.offset + entry.nbytes]
-        return raw.view(entry.dtype).as_strided(entry.shape, entry.stride)
+    _view = staticmethod(entry_view)
 
     # -- residency -------------------------------------------------------------------------
     def is_resident(self, index: int) -> bool:
@@ -287,13 +317,18 @@ class BlockStore:
                 f"{self.slot_owner}. The executor must release a block first (or use more slots)."
             )
         target = self.slots[slot][: block.nbytes]
+        source = block.buffer if block.buffer is not None else self.host_tier.acquire(index)
         if self.on_cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.slot_free[slot])
-                target.copy_(block.buffer, non_blocking=True)
+                target.copy_(source, non_blocking=True)
                 self.slot_ready[slot].record(self.copy_stream)
+                if block.buffer is None:
+                    self.host_tier.copied(index, self.copy_stream)
         else:
-            target.copy_(block.buffer)
+            target.copy_(source)
+            if block.buffer is None:
+                self.host_tier.copied(index, None)
         self.slot_owner[slot] = index
         block.slot = slot
         self._bind_all(block, target)
@@ -334,14 +369,7 @@ class BlockStore:
             self.release(block.index)
 
     # -- binding ---------------------------------------------------------------------------
-    @staticmethod
-    def _bind(entry: Entry, tensor: torch.Tensor | None) -> None:
-        if entry.kind == "param":
-            entry.owner.data = tensor
-        elif entry.kind == "buffer":
-            entry.owner._buffers[entry.attr] = tensor
-        else:
-            setattr(entry.owner, entry.attr, tensor)
+    _bind = staticmethod(bind_entry)
 
     @staticmethod
     def _restore_quant_states(block: BlockRecord) -> None:
@@ -379,10 +407,15 @@ class BlockStore:
         go of the host buffers, resident buffers and slots (a store kept after this holds no memory)."""
         for block in self.blocks:
             self._restore_quant_states(block)
+            source = block.buffer if block.buffer is not None else self.host_tier.acquire(block.index)
             for entry in block.entries:
-                self._bind(entry, self._view(block.buffer, entry).to(self.device, copy=True))
+                self._bind(entry, self._view(source, entry).to(self.device, copy=True))
+            if block.buffer is None:
+                self.host_tier.copied(block.index, None)
             block.slot = None
             block.buffer = None
+        if self.host_tier is not None:
+            self.host_tier.close()
         self.slots = []
         self.slot_owner = [None] * self.num_slots
         for hook in self._hooks:

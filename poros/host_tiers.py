@@ -1,0 +1,140 @@
+"""Which host tier holds the streamed blocks, for a host RAM budget; and how fast the disk reads.
+
+Torch-free: ``poros plan`` and ``poros doctor`` call it without loading anything. The tiers
+themselves are in ``poros/stream/tiers.py``; ``docs/cache-and-host-memory.md`` says when to use which.
+
+* ``pinned`` -- one pinned buffer per streamed block: the whole NF4 base in page-locked RAM.
+  The default whenever the budget holds it.
+* ``mapped`` -- the NF4 block cache file mapped and registered for DMA: the OS page cache holds it,
+  shared by every process of the node (data parallel ranks). Needs the same RAM as ``pinned`` once
+  per node instead of once per process.
+* ``disk`` -- a ring of ``read_ahead`` pinned block buffers filled from the cache file ahead of use:
+  host RAM of a few blocks, at the drive's read rate.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from poros.errors import ConfigError
+
+HOST_TIERS = ("pinned", "mapped", "disk")
+DEFAULT_READ_AHEAD = 3  # ring buffers of the disk tier: one copying, two read ahead
+MAX_READ_AHEAD = 8
+DISK_PROBE_BYTES = 256 << 20
+DISK_PROBE_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The planner's host decision.
+
+    Attributes:
+        tier: ``pinned``, ``mapped`` or ``disk``.
+        read_ahead: ring buffers of the disk tier (0 for the others).
+        host_bytes: host RAM the tier holds for the blocks (pinned buffers, or the ring; for
+            ``mapped`` the page cache's share, once per node).
+        block_bytes: the streamed blocks' bytes together.
+        reason: one line, why.
+    """
+
+    tier: str
+    read_ahead: int
+    host_bytes: int
+    block_bytes: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, requested: str | None = None,
+                     read_ahead: int | None = None) -> HostPlan:
+    """Pick the host tier and the disk tier's read-ahead depth for the streamed blocks' ``block_bytes``.
+
+    ``requested`` (a tier name) is taken as given; otherwise ``pinned`` when no budget is set or the
+    budget holds every streamed block, else ``disk`` with as many ring buffers as the budget holds
+    (``read_ahead`` at most, default :data:`DEFAULT_READ_AHEAD`; at least 2).
+
+    Raises:
+        ConfigError: an unknown tier; a budget below two of the largest blocks (the disk tier's minimum).
+    """
+    total, largest = sum(block_bytes), max(block_bytes, default=0)
+    if requested is not None and requested not in HOST_TIERS:
+        raise ConfigError(f"host_tier={requested!r}: expected one of {', '.join(HOST_TIERS)}.")
+    if read_ahead is not None and read_ahead < 2:
+        raise ConfigError(f"read_ahead={read_ahead}: the disk tier needs at least 2 ring buffers (one copying to "
+                          "the device, one being read). Pass 2 or more.")
+    depth = read_ahead or DEFAULT_READ_AHEAD
+    if requested == "disk" or (requested is None and host_budget is not None and total > host_budget):
+        if host_budget is not None:
+            fits = host_budget // largest if largest else MAX_READ_AHEAD
+            if fits < 2:
+                raise ConfigError(
+                    f"host budget {host_budget / 2**30:.2f} GiB is below the disk tier's minimum: two ring buffers "
+                    f"of the largest block, {2 * largest / 2**30:.2f} GiB. Raise --host-budget to at least that.")
+            depth = min(depth if read_ahead else MAX_READ_AHEAD, fits)
+        why = ("asked for" if requested else
+               f"the streamed blocks ({total / 2**30:.2f} GiB) exceed the host budget ({host_budget / 2**30:.2f} GiB)")
+        return HostPlan("disk", depth, depth * largest, total, f"disk tier, {depth} ring buffers: {why}")
+    if requested == "mapped":
+        return HostPlan("mapped", 0, total, total, "mapped tier, asked for: the page cache holds the blocks, "
+                        "shared by every process of the node")
+    why = "asked for" if requested else ("no host budget given" if host_budget is None else
+                                         f"the host budget holds every streamed block ({total / 2**30:.2f} GiB)")
+    return HostPlan("pinned", 0, total, total, f"pinned tier: {why}")
+
+
+def measure_disk_read(directory: str | os.PathLike, size: int = DISK_PROBE_BYTES) -> dict:
+    """Sequential read rate of the drive under ``directory``: write a fresh file of ``size`` random
+    bytes, flush it, drop it from the page cache, and read it back in 16 MiB reads (``O_DIRECT``
+    where the file system allows it, so the page cache cannot answer). Returns ``gb_per_s``
+    (10^9 bytes), ``direct`` and ``bytes``; the file is removed."""
+    directory = Path(directory).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".poros-read-probe-{os.getpid()}"
+    chunk = mmap.mmap(-1, DISK_PROBE_CHUNK)  # page-aligned: O_DIRECT needs aligned buffers
+    chunk.write(os.urandom(DISK_PROBE_CHUNK))
+    size = max(DISK_PROBE_CHUNK, size // DISK_PROBE_CHUNK * DISK_PROBE_CHUNK)
+    try:
+        with open(path, "wb") as handle:
+            for _ in range(size // DISK_PROBE_CHUNK):
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        direct = hasattr(os, "O_DIRECT")
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except OSError:
+            direct, fd = False, os.open(path, os.O_RDONLY)
+        try:
+            if not direct and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            start, done = time.perf_counter(), 0
+            while done < size:
+                try:
+                    count = os.preadv(fd, [chunk], done)
+                except OSError:
+                    if not direct:
+                        raise
+                    os.close(fd)
+                    direct, fd = False, os.open(path, os.O_RDONLY)
+                    continue
+                if count == 0:
+                    break
+                done += count
+            seconds = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    finally:
+        chunk.close()
+        path.unlink(missing_ok=True)
+    return {"gb_per_s": done / seconds / 1e9 if seconds else None, "direct": direct, "bytes": done,
+            "path": str(directory)}
+
+
+__all__ = ["DEFAULT_READ_AHEAD", "HOST_TIERS", "HostPlan", "choose_host_tier", "measure_disk_read"]

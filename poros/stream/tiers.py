@@ -1,0 +1,370 @@
+"""Host tiers: where the streamed blocks' bytes live on the host, besides one pinned buffer per block.
+
+The block store (``store.py``) packs each block's frozen tensors into one buffer (``block_layouts``).
+A *block file* holds those buffers back to back, each at a 4 KiB-aligned offset, exactly the bytes
+the store streams. Two tiers serve a store from such a file; the executor does not change (it asks
+the store for block i and waits):
+
+* :class:`MappedTier` -- the file mapped copy-on-write (the file itself is opened read-only and never
+  written): the OS page cache holds one copy that every process of the node maps and shares. On CUDA
+  the mapping is registered for DMA (``cudaHostRegister``, read-only), so copies run as from pinned
+  memory. Each block's host buffer is a view of the mapping.
+* :class:`DiskTier` -- for host RAM smaller than the model: no host buffer per block; a reader
+  thread reads the next blocks (in the order the passes visit them: up in forward, down in
+  backward, turning at the ends) into a small ring of pinned buffers ahead of use, with
+  ``O_DIRECT`` where the file system and the buffer allow it, large sequential reads otherwise. A
+  read that guessed wrong only costs a wait: the store asks for block i and gets block i.
+
+Either tier takes the file it is given (the NF4 block cache entry of ``poros.cache``, when the
+model's block tensors are views of it) or, for a model loaded any other way, writes a *spill* file
+of the packed blocks into a directory and unlinks it at once (it lives as long as it is open).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import uuid
+import warnings
+import zlib
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poros.errors import StreamingError
+from poros.stream.store import Entry, entry_view
+
+FILE_ALIGN = 4096  # every block starts on a 4 KiB boundary of the file (O_DIRECT, page mapping)
+READ_CHUNK = 1 << 30  # bytes per read call (Linux caps one read near 2 GiB)
+CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: pin a mapping without write access
+_MAPPINGS: dict[tuple[str, int, int, int], torch.Tensor] = {}  # (path, inode, size, mtime) -> the process's one mapping
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // FILE_ALIGN) * FILE_ALIGN
+
+
+@dataclass
+class BlockFile:
+    """A file of packed block buffers: block i's ``nbytes[i]`` bytes at ``offsets[i]`` (4 KiB aligned).
+
+    Blocks not in the file (resident ones) have ``offsets[i] = -1``.
+    """
+
+    path: Path
+    offsets: list[int]
+    nbytes: list[int]
+    checksums: list[int] = field(default_factory=list)  # crc32 of each block's padded region
+    mapped: torch.Tensor | None = field(default=None, repr=False, compare=False)  # set by mapping()
+
+    @property
+    def size(self) -> int:
+        return max((o + padded(n) for o, n in zip(self.offsets, self.nbytes) if o >= 0), default=0)
+
+    def mapping(self) -> torch.Tensor:
+        """The whole file as a uint8 CPU tensor, mapped copy-on-write: one mapping per process and file."""
+        if self.mapped is not None:
+            return self.mapped
+        stat = os.stat(self.path)
+        key = (str(self.path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in _MAPPINGS:
+            with open(self.path, "rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            _MAPPINGS[key] = torch.frombuffer(mapped, dtype=torch.uint8)
+        self.mapped = _MAPPINGS[key]
+        return self.mapped
+
+    def block_view(self, index: int) -> torch.Tensor:
+        offset = self.offsets[index]
+        if offset < 0:
+            raise StreamingError(f"block {index} is not in {self.path}; the file holds blocks "
+                                 f"{[i for i, o in enumerate(self.offsets) if o >= 0]}.")
+        return self.mapping()[offset: offset + self.nbytes[index]]
+
+    def holds(self, index: int, layout: tuple[list[Entry], list[torch.Tensor], int]) -> bool:
+        """Whether the module tensors of block ``index`` are views of this file at the layout's offsets."""
+        entries, tensors, nbytes = layout
+        if index >= len(self.offsets) or self.offsets[index] < 0 or self.nbytes[index] != nbytes:
+            return False
+        base = self.mapping().data_ptr() + self.offsets[index]
+        return all(t.device.type == "cpu" and t.data_ptr() == base + e.offset for e, t in zip(entries, tensors))
+
+
+def release_mapping(path: Path) -> None:
+    """Forget this process's mapping of ``path`` (module tensors that view it keep it alive)."""
+    for key in [k for k in _MAPPINGS if k[0] == str(path)]:
+        del _MAPPINGS[key]
+
+
+def write_block_file(path: Path, layouts: dict[int, tuple[list[Entry], list[torch.Tensor], int]],
+                     count: int) -> BlockFile:
+    """Pack the blocks of ``layouts`` (``{index: (entries, tensors, nbytes)}``) into ``path``, 4 KiB aligned,
+    and return its :class:`BlockFile` with a crc32 per padded block region."""
+    offsets, sizes, checksums = [-1] * count, [0] * count, [0] * count
+    largest = max((padded(layout[2]) for layout in layouts.values()), default=0)
+    staging = torch.zeros(largest, dtype=torch.uint8)
+    position = 0
+    with open(path, "wb") as handle:
+        for index in sorted(layouts):
+            entries, tensors, nbytes = layouts[index]
+            region = staging[: padded(nbytes)]
+            region.zero_()
+            for entry, tensor in zip(entries, tensors):
+                entry_view(region, entry).copy_(tensor)
+            data = region.numpy()
+            handle.write(memoryview(data))
+            offsets[index], sizes[index], checksums[index] = position, nbytes, zlib.crc32(data)
+            position += padded(nbytes)
+    return BlockFile(Path(path), offsets, sizes, checksums)
+
+
+def _source_for(source: BlockFile | None, layouts: dict, spill_dir: Path | None, count: int) -> tuple[BlockFile, bool]:
+    """The block file to serve ``layouts`` from: ``source`` when the block tensors are its views, else a
+    spill file written now. Returns ``(file, spilled)``."""
+    if source is not None and all(source.holds(i, layout) for i, layout in layouts.items()):
+        return source, False
+    directory = Path(spill_dir) if spill_dir is not None else Path(os.environ.get("TMPDIR", "/tmp"))
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_block_file(directory / f"spill-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin", layouts, count), True
+
+
+def _register_for_dma(mapping: torch.Tensor) -> bool:
+    """``cudaHostRegister`` the mapping read-only (page-locked for DMA, still the page cache's pages)."""
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(mapping.data_ptr(), mapping.numel(), CUDA_HOST_REGISTER_READ_ONLY)
+    if int(error) != 0:
+        warnings.warn(f"poros: cudaHostRegister of the mapped block file failed ({error}); copies run from "
+                      "pageable memory (slower, same bytes).", stacklevel=3)
+        return False
+    return True
+
+
+class MappedTier:
+    """Serve every streamed block from a mapping of its block file (see the module docstring).
+
+    Args:
+        source: the block file the model's block tensors view (the NF4 block cache entry), or None.
+        spill_dir: where to write a spill file when the blocks are not views of ``source``.
+    """
+
+    name = "mapped"
+
+    def __init__(self, source: BlockFile | None = None, *, spill_dir: str | os.PathLike | None = None) -> None:
+        self.source, self.spill_dir = source, spill_dir
+        self.file: BlockFile | None = None
+        self.registered: torch.Tensor | None = None
+
+    def attach(self, layouts: dict, device: torch.device) -> None:
+        self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
+        mapping = self.file.mapping()
+        if spilled:
+            os.unlink(self.file.path)  # the mapping keeps the pages; nothing is left behind
+        if device.type == "cuda" and _register_for_dma(mapping):
+            self.registered = mapping
+
+    def host_buffer(self, index: int) -> torch.Tensor:
+        return self.file.block_view(index)
+
+    def acquire(self, index: int) -> torch.Tensor:  # every block has a host buffer: the store never asks
+        return self.host_buffer(index)
+
+    def copied(self, index: int, stream: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.registered.data_ptr())
+            self.registered = None
+
+
+@dataclass
+class _Staged:
+    index: int
+    ring: int
+    read: Future
+
+
+class DiskTier:
+    """Read the streamed blocks from their block file into a ring of ``depth`` pinned buffers ahead of use.
+
+    Args:
+        source: as for :class:`MappedTier`.
+        depth: ring buffers (>= 2): one being copied to the device, ``depth - 1`` read ahead.
+        pin_memory: pin the ring (default: when the device is CUDA).
+        spill_dir: as for :class:`MappedTier`.
+        direct: try ``O_DIRECT`` reads (bypass the page cache); falls back to buffered reads.
+    """
+
+    name = "disk"
+
+    def __init__(self, source: BlockFile | None = None, *, depth: int = 3, pin_memory: bool | None = None,
+                 spill_dir: str | os.PathLike | None = None, direct: bool = True) -> None:
+        if depth < 2:
+            raise StreamingError(f"read-ahead depth {depth}: the disk tier needs at least 2 ring buffers (one "
+                                 "copying, one reading). Pass depth >= 2.")
+        self.source, self.depth, self.pin_memory, self.spill_dir = source, depth, pin_memory, spill_dir
+        self.direct = direct
+        self.stats = {"reads": 0, "bytes_read": 0, "misses": 0, "direct": False}
+        self._lock = threading.Lock()
+
+    # -- setup -----------------------------------------------------------------------------
+    def attach(self, layouts: dict, device: torch.device) -> None:
+        self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
+        self.order = sorted(layouts)  # the streamed blocks, in forward order
+        self.fd = os.open(self.file.path, os.O_RDONLY)
+        self.direct_fd = None
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(self.file.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # tmpfs and some file systems refuse O_DIRECT
+                self.direct_fd = None
+        if spilled:
+            os.unlink(self.file.path)  # open descriptors keep it; nothing is left behind
+        release_mapping(self.file.path)  # blocks come from reads now, not from a mapping
+        self.file.mapped = None
+        pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
+        size = max((padded(n) for i, n in enumerate(self.file.nbytes) if i in layouts), default=FILE_ALIGN)
+        # One allocation, each buffer on a 4 KiB boundary (O_DIRECT needs aligned addresses).
+        self._arena = torch.empty(self.depth * size + FILE_ALIGN, dtype=torch.uint8, pin_memory=pin)
+        start = -self._arena.data_ptr() % FILE_ALIGN
+        self.ring = [self._arena[start + k * size: start + (k + 1) * size] for k in range(self.depth)]
+        self.copy_done: list[Any] = [None] * self.depth  # CUDA event of the copy that last read ring k
+        self.next_ring = 0
+        self.ahead: deque[_Staged] = deque()
+        self.current: _Staged | None = None
+        self.direction = 1
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-disk-tier")
+
+    def host_buffer(self, index: int) -> None:
+        return None  # no host copy per block: acquire() reads it ahead into the ring
+
+    # -- the ring --------------------------------------------------------------------------
+    def _read(self, index: int, ring: int) -> None:
+        event = self.copy_done[ring]
+        if event is not None:
+            event.synchronize()  # the copy that last read this ring buffer is done
+        buffer = self.ring[ring][: padded(self.file.nbytes[index])].numpy()
+        offset, done = self.file.offsets[index], 0
+        fd = self.direct_fd if self.direct_fd is not None else self.fd
+        while done < len(buffer):
+            try:
+                count = os.preadv(fd, [memoryview(buffer)[done: done + READ_CHUNK]], offset + done)
+            except OSError:
+                if fd == self.fd:
+                    raise
+                fd = self.fd  # O_DIRECT refused this buffer or offset: buffered reads from here on
+                self.direct_fd = None
+                continue
+            if count == 0:
+                raise StreamingError(f"{self.file.path} ended at byte {offset + done}; block {index} needs "
+                                     f"{offset + len(buffer)}. The block file was truncated: delete it (poros "
+                                     "cache clear) and load again.")
+            done += count
+        with self._lock:
+            self.stats["reads"] += 1
+            self.stats["bytes_read"] += len(buffer)
+            self.stats["direct"] = self.stats["direct"] or fd == self.direct_fd
+
+    def _stage(self, index: int) -> _Staged:
+        ring = self.next_ring
+        self.next_ring = (ring + 1) % self.depth
+        return _Staged(index, ring, self.reader.submit(self._read, index, ring))
+
+    def _predict(self, index: int, count: int) -> list[int]:
+        """The next ``count`` blocks after ``index``: onward in the current direction, turning at the ends
+        (a pass that ends at a block starts the next pass with it)."""
+        position, direction, out = self.order.index(index), self.direction, []
+        while len(out) < count:
+            following = position + direction
+            if not 0 <= following < len(self.order):
+                direction = -direction
+                following = position
+            position = following
+            out.append(self.order[position])
+        return out
+
+    def acquire(self, index: int) -> torch.Tensor:
+        """The ring buffer holding block ``index``'s bytes (waits for its read)."""
+        while self.ahead and self.ahead[0].index != index and any(s.index == index for s in self.ahead):
+            self.ahead.popleft().read.result()  # read ahead for nothing: the pass skipped it
+        if self.ahead and self.ahead[0].index == index:
+            staged = self.ahead.popleft()
+        else:
+            for stale in self.ahead:
+                stale.read.result()
+            self.ahead.clear()
+            self.stats["misses"] += 1
+            staged = self._stage(index)
+        staged.read.result()
+        if self.current is not None and self.current.index != index:
+            step = self.order.index(index) - self.order.index(self.current.index)
+            self.direction = 1 if step > 0 else -1 if step < 0 else self.direction
+        self.current = staged
+        # keep depth - 1 reads ahead; a ring buffer is rewritten only after its copy (copy_done)
+        have = [s.index for s in self.ahead]
+        for following in self._predict(index, self.depth - 1)[len(have):]:
+            self.ahead.append(self._stage(following))
+        return self.ring[staged.ring][: self.file.nbytes[index]]
+
+    def copied(self, index: int, stream: Any) -> None:
+        """The copy out of block ``index``'s ring buffer is queued on ``stream`` (None: done already)."""
+        if self.current is None or self.current.index != index:
+            return
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.copy_done[self.current.ring] = event
+
+    def close(self) -> None:
+        for staged in self.ahead:
+            staged.read.result()
+        self.ahead.clear()
+        self.reader.shutdown(wait=True)
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.direct_fd = None
+
+
+def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: int = 3,
+                   spill_dir: str | os.PathLike | None = None):
+    """The host tier object for :class:`~poros.stream.store.BlockStore` (None for ``pinned``: its own path).
+
+    Raises:
+        StreamingError: an unknown tier name.
+    """
+    if name == "pinned":
+        return None
+    if name == "mapped":
+        return MappedTier(source, spill_dir=spill_dir)
+    if name == "disk":
+        return DiskTier(source, depth=read_ahead, spill_dir=spill_dir)
+    raise StreamingError(f"host tier {name!r}: expected 'pinned', 'mapped' or 'disk'.")
+
+
+def checksum_file(file: BlockFile, *, workers: int = 4) -> list[int]:
+    """crc32 of each block's padded region, read with ``workers`` threads (zlib releases the GIL)."""
+    def one(index: int) -> int:
+        crc, offset, end = 0, file.offsets[index], file.offsets[index] + padded(file.nbytes[index])
+        with open(file.path, "rb", buffering=0) as handle:
+            handle.seek(offset)
+            while offset < end:
+                chunk = handle.read(min(64 << 20, end - offset))
+                if not chunk:
+                    break
+                crc, offset = zlib.crc32(chunk, crc), offset + len(chunk)
+        return crc if offset == end else -1
+    indices = [i for i, o in enumerate(file.offsets) if o >= 0]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        found = dict(zip(indices, pool.map(one, indices)))
+    return [found.get(i, 0) for i in range(len(file.offsets))]
+
+
+__all__ = ["BlockFile", "DiskTier", "FILE_ALIGN", "MappedTier", "checksum_file", "make_host_tier", "padded", "release_mapping",
+           "write_block_file"]
