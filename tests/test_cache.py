@@ -10,15 +10,22 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import poros
 from poros import cache
-from poros.testing import TINY_VARIANTS
-from test_parity import BASE_SETUP, run_parity
+from poros.errors import CacheEntryError
+from poros.testing import TINY_VARIANTS, save_tiny_checkpoint
+from test_parity import BASE_SETUP, assert_bitwise, make_batch, run_parity, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
@@ -33,3 +40,216 @@ def test_every_tier_trains_bitwise(family, variant, tier, tmp_path):
     assert type(streamed.store.host_tier).__name__ == {"mapped": "MappedTier", "disk": "DiskTier"}[tier]
     if tier == "disk":
         assert streamed.store.host_tier.stats["reads"] > 0
+
+
+# -- the cache ------------------------------------------------------------------------------------
+def _batches(seed: int):
+    return [make_batch(seed + s, 2, 16, "left") for s in range(2)]
+
+
+def cached_run(path, cache_dir, *, tier: str | None = None, seed: int = 3, **load_options):
+    """load_pretrained (through the cache when ``cache_dir``) + PEFT LoRA (random lora_B) + prepare + 2 AdamW steps."""
+    import peft
+
+    from poros.load import load_pretrained
+    from poros.testing import all_linear_targets
+
+    loaded = load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=cache_dir, **load_options)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=all_linear_targets(loaded.model), task_type="CAUSAL_LM")
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(loaded.model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            if ".lora_B." in name:
+                parameter.copy_((torch.randn(parameter.shape, generator=generator) * 0.02).to(parameter.dtype))
+    model.train()
+    streamed = poros.prepare(model, host_tier=tier, cache_dir=str(cache_dir) if cache_dir else None)
+    losses, optimizer = train(streamed, streamed.trainable_parameters(), _batches(seed))
+    return model, losses, optimizer
+
+
+@pytest.fixture
+def block_weights_loaded(monkeypatch):
+    """The decoder-block tensors transformers read, converted (quantized) and set (a cached load sets none)."""
+    from transformers import core_model_loading
+
+    names = []
+    original = core_model_loading.set_param_for_module
+
+    def recording(model, target_name, *args, **kwargs):
+        if ".layers." in target_name:
+            names.append(target_name)
+        return original(model, target_name, *args, **kwargs)
+
+    monkeypatch.setattr(core_model_loading, "set_param_for_module", recording)
+    return names
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
+def test_second_load_hits_the_cache_and_trains_bitwise(family, variant, tmp_path, block_weights_loaded):
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=3)
+    root = tmp_path / "cache"
+    reference = cached_run(path, None, double_quant=True)  # no cache at all
+    assert block_weights_loaded and not root.exists()
+    block_weights_loaded.clear()
+    first = cached_run(path, root, double_quant=True)  # cold: quantizes and writes the entry
+    assert block_weights_loaded
+    [entry] = cache.list_entries(root)
+    block_weights_loaded.clear()
+    second = cached_run(path, root, double_quant=True)  # warm: maps the entry
+    assert not block_weights_loaded, f"a cached load read block weights, e.g. {block_weights_loaded[:2]}"
+    assert [e.name for e in cache.list_entries(root)] == [entry.name]
+    for run in (first, second):
+        assert_bitwise(reference[0], run[0], reference[1], run[1], reference[2], run[2])
+
+
+def test_cache_is_used_by_every_tier(tmp_path):
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=2)
+    root = tmp_path / "cache"
+    reference = cached_run(path, None)
+    for tier in ("pinned", "mapped", "disk"):
+        run = cached_run(path, root, tier=tier)
+        assert_bitwise(reference[0], run[0], reference[1], run[1], reference[2], run[2])
+    assert not list((root / "spill").glob("*")), "the cached blocks were spilled instead of served from the entry"
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_multimodal_checkpoint_hits_the_cache(family, tmp_path, block_weights_loaded):
+    """Text keys under model.language_model.* (renamed on load) are skipped and served from the entry too."""
+    from poros.testing import tiny_vlm
+
+    tiny_vlm(family, seed=4).save_pretrained(tmp_path / "vlm", max_shard_size="200KB")
+    reference = cached_run(tmp_path / "vlm", None)
+    cached_run(tmp_path / "vlm", tmp_path / "cache")
+    block_weights_loaded.clear()
+    second = cached_run(tmp_path / "vlm", tmp_path / "cache")
+    assert not block_weights_loaded
+    assert_bitwise(reference[0], second[0], reference[1], second[1], reference[2], second[2])
+
+
+@pytest.fixture(scope="module")
+def tiny_entry(tmp_path_factory):
+    """A cache root holding one entry of a tiny qwen3 checkpoint: ``(checkpoint, root, entry directory)``."""
+    from poros.load import load_pretrained
+
+    directory = tmp_path_factory.mktemp("entry")
+    path = save_tiny_checkpoint(directory / "ckpt", "qwen3", seed=6)
+    load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=directory / "cache", double_quant=True)
+    [entry] = [d for d in (directory / "cache").iterdir() if d.is_dir()]
+    return path, directory / "cache", entry
+
+
+def _copy_entry(entry: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
+    import shutil
+
+    shutil.copytree(entry, root / entry.name)
+    return root / entry.name
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_damaged_byte_of_an_entry_is_found(tiny_entry, data):
+    _, _, entry = tiny_entry
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = _copy_entry(entry, pathlib.Path(scratch))
+        name = data.draw(st.sampled_from([cache.BLOCKS, cache.MANIFEST]))
+        raw = bytearray((copy / name).read_bytes())
+        position = data.draw(st.integers(0, len(raw) - 1))
+        raw[position] ^= data.draw(st.integers(1, 255))
+        (copy / name).write_bytes(bytes(raw))
+        with pytest.raises(CacheEntryError):
+            cache.open_entry(pathlib.Path(scratch), copy.name)
+
+
+def test_a_damaged_entry_is_reported_in_one_line_rebuilt_and_never_trained_on(tiny_entry, tmp_path, caplog):
+    path, _, entry = tiny_entry
+    root = tmp_path / "cache"
+    copy = _copy_entry(entry, root)
+    good = (entry / cache.BLOCKS).read_bytes()
+    raw = bytearray(good)
+    raw[len(raw) // 3] ^= 0x10
+    (copy / cache.BLOCKS).write_bytes(bytes(raw))
+    reference = cached_run(path, None, double_quant=True)
+    with caplog.at_level("WARNING", logger="poros"):
+        rebuilt = cached_run(path, root, double_quant=True)
+    damaged = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(damaged) == 1 and "\n" not in damaged[0] and "crc32" in damaged[0]
+    assert (copy / cache.BLOCKS).read_bytes() == good  # rebuilt from the checkpoint
+    assert_bitwise(reference[0], rebuilt[0], reference[1], rebuilt[1], reference[2], rebuilt[2])
+
+
+def test_a_truncated_entry_is_found(tiny_entry, tmp_path):
+    _, _, entry = tiny_entry
+    copy = _copy_entry(entry, tmp_path)
+    with open(copy / cache.BLOCKS, "r+b") as handle:
+        handle.truncate(handle.seek(0, 2) - 4096)
+    with pytest.raises(CacheEntryError, match="truncated"):
+        cache.open_entry(tmp_path, copy.name)
+
+
+def test_a_changed_quantization_or_checkpoint_file_makes_a_new_entry(tmp_path):
+    from poros.load import load_pretrained
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    root = tmp_path / "cache"
+
+    def entries():
+        return {e.name for e in cache.list_entries(root)}
+
+    def load(**options):
+        load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=root, **options)
+        return entries()
+
+    first = load()
+    assert len(first) == 1 and load() == first  # same checkpoint and config: the same entry
+    assert len(load(double_quant=True)) == 2
+    assert len(load(quantization="fp4")) == 3
+    assert len(load(compute_dtype="float16")) == 4
+    shard = sorted(path.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes())  # same bytes, rewritten: a new mtime is a changed file
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    assert len(load()) == 5
+
+
+SHARING_CHILD = """
+import sys
+from poros import cache
+from poros.errors import CacheEntryError
+entry = cache.open_entry(cache.cache_root(sys.argv[1]), sys.argv[2])
+mapping = entry.block_file().mapping()
+print(int(mapping.sum()), flush=True)  # touch every page
+sys.stdin.read()
+"""
+
+
+def _mapping_memory(pid: int, path: pathlib.Path) -> tuple[int, int]:
+    """(Rss, Pss) in kB of the process's mappings of ``path`` (from /proc/<pid>/smaps)."""
+    rss = pss = 0
+    inside = False
+    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and not line.split(" ", 1)[0].endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+        elif inside and line.startswith("Pss:"):
+            pss += int(line.split()[1])
+    return rss, pss
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux /proc/<pid>/smaps")
+def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
+    _, root, entry = tiny_entry
+    children = [subprocess.Popen([sys.executable, "-c", SHARING_CHILD, str(root), entry.name], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=child_env()) for _ in range(2)]
+    try:
+        sums = [child.stdout.readline().strip() for child in children]
+        assert sums[0] == sums[1] and sums[0]
+        memory = [_mapping_memory(child.pid, entry / cache.BLOCKS) for child in children]
+    finally:
+        for child in children:
+            child.communicate("")
+    size_kb = (entry / cache.BLOCKS).stat().st_size // 1024
+    for rss, pss in memory:
+        assert rss >= size_kb  # every page of the entry is resident in both
+        assert pss <= rss // 2 + 8, f"Rss {rss} kB, Pss {pss} kB: the pages are not shared"
