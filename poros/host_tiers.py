@@ -52,6 +52,11 @@ class HostPlan:
         return asdict(self)
 
 
+def size(nbytes: float) -> str:
+    """``12.50 GiB`` / ``310.2 MiB``: a byte count for people."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, requested: str | None = None,
                      read_ahead: int | None = None) -> HostPlan:
     """Pick the host tier and the disk tier's read-ahead depth for the streamed blocks' ``block_bytes``.
@@ -75,17 +80,17 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
             fits = host_budget // largest if largest else MAX_READ_AHEAD
             if fits < 2:
                 raise ConfigError(
-                    f"host budget {host_budget / 2**30:.2f} GiB is below the disk tier's minimum: two ring buffers "
-                    f"of the largest block, {2 * largest / 2**30:.2f} GiB. Raise --host-budget to at least that.")
+                    f"host budget {size(host_budget)} is below the disk tier's minimum: two ring buffers "
+                    f"of the largest block, {size(2 * largest)}. Raise --host-budget to at least that.")
             depth = min(depth if read_ahead else MAX_READ_AHEAD, fits)
         why = ("asked for" if requested else
-               f"the streamed blocks ({total / 2**30:.2f} GiB) exceed the host budget ({host_budget / 2**30:.2f} GiB)")
+               f"the streamed blocks ({size(total)}) exceed the host budget ({size(host_budget)})")
         return HostPlan("disk", depth, depth * largest, total, f"disk tier, {depth} ring buffers: {why}")
     if requested == "mapped":
         return HostPlan("mapped", 0, total, total, "mapped tier, asked for: the page cache holds the blocks, "
                         "shared by every process of the node")
     why = "asked for" if requested else ("no host budget given" if host_budget is None else
-                                         f"the host budget holds every streamed block ({total / 2**30:.2f} GiB)")
+                                         f"the host budget holds every streamed block ({size(total)})")
     return HostPlan("pinned", 0, total, total, f"pinned tier: {why}")
 
 

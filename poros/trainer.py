@@ -67,6 +67,7 @@ FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
     "device", "num_slots", "deterministic", "require", "embeddings_on_host",
+    "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache",
 )
 #: Every row of ``metrics.jsonl`` (and of ``TrainResult.log_history``) has these keys.
 METRIC_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "num_tokens",
@@ -258,6 +259,7 @@ class PorosTrainer:
         """
         import peft
 
+        from poros.cache import cache_root
         from poros.load import adapters_to_device, load_pretrained
         from poros.model import prepare
 
@@ -269,7 +271,7 @@ class PorosTrainer:
         loaded = load_pretrained(
             config.model, quantization=config.quantization, compute_dtype=config.compute_dtype,
             double_quant=config.double_quant, device=device, attn_implementation=config.attn_implementation,
-            revision=config.revision,
+            revision=config.revision, cache_dir=None if config.no_cache else cache_root(config.cache_dir),
         )
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
@@ -286,7 +288,9 @@ class PorosTrainer:
             workload = Workload(config.batch_size, config.seq_len, config.grad_accum,
                                 _stream_schedule(config, peft_model))
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
-                        require=config.require, vram_budget=config.vram_budget, workload=workload)
+                        require=config.require, vram_budget=config.vram_budget, workload=workload,
+                        host_tier=config.host_tier, host_budget=config.host_budget, read_ahead=config.read_ahead,
+                        cache_dir=config.cache_dir)
         if model.budget_plan is not None:
             _echo(model.budget_plan.summary())
         if model.detection is not None:

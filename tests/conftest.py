@@ -25,6 +25,18 @@ class FamilyPlugin:
             register(descriptor)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def block_cache_in_a_temporary_directory(tmp_path_factory):
+    """Runs that use the NF4 block cache (on by default for PorosTrainer) write it here, not to ~/.cache."""
+    previous = os.environ.get("POROS_CACHE_DIR")
+    os.environ["POROS_CACHE_DIR"] = str(tmp_path_factory.mktemp("poros-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("POROS_CACHE_DIR", None)
+    else:
+        os.environ["POROS_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def family_plugin():
     """The :class:`FamilyPlugin` class: ``family_plugin(descriptor, ..., name=...)`` builds a plugin."""

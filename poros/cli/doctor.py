@@ -65,6 +65,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--disk", action="store_true",
+                        help="also measure the sequential read rate of the NF4 block cache's drive (writes, reads "
+                             "and removes a 256 MiB file; the disk host tier streams at this rate)")
     parser.set_defaults(run=run)
     return parser
 
@@ -297,9 +300,18 @@ def _wrap(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     data = report()
+    if getattr(args, "disk", False):  # the disk host tier's drive (poros.host_tiers)
+        from poros.cache import cache_root
+        from poros.host_tiers import measure_disk_read
+
+        data["disk_read"] = measure_disk_read(cache_root())
     if args.json:
         print_json(data)
     else:
         print(format_report(data))
+        if "disk_read" in data:
+            disk = data["disk_read"]
+            print(f"disk read: {disk['gb_per_s']:.2f} GB/s sequential ({'O_DIRECT' if disk['direct'] else 'buffered'}, "
+                  f"{disk['bytes'] >> 20} MiB) under {disk['path']}")
     plugins = data["plugins"]
     return 1 if plugins["problems"] or plugins["load_errors"] else 0

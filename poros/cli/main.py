@@ -23,6 +23,7 @@ SUBCOMMANDS = (
     "poros.cli.list_architectures",
     "poros.cli.plugins",
     "poros.cli.doctor",
+    "poros.cli.cache",
 )
 
 EPILOG = """\
@@ -33,6 +34,8 @@ examples:
   $ poros train poros.yaml --steps 50 --lr 1e-4   # any setting can be overridden by name
   $ poros plan poros.yaml --vram-budget 8GiB      # slots, resident blocks, peak and step for a budget
   $ poros doctor                      # versions, host memory and plugin problems, paste-ready
+  $ poros cache                       # the NF4 block cache: quantized blocks of earlier loads
+  $ poros train --host-tier disk --host-budget 16GiB   # host RAM smaller than the model
   $ poros list-architectures          # the model families this install can stream
   $ poros plugins                     # which package provides each family
   $ poros list-architectures --json   # the same, machine-readable

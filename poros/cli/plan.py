@@ -36,6 +36,7 @@ EPILOG = textwrap.dedent("""\
       $ poros plan --model Qwen/Qwen2.5-32B --vram-budget 8GiB     # on CUDA: probe + step prediction
       $ poros plan poros.yaml --vram-budget 24GB --seq-len 2048 --json
       $ poros plan --model ./ckpt --vram-budget 12GiB --device cpu --block-ms 6,12 --link-gb-per-s 25
+      $ poros plan --model Qwen/Qwen2.5-72B --vram-budget 24GiB --host-budget 16GiB   # host tier + read-ahead
 
       $ poros plan --model Qwen/Qwen2.5-72B --vram-budget 4GiB
       poros plan: error: VRAM budget 4.29 GB is below the minimum for this run: it needs at least
@@ -94,6 +95,16 @@ def parse_block_ms(text: str) -> tuple[float, float]:
     return values[0] / 1000, values[1] / 1000
 
 
+def host_tier_plan(config, block_bytes, resident_blocks):
+    """The host tier for ``--host-tier`` / ``--host-budget`` (``poros.host_tiers``; torch-free)."""
+    from poros.config import parse_budget
+    from poros.host_tiers import choose_host_tier
+
+    budget = parse_budget(config.host_budget, "host_budget") if config.host_budget is not None else None
+    streamed = [n for i, n in enumerate(block_bytes) if i not in set(resident_blocks)]
+    return choose_host_tier(streamed, budget, requested=config.host_tier, read_ahead=config.read_ahead)
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
@@ -149,11 +160,16 @@ def run(args: argparse.Namespace) -> int:
     budget_plan = planner.plan_budget(
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
         link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0)
+    host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
                     "device": plan.device, "link_source": link_source,
                     "footprint": planner.asdict(plan.footprint()),
-                    "compute": planner.asdict(compute) if compute else None, "plan": budget_plan.to_dict()})
+                    "compute": planner.asdict(compute) if compute else None, "plan": budget_plan.to_dict(),
+                    "host": host.to_dict()})
     else:
         print(planner.format_budget_plan(plan, budget_plan, link_source=link_source))
+        from poros.host_tiers import size
+
+        print(f"host: {host.reason}; {size(host.host_bytes)} of host RAM for the blocks")
     return 0
