@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import poros
+import poros.stream.store
 from poros import cache
 from poros.errors import CacheEntryError
 from poros.testing import TINY_VARIANTS, save_tiny_checkpoint
@@ -253,3 +254,64 @@ def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
     for rss, pss in memory:
         assert rss >= size_kb  # every page of the entry is resident in both
         assert pss <= rss // 2 + 8, f"Rss {rss} kB, Pss {pss} kB: the pages are not shared"
+
+
+# -- the disk tier and the host plan ---------------------------------------------------------------
+def test_disk_tier_reads_every_fetch_ahead_of_use_and_holds_only_its_ring(tmp_path):
+    from poros.testing import load_qlora
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=1, num_layers=5)
+    model = load_qlora(path)
+    largest = max(poros.stream.store.packed_block_bytes(
+        list(model.get_base_model().model.layers)))
+    streamed = poros.prepare(model, host_budget=3 * largest + 100, cache_dir=str(tmp_path / "cache"))
+    assert (streamed.host_plan.tier, streamed.host_plan.read_ahead) == ("disk", 3)
+    assert all(block.buffer is None for block in streamed.store.blocks)  # no host copy per block
+    tier = streamed.store.host_tier
+    assert len(tier.ring) == 3
+    batches = _batches(1)
+    streamed.forward_backward(batches)  # warm: the reader is now ahead of the passes
+    before, fetches = dict(tier.stats), sum(streamed.store.stats.fetches)
+    for _ in range(2):
+        streamed.forward_backward(batches)
+        loss = streamed(**batches[0]).loss
+        loss.backward()
+    fetched = sum(streamed.store.stats.fetches) - fetches
+    assert tier.stats["misses"] == before["misses"] == 0, "a block was read on demand instead of ahead"
+    assert tier.stats["reads"] - before["reads"] == fetched  # each fetch read once, none for nothing
+
+
+def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_not():
+    from poros.errors import ConfigError
+    from poros.host_tiers import choose_host_tier
+
+    blocks = [100 << 20] * 10
+    assert choose_host_tier(blocks).tier == "pinned"
+    assert choose_host_tier(blocks, 2 << 30).tier == "pinned"
+    plan = choose_host_tier(blocks, 500 << 20)
+    assert (plan.tier, plan.read_ahead, plan.host_bytes) == ("disk", 5, 500 << 20)
+    assert choose_host_tier(blocks, 500 << 20, read_ahead=3).read_ahead == 3
+    assert choose_host_tier(blocks, requested="mapped").tier == "mapped"
+    with pytest.raises(ConfigError, match="at least"):
+        choose_host_tier(blocks, 150 << 20)
+    with pytest.raises(ConfigError, match="host_tier"):
+        choose_host_tier(blocks, requested="swap")
+
+
+def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, child_env):
+    _, root, entry = tiny_entry
+    scratch = tmp_path / "cache"
+    _copy_entry(entry, scratch)
+    script = ("import sys\nfrom poros.cli.main import main\n"
+              f"main(['cache', '--cache-dir', {str(scratch)!r}])\n"
+              "assert 'torch' not in sys.modules, 'poros cache imported torch'\n")
+    listing = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(),
+                             check=True).stdout
+    assert entry.name in listing and "nf4+dq bfloat16 cpu" in listing and "1 entry" in listing
+    cleared = subprocess.run([sys.executable, "-m", "poros.cli.main", "cache", "clear", "--model", "other/model",
+                              "--cache-dir", str(scratch)], capture_output=True, text=True, env=child_env(), check=True)
+    assert "removed 0 entries" in cleared.stdout and (scratch / entry.name).is_dir()
+    model = cache.read_manifest(scratch / entry.name)["model"]
+    subprocess.run([sys.executable, "-m", "poros.cli.main", "cache", "clear", "--model", model, "--cache-dir",
+                    str(scratch)], capture_output=True, text=True, env=child_env(), check=True)
+    assert not (scratch / entry.name).exists()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 import uuid
 import warnings
 import zlib
@@ -210,7 +211,8 @@ class DiskTier:
                                  "copying, one reading). Pass depth >= 2.")
         self.source, self.depth, self.pin_memory, self.spill_dir = source, depth, pin_memory, spill_dir
         self.direct = direct
-        self.stats = {"reads": 0, "bytes_read": 0, "misses": 0, "direct": False}
+        # counters for tests and benchmarks: read_seconds is the reader thread's time inside reads
+        self.stats = {"reads": 0, "bytes_read": 0, "read_seconds": 0.0, "misses": 0, "direct": False}
         self._lock = threading.Lock()
 
     # -- setup -----------------------------------------------------------------------------
@@ -240,6 +242,8 @@ class DiskTier:
         self.current: _Staged | None = None
         self.direction = 1
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-disk-tier")
+        for index in self.order[: self.depth - 1]:  # the first forward's blocks, read while the run starts
+            self.ahead.append(self._stage(index))
 
     def host_buffer(self, index: int) -> None:
         return None  # no host copy per block: acquire() reads it ahead into the ring
@@ -250,7 +254,7 @@ class DiskTier:
         if event is not None:
             event.synchronize()  # the copy that last read this ring buffer is done
         buffer = self.ring[ring][: padded(self.file.nbytes[index])].numpy()
-        offset, done = self.file.offsets[index], 0
+        offset, done, start = self.file.offsets[index], 0, time.perf_counter()
         fd = self.direct_fd if self.direct_fd is not None else self.fd
         while done < len(buffer):
             try:
@@ -267,6 +271,7 @@ class DiskTier:
                                      "cache clear) and load again.")
             done += count
         with self._lock:
+            self.stats["read_seconds"] += time.perf_counter() - start
             self.stats["reads"] += 1
             self.stats["bytes_read"] += len(buffer)
             self.stats["direct"] = self.stats["direct"] or fd == self.direct_fd
@@ -277,14 +282,16 @@ class DiskTier:
         return _Staged(index, ring, self.reader.submit(self._read, index, ring))
 
     def _predict(self, index: int, count: int) -> list[int]:
-        """The next ``count`` blocks after ``index``: onward in the current direction, turning at the ends
-        (a pass that ends at a block starts the next pass with it)."""
+        """The next ``count`` blocks after ``index`` in the executor's order: forward runs up and keeps
+        its last block for backward (which goes on with the one below it); backward runs down, and the
+        next forward fetches the first block again."""
         position, direction, out = self.order.index(index), self.direction, []
         while len(out) < count:
             following = position + direction
-            if not 0 <= following < len(self.order):
-                direction = -direction
-                following = position
+            if following >= len(self.order):
+                direction, following = -1, max(position - 1, 0)
+            elif following < 0:
+                direction, following = 1, position
             position = following
             out.append(self.order[position])
         return out
@@ -302,9 +309,9 @@ class DiskTier:
             self.stats["misses"] += 1
             staged = self._stage(index)
         staged.read.result()
-        if self.current is not None and self.current.index != index:
+        if self.current is not None:
             step = self.order.index(index) - self.order.index(self.current.index)
-            self.direction = 1 if step > 0 else -1 if step < 0 else self.direction
+            self.direction = 1 if step > 0 else -1 if step < 0 else 1  # the same block again: forward starts
         self.current = staged
         # keep depth - 1 reads ahead; a ring buffer is rewritten only after its copy (copy_done)
         have = [s.index for s in self.ahead]
