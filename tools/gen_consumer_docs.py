@@ -165,11 +165,23 @@ def render_minimums() -> str:
     return "\n".join(rows)
 
 
+def host_ram(name: str, resident_blocks) -> str:
+    """Host RAM of the streamed blocks: pinned (or mapped, once per node), and the disk tier's ring
+    (``poros.host_tiers`` default read-ahead: 3 blocks) for hosts with less RAM than that."""
+    from poros.host_tiers import DEFAULT_READ_AHEAD
+
+    streamed = [n for i, n in enumerate(shape_plan(name).block_bytes) if i not in set(resident_blocks)]
+    if not streamed:
+        return "0 (nothing streams)"
+    return f"{_gb(sum(streamed))} ({_gb(DEFAULT_READ_AHEAD * max(streamed))})"
+
+
 def render_cards() -> str:
     from poros.errors import ConfigError
 
     rows = ["| shape | card | fits | slots | resident blocks | peak allocated GB | needed GB | step s, PCIe 4 "
-            "(copy hidden) | step s, PCIe 5 (copy hidden) |", "|---|---|---|---|---|---|---|---|---|"]
+            "(copy hidden) | step s, PCIe 5 (copy hidden) | host RAM GB, pinned (disk tier ring) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name in SHAPES:
         for card in CARDS_GIB:
             budget = f"{card}GiB"
@@ -177,12 +189,13 @@ def render_cards() -> str:
                 plans = [_plan(name, budget, link) for link in LINKS_GB_PER_S.values()]
             except ConfigError:
                 minimum = _plan(name, 10**15).minimum_bytes
-                rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - |")
+                rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - | - |")
                 continue
             plan = plans[0]
             steps = " | ".join(f"{p.step.step_s:.2f} ({'yes' if p.step.copy_hidden else 'no'})" for p in plans)
             rows.append(f"| {name} | {card} GiB | yes | {plan.num_slots} | {len(plan.resident_blocks)} of "
-                        f"{plan.num_blocks} | {_gb(plan.peak.total)} | {_gb(plan.needed_bytes)} | {steps} |")
+                        f"{plan.num_blocks} | {_gb(plan.peak.total)} | {_gb(plan.needed_bytes)} | {steps} | "
+                        f"{host_ram(name, plan.resident_blocks)} |")
     return "\n".join(rows)
 
 
