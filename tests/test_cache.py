@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -315,3 +316,19 @@ def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, chil
     subprocess.run([sys.executable, "-m", "poros.cli.main", "cache", "clear", "--model", model, "--cache-dir",
                     str(scratch)], capture_output=True, text=True, env=child_env(), check=True)
     assert not (scratch / entry.name).exists()
+
+
+def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_env):
+    """tools/cache_bench.py on the CPU (the GPU run's dry run): start times, per-tier steps, disk read rates."""
+    report_path = tmp_path / "cache.json"
+    subprocess.run([sys.executable, "tools/cache_bench.py", "--model", "tiny", "--device", "cpu", "--steps", "1",
+                    "--warmup", "0", "--grad-accum", "2", "--seq", "16", "--dir", str(tmp_path / "work"),
+                    "--json", str(report_path)], cwd=pathlib.Path(__file__).resolve().parents[1],
+                   env=child_env(POROS_COMMIT="test"), capture_output=True, text=True, check=True)
+    report = json.loads(report_path.read_text())
+    assert report["environment"]["commit"] == "test"
+    assert set(report["start"]) == {"nocache", "cold", "cached"} and report["cached_start_speedup"] > 0
+    assert set(report["tiers"]) == {"pinned", "mapped", "disk"}
+    assert report["tiers"]["disk"]["host_plan"]["tier"] == "disk"
+    disk = report["tiers"]["disk"]["disk"]
+    assert disk["bytes_read"] > 0 and disk["gb_per_s_while_reading"] > 0 and report["drive"]["gb_per_s"] > 0
