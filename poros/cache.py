@@ -259,8 +259,9 @@ def list_entries(root: Path) -> list[EntrySummary]:
 def clear(root: Path, model: str | None = None) -> list[str]:
     """Remove every entry under ``root`` (or those of ``model``); returns the names removed."""
     removed = []
+    named = re.compile(re.escape(entry_name(model, "")) + "[0-9a-f]{24}") if model is not None else None
     for summary in list_entries(root):
-        if model is None or summary.model == model or summary.name.startswith(entry_name(model, "")):
+        if model is None or summary.model == model or named.fullmatch(summary.name):
             remove_entry(Path(root) / summary.name)
             removed.append(summary.name)
     if model is None and Path(root).is_dir():

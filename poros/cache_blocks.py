@@ -261,6 +261,12 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
     }
     name = cache.entry_name(model, cache.entry_key(fields))
     prefix = info.descriptor.decoder_layers + "."
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as problem:
+        logger.warning("poros: cannot use the NF4 block cache at %s (%s); loading without it. Set cache_dir or "
+                       "POROS_CACHE_DIR to a writable directory, or pass --no-cache.", root, problem.strerror)
+        return load()
     with cache.build_lock(root, name):
         entry = None
         try:

@@ -332,3 +332,24 @@ def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_en
     assert report["tiers"]["disk"]["host_plan"]["tier"] == "disk"
     disk = report["tiers"]["disk"]["disk"]
     assert disk["bytes_read"] > 0 and disk["gb_per_s_while_reading"] > 0 and report["drive"]["gb_per_s"] > 0
+
+
+def test_clear_with_a_model_removes_that_models_entries_only(tmp_path):
+    names = {}
+    for model in ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct"):
+        names[model] = cache.entry_name(model, cache.entry_key({"model": model}))
+        cache.write_entry(tmp_path, names[model], {"model": model, "blocks": []},
+                          lambda path: path.write_bytes(b"") or [])
+    assert cache.clear(tmp_path, "Qwen/Qwen2.5-7B") == [names["Qwen/Qwen2.5-7B"]]
+    assert [e.name for e in cache.list_entries(tmp_path)] == [names["Qwen/Qwen2.5-7B-Instruct"]]
+
+
+def test_an_unwritable_cache_root_loads_without_the_cache(tmp_path, caplog):
+    from poros.load import load_pretrained
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with caplog.at_level("WARNING", logger="poros"):
+        loaded = load_pretrained("poros-tiny-qwen3", device="cpu", load_tokenizer=False, cache_dir=blocker / "cache")
+    assert any("cannot use the NF4 block cache" in r.getMessage() for r in caplog.records)
+    assert getattr(loaded.model, "poros_block_file", None) is None
