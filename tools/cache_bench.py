@@ -150,11 +150,19 @@ def step(streamed, optimizer, micro_batches, device) -> float:
     return time.perf_counter() - began
 
 
-def release(streamed) -> None:
-    """Let go of a run's store (ring, registration, pinned buffers) before the next one starts."""
+def close_tier(streamed) -> None:
+    """Stop a run's host tier (the disk reader, the DMA registration) before the next run starts."""
     if streamed.store.host_tier is not None:
         streamed.store.host_tier.close()
-    del streamed
+
+
+def forget(root: Path) -> None:
+    """After the caller dropped its run: unmap the entries (so the next start maps them afresh), free memory."""
+    from poros.stream.tiers import release_mapping
+
+    gc.collect()
+    for blocks in root.glob("*/blocks.bin"):
+        release_mapping(blocks)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -184,7 +192,9 @@ def main(argv=None) -> int:
             streamed, optimizer, load_seconds = start(checkpoint, config, device, args, cache_dir=cache_dir)
             first = step(streamed, optimizer, micro_batches, device)
             starts[name] = {"to_first_step_s": time.perf_counter() - began, "load_s": load_seconds, "first_step_s": first}
-            release(streamed)
+            close_tier(streamed)
+            del streamed, optimizer
+            forget(root)
         report["start"] = starts
         report["cached_start_speedup"] = starts["nocache"]["to_first_step_s"] / starts["cached"]["to_first_step_s"]
         [entry] = cache.list_entries(root)
@@ -212,7 +222,9 @@ def main(argv=None) -> int:
                 row["disk"]["fraction_of_drive"] = (row["disk"]["gb_per_s_while_reading"] / drive
                                                     if drive and row["disk"]["gb_per_s_while_reading"] else None)
             tiers[tier] = row
-            release(streamed)
+            close_tier(streamed)
+            del streamed, optimizer, store
+            forget(root)
         if "pinned" in tiers:
             for tier, row in tiers.items():
                 row["vs_pinned"] = row["step_s"] / tiers["pinned"]["step_s"]
