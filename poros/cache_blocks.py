@@ -277,6 +277,7 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
             try:
                 loaded, loading_info = load(skip_block_weights(prefix, info.descriptor.decoder_layers, entry))
                 file = bind_blocks(list(resolve_path(loaded, info.descriptor.decoder_layers)), entry)
+                logger.info("poros: NF4 blocks from the cache: %s", entry.directory)
             except CacheEntryError as problem:
                 _report(problem, root / name)
                 entry = None
@@ -292,6 +293,7 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
                         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
             entry = write_blocks_entry(root, name, manifest, layers)
             file = bind_blocks(layers, entry)
+            logger.info("poros: NF4 blocks written to the cache: %s", entry.directory)
     entry.touch()
     loaded.poros_block_file = file
     return loaded, loading_info

@@ -293,6 +293,8 @@ class PorosTrainer:
                         cache_dir=config.cache_dir)
         if model.budget_plan is not None:
             _echo(model.budget_plan.summary())
+        if config.host_tier is not None or config.host_budget is not None:
+            _echo(f"poros: host: {model.host_plan.reason}")
         if model.detection is not None:
             _echo(model.detection.summary())
         return cls(model, loaded.tokenizer, config)
