@@ -27,7 +27,7 @@ import poros.stream.store
 from poros import cache
 from poros.errors import CacheEntryError
 from poros.testing import TINY_VARIANTS, save_tiny_checkpoint
-from test_parity import BASE_SETUP, assert_bitwise, make_batch, run_parity, train
+from test_parity import BASE_SETUP, assert_bitwise, make_batch, parity_setups, run_parity, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
@@ -42,6 +42,27 @@ def test_every_tier_trains_bitwise(family, variant, tier, tmp_path):
     assert type(streamed.store.host_tier).__name__ == {"mapped": "MappedTier", "disk": "DiskTier"}[tier]
     if tier == "disk":
         assert streamed.store.host_tier.stats["reads"] > 0
+    batch = make_batch(0, 1, 10, "none")
+    with torch.no_grad():
+        before = streamed(**batch).logits
+        after = streamed.unpatch()(**batch, use_cache=False).logits  # every block back from its tier
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b"), ("qwen3_5", "default")])
+def test_tiers_keep_parity_on_drawn_configs(family, variant):
+    """Hypothesis draws the model, batch and LoRA (as the parity suite does), the tier, the read-ahead
+    depth and a resident block (the disk tier then reads around it)."""
+    @settings(max_examples=3, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(setup=parity_setups(family, variant), tier=st.sampled_from(["mapped", "disk"]),
+           read_ahead=st.integers(2, 4), resident=st.integers(0, 1))
+    def check(setup, tier, read_ahead, resident):
+        with tempfile.TemporaryDirectory() as directory:
+            run_parity(family, variant, setup, pathlib.Path(directory), host_tier=tier, read_ahead=read_ahead,
+                       resident_blocks=resident, cache_dir=str(pathlib.Path(directory) / "cache"))
+
+    check()
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -353,3 +374,11 @@ def test_an_unwritable_cache_root_loads_without_the_cache(tmp_path, caplog):
         loaded = load_pretrained("poros-tiny-qwen3", device="cpu", load_tokenizer=False, cache_dir=blocker / "cache")
     assert any("cannot use the NF4 block cache" in r.getMessage() for r in caplog.records)
     assert getattr(loaded.model, "poros_block_file", None) is None
+
+
+@pytest.mark.parametrize("tier", ["mapped", "disk"])
+def test_a_tier_with_every_block_resident_serves_nothing(tier, tmp_path):
+    streamed = run_parity("qwen3", "default", {**BASE_SETUP, "config": {"num_layers": 2}}, tmp_path, host_tier=tier,
+                          resident_blocks=2, cache_dir=str(tmp_path / "cache"))
+    assert streamed.store.resident_blocks == (0, 1)
+    streamed.unpatch()

@@ -162,6 +162,8 @@ class MappedTier:
         self.registered: torch.Tensor | None = None
 
     def attach(self, layouts: dict, device: torch.device) -> None:
+        if not layouts:  # every block is resident: nothing to serve
+            return
         self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
         mapping = self.file.mapping()
         if spilled:
@@ -217,6 +219,9 @@ class DiskTier:
 
     # -- setup -----------------------------------------------------------------------------
     def attach(self, layouts: dict, device: torch.device) -> None:
+        self.reader, self.ahead, self.fd, self.direct_fd = None, deque(), None, None
+        if not layouts:  # every block is resident: nothing to read
+            return
         self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
         self.order = sorted(layouts)  # the streamed blocks, in forward order
         self.fd = os.open(self.file.path, os.O_RDONLY)
@@ -332,7 +337,8 @@ class DiskTier:
         for staged in self.ahead:
             staged.read.result()
         self.ahead.clear()
-        self.reader.shutdown(wait=True)
+        if self.reader is not None:
+            self.reader.shutdown(wait=True)
         for fd in (self.fd, self.direct_fd):
             if fd is not None:
                 os.close(fd)
