@@ -291,7 +291,12 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
                                                               ).removeprefix("torch.")},
                         "device_type": device.type, "family": info.descriptor.name,
                         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-            entry = write_blocks_entry(root, name, manifest, layers)
+            try:
+                entry = write_blocks_entry(root, name, manifest, layers)
+            except (OSError, CacheEntryError) as problem:
+                logger.warning("poros: could not write the NF4 block cache entry %s (%s); training without it.",
+                               root / name, problem)
+                return loaded, loading_info
             file = bind_blocks(layers, entry)
             logger.info("poros: NF4 blocks written to the cache: %s", entry.directory)
     entry.touch()
