@@ -23,6 +23,12 @@ are packed the same way into a buffer of their own on the device, bound once and
 ``fetch``/``wait``/``release`` do nothing for them, they never take a slot, and the ring of slots
 is sized for the streamed blocks only. The modules compute on the same bytes at the same
 alignment either way, so a resident block changes where bytes live, not what is computed.
+
+**Host tiers** (``host_tier=``, ``tiers.py``): instead of one pinned buffer per streamed block, the
+bytes can come from a file of the same packed buffers (the NF4 block cache entry), mapped
+(``MappedTier``: each block's host buffer is a view of the mapping) or read ahead into a small
+pinned ring (``DiskTier``: ``fetch`` asks the tier for the block's bytes and tells it when the copy
+out of them is queued). ``fetch`` / ``wait`` / ``release`` are otherwise the same.
 """
 
 from __future__ import annotations
