@@ -29,6 +29,7 @@ from poros.errors import (
     GuaranteeError,
     OffloadedModelError,
     QuantizationError,
+    TorchCompileError,
     TrainableInBlockError,
     UnsupportedAdapterError,
     UnsupportedModelError,
@@ -270,6 +271,21 @@ def _check_offload(model: nn.Module, causal_lm: nn.Module) -> None:
         )
 
 
+#: what the refusal of torch.compile says to do (prepare, prepare_trainer and PorosCallback use it)
+COMPILE_WORKAROUND = ("Poros streams the blocks through eager PyTorch: drop torch.compile (TrainingArguments("
+                      "torch_compile=False), no torch.compile(model)) for the streamed run; docs/prepare.md says why.")
+
+
+def _check_not_compiled(model: nn.Module) -> None:
+    compiled = hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+    if compiled:
+        raise TorchCompileError(
+            f"the model was compiled with torch.compile ({type(model).__name__}); compiled graphs capture each "
+            "decoder block's tensors and strides, which streaming swaps between calls (inductor then fails with "
+            f"assert_size_stride or wrong dimensions). {COMPILE_WORKAROUND}"
+        )
+
+
 def _check_frozen(model: nn.Module, layers: list[nn.Module]) -> None:
     in_blocks = {id(p) for layer in layers for p in layer.parameters()}
     for name, param in model.named_parameters():
@@ -359,7 +375,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
             message lists the registered ones.
         UnsupportedModelError: the model's class is not the family's causal-LM class.
-        AlreadyPreparedError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
+        AlreadyPreparedError, TorchCompileError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
         BaseNotFrozenError, TrainableInBlockError, CheckpointingError, GuaranteeError: the gates
             (``docs/prepare.md`` lists each with its message).
         ConfigError: ``resident_blocks`` names no block, or with ``vram_budget``; ``vram_budget``
@@ -370,6 +386,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     if boundary_states not in (None, "device", "host"):
         raise ConfigError(f"boundary_states={boundary_states!r}: expected 'device' or 'host' (pinned host memory, "
                           "for layer-major accumulation when the device cannot hold the M x L block inputs).")
+    _check_not_compiled(model)
     causal_lm = _causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
         raise AlreadyPreparedError(
