@@ -105,12 +105,14 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
                                 target_parameters=list(variant.target_parameters) or None)
     batches = bench.make_batches(config, count=args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1,
                                  left_pad=args.pad)
-    mixed = contextlib.nullcontext() if args.autocast == "none" else \
-        torch.autocast(device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.autocast]))
+    autocast = getattr(args, "autocast", "none")  # callers building their own Namespace may leave it out
+    mixed = contextlib.nullcontext() if autocast == "none" else \
+        torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[autocast])
     with warnings.catch_warnings(record=True) as caught, mixed:
         warnings.simplefilter("always")
         outcome = bench.compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr)
-    save_load = save_load_check(peft_model, batches[0]) if args.save_load and outcome["comparison"] else None
+    checked = getattr(args, "save_load", False) and outcome["comparison"]
+    save_load = save_load_check(peft_model, batches[0]) if checked else None
     kernels = sorted({_kernel_name(str(w.message)) for w in caught if NONDETERMINISTIC_MARK in str(w.message)})
     arms = {name: result.summary(0) for name, result in outcome["arms"].items()}
     for arm in arms.values():
@@ -124,7 +126,7 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         "attn_implementation": attn, "experts_implementation": experts if variant.moe else None,
         "target_parameters": list(variant.target_parameters),
         "arms": arms, "comparison": outcome["comparison"], "nondeterministic_kernels": kernels,
-        "model_info": info, "autocast": args.autocast, "save_load": save_load,
+        "model_info": info, "autocast": autocast, "save_load": save_load,
     }
     del outcome, peft_model, model
     bench.free_memory(device)
@@ -278,9 +280,9 @@ def validation_record(report: dict[str, Any], env: dict[str, Any], args) -> dict
         "deterministic": args.deterministic,
         "attn_implementation": report["attn_implementation"],
     }
-    if args.autocast != "none":
-        record["autocast"] = args.autocast
-    if args.save_load:
+    if getattr(args, "autocast", "none") != "none":
+        record["autocast"] = getattr(args, "autocast", "none")
+    if getattr(args, "save_load", False):
         record["save_load"] = "checked"
     if report["experts_implementation"]:
         record["experts_implementation"] = report["experts_implementation"]
