@@ -65,6 +65,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the host<->device bandwidth measurement (the rest takes about a second)")
+    parser.add_argument("--model", metavar="ID_OR_DIR",
+                        help="also say what the planner needs for this model on this machine (its config.json only: "
+                             "a local directory, a bundled model or an HF id whose config is cached)")
+    parser.add_argument("--vram-budget", metavar="SIZE",
+                        help="plan --model for this budget (e.g. 24GiB) instead of the first card's memory")
     parser.set_defaults(run=run)
     return parser
 
@@ -250,6 +257,30 @@ def report() -> dict[str, Any]:
     }
 
 
+def gpu_report(data: dict[str, Any], *, quick: bool = False, model: str | None = None,
+               vram_budget: str | None = None) -> dict[str, Any]:
+    """The torch part of the report (:mod:`poros.gpu_probe`: CUDA, cards, bitsandbytes, pinning, the
+    link, ``--model``) and ``problems``, its named findings (:mod:`poros.diagnostics`). Where torch is
+    not installed, only ``problems`` (and ``model``'s error when one was asked for)."""
+    from poros import diagnostics, gpu_probe
+
+    available = data["memory"]["available_bytes"]
+    part: dict[str, Any] = {}
+    if data["packages"]["torch"] is not None:
+        try:
+            part = gpu_probe.probe(quick=quick, available_host_bytes=available)
+        except ModuleNotFoundError as error:  # metadata without the module: a core install in effect
+            part = {"torch_skipped": f"torch is not importable ({error})"}
+    if model is not None:
+        if part.get("torch") and "import_error" not in part["torch"]:
+            part["model"] = gpu_probe.model_fit(model, vram_budget=vram_budget, devices=part.get("devices") or [],
+                                                available_host_bytes=available)
+        else:
+            part["model"] = {"model": model, "error": f"--model needs torch and the planner: {INSTALL_HINT}"}
+    part["problems"] = diagnostics.problems({**data, **part})
+    return part
+
+
 def _gib(value: int | None) -> str:
     return "unknown" if value is None else f"{value / 2**30:.1f} GiB"
 
@@ -266,6 +297,9 @@ def format_report(data: dict[str, Any]) -> str:
     if env_setting is not None:
         plugin_line += f" (POROS_LOAD_PLUGINS={env_setting!r})"
     problems = [*plugins["problems"], *(f"plugin {e['plugin']} failed to load: {e['error']}" for e in plugins["load_errors"])]
+    named = data.get("problems") or []
+    problems += [f"[{p['code']}] {p['problem']}; fix: {p['fix']}" for p in named if p["blocks"]]
+    notes = [f"[{p['code']}] {p['problem']}; {p['fix']}" for p in named if not p["blocks"]]
     if data["missing_train_packages"]:
         problems.append(
             f"not installed for training: {', '.join(data['missing_train_packages'])}; install with "
@@ -280,6 +314,8 @@ def format_report(data: dict[str, Any]) -> str:
         ("nvidia driver", data["nvidia_driver"] or "none (/proc/driver/nvidia/version absent)"),
         ("packages", _wrap(", ".join(packages))),
         ("plugins", plugin_line),
+        *((label, _wrap(value)) for label, value in _gpu_rows(data)),
+        *([("notes", "\n".join(_wrap(note) for note in notes))] if notes else []),
         ("problems", "\n".join(_wrap(problem) for problem in problems) or "none"),
     ]
     width = max(len(label) for label, _ in rows) + 2
@@ -291,15 +327,25 @@ def format_report(data: dict[str, Any]) -> str:
     return "```text\n" + "\n".join(lines) + "\n```"
 
 
+def _gpu_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
+    if not data.get("torch") and not data.get("model"):
+        return []
+    from poros import diagnostics
+
+    return diagnostics.format_rows(data)
+
+
 def _wrap(text: str) -> str:
     return "\n".join(textwrap.wrap(text, width=80, break_on_hyphens=False))
 
 
 def run(args: argparse.Namespace) -> int:
     data = report()
+    data.update(gpu_report(data, quick=args.quick, model=args.model, vram_budget=args.vram_budget))
     if args.json:
         print_json(data)
     else:
         print(format_report(data))
     plugins = data["plugins"]
-    return 1 if plugins["problems"] or plugins["load_errors"] else 0
+    blocking = [problem for problem in data["problems"] if problem["blocks"]]
+    return 1 if plugins["problems"] or plugins["load_errors"] or blocking else 0
