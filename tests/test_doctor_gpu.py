@@ -260,3 +260,19 @@ def test_model_on_the_bundled_tiny_qwen3(capsys, repo_root):
 def test_model_that_is_not_there_is_reported(capsys, tmp_path):
     status, out = run_cli(capsys, "doctor", "--quick", "--json", "--model", str(tmp_path / "missing"))
     assert status == 0 and json.loads(out)["model"]["error"].startswith("CheckpointLoadError")
+
+
+def test_gpu_run_doctor_step_writes_text_and_json(tmp_path, repo_root, monkeypatch):
+    # tools/doctor_run.py, as `tools/gpu_run.sh doctor:model=SHAPE` runs it: a bench shape's config is
+    # written to a scratch directory and the report names the model by its id, not that directory
+    monkeypatch.syspath_prepend(str(repo_root / "tools"))
+    import doctor_run
+
+    out = tmp_path / "doctor.json"
+    status = doctor_run.main(["--model", "tiny-qwen3", "--quick", "--vram-budget", "2GiB", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert status == 0 and record["tool"] == "doctor" and record["commit"] and record["date"]
+    assert record["text"] == out.with_suffix(".txt").read_text().rstrip("\n")
+    model = record["report"]["model"]
+    assert model["family"] == "qwen3" and model["found_in"].startswith("config.json from tools/bench.py")
+    assert model["suggested_flags"][3] == model["model"] == "tiny-qwen3" and "/tmp" not in record["text"]

@@ -346,6 +346,11 @@ def run(args: argparse.Namespace) -> int:
         print_json(data)
     else:
         print(format_report(data))
+    return exit_status(data)
+
+
+def exit_status(data: dict[str, Any]) -> int:
+    """1 when a plugin problem or a problem that blocks training was found (notes do not count), else 0."""
     plugins = data["plugins"]
-    blocking = [problem for problem in data["problems"] if problem["blocks"]]
+    blocking = [problem for problem in data.get("problems", []) if problem["blocks"]]
     return 1 if plugins["problems"] or plugins["load_errors"] or blocking else 0
