@@ -276,3 +276,9 @@ def test_gpu_run_doctor_step_writes_text_and_json(tmp_path, repo_root, monkeypat
     model = record["report"]["model"]
     assert model["family"] == "qwen3" and model["found_in"].startswith("config.json from tools/bench.py")
     assert model["suggested_flags"][3] == model["model"] == "tiny-qwen3" and "/tmp" not in record["text"]
+
+
+def test_installation_page_lists_every_rule(repo_root):
+    page = (repo_root / "docs" / "installation.md").read_text()
+    table = [line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")]
+    assert set(diagnostics.RULES) <= set(table), sorted(set(diagnostics.RULES) - set(table))

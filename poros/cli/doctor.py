@@ -1,8 +1,11 @@
 """``poros doctor``: what this machine and install look like, as a block to paste into a bug report.
 
-Torch-free on purpose: package versions come from ``importlib.metadata`` (nothing is imported),
-host memory from ``/proc/meminfo`` and the cgroup limits, so the doctor runs where torch is
-missing or broken -- the very machines that need it.
+The host part is torch-free on purpose: package versions come from ``importlib.metadata`` (nothing
+is imported), host memory from ``/proc/meminfo`` and the cgroup limits, so the doctor runs where
+torch is missing or broken -- the very machines that need it. Where torch is installed, the GPU
+part follows (:mod:`poros.gpu_probe`, imported inside :func:`gpu_report`): CUDA, the cards,
+bitsandbytes' kernels, pinned memory, the link, and with ``--model`` what the planner says; every
+finding that blocks training becomes a named problem with its fix (:data:`poros.diagnostics.RULES`).
 """
 
 from __future__ import annotations
@@ -27,26 +30,46 @@ INSTALL_HINT = "pip install 'poros-train[train]'"
 DESCRIPTION = """\
 Print what Poros needs to know about this machine, in a ```text block ready to paste into an
 issue: Python and platform, the installed versions of torch, transformers, peft, bitsandbytes,
-safetensors, datasets and accelerate (read from package metadata, never imported), host memory
-(the smaller of /proc/meminfo MemTotal and the cgroup memory limit, and which one it is), usable
-CPUs, and plugins that failed to load or register. Exit status 1 when a plugin problem was found;
-missing training packages are reported with the command that installs them, and are not an error
-(a torch-free install is a valid install).
+safetensors, datasets and accelerate (read from package metadata), host memory (the smaller of
+/proc/meminfo MemTotal and the cgroup memory limit, and which one it is), usable CPUs, and plugins
+that failed to load or register.
+
+Where torch is installed it also reports: the torch build and its CUDA runtime against the
+driver's CUDA; each visible card (name, compute capability, total and free memory, PCIe link,
+NVLink peers); the native library bitsandbytes loaded and an NF4 quantize -> matmul -> dequantize
+smoke test on the card compared with the CPU; whether pinning a few GiB of host memory works, and
+the locked-memory limit (ulimit -l); the measured host<->device bandwidth, pinned and pageable
+(--quick skips it). With --model, what the planner says for that model on this machine: the NF4
+base's host bytes against free RAM, the minimum VRAM budget, the predicted peak, whether the card
+fits, and the flags to train with.
+
+Every finding that blocks training is a named problem with its fix; findings that only explain a
+number are notes. Exit status 1 when a plugin problem or a blocking problem was found; missing
+training packages are reported with the command that installs them, and are not an error (a
+torch-free install is a valid install).
 """
 
 EPILOG = textwrap.dedent("""\
     examples:
-      $ poros doctor
+      $ poros doctor                     # everything, with the pinning and bandwidth tests
+      $ poros doctor --quick             # no bandwidth measurement
+      $ poros doctor --model Qwen/Qwen2.5-32B --vram-budget 24GiB   # + the planner (config.json only)
+      $ poros doctor --model ./my-checkpoint --json
+
+      On a CPU machine with the training packages:
       ```text
       poros          0.1.0 (/work/main/poros)
-      python         3.11.7 CPython (/work/venv/bin/python)
-      platform       Linux-6.18.44-fc-v657-x86_64-with-glibc2.36 (x86_64)
-      cpus           2 usable (sched_getaffinity), 2 online
-      memory         23.5 GiB total (/proc/meminfo MemTotal), 23.2 GiB available
-      nvidia driver  none (/proc/driver/nvidia/version absent)
-      packages       torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2, bitsandbytes 0.50.2,
-                     safetensors 0.8.0, datasets 5.2.0, accelerate 1.15.0
+      ...
       plugins        5 loaded, families: qwen2, qwen3, qwen3_5, gemma3, gemma4
+      torch          2.13.0+cpu, CUDA runtime none (CPU build), driver CUDA none, cuda available no
+      gpu            no CUDA device
+      bitsandbytes   0.50.2, library .../bitsandbytes/libbitsandbytes_cpu.so; NF4 smoke test: not
+                     run (no CUDA device)
+      pinned         not tested (no CUDA device); memlock limit 8.0 MiB
+      link           not measured (no CUDA device)
+      notes          [no_cuda_device] no CUDA device: torch 2.13.0+cpu, no NVIDIA driver loaded;
+                     Poros trains on the CPU here (small models only); on a GPU machine install
+                     torch with CUDA
       problems       none
       ```
 
@@ -59,7 +82,7 @@ EPILOG = textwrap.dedent("""\
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "doctor",
-        help="report versions, host memory, CPUs and plugin problems (paste-ready)",
+        help="report versions, host memory, plugins, CUDA, the cards, bitsandbytes, the link (paste-ready)",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
