@@ -87,6 +87,10 @@ RULES: dict[str, Rule] = {
         "({theoretical} GB/s)",
         "streamed steps are bound by this link: check that the card sits in a x16 slot of the CPU it is near "
         "(nvidia-smi topo -m), and that nothing else copies", blocks=False),
+    "model_not_planned": Rule(
+        "--model {model} could not be planned: {error}",
+        "--model takes a local checkpoint directory, the bundled poros-tiny-qwen3, or a hub id whose config.json is "
+        "in the HF cache (hf download ID config.json); the planner needs the training packages"),
     "host_ram_short": Rule(
         "{model}: the NF4 base needs {needed} of host memory; {available} is available ({total} total)",
         "free host memory, or use a machine with at least {needed} (a cache/disk tier for the blocks: once it exists)"),
@@ -154,12 +158,12 @@ def _torch_findings(report: dict[str, Any], torch_info: dict[str, Any]) -> list[
                                              "arch_list": " ".join(arch_list)}))
         total, free = device.get("total_bytes"), device.get("free_bytes")
         if total and free is not None and (total - free) > BUSY_DEVICE_FRACTION * total:
-            out.append(("device_memory_in_use", {"index": device["index"], "free": _gib(free), "total": _gib(total),
-                                                 "used": _gib(total - free)}))
+            out.append(("device_memory_in_use", {"index": device["index"], "free": binary_size(free), "total": binary_size(total),
+                                                 "used": binary_size(total - free)}))
     out.extend(_bitsandbytes_findings(report.get("bitsandbytes") or {}, facts))
     pinned = report.get("pinned") or {}
     if pinned.get("ok") is False:
-        out.append(("pinned_failed", {"size": _gib(pinned.get("requested_bytes")), "error": pinned.get("error"),
+        out.append(("pinned_failed", {"size": binary_size(pinned.get("requested_bytes")), "error": pinned.get("error"),
                                       "memlock": format_memlock(pinned.get("memlock_soft_bytes"))}))
     out.extend(_link_findings(report))
     return out
@@ -211,20 +215,22 @@ def _link_findings(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _model_findings(model: dict[str, Any], memory: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    if not model or model.get("error"):
+    if not model:
         return []
+    if model.get("error"):
+        return [("model_not_planned", {"model": model["model"], "error": model["error"]})]
     out = []
     name, needed, available = model["model"], model["host_bytes"], memory.get("available_bytes")
     if available is not None and needed > available:
-        out.append(("host_ram_short", {"model": name, "needed": _gib(needed), "available": _gib(available),
-                                       "total": _gib(memory.get("total_bytes"))}))
+        out.append(("host_ram_short", {"model": name, "needed": binary_size(needed), "available": binary_size(available),
+                                       "total": binary_size(memory.get("total_bytes"))}))
     card = model.get("card") or {}
     if card and not card["fits"]:
-        out.append(("card_too_small", {"model": name, "minimum": _gib(model["minimum_budget_bytes"]),
-                                       "index": card["index"], "total": _gib(card["total_bytes"])}))
+        out.append(("card_too_small", {"model": name, "minimum": binary_size(model["minimum_budget_bytes"]),
+                                       "index": card["index"], "total": binary_size(card["total_bytes"])}))
     if model.get("budget_source") == "--vram-budget" and model.get("plan") is None:
-        out.append(("budget_below_minimum", {"model": name, "budget": _gib(model["budget_bytes"]),
-                                             "minimum": _gib(model["minimum_budget_bytes"]),
+        out.append(("budget_below_minimum", {"model": name, "budget": binary_size(model["budget_bytes"]),
+                                             "minimum": binary_size(model["minimum_budget_bytes"]),
                                              "minimum_flag": budget_flag(model["minimum_budget_bytes"])}))
     return out
 
@@ -242,7 +248,7 @@ def problems(report: dict[str, Any]) -> list[dict[str, Any]]:
 # =============================================================================================
 # Printing: rows for the doctor's block
 # =============================================================================================
-def _gib(nbytes: int | float | None) -> str:
+def binary_size(nbytes: int | float | None) -> str:
     """Binary units, GiB down to KiB: ``"1.5 GiB"``, ``"966.0 KiB"``."""
     if nbytes is None:
         return "unknown"
@@ -258,7 +264,7 @@ def budget_flag(nbytes: int) -> str:
 
 
 def format_memlock(soft: int | None) -> str:
-    return "unlimited" if soft is None else _gib(soft)
+    return "unlimited" if soft is None else binary_size(soft)
 
 
 def smoke_summary(smoke: dict[str, Any]) -> str:
@@ -292,8 +298,8 @@ def format_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         major, minor = device["capability"]
         peers = device.get("peers") or {}
         peer_text = ", ".join(f"cuda:{j} {link}" for j, link in peers.items()) or "none"
-        rows.append((f"cuda:{device['index']}", f"{device['name']}, sm_{major}{minor}, {_gib(device['total_bytes'])} "
-                                                f"total, {_gib(device['free_bytes'])} free; "
+        rows.append((f"cuda:{device['index']}", f"{device['name']}, sm_{major}{minor}, {binary_size(device['total_bytes'])} "
+                                                f"total, {binary_size(device['free_bytes'])} free; "
                                                 f"{pcie_text(device.get('pcie') or {})}; peers: {peer_text}"))
     bnb = report.get("bitsandbytes")
     if bnb:
@@ -312,8 +318,8 @@ def format_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         if pinned.get("ok") is None:
             rows.append(("pinned", f"not tested ({pinned.get('skipped')}); {memlock}"))
         else:
-            result = (f"{_gib(pinned['requested_bytes'])} pinned in {pinned['seconds']:.2f} s" if pinned["ok"]
-                      else f"{_gib(pinned['requested_bytes'])} FAILED: {pinned['error']}")
+            result = (f"{binary_size(pinned['requested_bytes'])} pinned in {pinned['seconds']:.2f} s" if pinned["ok"]
+                      else f"{binary_size(pinned['requested_bytes'])} FAILED: {pinned['error']}")
             rows.append(("pinned", f"{result}; {memlock}"))
     bandwidth = report.get("bandwidth")
     if bandwidth and bandwidth.get("skipped"):
@@ -336,19 +342,19 @@ def format_model_rows(model: dict[str, Any] | None) -> list[tuple[str, str]]:
     rows = [("model", f"{model['model']} ({model['family']}, {model['num_blocks']} blocks, {model['found_in']}); "
                       f"seq_len {model['seq_len']}, batch {model['batch_size']}, NF4"
                       f"{' + double quant' if model['double_quant'] else ''}, LoRA r{model['lora_rank']}"),
-            ("host", f"{_gib(model['host_bytes'])} for the NF4 base on the host "
-                     f"({_gib(model['available_host_bytes'])} available); cache/disk tier: once it exists")]
-    vram = f"minimum budget {_gib(model['minimum_budget_bytes'])} ({budget_flag(model['minimum_budget_bytes'])})"
+            ("host", f"{binary_size(model['host_bytes'])} for the NF4 base on the host "
+                     f"({binary_size(model['available_host_bytes'])} available); cache/disk tier: once it exists")]
+    vram = f"minimum budget {binary_size(model['minimum_budget_bytes'])} ({budget_flag(model['minimum_budget_bytes'])})"
     plan = model.get("plan")
     if model.get("budget_bytes") is not None:
-        vram += f"; at {_gib(model['budget_bytes'])} ({model['budget_source']}): "
-        vram += (f"predicted peak {_gib(plan['peak_bytes'])} allocated, {_gib(plan['needed_bytes'])} with the CUDA "
+        vram += f"; at {binary_size(model['budget_bytes'])} ({model['budget_source']}): "
+        vram += (f"predicted peak {binary_size(plan['peak_bytes'])} allocated, {binary_size(plan['needed_bytes'])} with the CUDA "
                  f"context and allocator slack; {plan['resident_blocks']} of {model['num_blocks']} blocks resident, "
                  f"{plan['num_slots']} slot{'s' if plan['num_slots'] != 1 else ''}" if plan else "below the minimum")
     rows.append(("vram", vram))
     card = model.get("card")
     if card:
-        rows.append(("fits", f"cuda:{card['index']} ({_gib(card['total_bytes'])}): "
+        rows.append(("fits", f"cuda:{card['index']} ({binary_size(card['total_bytes'])}): "
                              f"{'yes' if card['fits'] else 'no'}"))
     rows.append(("suggested", " ".join(model["suggested_flags"])))
     return rows

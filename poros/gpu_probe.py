@@ -332,16 +332,19 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
         budget, source = card["total_bytes"], f"cuda:{card['index']} total"
     budget_plan = None
     if budget is not None and budget >= minimum:
-        result = planner.plan_budget(footprint, workload, budget, num_slots=config.num_slots, embeddings_on_host=True,
-                                     context_bytes=planner.CUDA_CONTEXT_BYTES)
-        budget_plan = {"peak_bytes": result.peak.total, "needed_bytes": result.needed_bytes,
-                       "resident_blocks": len(result.resident_blocks), "num_slots": result.num_slots,
-                       "boundary_states": result.boundary_states, "copy_bytes_per_step": result.copy_bytes_per_step,
-                       "notes": list(result.notes)}
+        try:
+            result = planner.plan_budget(footprint, workload, budget, num_slots=config.num_slots,
+                                         embeddings_on_host=True, context_bytes=planner.CUDA_CONTEXT_BYTES)
+            budget_plan = {"peak_bytes": result.peak.total, "needed_bytes": result.needed_bytes,
+                           "resident_blocks": len(result.resident_blocks), "num_slots": result.num_slots,
+                           "boundary_states": result.boundary_states,
+                           "copy_bytes_per_step": result.copy_bytes_per_step, "notes": list(result.notes)}
+        except PorosError:  # refused at the minimum itself: reported as below the minimum
+            pass
     host_bytes = plan.host_store_bytes + plan.host_embedding_bytes
-    flag = (budget_flag(budget) if source == "--vram-budget" else f"{max(budget // 2**30, 1)}GiB") if budget_plan \
-        else budget_flag(minimum)
-    suggested = ["poros", "train", "--model", model, "--vram-budget", flag]
+    whole_gib = f"{budget // 2**30}GiB" if budget is not None and budget // 2**30 * 2**30 >= minimum else None
+    flag = (vram_budget or whole_gib) if budget_plan else None
+    suggested = ["poros", "train", "--model", model, "--vram-budget", flag or budget_flag(minimum)]
     return {
         "model": model, "checkpoint": plan.checkpoint, "found_in": plan.found_in, "family": plan.family,
         "num_blocks": plan.num_blocks, "seq_len": config.seq_len, "batch_size": config.batch_size,

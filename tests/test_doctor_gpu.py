@@ -98,6 +98,8 @@ CASES = {
                         "pinned.memlock_soft_bytes": 64 * 1024}), ["pinned_failed"]),
     "busy card": (h200(**{"devices.0.free_bytes": 40 * GIB}), ["device_memory_in_use"]),
     "slow link": (h200(**{"bandwidth.h2d_pinned_gb_per_s": 12.0}), ["link_slow"]),
+    "model not planned": ({"model": {"model": "org/missing", "error": "CheckpointLoadError: not cached"}},
+                          ["model_not_planned"]),
     "host ram": ({**h200(), "model": model_record(host_bytes=200 * GIB)}, ["host_ram_short"]),
     "small card": ({**h200(), "model": model_record(budget_source="cuda:0 total", plan=None, minimum_budget_bytes=
                    150 * GIB, card={"index": 0, "total_bytes": 140 * GIB, "free_bytes": 0, "fits": False})},
@@ -259,7 +261,9 @@ def test_model_on_the_bundled_tiny_qwen3(capsys, repo_root):
 
 def test_model_that_is_not_there_is_reported(capsys, tmp_path):
     status, out = run_cli(capsys, "doctor", "--quick", "--json", "--model", str(tmp_path / "missing"))
-    assert status == 0 and json.loads(out)["model"]["error"].startswith("CheckpointLoadError")
+    data = json.loads(out)
+    assert status == 1 and data["model"]["error"].startswith("CheckpointLoadError")
+    assert [p["code"] for p in data["problems"] if p["blocks"]] == ["model_not_planned"]
 
 
 def test_gpu_run_doctor_step_writes_text_and_json(tmp_path, repo_root, monkeypatch):
@@ -282,3 +286,16 @@ def test_installation_page_lists_every_rule(repo_root):
     page = (repo_root / "docs" / "installation.md").read_text()
     table = [line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")]
     assert set(diagnostics.RULES) <= set(table), sorted(set(diagnostics.RULES) - set(table))
+
+
+@pytest.mark.parametrize("total,fits,flag", [(140 * GIB, True, "140GiB"), (100 * 2**20, False, "1GiB")])
+def test_model_fit_on_a_made_up_card(total, fits, flag):
+    card = {**h200()["devices"][0], "total_bytes": total, "free_bytes": total}
+    model = gpu_probe.model_fit("poros-tiny-qwen3", vram_budget=None, devices=[card], available_host_bytes=8 * GIB)
+    assert model["budget_source"] == "cuda:0 total" and model["budget_bytes"] == total
+    assert model["card"]["fits"] is fits and (model["plan"] is not None) is fits
+    assert model["suggested_flags"][-2:] == ["--vram-budget", flag]
+    report = {**h200(**{"devices.0.total_bytes": total, "devices.0.free_bytes": total}), "model": model}
+    assert codes(report) == ([] if fits else ["card_too_small"])
+    rows = dict(diagnostics.format_model_rows(model))
+    assert rows["fits"] == f"cuda:0 ({diagnostics.binary_size(total)}): {'yes' if fits else 'no'}"
