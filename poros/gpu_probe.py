@@ -63,25 +63,33 @@ def torch_report() -> dict[str, Any]:
     }
 
 
-def nvidia_smi_links(runner=subprocess.run) -> dict[str, dict[str, Any]]:
-    """PCIe link per card from ``nvidia-smi --query-gpu``, keyed by lower-case PCI bus id."""
+def nvidia_smi_cards(runner=subprocess.run) -> list[dict[str, Any]]:
+    """Each card as ``nvidia-smi --query-gpu`` lists it: its index there (PCI order, which need not be
+    CUDA's), UUID, PCI bus id and PCIe link (``pcie``)."""
     if shutil.which("nvidia-smi") is None:
-        return {}
-    fields = "pci.bus_id,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max"
+        return []
+    fields = ("index,uuid,pci.bus_id,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,"
+              "pcie.link.width.max")
     try:
         result = runner(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
                         capture_output=True, text=True, timeout=20, check=True)
     except (OSError, subprocess.SubprocessError):
-        return {}
-    links = {}
+        return []
+    cards = []
     for line in result.stdout.splitlines():
         parts = [part.strip() for part in line.split(",")]
-        if len(parts) != 5:
+        if len(parts) != 7 or not parts[0].isdigit():
             continue
-        values = [int(p) if p.isdigit() else None for p in parts[1:]]
-        links[normalise_bus_id(parts[0])] = {"current_gen": values[0], "max_gen": values[1], "current_width": values[2],
-                                             "max_width": values[3], "source": "nvidia-smi"}
-    return links
+        values = [int(p) if p.isdigit() else None for p in parts[3:]]
+        cards.append({"index": int(parts[0]), "uuid": normalise_uuid(parts[1]), "bus_id": normalise_bus_id(parts[2]),
+                      "pcie": {"current_gen": values[0], "max_gen": values[1], "current_width": values[2],
+                               "max_width": values[3], "source": "nvidia-smi"}})
+    return cards
+
+
+def normalise_uuid(uuid: str) -> str:
+    """``"GPU-5a1c..."`` (nvidia-smi) and ``"5a1c..."`` (torch) -> ``"5a1c..."``."""
+    return uuid.strip().lower().removeprefix("gpu-")
 
 
 def normalise_bus_id(bus_id: str) -> str:
@@ -140,23 +148,31 @@ def device_reports(torch_info: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     import torch
 
-    smi, topology = nvidia_smi_links(), topology_links()
+    cards, topology = nvidia_smi_cards(), topology_links()
     count = torch.cuda.device_count()
-    devices = []
+    devices, smi_index = [], {}
     for index in range(count):
         props = torch.cuda.get_device_properties(index)
         free, total = torch.cuda.mem_get_info(index)
         bus_id = None
         if getattr(props, "pci_bus_id", None) is not None:
             bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        pcie = smi.get(bus_id or "") or (sysfs_link(bus_id) if bus_id else {})
-        peers = {}
+        uuid = normalise_uuid(str(getattr(props, "uuid", "")))
+        card = next((c for c in cards if (uuid and c["uuid"] == uuid) or (bus_id and c["bus_id"] == bus_id)), None)
+        if card is not None:
+            smi_index[index] = card["index"]
+            bus_id = bus_id or card["bus_id"]
+        pcie = card["pcie"] if card else sysfs_link(bus_id) if bus_id else {}
+        devices.append({"index": index, "name": props.name, "capability": [props.major, props.minor],
+                        "total_bytes": total, "free_bytes": free, "pci_bus_id": bus_id, "uuid": uuid or None,
+                        "nvidia_smi_index": smi_index.get(index), "pcie": pcie, "peers": {},
+                        "multiprocessors": props.multi_processor_count})
+    for device in devices:  # peers, with the link nvidia-smi topo -m names (by its own indices)
+        index = device["index"]
         for other in range(count):
             if other != index and torch.cuda.can_device_access_peer(index, other):
-                peers[other] = topology.get(index, {}).get(other, "peer access")
-        devices.append({"index": index, "name": props.name, "capability": [props.major, props.minor],
-                        "total_bytes": total, "free_bytes": free, "pci_bus_id": bus_id, "pcie": pcie,
-                        "peers": peers, "multiprocessors": props.multi_processor_count})
+                link = topology.get(smi_index.get(index, -1), {}).get(smi_index.get(other, -1))
+                device["peers"][other] = link or "peer access"
     return devices
 
 

@@ -178,7 +178,7 @@ def test_blocking_problems_set_the_exit_status(capsys, monkeypatch):
 
 # -- the probes' parsers -------------------------------------------------------------------------
 
-def test_nvidia_smi_links_and_topology(monkeypatch):
+def test_nvidia_smi_cards_and_topology(monkeypatch):
     monkeypatch.setattr(gpu_probe.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
 
     def runner(command, **_):
@@ -186,14 +186,19 @@ def test_nvidia_smi_links_and_topology(monkeypatch):
             text = ("\tGPU0\tGPU1\tNIC0\tCPU Affinity\tNUMA Affinity\n"
                     "GPU0\t X \tNV18\tSYS\t0-63\t0\nGPU1\tNV18\t X \tSYS\t0-63\t0\nNIC0\tSYS\tSYS\t X\n")
         else:
-            text = "00000000:1B:00.0, 5, 5, 16, 16\n00000000:9A:00.0, 1, 5, 16, 16\n"
+            text = ("0, GPU-5A1C0000-aaaa, 00000000:1B:00.0, 5, 5, 16, 16\n"
+                    "1, GPU-77770000-bbbb, 00000000:9A:00.0, 1, 5, 16, [N/A]\n")
         return subprocess.CompletedProcess(command, 0, text, "")
 
-    links = gpu_probe.nvidia_smi_links(runner)
-    assert links["0000:9a:00.0"] == {"current_gen": 1, "max_gen": 5, "current_width": 16, "max_width": 16,
-                                     "source": "nvidia-smi"}
+    cards = gpu_probe.nvidia_smi_cards(runner)
+    assert [(c["index"], c["uuid"], c["bus_id"]) for c in cards] == [
+        (0, "5a1c0000-aaaa", "0000:1b:00.0"), (1, "77770000-bbbb", "0000:9a:00.0")]
+    assert cards[1]["pcie"] == {"current_gen": 1, "max_gen": 5, "current_width": 16, "max_width": None,
+                                "source": "nvidia-smi"}
     assert gpu_probe.topology_links(runner) == {0: {1: "NV18"}, 1: {0: "NV18"}}
-    assert "idle cards lower the speed" in diagnostics.pcie_text(links["0000:9a:00.0"])
+    assert "idle cards lower the speed" in diagnostics.pcie_text(cards[1]["pcie"])
+    monkeypatch.setattr(gpu_probe.shutil, "which", lambda name: None)
+    assert gpu_probe.nvidia_smi_cards(runner) == [] and gpu_probe.topology_links(runner) == {}
 
 
 def test_sysfs_link(tmp_path):
@@ -299,3 +304,40 @@ def test_model_fit_on_a_made_up_card(total, fits, flag):
     assert codes(report) == ([] if fits else ["card_too_small"])
     rows = dict(diagnostics.format_model_rows(model))
     assert rows["fits"] == f"cuda:0 ({diagnostics.binary_size(total)}): {'yes' if fits else 'no'}"
+
+
+def test_device_reports_match_cards_by_uuid_and_name_peers_by_nvidia_smi_index(monkeypatch):
+    # Two cards whose CUDA order (fastest first) is the reverse of nvidia-smi's PCI order: the PCIe
+    # link and the NVLink name must follow the card, not the index. torch.cuda's four calls are
+    # replaced with made-up properties; nothing else of torch is.
+    from types import SimpleNamespace
+
+    props = [SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, uuid="77770000-bbbb",
+                             pci_domain_id=0, pci_bus_id=0x9A, pci_device_id=0),
+             SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, uuid="5a1c0000-aaaa")]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props[index])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (139 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    link = {"current_gen": 5, "max_gen": 5, "current_width": 16, "max_width": 16, "source": "nvidia-smi"}
+    monkeypatch.setattr(gpu_probe, "nvidia_smi_cards", lambda: [
+        {"index": 0, "uuid": "5a1c0000-aaaa", "bus_id": "0000:1b:00.0", "pcie": {**link, "current_width": 8}},
+        {"index": 1, "uuid": "77770000-bbbb", "bus_id": "0000:9a:00.0", "pcie": link}])
+    monkeypatch.setattr(gpu_probe, "topology_links", lambda: {0: {1: "NV18"}, 1: {0: "NV18"}})
+
+    devices = gpu_probe.device_reports({"cuda_available": True})
+    assert [(d["index"], d["nvidia_smi_index"], d["pci_bus_id"]) for d in devices] == [
+        (0, 1, "0000:9a:00.0"), (1, 0, "0000:1b:00.0")]
+    assert devices[0]["pcie"]["current_width"] == 16 and devices[1]["pcie"]["current_width"] == 8
+    assert devices[0]["peers"] == {1: "NV18"} and devices[1]["peers"] == {0: "NV18"}
+    assert json.loads(json.dumps(devices))  # JSON-ready
+    assert gpu_probe.device_reports({"cuda_available": False}) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure path of a machine without CUDA")
+def test_a_failed_pin_is_reported_not_raised():
+    pinned = gpu_probe.pinned_report(True, 64 * GIB)
+    assert pinned["ok"] is False and pinned["error"] and pinned["requested_bytes"] == gpu_probe.PIN_BYTES
+    assert codes({**h200(), "pinned": pinned}) == ["pinned_failed"]
+    small = gpu_probe.pinned_report(True, 4 * 2**20 + 5)  # a quarter of the available memory at most
+    assert small["requested_bytes"] == 2**20
