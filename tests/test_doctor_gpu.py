@@ -264,6 +264,11 @@ def test_model_on_the_bundled_tiny_qwen3(capsys, repo_root):
     assert "[budget_below_minimum]" in flat and "fix: pass --vram-budget 1GiB or more" in flat
 
 
+def test_vram_budget_needs_a_model(capsys):
+    assert main(["doctor", "--vram-budget", "8GiB"]) == 1
+    assert "add --model ID_OR_DIR" in capsys.readouterr().err
+
+
 def test_model_that_is_not_there_is_reported(capsys, tmp_path):
     status, out = run_cli(capsys, "doctor", "--quick", "--json", "--model", str(tmp_path / "missing"))
     data = json.loads(out)

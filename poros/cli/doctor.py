@@ -89,7 +89,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quick", action="store_true",
-                        help="skip the host<->device bandwidth measurement (the rest takes about a second)")
+                        help="skip the host<->device bandwidth measurement")
     parser.add_argument("--model", metavar="ID_OR_DIR",
                         help="also say what the planner needs for this model on this machine (its config.json only: "
                              "a local directory, a bundled model or an HF id whose config is cached)")
@@ -363,6 +363,11 @@ def _wrap(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.vram_budget is not None and args.model is None:
+        from poros.errors import ConfigError
+
+        raise ConfigError(f"--vram-budget {args.vram_budget} plans a model: add --model ID_OR_DIR (e.g. --model "
+                          "Qwen/Qwen2.5-32B), or leave --vram-budget out.")
     data = report()
     data.update(gpu_report(data, quick=args.quick, model=args.model, vram_budget=args.vram_budget))
     if args.json:
