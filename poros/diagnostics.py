@@ -66,7 +66,7 @@ RULES: dict[str, Rule] = {
         "https://pytorch.org/get-started/locally/)"),
     "bnb_import_failed": Rule(
         "bitsandbytes {version} does not import: {error}",
-        "reinstall it: pip install --force-reinstall 'bitsandbytes>=0.45'"),
+        "reinstall it: pip install --force-reinstall --no-deps bitsandbytes (or pip install 'poros-train[train]')"),
     "bnb_no_cuda_kernels": Rule(
         "bitsandbytes {version} loaded {library} on a CUDA machine: no CUDA kernels for CUDA {runtime}{error}",
         "install a bitsandbytes wheel built for CUDA {runtime} (pip install --force-reinstall bitsandbytes), or point "

@@ -29,7 +29,6 @@ COPY_REPEATS = 3
 PCIE_GEN_OF_GT_PER_S = {"2.5": 1, "5.0": 2, "8.0": 3, "16.0": 4, "32.0": 5, "64.0": 6}
 
 
-# =============================================================================================
 def driver_cuda_version() -> str | None:
     """The newest CUDA the loaded driver supports (``cuDriverGetVersion``), or ``None`` without libcuda."""
     try:
@@ -43,16 +42,19 @@ def driver_cuda_version() -> str | None:
 
 
 def torch_report() -> dict[str, Any]:
-    """torch's build, its CUDA runtime and the driver's CUDA; ``import_error`` when it does not import."""
-    import importlib.metadata
+    """torch's build, its CUDA runtime and the driver's CUDA; ``import_error`` when it does not import.
 
+    Raises:
+        ModuleNotFoundError: torch itself is not there.
+    """
     try:
         import torch
-    except ModuleNotFoundError:
-        raise
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] == "torch":
+            raise  # absent: a core install in effect
+        return _broken_torch(error)  # a dependency of torch is missing
     except Exception as error:  # noqa: BLE001  # a broken install: OSError, undefined symbols...
-        return {"version": importlib.metadata.version("torch"), "import_error": f"{type(error).__name__}: {error}",
-                "cuda_runtime": None, "driver_cuda": driver_cuda_version()}
+        return _broken_torch(error)
     available = torch.cuda.is_available()
     return {
         "version": torch.__version__, "cuda_runtime": torch.version.cuda, "driver_cuda": driver_cuda_version(),
@@ -176,21 +178,24 @@ def device_reports(torch_info: dict[str, Any]) -> list[dict[str, Any]]:
     return devices
 
 
-def bitsandbytes_report(device: str | None) -> dict[str, Any]:
+def bitsandbytes_report(device: str | None) -> dict[str, Any] | None:
     """bitsandbytes' version, the native library it loaded, and the NF4 smoke test on ``device``."""
     import importlib.metadata
 
-    version = importlib.metadata.version("bitsandbytes")
+    try:
+        version = importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # not installed: the doctor's package list says so
     try:
         import bitsandbytes.cextension as cextension
     except Exception as error:  # noqa: BLE001  # a broken install is the finding
         return {"version": version, "import_error": f"{type(error).__name__}: {error}"}
     native = cextension.lib
+    load_error = getattr(native, "error_msg", None)  # set on the stand-in bitsandbytes uses when loading failed
     report = {"version": version, "backend": getattr(cextension, "BNB_BACKEND", None),
               "library": loaded_library("libbitsandbytes"),
               "cuda_kernels": bool(getattr(native, "compiled_with_cuda", False)),
-              "load_error": getattr(native, "error_msg", None) if isinstance(getattr(native, "error_msg", None), str)
-              else None}
+              "load_error": load_error if isinstance(load_error, str) else None}
     report["smoke"] = nf4_smoke_test(device) if device else {"device": None}
     return report
 
@@ -295,6 +300,13 @@ def bandwidth_report(device_index: int, nbytes: int = COPY_BYTES, repeats: int =
     return report
 
 
+def _broken_torch(error: BaseException) -> dict[str, Any]:
+    import importlib.metadata
+
+    return {"version": importlib.metadata.version("torch"), "import_error": f"{type(error).__name__}: {error}",
+            "cuda_runtime": None, "driver_cuda": driver_cuda_version()}
+
+
 def probe(*, quick: bool, available_host_bytes: int | None) -> dict[str, Any]:
     """The GPU part of the doctor's report: ``torch``, ``devices``, ``bitsandbytes``, ``pinned``, ``bandwidth``.
 
@@ -307,10 +319,7 @@ def probe(*, quick: bool, available_host_bytes: int | None) -> dict[str, Any]:
     on_cuda = torch_info["cuda_available"]
     devices = device_reports(torch_info)
     out: dict[str, Any] = {"torch": torch_info, "devices": devices}
-    try:
-        out["bitsandbytes"] = bitsandbytes_report("cuda:0" if on_cuda else None)
-    except ModuleNotFoundError:
-        out["bitsandbytes"] = None  # not installed: the doctor's package list says so
+    out["bitsandbytes"] = bitsandbytes_report("cuda:0" if on_cuda else None)
     out["pinned"] = pinned_report(on_cuda, available_host_bytes)
     if not on_cuda:
         out["bandwidth"] = {"skipped": "no CUDA device"}

@@ -23,7 +23,7 @@ CHILD = textwrap.dedent("""\
         def find_spec(self, name, path=None, target=None):
             if name.partition(".")[0] in BLOCKED:
                 # what Python raises for a package that is not installed (a core install)
-                raise ModuleNotFoundError(f"{name} is blocked by test_import_light")
+                raise ModuleNotFoundError(f"{name} is blocked by test_import_light", name=name)
             return None
 
     sys.meta_path.insert(0, Blocker())
