@@ -303,6 +303,54 @@ def load_pretrained(
     return LoadedModel(model, tokenizer, path, info.descriptor, info, device, unused)
 
 
+@dataclass
+class AdapterInfo:
+    """What :func:`read_adapter` found in an adapter directory (PEFT layout, as ``PorosTrainer.save`` writes).
+
+    Attributes:
+        path: the adapter directory.
+        peft_config: ``adapter_config.json`` as a dict.
+        base_model: the base checkpoint: the ``base_model`` argument, else ``poros_config.json``'s
+            ``base_model_name_or_path``, else ``adapter_config.json``'s.
+        poros_config: the training run's :class:`~poros.config.PorosConfig` fields from
+            ``poros_config.json`` (empty for an adapter Poros did not train).
+        weights: the adapter weights file (``adapter_model.safetensors``).
+    """
+
+    path: pathlib.Path
+    peft_config: dict[str, Any]
+    base_model: str
+    poros_config: dict[str, Any]
+    weights: pathlib.Path
+
+
+def read_adapter(adapter: str | os.PathLike, base_model: str | os.PathLike | None = None) -> AdapterInfo:
+    """Check an adapter directory and find its base model, before anything is loaded.
+
+    Raises:
+        CheckpointLoadError: no directory, no ``adapter_config.json`` or no ``adapter_model.safetensors``,
+            or no base model named anywhere (pass ``base_model``).
+    """
+    path = pathlib.Path(adapter).expanduser()
+    config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights.is_file():
+        raise CheckpointLoadError(
+            f"{path} is not an adapter directory: expected adapter_config.json and adapter_model.safetensors "
+            f"(found {sorted(p.name for p in path.iterdir())[:8] if path.is_dir() else 'no directory'}). Pass the "
+            "directory that PorosTrainer.save / PEFT's save_pretrained wrote."
+        )
+    peft_config = json.loads(config_file.read_text())
+    record_file = path / "poros_config.json"
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    base = base_model or record.get("base_model_name_or_path") or peft_config.get("base_model_name_or_path")
+    if not base:
+        raise CheckpointLoadError(
+            f"{path} names no base model (adapter_config.json base_model_name_or_path is empty and there is no "
+            "poros_config.json). Pass the base checkpoint with --model / base_model=."
+        )
+    return AdapterInfo(path, peft_config, os.fspath(base), dict(record.get("config") or {}), weights)
+
+
 def adapters_to_device(model: nn.Module, device: torch.device | str) -> int:
     """Move every trainable tensor (the adapters PEFT just added) to the compute device; returns how many.
 
@@ -494,5 +542,5 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
                     _to_host(module, name)
 
 
-__all__ = ["adapters_to_device", "read_config", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
+__all__ = ["AdapterInfo", "adapters_to_device", "read_adapter", "read_config", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
            "resolve_checkpoint"]

@@ -87,6 +87,30 @@ class _LayerRecorder(nn.Module):
         return args[0]
 
 
+class _StreamingLayer(nn.Module):
+    """Stands for decoder layer ``index`` in a forward without grad: fetch, run with HF's arguments, release.
+
+    Attributes HF reads from a layer (e.g. ``attention_type``) are the real layer's.
+    """
+
+    def __init__(self, executor: "StreamingExecutor", index: int) -> None:
+        super().__init__()
+        self.executor, self.index = executor, index
+
+    def forward(self, *args, **kwargs):
+        self.executor._make_resident(self.index)
+        self.executor._prefetch(self.index + 1)
+        try:
+            return self.executor.layers[self.index](*args, **kwargs)
+        finally:
+            self.executor.store.release(self.index)
+
+    def __getattr__(self, name: str):
+        if name in ("executor", "index") or name.startswith("_"):
+            return super().__getattr__(name)
+        return getattr(self.executor.layers[self.index], name)
+
+
 class _TrunkOutput:
     """What callers read from the text model: ``last_hidden_state``; anything else is None."""
 
@@ -232,22 +256,35 @@ class StreamingExecutor:
             return _TrunkOutput(self.final_norm(self._tail))
         if self.before_forward is not None:
             self.before_forward(kwargs)
-        kwargs["use_cache"] = False  # streaming keeps no KV cache
+        if not torch.is_grad_enabled() and not self._stop_after_prelude:
+            return self._trunk_without_grad(*args, **kwargs)
+        kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
         step = self._capture(*args, **kwargs)
         if self._stop_after_prelude:  # layer-major, first call: hand the prelude over, skip the rest
             raise _PreludeDone(step)
         hidden = step.calls[0].leaves[0]
-        differentiable = torch.is_grad_enabled()
         last = len(self.layers) - 1
         for index in range(len(self.layers)):
             self._note_mapping_entry(step, index)
-            if differentiable:
-                # The last block stays resident: it is the first one backward needs.
-                hidden = _StreamedBlock.apply(self, step, index, index == last, self._grad_anchor, hidden,
-                                              *step.calls[index].grad_tensors())
-            else:
-                hidden = self._run_block(step, index, hidden, recompute_later=False)
+            # The last block stays resident: it is the first one backward needs.
+            hidden = _StreamedBlock.apply(self, step, index, index == last, self._grad_anchor, hidden,
+                                          *step.calls[index].grad_tensors())
         return _TrunkOutput(self.final_norm(hidden))
+
+    def _trunk_without_grad(self, *args, **kwargs):
+        """A forward without grad (generation, evaluation): HF's own trunk forward, each decoder layer a
+        :class:`_StreamingLayer` that fetches its block, runs it, releases it.
+
+        Nothing is recomputed later, so there is nothing to capture: HF runs its whole loop, with
+        whatever it does between layers (Gemma 4 slices the KV-shared layers' inputs to
+        ``logits_to_keep``), and the KV cache (``use_cache=True``, as ``generate`` asks) lives on the
+        device, written by the layers themselves and returned in HF's own output.
+        """
+        if kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False  # no cache unless asked for: an evaluation forward keeps none
+        proxies = nn.ModuleList(_StreamingLayer(self, i) for i in range(len(self.layers)))
+        with _swapped(self._layers_parent, self._layers_attr, proxies):
+            return self._trunk_class_forward(*args, **kwargs)
 
     # -- prelude: HF's own code ----------------------------------------------------------------
     def _capture(self, *args, **kwargs) -> _Step:
