@@ -276,7 +276,7 @@ class StreamingExecutor:
         :class:`_StreamingLayer` that fetches its block, runs it, releases it.
 
         Nothing is recomputed later, so there is nothing to capture: HF runs its whole loop, with
-        whatever it does between layers (Gemma 4 slices the KV-shared layers' inputs to
+        whatever it does between layers (a trunk may slice later layers' inputs to
         ``logits_to_keep``), and the KV cache (``use_cache=True``, as ``generate`` asks) lives on the
         device, written by the layers themselves and returned in HF's own output.
         """
