@@ -5,10 +5,12 @@
 #   tools/gpu_run.sh bench:qwen2.5-72b:layers=20 bench:qwen2.5-32b:seq=2048
 #   tools/gpu_run.sh bench:qwen2.5-32b:arms=poros:vram-limit=8 gate:only=gemma4,gemma4-moe:attn=eager
 #   tools/gpu_run.sh bench:qwen2.5-7b:layers=4:deterministic
+#   tools/gpu_run.sh merge:qwen2.5-32b:layers=2 merge:qwen2.5-72b:layers=2
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
-# `curve:SHAPE` (tools/vram_curve.py --model SHAPE) or `load` (tools/load_check.py), each
+# `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
+# --model SHAPE: poros merge RAM/time and poros generate tokens/s) or `load` (tools/load_check.py), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -127,11 +129,16 @@ main() {
         mapfile -t extra < <(options "$rest")
         cmd=(python3 tools/vram_curve.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
+      merge)
+        model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 tools/merge_generate_bench.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 tools/load_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...] or load[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...] or load[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo
