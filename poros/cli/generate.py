@@ -26,7 +26,7 @@ EPILOG = textwrap.dedent("""\
       $ poros train --steps 20 --output-dir /tmp/tiny-lora
       $ poros generate --adapter /tmp/tiny-lora --prompt "Name three colours." --max-new-tokens 32
       ...
-      poros: 32 new tokens after a 14-token prompt in 0.41 s: 78.0 tokens/s
+      poros: 32 new tokens after a 15-token prompt in ... s: ... tokens/s
 
       $ poros generate --adapter ./qwen32b-lora --prompt "Summarise: ..." --temperature 0.7 --top-p 0.9 --seed 1
       $ poros generate --adapter ./qwen32b-lora --model /data/Qwen2.5-32B --prompt "2+2=" --no-chat

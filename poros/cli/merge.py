@@ -26,8 +26,9 @@ EPILOG = textwrap.dedent("""\
     examples:
       $ poros train --steps 20 --output-dir /tmp/tiny-lora
       $ poros merge --adapter /tmp/tiny-lora --output /tmp/tiny-merged
-      poros merge: shard 1/1, 28/28 adapted weights merged, 0.1 s elapsed, ~0 s left
-      poros: merged 28 adapted weights into /tmp/tiny-merged: 1 shards, 39 tensors, 0.00 GiB in 0.1 s, ...
+      poros merge: shard 1/3, 10/28 adapted weights merged, 0.0 s elapsed, ~0 s left
+      ...
+      poros: merged 28 adapted weights into /tmp/tiny-merged: 3 shards, 47 tensors, 0.00 GiB in 0.1 s, peak RSS ...
 
       $ poros merge --adapter ./qwen32b-lora --model Qwen/Qwen2.5-32B --output ./qwen32b-merged
       $ python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('./qwen32b-merged')"
