@@ -11,6 +11,8 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 import peft  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -148,3 +150,33 @@ def test_merge_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(UnsupportedAdapterError, match="no weight for"):
         merge_adapter(adapter, tmp_path / "merged", model=other, progress=None)
     assert not (tmp_path / "merged").exists()
+
+
+@given(rank=st.sampled_from([1, 2, 4]), alpha=st.sampled_from([1, 3, 8]), kind=st.sampled_from(["lora", "rslora", "dora"]),
+       targets=st.sets(st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+                       min_size=1),
+       pattern=st.booleans(), layers=st.sampled_from([None, [1]]))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_merge_resolves_the_adapter_config_as_peft_does(rank, alpha, kind, targets, pattern, layers, tmp_path_factory):
+    """Drawn LoraConfigs: rank/alpha patterns, layers_to_transform, target subsets -- still merge_and_unload's bits."""
+    root = tmp_path_factory.mktemp("drawn")
+    base = save_tiny_checkpoint(root / "base", "qwen2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    target = sorted(targets)[0]
+    parent = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=sorted(targets), use_rslora=kind == "rslora",
+        use_dora=kind == "dora", layers_to_transform=layers,
+        rank_pattern={f"layers.1.{parent}.{target}": 3} if pattern else {},  # one module's path
+        alpha_pattern={target: 5} if pattern else {})  # a leaf name: every layer's
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in sorted(adapted.named_parameters()):
+            if ".lora_B." in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    adapted.save_pretrained(root / "adapter")
+    merge_adapter(root / "adapter", root / "merged", model=base, progress=None)
+    merged, expected = _written(root / "merged"), _reference(base, root / "adapter")
+    assert [name for name in merged if not torch.equal(merged[name], expected[name])] == []

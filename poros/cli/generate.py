@@ -34,12 +34,12 @@ EPILOG = textwrap.dedent("""\
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from poros.cli.merge import add_adapter_arguments
+
     parser = subparsers.add_parser(
         "generate", help="generate text with a trained adapter (blocks streamed, KV cache on the device)",
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter", required=True, metavar="DIR", help="the adapter directory (poros train output)")
-    parser.add_argument("--model", metavar="BASE",
-                        help="base checkpoint: directory or hub id (default: the adapter's base_model_name_or_path)")
+    add_adapter_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the prompt ('-' reads it from stdin)")
     parser.add_argument("--max-new-tokens", type=int, metavar="N",
                         help="tokens to generate at most (default: poros.generate.DEFAULT_MAX_NEW_TOKENS, 128)")

@@ -40,9 +40,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "merge", help="merge a LoRA adapter into its base checkpoint, shard by shard (low host memory)",
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter", required=True, metavar="DIR", help="the adapter directory (poros train output)")
-    parser.add_argument("--model", metavar="BASE",
-                        help="base checkpoint: directory or hub id (default: the adapter's base_model_name_or_path)")
+    add_adapter_arguments(parser)
     parser.add_argument("--output", required=True, metavar="DIR", help="directory to write the merged checkpoint to")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype of the base's floating tensors, read and written (default bfloat16)")
@@ -53,6 +51,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(run=run)
     return parser
+
+
+def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--adapter DIR`` and ``--model BASE``, as ``poros merge`` and ``poros generate`` take them."""
+    parser.add_argument("--adapter", required=True, metavar="DIR", help="the adapter directory (poros train output)")
+    parser.add_argument("--model", metavar="BASE",
+                        help="base checkpoint: directory or hub id (default: the adapter's base_model_name_or_path)")
 
 
 def run(args: argparse.Namespace) -> int:
