@@ -180,3 +180,17 @@ def test_merge_resolves_the_adapter_config_as_peft_does(rank, alpha, kind, targe
     merge_adapter(root / "adapter", root / "merged", model=base, progress=None)
     merged, expected = _written(root / "merged"), _reference(base, root / "adapter")
     assert [name for name in merged if not torch.equal(merged[name], expected[name])] == []
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_merge_in_float32(kind, tmp_path):
+    """--dtype float32: the base is read in float32 (as from_pretrained(dtype=float32) loads it) and written so."""
+    base = save_tiny_checkpoint(tmp_path / "base", "gemma3")
+    adapter = _adapter(base, tmp_path / "adapter", kind)
+    merge_adapter(adapter, tmp_path / "merged", model=base, dtype="float32", progress=None)
+    merged = _written(tmp_path / "merged")
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    expected = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload().state_dict()
+    assert all(tensor.dtype == torch.float32 for tensor in merged.values())
+    assert [name for name in merged if not torch.equal(merged[name], expected[name])] == []
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "float32"
