@@ -148,7 +148,7 @@ def write_random_checkpoint(config, path: pathlib.Path, shard_bytes: int, device
     path.mkdir(parents=True, exist_ok=True)
     groups, current, size = [], [], 0
     for entry in entries:
-        nbytes = _numel(entry[1]) * torch.finfo(entry[2]).bits // 8
+        nbytes = _numel(entry[1]) * torch.empty((), dtype=entry[2]).element_size()
         if current and size + nbytes > shard_bytes:
             groups.append(current)
             current, size = [], 0
@@ -159,7 +159,8 @@ def write_random_checkpoint(config, path: pathlib.Path, shard_bytes: int, device
     for number, group in enumerate(groups, start=1):
         name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         tensors = {key: (torch.randn(shape, generator=generator, device=device, dtype=dtype) * 0.02).cpu()
-                   if len(shape) > 1 else torch.ones(shape, dtype=dtype) for key, shape, dtype in group}
+                   if len(shape) > 1 and dtype.is_floating_point else torch.ones(shape, dtype=dtype)
+                   for key, shape, dtype in group}
         save_file(tensors, path / name, metadata={"format": "pt"})
         shard = sum(t.numel() * t.element_size() for t in tensors.values())
         non_block += sum(t.numel() * t.element_size() for k, t in tensors.items() if ".layers." not in k)
