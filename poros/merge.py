@@ -1,23 +1,24 @@
-"""Merge a LoRA adapter into its base checkpoint, one shard at a time: ``poros merge``.
+"""Merge a LoRA adapter into its base checkpoint, one tensor at a time: ``poros merge``.
 
 ::
 
-    base checkpoint (safetensors shards)          merged checkpoint (plain HF layout)
-     shard k ──read──▶ tensors of shard k ──▶ LoRA targets in it: PEFT's merge ──▶ shard k' ──write
-                        (cast to --dtype)          (one module tree per shard)        (+ index, config,
-                                                                                        tokenizer...)
+    base checkpoint (safetensors shards)             merged checkpoint (plain HF layout)
+     shard k ──header──────────────────────────────────────────────────▶ shard k' header
+             ──tensor t──▶ cast to --dtype ──▶ adapted? PEFT's merge ──▶ bytes of t  (one tensor
+                                                 (its own module tree)              in memory)
+                                                                       + index, config, tokenizer...
 
-PEFT's ``merge_and_unload`` needs the whole base in memory. Here the host holds one shard (plus
-the adapter) at a time: each shard's tensors are read, the adapted weights among them are merged,
-the shard is written, and its memory is given back before the next one is read.
+PEFT's ``merge_and_unload`` needs the whole base in memory. Here the host holds one tensor (plus
+the adapter) at a time: each output shard's header is written from the input shard's, then every
+tensor is read, merged if adapted, written and dropped before the next one is read.
 
 Notable features:
 
-* **PEFT's own merge, per shard.** The adapted weights of a shard are put, under their module
-  paths, into a small module tree of ``nn.Linear``; PEFT injects its LoRA layers there
+* **PEFT's own merge, per weight.** An adapted weight is put, under its module path, into a
+  small module tree as an ``nn.Linear``; PEFT injects its LoRA layer there
   (``inject_adapter_in_model`` with the adapter's own ``LoraConfig``, so rank/alpha patterns,
   rsLoRA scaling and DoRA resolve as in the full model), casts the adapter as ``PeftModel`` does,
-  loads the adapter's tensors with ``set_peft_model_state_dict`` and each layer runs ``merge()`` --
+  loads the adapter's tensors with ``set_peft_model_state_dict`` and the layer runs ``merge()`` --
   the code ``merge_and_unload`` runs. So the result is tensor for tensor ``torch.equal`` to
   ``PeftModel.from_pretrained(base in --dtype, adapter).merge_and_unload()`` on the same device
   (tested per family for LoRA, rsLoRA and DoRA).
@@ -42,6 +43,7 @@ import os
 import pathlib
 import re
 import shutil
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -54,6 +56,13 @@ from poros.errors import CheckpointLoadError, ConfigError, UnsupportedAdapterErr
 
 #: adapter tensor names PEFT's LoRA merge consumes (``lora_bias`` and embedding LoRA are refused)
 ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
+#: torch dtype -> safetensors dtype name (the header's "dtype")
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+SAFETENSORS_DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 #: files of the base directory copied next to the merged weights (configs, tokenizer, chat template)
 COPIED_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "tokenizer*")
 WEIGHT_INDEX = "model.safetensors.index.json"
@@ -117,9 +126,6 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
             an unknown ``dtype``.
     """
     import peft
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from poros.load import inspect_checkpoint, read_adapter, resolve_checkpoint
 
     start = time.perf_counter()
@@ -149,26 +155,29 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     weight_map: dict[str, str] = {}
     merged_modules: set[str] = set()
     total_bytes = tensors_written = 0
-    for number, shard in enumerate(shards, start=1):
-        name = SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        with safe_open(shard, framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: _cast(handle.get_tensor(key), dtype) for key in handle.keys()}
-        by_module = {}
-        for key in tensors:
-            module_path = _module_of(_mapped(key, mapping))
-            if module_path in modules and key.endswith(".weight"):
-                by_module[module_path] = key
-        if by_module:
-            _merge_shard(tensors, by_module, adapter_tensors, lora_config, device)
-            merged_modules.update(by_module)
-        save_file(tensors, staging / name, metadata={**metadata, "format": "pt"})
-        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        tensors_written += len(tensors)
-        weight_map.update({key: name for key in tensors})
-        del tensors
-        if progress is not None:
-            _progress_line(progress, number, len(shards), len(merged_modules), len(modules), start)
+    try:
+        for number, shard in enumerate(shards, start=1):
+            name = SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            reader = ShardReader(shard)
+            entries = [(key, shape, dtype if stored.is_floating_point else stored)
+                       for key, (stored, shape) in reader.tensors.items()]
+            with reader, ShardWriter(staging / name, entries, {**reader.metadata, "format": "pt"}) as writer:
+                for key in writer.names:  # one tensor in memory at a time
+                    tensor = _cast(reader.read(key), dtype)
+                    module_path = _module_of(_mapped(key, mapping))
+                    if module_path in modules and key.endswith(".weight"):
+                        tensor = merge_weight(tensor, module_path, adapter_tensors, lora_config, device)
+                        merged_modules.add(module_path)
+                    writer.write(key, tensor)
+                    del tensor
+            total_bytes += writer.data_bytes
+            tensors_written += len(entries)
+            weight_map.update({key: name for key, _, _ in entries})
+            if progress is not None:
+                _progress_line(progress, number, len(shards), len(merged_modules), len(modules), start)
+    except BaseException:  # nothing half-written is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     missing = sorted(set(modules) - merged_modules)
     if missing:
         shutil.rmtree(staging)
@@ -189,39 +198,132 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
 SINGLE_FILE = "model.safetensors"
 
 
-def _merge_shard(tensors: dict[str, torch.Tensor], by_module: dict[str, str],
-                 adapter_tensors: dict[str, torch.Tensor], lora_config: Any, device: str) -> None:
-    """Merge the adapted weights of one shard in place (``tensors[key]`` replaced), with PEFT's own layers."""
+def merge_weight(weight: torch.Tensor, module_path: str, adapter_tensors: dict[str, torch.Tensor], lora_config: Any,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """``weight`` (the base weight of the linear at ``module_path``) with the adapter merged, by PEFT's own code.
+
+    The weight goes into a module tree under its path as an ``nn.Linear``; PEFT injects its LoRA
+    layer there (the adapter's ``LoraConfig``, its targets narrowed to this path: rank and alpha
+    patterns, rsLoRA and DoRA resolve as in the full model), casts the adapter as ``PeftModel``
+    does, loads the adapter's tensors and runs the layer's ``merge()``. Returns the merged weight
+    on the CPU.
+
+    Raises:
+        UnsupportedAdapterError: PEFT does not adapt this path with this config, or leaves adapter
+            tensors unplaced.
+    """
     import peft
     from peft.tuners.tuners_utils import BaseTunerLayer, cast_adapter_dtype
 
     root = nn.Module()
-    for module_path, key in by_module.items():
-        weight = tensors[key]
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(weight.to(device), requires_grad=False)
-        _attach(root, module_path, linear)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.to(device), requires_grad=False)
+    _attach(root, module_path, linear)
     config = copy.copy(lora_config)
-    config.target_modules = set(by_module)  # exactly these; rank/alpha patterns still match the full paths
+    config.target_modules = {module_path}  # exactly this one; rank/alpha patterns still match the full path
     config.exclude_modules = None
     peft.inject_adapter_in_model(config, root, adapter_name="default")
+    layer = root.get_submodule(module_path)
+    if not isinstance(layer, BaseTunerLayer):
+        raise UnsupportedAdapterError(f"PEFT does not adapt {module_path} with this adapter_config.json "
+                                      "(layers_to_transform?), yet the adapter has tensors for it.")
     cast_adapter_dtype(root, adapter_name="default", autocast_adapter_dtype=True)  # as PeftModel does
-    prefixes = tuple(f"{PEFT_PREFIX}{path}." for path in by_module)
+    prefix = f"{PEFT_PREFIX}{module_path}."
     state = {name.removeprefix(PEFT_PREFIX): tensor for name, tensor in adapter_tensors.items()
-             if name.startswith(prefixes)}
+             if name.startswith(prefix)}
     result = peft.set_peft_model_state_dict(root, state, adapter_name="default")
     unexpected = getattr(result, "unexpected_keys", []) or []
     if unexpected:
         raise UnsupportedAdapterError(f"PEFT did not place {len(unexpected)} adapter tensors (e.g. {unexpected[0]}); "
                                       "expected LoRA A/B (and DoRA magnitudes) on linear layers only.")
     with torch.no_grad():
-        for module_path, key in by_module.items():
-            layer = root.get_submodule(module_path)
-            if not isinstance(layer, BaseTunerLayer):
-                raise UnsupportedAdapterError(f"PEFT did not adapt {module_path}; its adapter_config.json "
-                                              "(layers_to_transform, exclude_modules) leaves it out.")
-            layer.merge()
-            tensors[key] = layer.get_base_layer().weight.data.to("cpu")
+        layer.merge()
+    return layer.get_base_layer().weight.data.to("cpu")
+
+
+class ShardReader:
+    """Reads one safetensors file tensor by tensor with plain file reads (no memory map), so that the
+    process holds only the tensor asked for, not the pages of the whole file.
+
+    Attributes:
+        metadata: the header's ``__metadata__``.
+        tensors: name -> (dtype, shape), in file order.
+    """
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self._file = open(path, "rb")
+        (length,) = struct.unpack("<Q", self._file.read(8))
+        header = json.loads(self._file.read(length))
+        self._data_start = 8 + length
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self._spans = {name: tuple(entry["data_offsets"]) for name, entry in header.items()}
+        self.tensors = {name: (SAFETENSORS_DTYPES_BY_NAME[entry["dtype"]], tuple(entry["shape"]))
+                        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])}
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape = self.tensors[name]
+        start, end = self._spans[name]
+        data = torch.empty(end - start, dtype=torch.uint8)
+        self._file.seek(self._data_start + start)
+        if end > start and self._file.readinto(data.numpy()) != end - start:
+            raise CheckpointLoadError(f"{self._file.name} ends inside tensor {name}: the file is truncated. "
+                                      "Download or copy the shard again.")
+        return data.view(dtype).reshape(shape)
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+
+class ShardWriter:
+    """Writes one safetensors file tensor by tensor: the header first (names, dtypes, shapes known from the
+    input shard), then each tensor's bytes as it comes, so only the tensor in hand is in memory.
+
+    Tensors are laid out as ``safetensors.torch.save_file`` lays them out (larger elements first, then by
+    name: every tensor stays aligned to its element size); :attr:`names` is that order, and
+    :meth:`write` must be called in it.
+    """
+
+    def __init__(self, path: pathlib.Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: dict[str, str]) -> None:
+        ordered = sorted(entries, key=lambda e: (-_element_size(e[2]), e[0]))
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        self.expected: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        for name, shape, dtype in ordered:
+            size = _element_size(dtype)
+            for dim in shape:
+                size *= dim
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+            self.expected.append((name, tuple(shape), dtype))
+        self.names = [name for name, _, _ in self.expected]
+        self.data_bytes = offset
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(encoded)))
+        self._file.write(encoded)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self.expected[self._next]
+        if (name, tuple(tensor.shape), tensor.dtype) != expected:
+            raise RuntimeError(f"ShardWriter: got {name} {tuple(tensor.shape)} {tensor.dtype}, expected {expected}")
+        self._next += 1
+        if tensor.numel():
+            self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+        if exc[0] is None and self._next != len(self.expected):
+            raise RuntimeError(f"ShardWriter: {len(self.expected) - self._next} tensors were not written")
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -305,6 +407,10 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise ConfigError(f"--dtype {dtype!r} is not a floating torch dtype; use bfloat16, float16 or float32.")
     return found
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,7 +34,7 @@ examples:
   $ poros train poros.yaml --dry-run  # validate it and print the memory plan; nothing is loaded
   $ poros train poros.yaml --steps 50 --lr 1e-4   # any setting can be overridden by name
   $ poros plan poros.yaml --vram-budget 8GiB      # slots, resident blocks, peak and step for a budget
-  $ poros merge --adapter ./poros_output --output ./merged   # adapter into its base, shard by shard
+  $ poros merge --adapter ./poros_output --output ./merged   # adapter into its base, tensor by tensor
   $ poros generate --adapter ./poros_output --prompt "Hi"    # try the adapter (greedy, tokens/s)
   $ poros doctor                      # versions, host memory and plugin problems, paste-ready
   $ poros list-architectures          # the model families this install can stream

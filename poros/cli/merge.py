@@ -1,9 +1,10 @@
-"""``poros merge``: merge a trained LoRA adapter into its base checkpoint, one shard at a time.
+"""``poros merge``: merge a trained LoRA adapter into its base checkpoint, one tensor at a time.
 
 Writes a plain HF checkpoint (safetensors shards + index, config, tokenizer) that transformers,
-vLLM and every other loader read as a base model. Host memory stays at about one shard of the
-base: a 72B model merges on a machine that cannot hold it. Exit status: 0 merged, 1 a Poros error
-(no adapter or base, an adapter it cannot merge, an existing output), 2 a usage error.
+vLLM and every other loader read as a base model. Host memory stays at about the largest tensor
+of the base (plus the adapter): a 72B model merges on a machine that cannot hold it. Exit status:
+0 merged, 1 a Poros error (no adapter or base, an adapter it cannot merge, an existing output), 2 a
+usage error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 DESCRIPTION = """\
 Merge a LoRA adapter (LoRA, rsLoRA or DoRA, as `poros train` saves it) into its base model.
 
-The base is read shard by shard; each adapted weight is merged with PEFT's own LoRA layer and
+The base is read tensor by tensor, each shard written as it is read; each adapted weight is merged with PEFT's own LoRA layer and
 merge(), so the result is tensor for tensor what PEFT's merge_and_unload gives on the base loaded
 in --dtype (on the same device type). The base defaults to the one the adapter was trained on
 (poros_config.json / adapter_config.json base_model_name_or_path); pass --model for the original
@@ -38,7 +39,7 @@ EPILOG = textwrap.dedent("""\
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "merge", help="merge a LoRA adapter into its base checkpoint, shard by shard (low host memory)",
+        "merge", help="merge a LoRA adapter into its base checkpoint, tensor by tensor (low host memory)",
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_adapter_arguments(parser)
     parser.add_argument("--output", required=True, metavar="DIR", help="directory to write the merged checkpoint to")
