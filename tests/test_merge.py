@@ -194,3 +194,27 @@ def test_merge_in_float32(kind, tmp_path):
     assert all(tensor.dtype == torch.float32 for tensor in merged.values())
     assert [name for name in merged if not torch.equal(merged[name], expected[name])] == []
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_merge_holds_one_base_tensor_at_a_time(tmp_path, monkeypatch):
+    """Host memory: when a tensor is read, no tensor read before it is still alive (read, merged, written, dropped)."""
+    import gc
+    import weakref
+
+    from poros.merge import ShardReader
+
+    base = save_tiny_checkpoint(tmp_path / "base", "qwen2")
+    adapter = _adapter(base, tmp_path / "adapter", "dora")
+    alive, read = [], ShardReader.read
+
+    def tracked(self, name):
+        if any(ref() is not None for ref in alive):
+            gc.collect()  # PEFT's layers hold reference cycles: what they held goes with a collection
+        assert [ref for ref in alive if ref() is not None] == []
+        tensor = read(self, name)
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(ShardReader, "read", tracked)
+    result = merge_adapter(adapter, tmp_path / "merged", model=base, progress=None)
+    assert len(alive) == result.tensors
