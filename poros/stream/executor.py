@@ -41,6 +41,10 @@ Notable features:
   prelude) and computes its head and loss (a second call whose trunk returns the streamed hidden
   states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
   LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise the same.
+* **Without grad, HF's own loop.** A forward without grad (generation, evaluation) is never
+  recomputed: the trunk's class ``forward`` runs with each layer a ``_StreamingLayer`` proxy
+  (fetch, run with HF's arguments, release), so HF's KV cache and whatever the trunk does
+  between layers work as in the resident model.
 * **Nothing is family-specific here.** Paths and carried-state kwargs come from the descriptor.
 """
 
