@@ -84,3 +84,16 @@ def test_generate_text_reports_tokens_per_second(tmp_path):
     assert result.prompt_tokens == len(tokenizer(expected_prompt, add_special_tokens=False)["input_ids"])
     raw = generate_text(model, tokenizer, "Hello", max_new_tokens=4, chat=False)
     assert raw.prompt_tokens == len(tokenizer("Hello")["input_ids"])
+
+
+@pytest.mark.parametrize("options", [dict(resident_blocks=1), dict(num_slots=1)], ids=["resident-block", "one-slot"])
+def test_greedy_with_resident_blocks_or_one_slot(options, tmp_path):
+    """A resident block is never fetched; one slot fetches every block anew: the same tokens either way."""
+    resident = _without_cpu_repacking(qlora_model("gemma3", tmp_path=tmp_path / "resident")).eval()
+    prompt = _prompt()
+    generation = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    with torch.no_grad():
+        expected = resident.generate(input_ids=prompt, **generation)
+    streamed = prepare(_without_cpu_repacking(qlora_model("gemma3", tmp_path=tmp_path / "streamed")), **options)
+    assert torch.equal(streamed.generate(prompt, **generation), expected)
+    assert not any(streamed.store.stats.fetches[i] for i in streamed.store.resident_blocks)
