@@ -66,6 +66,7 @@ SAFETENSORS_DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.
 #: files of the base directory copied next to the merged weights (configs, tokenizer, chat template)
 COPIED_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "tokenizer*")
 WEIGHT_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -82,6 +83,7 @@ class MergeResult:
         bytes_written: bytes of the weight files.
         seconds: wall time.
         peak_rss_bytes: the process's peak resident memory at the end (``ru_maxrss``; None where unknown).
+        files: the other files written (configs, tokenizer...).
     """
 
     output: pathlib.Path
@@ -112,10 +114,10 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
             ``poros_config.json`` / ``adapter_config.json`` ``base_model_name_or_path``.
         dtype: dtype of the base's floating tensors, read and written (``merge_and_unload`` on a base
             loaded with ``from_pretrained(..., dtype=dtype)``).
-        device: where each shard's adapted weights are merged (``"cpu"`` or ``"cuda"``); the bits
+        device: where each adapted weight is merged (``"cpu"`` or ``"cuda"``); the bits
             equal ``merge_and_unload`` run on that device type.
         overwrite: replace an existing ``output``.
-        progress: a stream for one line per shard (None: silent).
+        progress: a stream for one plain progress line per shard (None: silent).
 
     Raises:
         CheckpointLoadError: the adapter or base checkpoint is missing or incomplete; the base is
@@ -126,6 +128,7 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
             an unknown ``dtype``.
     """
     import peft
+
     from poros.load import inspect_checkpoint, read_adapter, resolve_checkpoint
 
     start = time.perf_counter()
@@ -140,8 +143,8 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
                                   "base with save_pretrained(safe_serialization=True) first.")
     if getattr(checkpoint.config, "quantization_config", None):
         raise CheckpointLoadError(
-            f"{base_path} is a quantized checkpoint ({checkpoint.config.quantization_config.get('quant_method')}); "
-            "merging needs the original bf16/fp16 weights. Pass the unquantized base with --model.")
+            f"{base_path} is a quantized checkpoint (its config.json has a quantization_config); merging needs the "
+            "original bf16/fp16 weights. Pass the unquantized base with --model.")
     lora_config = peft.PeftConfig.from_pretrained(info.path)
     adapter_tensors = _adapter_tensors(info.weights, lora_config)
     modules = sorted({_adapted_module(name) for name in adapter_tensors})
@@ -194,8 +197,6 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     return MergeResult(target, base_path, len(shards), tensors_written, len(merged_modules), total_bytes,
                        time.perf_counter() - start, _peak_rss(), sorted(files))
 
-
-SINGLE_FILE = "model.safetensors"
 
 
 def merge_weight(weight: torch.Tensor, module_path: str, adapter_tensors: dict[str, torch.Tensor], lora_config: Any,
