@@ -578,5 +578,6 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
                     _to_host(module, name)
 
 
-__all__ = ["AdapterInfo", "adapters_to_device", "load_with_adapter", "read_adapter", "read_config", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
+__all__ = ["AdapterInfo", "adapters_to_device", "load_with_adapter", "read_adapter", "read_config", "CheckpointInfo",
+           "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
            "resolve_checkpoint"]

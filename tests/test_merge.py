@@ -152,7 +152,8 @@ def test_merge_refuses_what_it_cannot_do(tmp_path):
     assert not (tmp_path / "merged").exists()
 
 
-@given(rank=st.sampled_from([1, 2, 4]), alpha=st.sampled_from([1, 3, 8]), kind=st.sampled_from(["lora", "rslora", "dora"]),
+@given(rank=st.sampled_from([1, 2, 4]), alpha=st.sampled_from([1, 3, 8]),
+       kind=st.sampled_from(["lora", "rslora", "dora"]),
        targets=st.sets(st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
                        min_size=1),
        pattern=st.booleans(), layers=st.sampled_from([None, [1]]))

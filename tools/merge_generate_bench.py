@@ -132,7 +132,8 @@ def bench_merge(config, workdir: pathlib.Path, args: argparse.Namespace, full_la
                                             if result.get("peak_rss_bytes") and baseline_rss else None),
         "merge_gb_per_s": gb_per_s, "setup_seconds": setup_s,
         "full_depth_estimate": {
-            "note": "estimate: measured GB/s x full-depth bytes; peak RSS does not grow with depth (one tensor at a time)",
+            "note": "estimate: measured GB/s x full-depth bytes; peak RSS does not grow with depth "
+                    "(one tensor at a time)",
             "checkpoint_bytes": full_bytes,
             "merge_seconds": full_bytes / 1e9 / gb_per_s if gb_per_s else None,
             "merge_and_unload_needs_bytes": full_bytes,

@@ -16,11 +16,12 @@ from typing import Any
 DESCRIPTION = """\
 Merge a LoRA adapter (LoRA, rsLoRA or DoRA, as `poros train` saves it) into its base model.
 
-The base is read tensor by tensor, each shard written as it is read; each adapted weight is merged with PEFT's own LoRA layer and
-merge(), so the result is tensor for tensor what PEFT's merge_and_unload gives on the base loaded
-in --dtype (on the same device type). The base defaults to the one the adapter was trained on
-(poros_config.json / adapter_config.json base_model_name_or_path); pass --model for the original
-bf16 checkpoint when training used another copy. A multimodal checkpoint keeps its vision tower.
+The base is read tensor by tensor, each shard written as it is read; each adapted weight is
+merged with PEFT's own LoRA layer and merge(), so the result is tensor for tensor what PEFT's
+merge_and_unload gives on the base loaded in --dtype (on the same device type). The base
+defaults to the one the adapter was trained on (poros_config.json / adapter_config.json
+base_model_name_or_path); pass --model for the original bf16 checkpoint when training used
+another copy. A multimodal checkpoint keeps its vision tower.
 """
 
 EPILOG = textwrap.dedent("""\
