@@ -88,6 +88,12 @@ class PorosModel:
         """
         return self.executor.forward_backward(self.forward, micro_batches)
 
+    def generate(self, input_ids: torch.Tensor | None = None, **generate_kwargs: Any) -> torch.Tensor:
+        """HF ``generate`` with the blocks streamed and a KV cache on the device (see :mod:`poros.generate`)."""
+        from poros.generate import generate
+
+        return generate(self.model, input_ids, **generate_kwargs)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
