@@ -90,9 +90,11 @@ class PorosModel:
 
     def generate(self, input_ids: torch.Tensor | None = None, **generate_kwargs: Any) -> torch.Tensor:
         """HF ``generate`` with the blocks streamed and a KV cache on the device (see :mod:`poros.generate`)."""
-        from poros.generate import generate
+        from poros.generate import generation_mode
 
-        return generate(self.model, input_ids, **generate_kwargs)
+        generate_kwargs.setdefault("use_cache", True)
+        with generation_mode(self):
+            return super().generate(input_ids=input_ids, **generate_kwargs)  # the model's own class's generate
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
