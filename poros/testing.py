@@ -36,6 +36,7 @@ import torch
 import transformers
 from torch import nn
 
+from poros.adapters import causal_lm_of, lora_target_modules
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import DescriptorError
 from poros.plugin_testing import registered_plugin
@@ -434,9 +435,7 @@ def load_qlora(
 
 def all_linear_targets(model: nn.Module) -> list[str]:
     """PEFT target names for "all-linear" per the family descriptor (see :func:`load_qlora`):
-    :func:`poros.trainer.lora_target_modules`, the targets PorosTrainer uses."""
-    from poros.trainer import lora_target_modules
-
+    :func:`poros.adapters.lora_target_modules`, the targets PorosTrainer uses."""
     return lora_target_modules(model, "all-linear")
 
 
@@ -460,11 +459,6 @@ def qlora_model(
 _PEFT_INTERNALS = frozenset({
     "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_dropout", "lora_magnitude_vector",
 })
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
 
 
 def _resolves(root: Any, path: str) -> bool:
@@ -551,7 +545,7 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
     *some* configuration is a family-level check (see ``tests/test_descriptors.py``).
     """
     problems: list[str] = []
-    base = _unwrap(model)
+    base = causal_lm_of(model)
     config = base.config
     disabled = descriptor.disabled_names(config)
 
@@ -710,6 +704,6 @@ def assert_descriptor_matches(descriptor: ArchitectureDescriptor, model: nn.Modu
     problems = check_descriptor(descriptor, model)
     if problems:
         raise AssertionError(
-            f"descriptor {descriptor.name!r} does not match {type(_unwrap(model)).__name__} "
+            f"descriptor {descriptor.name!r} does not match {type(causal_lm_of(model)).__name__} "
             f"({len(problems)} problems):\n  - " + "\n  - ".join(problems)
         )

@@ -42,7 +42,6 @@ import logging
 import os
 import pathlib
 import shlex
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,7 +51,10 @@ import torch
 from torch import nn
 
 from poros import checkpoint as checkpoints
+from poros.adapters import lora_target_modules
+from poros.devices import resolve_device
 from poros.errors import ConfigError, DataError, TrainingCheckpointError, UnsupportedModelError
+from poros.stop import StopRequest
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
@@ -94,96 +96,6 @@ class TrainResult:
     output_dir: pathlib.Path
     last_checkpoint: pathlib.Path | None
     log_history: list[dict[str, Any]] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA targets
-# ---------------------------------------------------------------------------------------------
-def lora_target_modules(model: nn.Module, target_modules: str | list[str] | tuple[str, ...] = "all-linear"
-                        ) -> list[str]:
-    """PEFT ``target_modules`` for a Poros target spec, resolved through the family descriptor.
-
-    Args:
-        model: the HF causal LM (or a PEFT model around it).
-        target_modules: ``"all-linear"``: the descriptor's ``lora_targets_all_linear`` plus the
-            ``model_level_linears`` present on the model (PEFT's all-linear minus what the family
-            excludes, e.g. Gemma 4's router); ``"default"``: ``lora_targets_default`` (the
-            attention projections); or a list of leaf module names.
-
-    Raises:
-        UnknownArchitectureError: the model's family is not registered.
-        ConfigError: a listed name matches no ``nn.Linear`` of the model; the message lists the
-            linear leaf names the model has.
-    """
-    from poros import registry
-    from poros.descriptor import resolve_path
-    from poros.errors import DescriptorError
-
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    descriptor = registry.for_config(base.config)
-    if target_modules == "all-linear":
-        present = []
-        for path in descriptor.model_level_linears:
-            try:
-                resolve_path(base, path)
-            except DescriptorError:
-                continue
-            present.append(path)
-        return [*descriptor.lora_targets_all_linear, *present]
-    if target_modules == "default":
-        return list(descriptor.lora_targets_default)
-    if isinstance(target_modules, str):
-        target_modules = [target_modules]
-    linear_names = [name for name, module in base.named_modules() if isinstance(module, nn.Linear)]
-    unknown = [target for target in target_modules
-               if not any(name == target or name.endswith(f".{target}") for name in linear_names)]
-    if unknown:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name in linear_names} - {"base_layer"})
-        raise ConfigError(
-            f"target_modules {unknown} match no nn.Linear of this {descriptor.name} model; expected leaf names "
-            f"such as {leaves} (or 'all-linear' / 'default'). Fix the names in target_modules."
-        )
-    return list(target_modules)
-
-
-# ---------------------------------------------------------------------------------------------
-# Stopping on SIGINT / SIGTERM
-# ---------------------------------------------------------------------------------------------
-class _StopRequest:
-    """Turns SIGINT/SIGTERM into a flag checked after each optimizer step; a second signal aborts."""
-
-    SIGNALS = ("SIGINT", "SIGTERM")
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signal_number, frame) -> None:
-        if self.signal_name is not None:  # the second one: stop waiting for the step
-            self.restore()
-            raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signal_number).name
-
-    def __enter__(self) -> _StopRequest:
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                number = getattr(signal, name, None)
-                if number is not None:
-                    self._previous[number] = signal.signal(number, self._handle)
-        else:
-            logger.info("poros: train() runs outside the main thread: SIGINT/SIGTERM will not checkpoint")
-        return self
-
-    def restore(self) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous.clear()
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,13 +398,6 @@ def _cli_value(value: Any) -> str:
     return str(value)
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else as ``torch.device``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def _saved_files(directory: pathlib.Path) -> list[str]:
     """The files a previous :meth:`PorosTrainer.save` wrote into ``directory`` (its ``poros_config.json``)."""
     try:
@@ -656,7 +561,7 @@ class _Run:
         bar = _progress_bar(config.steps, self.global_step)
         window_start, window_first_tokens = time.perf_counter(), self.num_tokens
         window_bytes = self.model.store.stats.bytes_copied if self.model.store is not None else 0
-        with _StopRequest() as stop, _showing(bar):
+        with StopRequest() as stop, _showing(bar):
             while self.global_step < config.steps:
                 micro_batches = [{key: value.to(self.device, non_blocking=True)
                                   for key, value in batches.next_batch().items()}

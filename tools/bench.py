@@ -887,6 +887,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     """
     import poros
     from poros.stream import planner
+    from poros.stream.footprint import predict_prepared
 
     peft_model.get_base_model().activation_checkpointing_disable()
     batch, seq = batches[0]["input_ids"].shape
@@ -898,7 +899,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
     try:  # the planner's prediction for this setup, recorded next to the measurement
-        prediction = planner.predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
+        prediction = predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
     except Exception as exc:  # noqa: BLE001 - a planner bug must not cost the measurement
         prediction = {"error": f"{type(exc).__name__}: {exc}"}
     store = streamed.store
@@ -1204,9 +1205,10 @@ def main(argv=None) -> int:
     link = measure_link(device) if "poros" in args.arms else None
     compute = None
     if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):
-        from poros.stream import planner  # the planner's own probe, before the model takes the memory
+        from poros import probe  # the planner's own probe, before the model takes the memory
+        from poros.stream import planner
 
-        compute = planner.probe_compute(
+        compute = probe.probe_compute(
             config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule), device,
             compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
             lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)

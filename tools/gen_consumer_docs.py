@@ -75,12 +75,12 @@ def shape_plan(name: str):
     projections, seq 512, batch 1, on CUDA with the embeddings on the host."""
     if name not in _PLANS:
         from poros.config import PorosConfig
-        from poros.stream import planner
+        from poros.run_plan import plan_run
 
         config, _ = _bench().model_config(name)
         with tempfile.TemporaryDirectory() as directory:
             config.save_pretrained(directory)
-            _PLANS[name] = planner.plan_run(PorosConfig(
+            _PLANS[name] = plan_run(PorosConfig(
                 model=directory, device="cuda", seq_len=SEQ, batch_size=BATCH, double_quant=True, lora_rank=RANK,
                 lora_alpha=2 * RANK, target_modules=list(TARGETS), embeddings_on_host=True,
                 attn_implementation="sdpa"))
