@@ -13,7 +13,7 @@ import argparse
 import textwrap
 from typing import Any
 
-from poros.cli.arguments import keep_unknown_arguments, load_config, split_arguments
+from poros.cli.arguments import keep_unknown_arguments, load_config, split_arguments  # noqa: F401 (re-exported)
 
 DESCRIPTION = """\
 Train a LoRA adapter on a frozen 4-bit base that streams through the device block by block.
