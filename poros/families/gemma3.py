@@ -10,6 +10,7 @@ scaling is ``query_pre_attn_scalar ** -0.5``; ``final_logit_softcapping`` after 
 
 from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
 from poros.hookspecs import hookimpl
+from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, TinyVariant, layer_pattern
 
 DESCRIPTOR = decoder_family(
     name="gemma3",
@@ -38,6 +39,26 @@ DESCRIPTOR = decoder_family(
         "Gemma3ForConditionalGeneration.forward does not apply final_logit_softcapping; Gemma3ForCausalLM does.",
         "use_bidirectional_attention (EmbeddingGemma) adds or_mask functions; not a causal-LM setting.",
     ),
+)
+
+
+def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
+    """Sliding layers with a full one every 6th and last, per-kind RoPE, soft-capped logits."""
+    return dict(
+        head_dim=shape.head_dim, tie_word_embeddings=True,
+        query_pre_attn_scalar=24,  # != head_dim: scaling must come from the config, not head_dim
+        sliding_window=TINY_SLIDING_WINDOW, final_logit_softcapping=30.0,
+        layer_types=layer_pattern(shape.num_layers, 6, every=FULL_ATTENTION, other=SLIDING_ATTENTION),
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    )
+
+
+#: tiny test models (:mod:`poros.tiny`).
+TINY_VARIANTS = (
+    TinyVariant("gemma3", "default", "Gemma3TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields),
 )
 
 
