@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from poros.adapters import lora_target_modules
+from poros.devices import resolve_device
 from poros.errors import StreamingError
 from poros.stream.planner import ComputeTimes, Workload
+
 
 def measure_link(device: torch.device | str, nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
     """Host-to-device bytes per second of one ``nbytes`` copy from pinned memory (best of ``repeats``
@@ -76,59 +78,138 @@ def _probe_layer_count(text_config: Any, limit: int = 8) -> int:
     return len(kinds)
 
 
+def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: torch.dtype = torch.bfloat16,
+                     quant_type: str = "nf4", double_quant: bool = True, seed: int = 0,
+                     attn_implementation: str | None = "sdpa", experts_implementation: str | None = None,
+                     weight_std: float = 0.02, perturb: float = 0.05) -> nn.Module:
+    """An HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights, built on ``device``.
+
+    The steps are those of ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
+    load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=compute_dtype,
+    bnb_4bit_use_double_quant=double_quant), device_map={"": device})``; only the checkpoint read
+    is replaced by a seeded ``randn * weight_std`` per quantized weight.
+
+    Raises:
+        RuntimeError: a tensor was left on the meta device or holds NaN after initialisation.
+    """
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.utils.generic import ContextManagers
+
+    device = resolve_device(device, with_index=True)
+    dtype = compute_dtype
+    quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=dtype,
+                                      bnb_4bit_use_double_quant=double_quant)
+    quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    config = copy.deepcopy(config)  # as from_pretrained: the quantizer writes into the model's config
+    # from_pretrained: skeleton on meta under the dtype context, Linear -> Linear4bit (weights untouched).
+    with ContextManagers(model_class.get_init_context(dtype, True, False, None)):
+        model = model_class(config)
+        quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device}, checkpoint_files=None,
+                                   use_kernels=False)
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    with torch.no_grad():
+        # Quantized weights, as Bnb4bitQuantize loads them: Params4bit(bf16 value).to(device) quantizes.
+        for module in model.modules():
+            if not isinstance(module, bnb.nn.Linear4bit):
+                continue
+            old = module.weight
+            value = torch.randn(old.shape, generator=generator, device=device, dtype=dtype) * weight_std
+            module.weight = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__).to(device)
+            del value
+            if module.bias is not None:
+                bias = torch.randn(module.bias.shape, generator=generator, device=device, dtype=dtype) * weight_std
+                module.bias = torch.nn.Parameter(bias, requires_grad=False)
+            module._is_hf_initialized = True
+        # Everything else, as _move_missing_keys_from_meta_to_device does, but NaN-filled so that a
+        # tensor the model's own init misses cannot pass unnoticed.
+        for name, param in list(model.named_parameters()):
+            if not param.is_meta:
+                continue
+            if name in tied:
+                param._is_hf_initialized = True  # tie_weights() below points it at its source
+                continue
+            _set_tensor(model, name, _placeholder(param, device), parameter=True)
+        for name, buffer in list(model.named_buffers()):
+            if buffer is not None and buffer.is_meta:
+                _set_tensor(model, name, _placeholder(buffer, device), parameter=False)
+        torch.manual_seed(seed)
+        model.initialize_weights()
+        model.tie_weights()
+        _check_materialised(model)
+        if perturb:
+            _perturb_one_dimensional(model, generator, perturb)
+    model.eval()  # what from_pretrained returns; the bench trains in train() mode
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    if experts_implementation is not None:
+        model.set_experts_implementation(experts_implementation)
+    return model
+
+
+def _placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.is_floating_point():
+        return torch.full(tensor.shape, float("nan"), dtype=tensor.dtype, device=device)
+    return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+
+
+def _set_tensor(model, name: str, value: torch.Tensor, *, parameter: bool) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if parameter:
+        value = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
+    setattr(parent, attr, value)  # keeps a buffer's persistent / non-persistent status
+
+
+def _check_materialised(model) -> None:
+    bad = []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor is None:
+            continue
+        if tensor.is_meta:
+            bad.append(f"{name} (still on meta)")
+        elif tensor.is_floating_point() and bool(torch.isnan(tensor).any()):
+            bad.append(f"{name} (NaN: the model's initialize_weights did not set it)")
+    if bad:
+        raise RuntimeError(f"build left {len(bad)} tensors uninitialised: {', '.join(bad[:8])}. Initialise them in "
+                           "random_nf4_model (poros/probe.py) the way the model's _init_weights would.")
+
+
+def _perturb_one_dimensional(model, generator: torch.Generator, scale: float) -> None:
+    """``+ scale * randn`` on every 1-D floating tensor that is neither quantized nor a non-persistent buffer:
+    norm weights, biases, Gemma 4's ``layer_scalar`` and router scales, Gated DeltaNet's ``A_log``..."""
+    import bitsandbytes as bnb
+
+    non_persistent = {name for name, _ in model.named_non_persistent_buffers()}
+    seen: set[int] = set()
+    tensors = [t for _, t in model.named_parameters()]
+    tensors += [t for n, t in model.named_buffers() if n not in non_persistent]
+    for tensor in tensors:
+        if (id(tensor) in seen or isinstance(tensor, bnb.nn.Params4bit) or tensor.dim() != 1
+                or not tensor.is_floating_point()):
+            continue
+        seen.add(id(tensor))
+        noise = torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=torch.float32)
+        tensor.add_((noise * scale).to(tensor.dtype))
+
+
 def random_qlora_model(text_config: Any, device: torch.device | str, *, compute_dtype: torch.dtype,
                        quant_type: str = "nf4", double_quant: bool = False, attn_implementation: str | None = None,
                        lora_rank: int = 16, lora_alpha: int = 32, target_modules: str | list[str] = "all-linear",
                        seed: int = 0) -> nn.Module:
-    """A PEFT LoRA model around an NF4 base of ``text_config`` with random weights, built on ``device``
-    the way ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` builds
-    one (transformers' quantizer swaps the linears; ``Params4bit(...).to(device)`` quantizes), so no
-    bf16 copy of the model ever exists. For timing, not for parity (``tools/bench.py`` builds its
-    models with the same calls and more checks)."""
-    import bitsandbytes as bnb
+    """A PEFT LoRA model around :func:`random_nf4_model` (random NF4 weights, built the way
+    ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` builds one,
+    so no bf16 copy of the model ever exists). For timing, not for parity."""
     import peft
-    import transformers
-    from transformers.quantizers import AutoHfQuantizer
 
-    device = torch.device(device)
-    quant_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
-                                                   bnb_4bit_compute_dtype=compute_dtype,
-                                                   bnb_4bit_use_double_quant=double_quant)
-    quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
-    config = copy.deepcopy(text_config)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
-    quantizer.preprocess_model(model=model, dtype=compute_dtype, device_map={"": device}, checkpoint_files=None,
-                               use_kernels=False)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, bnb.nn.Linear4bit):
-                value = torch.randn(module.weight.shape, generator=generator, device=device, dtype=compute_dtype)
-                module.weight = bnb.nn.Params4bit(value * 0.02, requires_grad=False,
-                                                  **module.weight.__dict__).to(device)
-                if module.bias is not None:
-                    module.bias = nn.Parameter(torch.zeros(module.bias.shape, device=device, dtype=compute_dtype),
-                                               requires_grad=False)
-                module._is_hf_initialized = True
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor is None or not tensor.is_meta or name in tied:
-                continue
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            value = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
-            if isinstance(tensor, nn.Parameter):
-                setattr(parent, attr, nn.Parameter(value, requires_grad=False))
-            else:
-                setattr(parent, attr, value)
-        torch.manual_seed(seed)
-        model.initialize_weights()
-        model.tie_weights()
-    model.hf_quantizer = quantizer
-    quantizer.postprocess_model(model)
+    model = random_nf4_model(text_config, device, compute_dtype=compute_dtype, quant_type=quant_type,
+                             double_quant=double_quant, seed=seed, attn_implementation=attn_implementation)
     lora = peft.LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                            target_modules=lora_target_modules(model, target_modules))
     peft_model = peft.get_peft_model(model, lora)
@@ -270,4 +351,4 @@ def _segments(labels: list[str], times: list[float], layers: int, micro: int = 1
     return out
 
 
-__all__ = ["measure_link", "probe_compute", "random_qlora_model"]
+__all__ = ["measure_link", "probe_compute", "random_nf4_model", "random_qlora_model"]

@@ -192,14 +192,8 @@ BENCH_RECORDS = sorted((Path(__file__).resolve().parents[1] / "registry" / "resu
 def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch, record_path):
     """Real shapes (cut to a few layers) as tools/bench.py built them on the GPU: exact block bytes,
     and a peak estimate at or above the peak the bench measured."""
-    import importlib.util
-
     from poros.run_plan import plan_run
-
-    spec = importlib.util.spec_from_file_location("poros_bench", record_path.parents[3] / "tools" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    from tools import bench
     record = json.loads(record_path.read_text())
     setup, measured = record["config"], record["arms"]["poros"]
     config, _ = bench.model_config(setup["model"], layers=setup["model_info"]["num_hidden_layers"])

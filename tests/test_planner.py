@@ -404,10 +404,8 @@ BENCH_RECORDS = sorted(p for p in (ROOT / "registry" / "results").glob("h200-*/b
 
 @cache
 def _bench():
-    spec = importlib.util.spec_from_file_location("poros_bench_for_planner", ROOT / "tools" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    from tools import bench
+
     return bench
 
 
@@ -577,6 +575,6 @@ def test_plan_errors_exit_1(capsys, tiny_checkpoint):
 def test_consumer_gpus_page_matches_the_planner_and_the_records(child_env):
     import subprocess
 
-    result = subprocess.run([sys.executable, "tools/gen_consumer_docs.py", "--check"], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "tools.gen_consumer_docs", "--check"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-2000:]

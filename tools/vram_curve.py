@@ -1,8 +1,8 @@
 """VRAM budget against step time: one model, the resident reference, then Poros at several budgets.
 
-    python tools/vram_curve.py --model qwen2.5-32b --grad-accum 8 --schedule layer-major \\
+    python -m tools.vram_curve --model qwen2.5-32b --grad-accum 8 --schedule layer-major \\
         --points 5 --deterministic --json out/curve-qwen2.5-32b.json
-    python tools/vram_curve.py --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
+    python -m tools.vram_curve --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
 
 The model is built once (``tools/bench.py``'s random weights at the real shape). The resident arm
 (HF + bnb NF4 + PEFT, gradient checkpointing) runs first; then, for each budget, the LoRA state
@@ -28,9 +28,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench  # noqa: E402  (tools/bench.py: model building, arms, parity)
+from tools import bench  # model building, arms, parity
 
 GIB = 2**30
 #: what an arm measures beside its step time (bench.run_arm), copied into each row as is
@@ -167,7 +165,7 @@ def main(argv=None) -> int:
     from poros.stream import planner
 
     workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)
-    link = bench.measure_link(device)
+    link = bench.link_gb_per_s(device)
     compute = None
     if device.type == "cuda":
         compute = probe.probe_compute(config, workload, device, compute_dtype=torch.bfloat16, double_quant=True,

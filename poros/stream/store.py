@@ -226,6 +226,10 @@ class BlockStore:
         self.slot_ready = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
         self.slot_free = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
         self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
+        #: objects told of each copy and wait (tracing, e.g. the bench's copy timeline):
+        #: ``on_fetch(index)`` after a block's copy is issued, ``on_wait(index)`` before the compute
+        #: stream is ordered after a streamed block's copy. Empty: nothing is called.
+        self.observers: list[Any] = []
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # Guard the block and every module in it that owns a streamed tensor: calling any of
         # them while the block is evicted raises, even when called directly. Resident blocks
@@ -302,6 +306,8 @@ class BlockStore:
         self.stats.resident.add(index)
         self.stats.max_resident = max(self.stats.max_resident, len(self.stats.resident))
         self.stats.log.append(("fetch", index))
+        for observer in self.observers:
+            observer.on_fetch(index)
 
     def wait(self, index: int) -> None:
         """Order the current (compute) stream after block ``index``'s copy. No-op on CPU and for a
@@ -311,6 +317,8 @@ class BlockStore:
         slot = self.blocks[index].slot
         if slot is None:
             raise StreamingError(f"wait({index}): block {index} is not fetched; call fetch({index}) first.")
+        for observer in self.observers:
+            observer.on_wait(index)
         if self.on_cuda:
             torch.cuda.current_stream(self.device).wait_event(self.slot_ready[slot])
 
