@@ -68,16 +68,15 @@ class PorosModel(nn.Module):
 
     def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
                  store: BlockStore, executor: StreamingExecutor, restore_flags: list[tuple[nn.Module, bool]],
-                 host_tables: list[HostEmbedding] = (), detection: Detection | None = None):
+                 host_tables: list[HostEmbedding] = (), detection: Detection | None = None,
+                 budget_plan: Any = None):
         super().__init__()
         self.model = model
-        object.__setattr__(self, "causal_lm", causal_lm)
-        object.__setattr__(self, "descriptor", descriptor)
-        object.__setattr__(self, "store", store)
-        object.__setattr__(self, "executor", executor)
-        object.__setattr__(self, "_restore_flags", restore_flags)
-        object.__setattr__(self, "host_tables", list(host_tables))
-        object.__setattr__(self, "detection", detection)
+        # Plain attributes, not submodules: the causal LM is inside ``model`` already, and the
+        # rest are not modules (nn.Module.__setattr__ would register or reject them).
+        vars(self).update(causal_lm=causal_lm, descriptor=descriptor, store=store, executor=executor,
+                          _restore_flags=restore_flags, host_tables=list(host_tables), detection=detection,
+                          budget_plan=budget_plan)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         if self.store is None:
@@ -417,8 +416,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
-    handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection)
-    object.__setattr__(handle, "budget_plan", budget_plan)  # the planner's decision (vram_budget), else None
+    handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection,
+                        budget_plan)
     object.__setattr__(causal_lm, "_poros_handle", handle)
     return handle
 

@@ -156,3 +156,14 @@ def test_module_size_and_docstring(module):
     assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines (at most {MAX_LINES}): split it by job"
     if path.stat().st_size:
         assert ast.get_docstring(ast.parse(path.read_text())), f"{module} has no module docstring saying what it owns"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_name_is_imported_from_another_module(module):
+    """A ``_name`` is its module's own: what another module needs is public (or moves)."""
+    tree = ast.parse(MODULES[module].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("poros"):
+            private = [alias.name for alias in node.names
+                       if alias.name.startswith("_") and not alias.name.startswith("__")]
+            assert not private, f"{module} imports {private} from {node.module}"
