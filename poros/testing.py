@@ -48,6 +48,7 @@ __all__ = [
     "tiny_vlm",
     "TINY_VARIANTS",
     "all_linear_targets",
+    "assert_bitwise_training",
     "assert_descriptor_matches",
     "check_descriptor",
     "load_qlora",
@@ -56,6 +57,8 @@ __all__ = [
     "save_tiny_checkpoint",
     "tiny_config",
     "tiny_model",
+    "train_adamw",
+    "trainable_parameters",
 ]
 
 
@@ -373,3 +376,41 @@ def qlora_model(
     path = save_tiny_checkpoint(pathlib.Path(tmp_path) / f"{family}-{variant}-{seed}", family, variant,
                                 seed=seed, **(config_kwargs or {}))
     return load_qlora(path, seed=seed, **lora_kwargs)
+
+
+# -- parity: a resident reference against the streamed run ---------------------------------------
+
+def train_adamw(model, parameters, batches, lr=1e-2):
+    """One AdamW step per batch (``loss.backward()``, ``step``, ``zero_grad(set_to_none=True)``);
+    returns ``(losses, optimizer)``: the detached losses and the optimizer with its state."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr)
+    losses = []
+    for batch in batches:
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses, optimizer
+
+
+def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The parameters that train (the adapters), by name."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_bitwise_training(reference, streamed, ref_losses, poros_losses, ref_opt, poros_opt):
+    """Zero tolerance: every step's loss, every trainable tensor and every AdamW state tensor of the
+    streamed run ``torch.equal`` the resident reference's (as :func:`train_adamw` returns them)."""
+    assert len(ref_losses) == len(poros_losses)
+    for step, (a, b) in enumerate(zip(ref_losses, poros_losses)):
+        assert torch.equal(a, b), f"step {step}: loss {a.item()!r} (resident) != {b.item()!r} (streamed)"
+    ref_params, poros_params = trainable_parameters(reference), trainable_parameters(streamed)
+    assert ref_params.keys() == poros_params.keys() and ref_params
+    differing = [n for n in ref_params if not torch.equal(ref_params[n], poros_params[n])]
+    assert not differing, f"{len(differing)}/{len(ref_params)} LoRA tensors differ, e.g. {differing[:3]}"
+    for name in ref_params:
+        ref_state, poros_state = ref_opt.state[ref_params[name]], poros_opt.state[poros_params[name]]
+        assert ref_state.keys() == poros_state.keys()
+        for key in ref_state:
+            assert torch.equal(ref_state[key], poros_state[key]), f"AdamW {key} of {name} differs"

@@ -16,7 +16,16 @@ pytest.importorskip("bitsandbytes")
 
 import poros  # noqa: E402
 import poros_family_example  # noqa: E402
-from poros.testing import assert_descriptor_matches, load_qlora, registered_plugin, save_tiny_checkpoint, tiny_model  # noqa: E402
+from poros.testing import (  # noqa: E402
+    assert_bitwise_training,
+    assert_descriptor_matches,
+    load_qlora,
+    registered_plugin,
+    save_tiny_checkpoint,
+    tiny_model,
+    train_adamw,
+    trainable_parameters,
+)
 
 
 @pytest.fixture
@@ -37,18 +46,6 @@ def _batches(steps: int, batch: int = 2, seq: int = 12, vocab: int = 256):
     return out
 
 
-def _train(model, parameters, batches):
-    optimizer = torch.optim.AdamW(parameters, lr=1e-2)
-    losses = []
-    for batch in batches:
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return losses, optimizer
-
-
 def test_the_tiny_model_meets_the_descriptor(llama):
     assert_descriptor_matches(poros_family_example.DESCRIPTOR, tiny_model(llama))
 
@@ -57,19 +54,11 @@ def test_streamed_training_is_bitwise_resident(llama, tmp_path):
     path = save_tiny_checkpoint(tmp_path / "tiny-llama", llama, seed=3)
     batches = _batches(steps=2)
     reference = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3, double_quant=True)
-    ref_losses, ref_opt = _train(reference, [p for p in reference.parameters() if p.requires_grad], batches)
+    ref_losses, ref_opt = train_adamw(reference, list(trainable_parameters(reference).values()), batches)
 
     model = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3, double_quant=True)
     streamed = poros.prepare(model)
     assert streamed.detection.family == "llama"
-    losses, opt = _train(streamed, streamed.trainable_parameters(), batches)
-
-    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses)) and len(losses) == 2
-    ref_params = {n: p for n, p in reference.named_parameters() if p.requires_grad}
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    assert ref_params.keys() == params.keys() and ref_params
-    for name, parameter in ref_params.items():
-        assert torch.equal(parameter, params[name]), f"LoRA tensor {name} differs"
-        ref_state, state = ref_opt.state[parameter], opt.state[params[name]]
-        assert ref_state.keys() == state.keys()
-        assert all(torch.equal(ref_state[k], state[k]) for k in ref_state), f"AdamW state of {name} differs"
+    losses, opt = train_adamw(streamed, streamed.trainable_parameters(), batches)
+    assert len(losses) == 2
+    assert_bitwise_training(reference, model, ref_losses, losses, ref_opt, opt)
