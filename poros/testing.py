@@ -41,7 +41,7 @@ from torch import nn
 from poros.adapters import lora_target_modules
 from poros.descriptor_check import assert_descriptor_matches, check_descriptor  # noqa: F401 (re-exported)
 from poros.plugin_testing import registered_plugin  # noqa: F401 (re-exported)
-from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, tiny_variants  # noqa: F401 (re-exported)
+from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, tiny_multimodal, tiny_variants  # noqa: F401 (re-exported)
 
 __all__ = [
     "MULTIMODAL_FAMILIES",
@@ -74,7 +74,18 @@ def _builtin_tiny_variants() -> dict[str, tuple[str, ...]]:
     return out
 
 
+def _multimodal_families() -> tuple[str, ...]:
+    from poros import registry
+
+    return tuple(d.name for d in registry.iter_descriptors() if tiny_multimodal(d.name) is not None)
+
+
 def __getattr__(name: str) -> Any:
+    if name == "MULTIMODAL_FAMILIES":
+        #: the registered families whose module declares a tiny multimodal model (``TINY_MULTIMODAL``).
+        value = _multimodal_families()
+        globals()["MULTIMODAL_FAMILIES"] = value
+        return value
     if name == "TINY_VARIANTS":
         #: family name -> its tiny variants (declared by each family module as ``TINY_VARIANTS``, see
         #: :mod:`poros.tiny`), for every registered family that declares some; read at first use.
@@ -251,12 +262,10 @@ def save_tiny_checkpoint(
     return path
 
 
-MULTIMODAL_FAMILIES = ("gemma3", "gemma4", "qwen3_5")
-
-
 def tiny_vlm(family: str, *, seed: int = 0, **config_kwargs: Any) -> transformers.PreTrainedModel:
     """The family's real multimodal model (``*ForConditionalGeneration``) around a :func:`tiny_config`
-    text tower and a one-layer vision tower, random weights (``torch.manual_seed(seed)``), bf16.
+    text tower and a one-layer vision tower, random weights (``torch.manual_seed(seed)``), bf16. The
+    family module declares it (``TINY_MULTIMODAL``, :class:`poros.tiny.TinyMultimodal`).
 
     Real Gemma 3 (4B+), Gemma 4 and Qwen 3.5/3.6 checkpoints have this shape; ``save_pretrained`` writes
     the text weights under ``model.language_model.*`` (Gemma 3: the legacy ``language_model.model.*``).
@@ -264,30 +273,18 @@ def tiny_vlm(family: str, *, seed: int = 0, **config_kwargs: Any) -> transformer
     Raises:
         KeyError: ``family`` is not in :data:`MULTIMODAL_FAMILIES`.
     """
+    from poros.errors import UnknownArchitectureError
+
+    try:
+        declared = tiny_multimodal(family)
+    except UnknownArchitectureError:
+        declared = None
+    if declared is None:
+        raise KeyError(f"no tiny multimodal model for {family!r}; choose one of {_multimodal_families()}")
     text = tiny_config(family, **config_kwargs).to_dict()
-    if family == "gemma3":
-        config = transformers.Gemma3Config(
-            text_config=text, mm_tokens_per_image=4,
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                               image_size=32, patch_size=8))
-        model_class = transformers.Gemma3ForConditionalGeneration
-    elif family == "gemma4":
-        config = transformers.Gemma4Config(
-            text_config=text, audio_config=None,
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=2, head_dim=16))
-        model_class = transformers.Gemma4ForConditionalGeneration
-    elif family == "qwen3_5":
-        config = transformers.Qwen3_5Config(
-            text_config=text,
-            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                               out_hidden_size=text["hidden_size"], patch_size=4, spatial_merge_size=2,
-                               temporal_patch_size=2))
-        model_class = transformers.Qwen3_5ForConditionalGeneration
-    else:
-        raise KeyError(f"no tiny multimodal model for {family!r}; choose one of {MULTIMODAL_FAMILIES}")
+    config = getattr(transformers, declared.config_class)(text_config=text, **declared.fields(text))
     torch.manual_seed(seed)
-    return model_class._from_config(config, dtype=torch.bfloat16)
+    return getattr(transformers, declared.model_class)._from_config(config, dtype=torch.bfloat16)
 
 
 def load_qlora(

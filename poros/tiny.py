@@ -68,6 +68,24 @@ class TinyVariant:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class TinyMultimodal:
+    """A family's tiny multimodal model: its ``*ForConditionalGeneration`` around a tiny text tower
+    and a one-layer vision tower.
+
+    Attributes:
+        family: the descriptor's ``name``.
+        config_class, model_class: the transformers classes, by name (``"Gemma3Config"``,
+            ``"Gemma3ForConditionalGeneration"``).
+        fields: ``text config dict -> config fields`` beside ``text_config`` (the vision tower...).
+    """
+
+    family: str
+    config_class: str
+    model_class: str
+    fields: Callable[[dict[str, Any]], dict[str, Any]]
+
+
 def layer_pattern(num_layers: int, period: int, *, every: str, other: str) -> list[str]:
     """``other`` except every ``period``-th layer (1-based) and the last one, which are ``every``."""
     period = max(1, min(period, num_layers))
@@ -89,4 +107,19 @@ def tiny_variants(family: str) -> tuple[TinyVariant, ...]:
     return tuple(v for v in declared if isinstance(v, TinyVariant) and v.family == registration.descriptor.name)
 
 
-__all__ = ["TINY_SLIDING_WINDOW", "TinyShape", "TinyVariant", "layer_pattern", "tiny_variants"]
+def tiny_multimodal(family: str) -> TinyMultimodal | None:
+    """The tiny multimodal model the module that registered ``family`` declares (``TINY_MULTIMODAL``),
+    or None.
+
+    Raises:
+        UnknownArchitectureError: no registered family is called ``family``.
+    """
+    from poros import registry
+
+    registration = registry.registration(family)
+    declared = getattr(registry.plugin_manager().get_plugin(registration.plugin), "TINY_MULTIMODAL", None)
+    return declared if isinstance(declared, TinyMultimodal) and declared.family == registration.descriptor.name else None
+
+
+__all__ = ["TINY_SLIDING_WINDOW", "TinyMultimodal", "TinyShape", "TinyVariant", "layer_pattern", "tiny_multimodal",
+           "tiny_variants"]

@@ -10,7 +10,7 @@ scaling is ``query_pre_attn_scalar ** -0.5``; ``final_logit_softcapping`` after 
 
 from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
 from poros.hookspecs import hookimpl
-from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, TinyVariant, layer_pattern
+from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant, layer_pattern
 
 DESCRIPTOR = decoder_family(
     name="gemma3",
@@ -60,6 +60,11 @@ def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
 TINY_VARIANTS = (
     TinyVariant("gemma3", "default", "Gemma3TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields),
 )
+
+#: the tiny multimodal model (Gemma 3 4B+): a one-layer SigLIP vision tower.
+TINY_MULTIMODAL = TinyMultimodal("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration", lambda text: dict(
+    mm_tokens_per_image=4, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=32, patch_size=8)))
 
 
 @hookimpl

@@ -18,7 +18,7 @@ that bitsandbytes does not quantize (they stream in the compute dtype).
 
 from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, CarriedState, decoder_family
 from poros.hookspecs import hookimpl
-from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, TinyVariant
+from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant
 
 DESCRIPTOR = decoder_family(
     name="gemma4",
@@ -137,6 +137,11 @@ TINY_VARIANTS = (
     TinyVariant("gemma4", "moe", "Gemma4TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields(False),
                 head_dim_multiple=8, description="MoE block, attention_k_eq_v, per-layer inputs off"),
 )
+
+#: the tiny multimodal model: a one-layer vision tower, no audio tower.
+TINY_MULTIMODAL = TinyMultimodal("gemma4", "Gemma4Config", "Gemma4ForConditionalGeneration", lambda text: dict(
+    audio_config=None, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)))
 
 
 @hookimpl

@@ -10,7 +10,7 @@ loads their text tower as ``Qwen3_5ForCausalLM`` correctly. Qwen3.6 shares archi
 
 from poros.descriptor import FULL_ATTENTION, LINEAR_ATTENTION, decoder_family
 from poros.hookspecs import hookimpl
-from poros.tiny import TinyShape, TinyVariant, layer_pattern
+from poros.tiny import TinyMultimodal, TinyShape, TinyVariant, layer_pattern
 
 DESCRIPTOR = decoder_family(
     name="qwen3_5",
@@ -65,6 +65,11 @@ TINY_VARIANTS = (
     TinyVariant("qwen3_5", "default", "Qwen3_5TextConfig", num_layers=4, head_dim=32, fields=_tiny_fields,
                 head_dim_multiple=8),
 )
+
+#: the tiny multimodal model (Qwen 3.5/3.6 with their vision tower): one vision block.
+TINY_MULTIMODAL = TinyMultimodal("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration", lambda text: dict(
+    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2)))
 
 
 @hookimpl
