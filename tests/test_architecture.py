@@ -107,9 +107,11 @@ def test_no_import_circle_in_poros():
 #: each layer may import its own and the layers after it in this list, never one before it
 LAYERS = [
     ("cli", lambda m: m.startswith("poros.cli")),
-    ("trainer", lambda m: m in {"poros.trainer", "poros.training", "poros.run_plan", "poros.bench"}
+    ("trainer", lambda m: m in {"poros.trainer", "poros.training", "poros.run_plan", "poros.bench", "poros.merge",
+                                "poros.gpu_probe"}
      or m.startswith(("poros.bench.", "poros.training."))),
-    ("drop-in", lambda m: m in {"poros.model", "poros.probe", "poros.testing", "poros.load", "poros.checkpoint"}
+    ("drop-in", lambda m: m in {"poros.model", "poros.probe", "poros.testing", "poros.load", "poros.checkpoint",
+                                "poros.integrations"}
      or m.startswith("poros.testing.")),
     ("engine", lambda m: m.startswith("poros.stream")),
 ]
