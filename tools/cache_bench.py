@@ -18,7 +18,7 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 Targets (issue 14): cached start >= 10x faster than quantizing; ``mapped`` within 3 % of ``pinned``;
 ``disk`` at >= 90 % of the drive's rate while streaming and within 1.2x of ``pinned``.
 
-    python tools/cache_bench.py --model qwen2.5-32b --layers 4 --json out/cache-32b.json
+    python -m tools.cache_bench --model qwen2.5-32b --layers 4 --json out/cache-32b.json
     DEVICE=cpu tools/gpu_run.sh cache:tiny:steps=1:warmup=0:grad-accum=2:seq=16      # dry run
 """
 
@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (tools/bench.py: shapes, environment, batches)
+from tools import bench  # shapes, environment, batches
 
 TIERS = ("pinned", "mapped", "disk")
 
