@@ -111,7 +111,7 @@ LAYERS = [
                                 "poros.gpu_probe"}
      or m.startswith(("poros.bench.", "poros.training."))),
     ("drop-in", lambda m: m in {"poros.model", "poros.probe", "poros.testing", "poros.load", "poros.checkpoint",
-                                "poros.integrations"}
+                                "poros.integrations", "poros.cache", "poros.cache_blocks"}
      or m.startswith("poros.testing.")),
     ("engine", lambda m: m.startswith("poros.stream")),
 ]

@@ -382,3 +382,39 @@ def test_a_tier_with_every_block_resident_serves_nothing(tier, tmp_path):
                           resident_blocks=2, cache_dir=str(tmp_path / "cache"))
     assert streamed.store.resident_blocks == (0, 1)
     streamed.unpatch()
+
+
+@pytest.mark.parametrize("tier", ["mapped", "disk"])
+def test_a_tier_saves_and_loads_like_the_plain_model(tier, tmp_path):
+    """An evicted block served by a tier (no pinned buffer of its own) still saves its real bytes, and a
+    load_state_dict into it is what the next forward computes with (the tier's file is never written)."""
+    from conformance_flows import assert_same_files, load
+    from test_conformance_save import assert_same_state, step
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    plain = load(checkpoint, double_quant=True)
+    streamed = poros.prepare(load(checkpoint, double_quant=True), host_tier=tier, cache_dir=str(tmp_path / "cache"))
+    assert streamed.host_plan.tier == tier
+    step(plain, 0)
+    step(streamed, 0)
+    assert_same_state(plain.state_dict(), streamed.state_dict())
+    for arm, model in (("plain", plain), ("poros", streamed)):
+        model.save_pretrained(tmp_path / arm / "adapter")
+        model.get_base_model().save_pretrained(tmp_path / arm / "base")
+    assert_same_files(tmp_path / "plain" / "adapter", tmp_path / "poros" / "adapter")
+    assert_same_files(tmp_path / "plain" / "base", tmp_path / "poros" / "base", ("model.safetensors",))
+
+    state = {key: value.clone() for key, value in plain.state_dict().items()}
+    for key in state:
+        if key.endswith("layers.0.input_layernorm.weight") or ".lora_A." in key:
+            state[key] = state[key] * 2
+    for model in (plain, streamed):
+        model.load_state_dict(state, strict=False)
+    assert_same_state(plain.state_dict(), streamed.state_dict())
+    batch = make_batch(5, 2, 12, "left")
+    with torch.no_grad():
+        assert torch.equal(plain(**batch).logits, streamed(**batch).logits)
+    step(plain, 1)
+    step(streamed, 1)
+    assert_same_state(plain.state_dict(), streamed.state_dict())
+    streamed.unpatch()

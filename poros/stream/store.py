@@ -82,6 +82,7 @@ class BlockRecord:
     quant_snapshots: list[tuple[Any, dict]] = field(default_factory=list)  # (QuantState, plain fields)
     slot: int | None = None  # device slot holding the block, None when evicted (always None when resident)
     resident: bool = False  # bound to its own device buffer for good
+    from_tier: bool = False  # its bytes come from the store's host tier (a file), not a buffer of its own
 
     @property
     def host(self) -> torch.Tensor:
@@ -284,10 +285,13 @@ class BlockStore:
             self._hooks += [
                 b.module.register_state_dict_pre_hook(lambda *_, i=b.index: self._lend_host(i)),
                 b.module.register_state_dict_post_hook(lambda *_, i=b.index: self._end_lend(i)),
-                b.module.register_load_state_dict_pre_hook(lambda *_, i=b.index: self._lend_host(i)),
+                b.module.register_load_state_dict_pre_hook(
+                    lambda _, state_dict, prefix, *__, i=b.index: self._lend_for_load(i, state_dict, prefix)),
                 b.module.register_load_state_dict_post_hook(lambda *_, i=b.index: self._end_lend(i)),
             ]
-        self._lent: set[int] = set()  # evicted blocks bound to their host buffer for a state_dict (see _lend_host)
+        # evicted blocks bound to their host bytes for a state_dict (see _lend_host) -> those bytes
+        self._lent: dict[int, torch.Tensor] = {}
+        self._loaded: set[int] = set()  # lent tier-served blocks a load_state_dict writes frozen tensors of
         for block in self.blocks:
             if block.resident:
                 self._bind_all(block, block.buffer)
@@ -310,7 +314,8 @@ class BlockStore:
         # originals here would keep the unpacked copies alive.
         snapshots = [(state, {k: None if isinstance(v, torch.Tensor) else v for k, v in vars(state).items()})
                      for state in _quant_states(block) if (id(state), "absmax") not in self.shared]
-        return BlockRecord(index, block, entries, nbytes, buffer, snapshots, resident=resident)
+        return BlockRecord(index, block, entries, nbytes, buffer, snapshots, resident=resident,
+                           from_tier=not resident and self.host_tier is not None)
 
     _view = staticmethod(entry_view)
 
@@ -425,16 +430,36 @@ class BlockStore:
 
     def _lend_host(self, index: int) -> None:
         """``state_dict``/``load_state_dict`` of an evicted block: bind its tensors to views of its host
-        buffer (exact bytes, QuantStates restored), so it saves and loads what the unstreamed model would."""
+        bytes (exact bytes, QuantStates restored), so it saves and loads what the unstreamed model would.
+        A block served by the host tier lends the tier's bytes (``lend``: its mapping, for the disk tier
+        too)."""
         block = self.blocks[index]
-        if block.slot is None and block.buffer is not None and index not in self._lent:
-            self._lent.add(index)
-            self._bind_all(block, block.buffer)
+        if block.slot is None and index not in self._lent and (block.buffer is not None or block.from_tier):
+            source = block.buffer if block.buffer is not None else self.host_tier.lend(index)
+            self._lent[index] = source
+            self._bind_all(block, source)
+
+    def _lend_for_load(self, index: int, state_dict: dict, prefix: str) -> None:
+        """``load_state_dict`` pre-hook: lend the host bytes, and note a tier-served block whose frozen
+        tensors the load writes (see :meth:`_end_lend`)."""
+        self._lend_host(index)
+        block = self.blocks[index]
+        if index in self._lent and block.from_tier:
+            trainable = {prefix + name for name, p in block.module.named_parameters() if p.requires_grad}
+            if any(key.startswith(prefix) and key not in trainable for key in state_dict):
+                self._loaded.add(index)
 
     def _end_lend(self, index: int) -> None:
-        if index in self._lent:
-            self._lent.discard(index)
-            self._bind_placeholders(self.blocks[index])
+        if index not in self._lent:
+            return
+        source = self._lent.pop(index)
+        if index in self._loaded:  # the tier's file is never written: the loaded bytes get a buffer of their own
+            self._loaded.discard(index)
+            block = self.blocks[index]
+            block.buffer = torch.empty(block.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            block.buffer.copy_(source)
+            block.from_tier = False
+        self._bind_placeholders(self.blocks[index])
 
     def _guard(self, index: int):
         def guard(module, args):

@@ -185,6 +185,10 @@ class MappedTier:
     def acquire(self, index: int) -> torch.Tensor:  # every block has a host buffer: the store never asks
         return self.host_buffer(index)
 
+    def lend(self, index: int) -> torch.Tensor:
+        """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block."""
+        return self.host_buffer(index)
+
     def copied(self, index: int, stream: Any) -> None:
         pass
 
@@ -228,6 +232,7 @@ class DiskTier:
     # -- setup -----------------------------------------------------------------------------
     def attach(self, layouts: dict, device: torch.device) -> None:
         self.reader, self.ahead, self.fd, self.direct_fd = None, deque(), None, None
+        self.lent_mapping: torch.Tensor | None = None  # see lend()
         if not layouts:  # every block is resident: nothing to read
             return
         self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
@@ -260,6 +265,16 @@ class DiskTier:
 
     def host_buffer(self, index: int) -> None:
         return None  # no host copy per block: acquire() reads it ahead into the ring
+
+    def lend(self, index: int) -> torch.Tensor:
+        """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block: a view of a
+        copy-on-write mapping of the file (made on first use), so a save pages in only what it reads, the
+        ring and its read-ahead are left alone, and a write never reaches the file."""
+        if self.lent_mapping is None:
+            mapped = mmap.mmap(self.fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.lent_mapping = torch.frombuffer(mapped, dtype=torch.uint8)
+        offset = self.file.offsets[index]
+        return self.lent_mapping[offset: offset + self.file.nbytes[index]]
 
     # -- the ring --------------------------------------------------------------------------
     def _read(self, index: int, ring: int) -> None:
