@@ -340,9 +340,9 @@ def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, chil
 
 
 def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_env):
-    """tools/cache_bench.py on the CPU (the GPU run's dry run): start times, per-tier steps, disk read rates."""
+    """python -m tools.cache_bench on the CPU (the GPU run's dry run): start times, per-tier steps, disk read rates."""
     report_path = tmp_path / "cache.json"
-    subprocess.run([sys.executable, "tools/cache_bench.py", "--model", "tiny", "--device", "cpu", "--steps", "1",
+    subprocess.run([sys.executable, "-m", "tools.cache_bench", "--model", "tiny", "--device", "cpu", "--steps", "1",
                     "--warmup", "0", "--grad-accum", "2", "--seq", "16", "--dir", str(tmp_path / "work"),
                     "--json", str(report_path)], cwd=pathlib.Path(__file__).resolve().parents[1],
                    env=child_env(POROS_COMMIT="test"), capture_output=True, text=True, check=True)
