@@ -47,6 +47,12 @@ def load(checkpoint, *, seed: int = 7, double_quant: bool = False, quant_type: s
             model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     if not peft_wrap:
         return model
+    return lora_model(model, seed=seed, modules_to_save=modules_to_save, dropout=dropout)
+
+
+def lora_model(model, *, seed: int, modules_to_save: list[str] | None = None, dropout: float = 0.0):
+    """``get_peft_model`` with :func:`lora_config`, ``lora_B`` drawn from a generator seeded with ``seed``, in
+    train mode."""
     torch.manual_seed(seed)
     model = peft.get_peft_model(model, lora_config(model, modules_to_save=modules_to_save, dropout=dropout))
     generator = torch.Generator().manual_seed(seed)

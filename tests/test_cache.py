@@ -72,21 +72,11 @@ def _batches(seed: int):
 
 def cached_run(path, cache_dir, *, tier: str | None = None, seed: int = 3, **load_options):
     """load_pretrained (through the cache when ``cache_dir``) + PEFT LoRA (random lora_B) + prepare + 2 AdamW steps."""
-    import peft
-
+    from conformance_flows import lora_model
     from poros.load import load_pretrained
-    from poros.testing import all_linear_targets
 
     loaded = load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=cache_dir, **load_options)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=all_linear_targets(loaded.model), task_type="CAUSAL_LM")
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(loaded.model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
-            if ".lora_B." in name:
-                parameter.copy_((torch.randn(parameter.shape, generator=generator) * 0.02).to(parameter.dtype))
-    model.train()
+    model = lora_model(loaded.model, seed=seed)
     streamed = poros.prepare(model, host_tier=tier, cache_dir=str(cache_dir) if cache_dir else None)
     losses, optimizer = train(streamed, streamed.trainable_parameters(), _batches(seed))
     return model, losses, optimizer
@@ -388,33 +378,12 @@ def test_a_tier_with_every_block_resident_serves_nothing(tier, tmp_path):
 def test_a_tier_saves_and_loads_like_the_plain_model(tier, tmp_path):
     """An evicted block served by a tier (no pinned buffer of its own) still saves its real bytes, and a
     load_state_dict into it is what the next forward computes with (the tier's file is never written)."""
-    from conformance_flows import assert_same_files, load
-    from test_conformance_save import assert_same_state, step
+    from conformance_flows import load
+    from test_conformance_save import assert_saves_and_loads_like
 
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
     plain = load(checkpoint, double_quant=True)
     streamed = poros.prepare(load(checkpoint, double_quant=True), host_tier=tier, cache_dir=str(tmp_path / "cache"))
-    assert streamed.host_plan.tier == tier
-    step(plain, 0)
-    step(streamed, 0)
-    assert_same_state(plain.state_dict(), streamed.state_dict())
-    for arm, model in (("plain", plain), ("poros", streamed)):
-        model.save_pretrained(tmp_path / arm / "adapter")
-        model.get_base_model().save_pretrained(tmp_path / arm / "base")
-    assert_same_files(tmp_path / "plain" / "adapter", tmp_path / "poros" / "adapter")
-    assert_same_files(tmp_path / "plain" / "base", tmp_path / "poros" / "base", ("model.safetensors",))
-
-    state = {key: value.clone() for key, value in plain.state_dict().items()}
-    for key in state:
-        if key.endswith("layers.0.input_layernorm.weight") or ".lora_A." in key:
-            state[key] = state[key] * 2
-    for model in (plain, streamed):
-        model.load_state_dict(state, strict=False)
-    assert_same_state(plain.state_dict(), streamed.state_dict())
-    batch = make_batch(5, 2, 12, "left")
-    with torch.no_grad():
-        assert torch.equal(plain(**batch).logits, streamed(**batch).logits)
-    step(plain, 1)
-    step(streamed, 1)
-    assert_same_state(plain.state_dict(), streamed.state_dict())
+    assert streamed.host_plan.tier == tier and streamed.store.host_tier.name == tier
+    assert_saves_and_loads_like(plain, streamed, tmp_path)
     streamed.unpatch()

@@ -52,6 +52,12 @@ def test_saves_and_loads_equal_the_plain_model(option, checkpoint, tmp_path):
     options = QUANT_OPTIONS[option]
     plain, streamed = load(checkpoint, **options), poros.prepare(load(checkpoint, **options))
     assert streamed.detection.double_quant == options.get("double_quant", False)
+    assert_saves_and_loads_like(plain, streamed, tmp_path)
+
+
+def assert_saves_and_loads_like(plain, streamed, tmp_path) -> None:
+    """After a step, ``streamed`` saves (state_dict, PEFT and full save_pretrained) what ``plain`` saves, and a
+    load_state_dict into both leaves them computing and training the same."""
     step(plain, 0)
     step(streamed, 0)
     assert_same_state(plain.state_dict(), streamed.state_dict())  # double quant: nested_offset, absmax2, ...
