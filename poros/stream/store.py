@@ -24,6 +24,8 @@ snapshots first, so a double-quant ``nested_offset`` or an eval repack never rea
 and binds the placeholders back afterwards. ``save_pretrained``, PEFT's adapter save and every
 Trainer checkpoint therefore write exactly what the unstreamed model writes, and a
 ``load_state_dict`` into an evicted block writes into its host buffer (the next fetch brings it).
+A block served by a host tier lends the tier's bytes instead (``lend``); a load that writes its
+frozen tensors gives it a host buffer of its own, since a tier's file is never written.
 
 **Resident blocks** (``resident=``, e.g. the last blocks of forward, which backward needs first)
 are packed the same way into a buffer of their own on the device, bound once and never released:
