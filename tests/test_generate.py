@@ -86,9 +86,15 @@ def test_generate_text_reports_tokens_per_second(tmp_path):
     assert raw.prompt_tokens == len(tokenizer("Hello")["input_ids"])
 
 
-@pytest.mark.parametrize("options", [dict(resident_blocks=1), dict(num_slots=1)], ids=["resident-block", "one-slot"])
+@pytest.mark.parametrize("options", [dict(resident_blocks=1), dict(num_slots=1), dict(host_tier="mapped"),
+                                     dict(host_tier="disk", read_ahead=2)],
+                         ids=["resident-block", "one-slot", "mapped-tier", "disk-tier"])
 def test_greedy_with_resident_blocks_or_one_slot(options, tmp_path):
-    """A resident block is never fetched; one slot fetches every block anew: the same tokens either way."""
+    """A resident block is never fetched; one slot fetches every block anew; a host tier serves the blocks
+    from a file (the disk tier's read-ahead guesses a training order, decoding runs forward only): the same
+    tokens every way."""
+    if "host_tier" in options:
+        options = {**options, "cache_dir": str(tmp_path / "cache")}
     resident = _without_cpu_repacking(qlora_model("gemma3", tmp_path=tmp_path / "resident")).eval()
     prompt = _prompt()
     generation = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
