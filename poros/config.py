@@ -107,6 +107,8 @@ class PorosConfig:
                              "go.")
     resume_from: str | None = _field(None, "Resume training: 'auto' (newest checkpoint in output_dir) or a "
                                      "checkpoint directory; null starts fresh.", choices=(None, "auto", "PATH"))
+    overwrite: bool = _field(False, "Let a fresh run replace another run's adapter, checkpoints and metrics in "
+                             "output_dir (without it such a run is refused; resume_from continues one).")
     # -- runtime and streaming ---------------------------------------------------------------------------
     device: str = _field("auto", "Compute device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or "
                          "'cuda:N'.", choices=("auto", "cpu", "cuda", "cuda:N"), section="runtime and streaming")

@@ -342,7 +342,10 @@ class PorosTrainer:
                 + ". Create a new trainer with them: PorosTrainer.from_pretrained(model, " + changes + ", ...)."
             )
         self.run_config = config
-        return _Run(self, config, data_source).execute()
+        from poros import run_lock
+
+        with run_lock.hold(config.output_dir):  # one run per output_dir (re-entrant: the CLI holds it through save)
+            return _Run(self, config, data_source).execute()
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
@@ -487,10 +490,15 @@ def _cli_value(value: Any) -> str:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else as ``torch.device``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """``"auto"`` -> CUDA when available, else CPU; anything else as ``torch.device``.
+
+    Raises:
+        DeviceError: a CUDA device on a torch without CUDA, without a visible GPU, or with fewer GPUs
+            (see :func:`poros.validation.check_device`).
+    """
+    from poros.validation import check_device
+
+    return check_device(device)
 
 
 def _saved_files(directory: pathlib.Path) -> list[str]:
@@ -633,11 +641,9 @@ class _Run:
         if checkpoint is not None:
             self._resume(checkpoint, optimizer, scheduler, batches)
         else:
-            existing = checkpoints.list_checkpoints(self.output_dir)
-            if existing:
-                logger.warning("poros: %s already holds %s from an earlier run; this run starts fresh and writes "
-                               "its own (resume_from='auto' continues the earlier one)", self.output_dir,
-                               ", ".join(p.name for p in existing))
+            from poros.run_lock import check_fresh_start
+
+            check_fresh_start(self.output_dir, overwrite=config.overwrite)  # never a mix of two runs' results
             _seed_everything(config.seed)
         self.trainer.global_step = self.global_step
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -38,11 +38,11 @@ EPILOG = textwrap.dedent("""\
       $ poros plan --model ./ckpt --vram-budget 12GiB --device cpu --block-ms 6,12 --link-gb-per-s 25
 
       $ poros plan --model Qwen/Qwen2.5-72B --vram-budget 4GiB
-      poros plan: error: VRAM budget 4.29 GB is below the minimum for this run: it needs at least
+      poros plan: error: ConfigError: VRAM budget 4.29 GB is below the minimum for this run: it needs at least
       ... Raise the budget to at least ...
     """)
 
-USAGE = ("poros plan [-h] [CONFIG] [--KEY VALUE ...] [--block-ms FWD,BWD] [--head-ms MS] "
+USAGE = ("poros plan [-h] [CONFIG] [--KEY VALUE ...] [--block-ms FWD,BWD] [--head-ms MS] [--verbose] "
          "[--link-gb-per-s GB] [--probe | --no-probe] [--json]")
 
 
@@ -67,6 +67,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="time one block at the run's shapes on the device (default: on CUDA, unless "
                              "--block-ms is given)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the known third-party notices Poros hides (see poros.noise)")
     parser.set_defaults(run=run)
     from poros.cli.train import _keep_unknown_arguments
 
@@ -98,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
+    from poros.noise import quiet_known_noise
+    from poros.validation import require_run_packages
+
+    quiet_known_noise(verbose=args.verbose)
+    require_run_packages("poros plan")
     import torch
 
     from poros.cli.output import print_json
