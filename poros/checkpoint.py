@@ -440,13 +440,39 @@ def unreadable(path: pathlib.Path, error: BaseException) -> TrainingCheckpointEr
     )
 
 
+def check_intact(path: pathlib.Path) -> None:
+    """Cheap structural check of a tensor file, without reading its tensors: a ``.safetensors`` header whose
+    offsets end where the file ends, a ``torch.save`` zip whose central directory (at its end) opens.
+
+    Raises:
+        TrainingCheckpointError: the file is truncated or is not that format (named, with the fix).
+    """
+    import struct
+    import zipfile
+
+    try:
+        if path.suffix == ".safetensors":
+            with path.open("rb") as handle:
+                (header_size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(header_size))
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+            expected = 8 + header_size + max(ends, default=0)
+            if path.stat().st_size != expected:
+                raise ValueError(f"the file has {path.stat().st_size} bytes, its header describes {expected}")
+        else:
+            with zipfile.ZipFile(path):
+                pass
+    except Exception as error:  # struct.error, ValueError, BadZipFile, KeyError...: all mean damaged
+        raise unreadable(path, error) from None
+
+
 def read_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
     """Open a checkpoint directory and read its JSON files.
 
     Raises:
-        TrainingCheckpointError: ``path`` is not a directory, lacks a required file, or holds a
-            JSON file that cannot be parsed; the message names what is missing and the checkpoints
-            that do exist beside it.
+        TrainingCheckpointError: ``path`` is not a directory, lacks a required file, holds a
+            truncated tensor file (:func:`check_intact`) or a JSON file that cannot be parsed; the
+            message names what is missing and the checkpoints that do exist beside it.
     """
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -463,6 +489,8 @@ def read_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
             f"{', '.join(REQUIRED_FILES)}). It was not written by a finished save; resume from an earlier "
             "checkpoint, or resume_from='auto', which skips incomplete ones."
         )
+    for name in (ADAPTER_WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_STATE_FILE):
+        check_intact(path / name)
     parsed = {}
     for name in (TRAINER_STATE_FILE, DATA_STATE_FILE, POROS_CONFIG_FILE, ADAPTER_CONFIG_FILE):
         try:

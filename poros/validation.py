@@ -8,6 +8,7 @@ before any weight is read, so a typo in a path fails in a second, not after minu
     output_dir   not a file, writable, not in use by a     OutputDirError, RunLockedError
                  live run, no other run's results (unless
                  overwrite or resume_from)
+    resume_from  complete, intact, same math               TrainingCheckpointError
     model        config.json found, a registered family    CheckpointLoadError, UnknownArchitectureError
     dataset      readable; format detected and the first   DataError
                  records normalized; a hub id cached or
@@ -191,13 +192,34 @@ def check_dataset(dataset: str, *, split: str = "train") -> str:
     return fmt
 
 
+def check_resume(config: Any) -> None:
+    """The checkpoint ``resume_from`` names is complete, intact and from a run with the same math.
+
+    Raises:
+        TrainingCheckpointError: see :func:`poros.checkpoint.read_checkpoint` and
+            :func:`~poros.checkpoint.check_resumable`.
+    """
+    from poros import checkpoint
+
+    if config.resume_from is None:
+        return
+    if config.resume_from == "auto":
+        path = checkpoint.latest_checkpoint(config.output_dir) if pathlib.Path(config.output_dir).is_dir() else None
+        if path is None:
+            return  # starts fresh (the run says so)
+    else:
+        path = pathlib.Path(config.resume_from)
+    checkpoint.check_resumable(checkpoint.read_checkpoint(path), config.to_dict())
+
+
 def validate_run(config: Any, *, dry_run: bool = False) -> None:
     """Every check above for a :class:`~poros.config.PorosConfig`, in the order a user fixes them."""
     check_device(config.device)
     check_output_dir(config.output_dir, overwrite=config.overwrite, resuming=config.resume_from is not None)
+    check_resume(config)
     check_model(config.model, revision=config.revision, download_allowed=not dry_run)
     check_dataset(config.dataset, split=config.dataset_split)
 
 
-__all__ = ["RUN_PACKAGES", "check_dataset", "check_device", "check_model", "check_output_dir", "missing_packages",
-           "require_run_packages", "validate_run"]
+__all__ = ["RUN_PACKAGES", "check_dataset", "check_device", "check_model", "check_output_dir", "check_resume",
+           "missing_packages", "require_run_packages", "validate_run"]
