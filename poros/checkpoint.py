@@ -195,8 +195,9 @@ def write_error(error: OSError, target: pathlib.Path) -> PorosError:
              errno.EACCES: "pass an --output-dir you can write to, or fix its permissions",
              errno.EPERM: "pass an --output-dir you can write to, or fix its permissions"}
     fix = fixes.get(error.errno, "check the disk and the path, then resume with --resume_from auto")
-    return OutputDirError(f"could not write {target}: {error.strerror or error} ({type(error).__name__}, errno "
-                          f"{error.errno}); nothing was replaced: earlier saves are intact. Fix: {fix}.")
+    code = f", errno {error.errno}" if error.errno is not None else ""
+    return OutputDirError(f"could not write {target}: {error.strerror or error} ({type(error).__name__}{code}); "
+                          f"nothing was replaced: earlier saves are intact. Fix: {fix}.")
 
 
 def _merge_into(source: pathlib.Path, target: pathlib.Path, written_last: str | None) -> None:

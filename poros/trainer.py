@@ -489,16 +489,22 @@ def _cli_value(value: Any) -> str:
     return str(value)
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, *, check: bool = True) -> torch.device:
     """``"auto"`` -> CUDA when available, else CPU; anything else as ``torch.device``.
 
+    Args:
+        check: raise when the device is not available here; False names a target without using it
+            (the planner plans a CUDA run on any machine).
+
     Raises:
-        DeviceError: a CUDA device on a torch without CUDA, without a visible GPU, or with fewer GPUs
-            (see :func:`poros.validation.check_device`).
+        DeviceError: with ``check``, a CUDA device on a torch without CUDA, without a visible GPU, or
+            with fewer GPUs (see :func:`poros.validation.check_device`).
     """
     from poros.validation import check_device
 
-    return check_device(device)
+    if check or device == "auto":
+        return check_device(device)
+    return torch.device(device)
 
 
 def _saved_files(directory: pathlib.Path) -> list[str]:

@@ -20,6 +20,7 @@ import transformers
 from poros import checkpoint as checkpoints
 from poros.assets import asset_path
 from poros.data import BatchIterator, load_dataset
+from poros.errors import OutputDirError
 from poros.testing import TINY_VARIANTS, all_linear_targets, save_tiny_checkpoint
 from poros.trainer import METRIC_FIELDS, PorosTrainer
 
@@ -291,7 +292,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(qwen3_checkpoint, chat_f
         return real_save(obj, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OutputDirError, match="disk full.*earlier saves are intact"):  # the OSError, as a PorosError
         trainer.train(chat_file, **settings)
     monkeypatch.undo()
     assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]

@@ -114,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
     from poros.trainer import resolve_device
 
     config = load_config(list(getattr(args, "arguments", [])))
-    device = resolve_device(config.device)
+    # the budget, the probe and the link measurement need the GPU itself; all three given, a CUDA run is
+    # planned on any machine
+    given_all = config.vram_budget is not None and args.block_ms is not None and args.link_gb_per_s is not None
+    device = resolve_device(config.device, check=not given_all)
     on_cuda = device.type == "cuda"
     budget = config.vram_budget
     if budget is None:

@@ -198,7 +198,8 @@ def check_hub_dataset(dataset_id: str) -> None:
         "(offline, or HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set). Fix: "
         + (f"did you mean {local[0]!r}? Give the file with its suffix" if local else
            f"a local file needs its suffix (e.g. {dataset_id}.jsonl); a hub dataset must be loaded once online "
-           f"(python -c \"import datasets; datasets.load_dataset({dataset_id!r})\")")
+           f"(python -c \"import datasets; datasets.load_dataset({dataset_id!r})\"), or give the data as a local "
+           ".jsonl/.json/.csv file")
     )
 
 
