@@ -202,7 +202,8 @@ def previous_results(output_dir: str | os.PathLike) -> list[str]:
 def check_fresh_start(output_dir: str | os.PathLike, *, overwrite: bool) -> None:
     """Refuse a fresh run into a directory holding another run's results, unless ``overwrite``.
 
-    With ``overwrite`` the old checkpoints, ``metrics.jsonl`` and adapter are removed, so the directory never holds a mix of two runs.
+    With ``overwrite`` the old checkpoints, ``metrics.jsonl`` and adapter are removed, so the
+    directory never holds a mix of two runs.
 
     Raises:
         OutputDirError: results are there and ``overwrite`` is False; the message names them and

@@ -88,7 +88,8 @@ def check_device(device: str):
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise DeviceError(f"--device {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, or no driver). {fix}")
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, or no driver). "
+                          f"{fix}")
     if resolved.index is not None and resolved.index >= count:
         raise DeviceError(f"--device {device}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1}). Fix: pass "
                           f"--device cuda:0 .. cuda:{count - 1}.")
@@ -188,7 +189,8 @@ def check_dataset(dataset: str, *, split: str = "train") -> str:
         examples = to_examples(sample, fmt)
         roles = unknown_roles(examples)
         if roles and not any(m["role"] == "assistant" for example in examples for m in example.messages):
-            raise DataError(f"{dataset}: no assistant turn in the first {len(sample)} records: {unknown_roles_hint(roles)}")
+            raise DataError(f"{dataset}: no assistant turn in the first {len(sample)} records: "
+                            f"{unknown_roles_hint(roles)}")
     return fmt
 
 

@@ -38,7 +38,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -250,6 +250,8 @@ CLI_CASES = [
          keep=_keep_run, needs_run=True),
     Case("dry-run-into-another-runs-results", _fresh_into_run("--dry-run"), "OutputDirError", "--overwrite",
          keep=_keep_run, needs_run=True),
+    Case("dry-run-into-another-runs-results-with-overwrite", _fresh_into_run("--dry-run", "--overwrite"), None,
+         code=0, keep=_keep_run, needs_run=True),  # a dry run validates; it removes nothing
     # -- device
     Case("train-device-cuda-on-cpu-torch", lambda tmp, ctx: ["train", "--device", "cuda", "--output-dir",
                                                              str(tmp / "out")], "DeviceError", "--device cpu"),
@@ -393,6 +395,13 @@ def test_cli_bad_input(case: Case, ctx, tmp_path, capsys, monkeypatch):
     before = snapshot(*kept)
     if case.patch is not None:
         case.patch(monkeypatch, tmp_path)
+    if case.error is not None:  # every failure here is found before a weight is read
+        import poros.load
+
+        def no_loading(*args, **kwargs):
+            raise AssertionError("the model was loaded before the failure was found")
+
+        monkeypatch.setattr(poros.load, "load_pretrained", no_loading)
     try:
         status = main(argv)
     except SystemExit as exit_:  # argparse's usage errors
@@ -652,6 +661,8 @@ def test_concurrent_run_into_the_same_output_dir_fails_at_once_and_the_first_sur
         stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stdout + stderr and "resume with" in stdout
+    for notice in ("Failed to load CPU gemm_4bit_forward", "is_gradient_checkpointing"):  # quiet by default
+        assert notice not in stdout + stderr
     assert not (out / ".poros.lock").exists()
     from poros.checkpoint import list_checkpoints
 

@@ -318,5 +318,5 @@ def load_dataset(
     return data
 
 
-__all__ = ["LOCAL_SUFFIXES", "SYNTHETIC", "check_hub_dataset", "hub_dataset_cached", "hub_reachable", "is_hub_id", "load_dataset",
-           "load_records", "read_local_file"]
+__all__ = ["LOCAL_SUFFIXES", "SYNTHETIC", "check_hub_dataset", "hub_dataset_cached", "hub_reachable", "is_hub_id",
+           "load_dataset", "load_records", "read_local_file"]
