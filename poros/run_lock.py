@@ -209,7 +209,7 @@ def check_fresh_start(output_dir: str | os.PathLike, *, overwrite: bool) -> None
         OutputDirError: results are there and ``overwrite`` is False; the message names them and
             both ways on (resume, or overwrite).
     """
-    from poros.checkpoint import remove_directory
+    from poros.checkpoint import CHECKPOINT_PREFIX, remove_directory
 
     found = previous_results(output_dir)
     if not found:
@@ -217,10 +217,12 @@ def check_fresh_start(output_dir: str | os.PathLike, *, overwrite: bool) -> None
     directory = pathlib.Path(output_dir)
     if not overwrite:
         shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        resumable = any(name.startswith(CHECKPOINT_PREFIX) for name in found)
         raise OutputDirError(
-            f"{directory} holds another run's results ({shown}); a fresh run would mix with or replace them. "
-            "Fix: continue that run with --resume_from auto, pass another --output-dir, or --overwrite to "
-            "replace them."
+            f"{directory} holds another run's results ({shown}); a fresh run would mix with or replace them"
+            + ("" if resumable else " (it holds no checkpoint to resume)") + ". Fix: "
+            + ("continue that run with --resume_from auto, " if resumable else "")
+            + "pass another --output-dir, or --overwrite to replace them."
         )
     for name in found:
         path = directory / name

@@ -216,8 +216,13 @@ def check_resume(config: Any) -> None:
 
 def validate_run(config: Any, *, dry_run: bool = False) -> None:
     """Every check above for a :class:`~poros.config.PorosConfig`, in the order a user fixes them."""
+    from poros.checkpoint import latest_checkpoint
+
     check_device(config.device)
-    check_output_dir(config.output_dir, overwrite=config.overwrite, resuming=config.resume_from is not None)
+    output_dir = pathlib.Path(config.output_dir)
+    resuming = config.resume_from not in (None, "auto") or (  # 'auto' without a checkpoint starts fresh
+        config.resume_from == "auto" and output_dir.is_dir() and latest_checkpoint(output_dir) is not None)
+    check_output_dir(config.output_dir, overwrite=config.overwrite, resuming=resuming)
     check_resume(config)
     check_model(config.model, revision=config.revision, download_allowed=not dry_run)
     check_dataset(config.dataset, split=config.dataset_split)

@@ -170,6 +170,15 @@ def _locked_by(pid: Callable[[], int], host: Callable[[], str] = socket.gethostn
     return prepare
 
 
+def _results_without_checkpoints(tmp: Path) -> Path:
+    """What a finished run with save_steps 0 leaves: an adapter and metrics, no checkpoint."""
+    out = tmp / "out"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"adapter")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0}) + "\n")
+    return out
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -252,6 +261,10 @@ CLI_CASES = [
          keep=_keep_run, needs_run=True),
     Case("dry-run-into-another-runs-results-with-overwrite", _fresh_into_run("--dry-run", "--overwrite"), None,
          code=0, keep=_keep_run, needs_run=True),  # a dry run validates; it removes nothing
+    Case("resume-auto-into-a-finished-run-without-checkpoints", lambda tmp, ctx: _results_without_checkpoints(tmp) and
+         ["train", "--dry-run", "--resume_from", "auto", "--output-dir", str(tmp / "out")], "OutputDirError",
+         "holds no checkpoint to resume). Fix: pass another --output-dir, or --overwrite",
+         keep=lambda tmp, ctx: [tmp / "out"]),
     # -- device
     Case("train-device-cuda-on-cpu-torch", lambda tmp, ctx: ["train", "--device", "cuda", "--output-dir",
                                                              str(tmp / "out")], "DeviceError", "--device cpu"),
@@ -294,6 +307,8 @@ CLI_CASES = [
     Case("dataset-missing", lambda tmp, ctx: ["train", *TRAIN_FAST, "--dataset", str(tmp / "nope.jsonl"),
                                               "--output-dir", str(tmp / "out")], "DataError", "check the path",
          doc_row="dataset file ... does not exist"),
+    Case("dry-run-dataset-missing", lambda tmp, ctx: ["train", "--dry-run", "--dataset", str(tmp / "nope.jsonl")],
+         "DataError", "check the path", doc_row="dataset file ... does not exist"),
     Case("dataset-empty", _dataset(""), "DataError", "non-empty file", keep=_keep_dataset(),
          doc_row="... has no records"),
     Case("dataset-broken-line", _dataset(json.dumps(CHAT[0]) + "\n{\"messages\": [\n"), "DataError",
