@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from poros import checkpoint as checkpoints
+from poros.devices import resolve_device
 from poros.errors import ConfigError, DataError, TrainingCheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -487,24 +488,6 @@ def _cli_value(value: Any) -> str:
     if isinstance(value, list):
         return ",".join(value)
     return str(value)
-
-
-def resolve_device(device: str, *, check: bool = True) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else as ``torch.device``.
-
-    Args:
-        check: raise when the device is not available here; False names a target without using it
-            (the planner plans a CUDA run on any machine).
-
-    Raises:
-        DeviceError: with ``check``, a CUDA device on a torch without CUDA, without a visible GPU, or
-            with fewer GPUs (see :func:`poros.validation.check_device`).
-    """
-    from poros.validation import check_device
-
-    if check or device == "auto":
-        return check_device(device)
-    return torch.device(device)
 
 
 def _saved_files(directory: pathlib.Path) -> list[str]:

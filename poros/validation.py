@@ -27,7 +27,7 @@ import pathlib
 import sys
 from typing import Any
 
-from poros.errors import CheckpointLoadError, DataError, DeviceError, MissingDependencyError, OutputDirError
+from poros.errors import CheckpointLoadError, DataError, MissingDependencyError, OutputDirError
 
 #: the packages ``poros train`` / ``poros plan`` import (the train extra, less ``datasets``, which only
 #: hub datasets need and whose absence :mod:`poros.data.sources` reports itself).
@@ -67,33 +67,11 @@ def require_run_packages(command: str) -> None:
         )
 
 
-def check_device(device: str):
-    """``device`` as a ``torch.device`` (``"auto"``: CUDA when available, else CPU), checked to exist here.
+def check_device(device: str) -> None:
+    """Raise :class:`~poros.errors.DeviceError` when ``device`` is not available here."""
+    from poros.devices import resolve_device
 
-    Raises:
-        DeviceError: a CUDA device on a torch built without CUDA, with no visible GPU, or with fewer
-            GPUs than the index asks for.
-    """
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type != "cuda":
-        return resolved
-    fix = "Fix: pass --device cpu (or auto), or run where a CUDA build of torch sees a GPU."
-    if torch.version.cuda is None:
-        raise DeviceError(f"--device {device}: this torch {torch.__version__} is built without CUDA; expected a CUDA "
-                          f"build (pip install torch --index-url https://download.pytorch.org/whl/cu128). {fix}")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise DeviceError(f"--device {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, or no driver). "
-                          f"{fix}")
-    if resolved.index is not None and resolved.index >= count:
-        raise DeviceError(f"--device {device}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1}). Fix: pass "
-                          f"--device cuda:0 .. cuda:{count - 1}.")
-    return resolved
+    resolve_device(device)
 
 
 def _probe_writable(directory: pathlib.Path) -> None:

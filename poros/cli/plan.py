@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from poros.cli.train import load_config
     from poros.errors import ConfigError
     from poros.stream import planner
-    from poros.trainer import resolve_device
+    from poros.devices import resolve_device
 
     config = load_config(list(getattr(args, "arguments", [])))
     # the budget, the probe and the link measurement need the GPU itself; all three given, a CUDA run is

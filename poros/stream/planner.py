@@ -1308,7 +1308,7 @@ def plan_run(config: Any) -> Plan:
         ConfigError: ``target_modules`` names a linear the model does not have.
     """
     from poros import registry
-    from poros.trainer import resolve_device
+    from poros.devices import resolve_device
 
     directory, found_in = locate_checkpoint_config(config.model, revision=config.revision)
     full_config, text_config = load_text_config(directory)
