@@ -323,6 +323,9 @@ class PorosTrainer:
             TrainingCheckpointError: ``resume_from`` names a missing or incomplete checkpoint, or one
                 written with settings that change the math (each differing field is named).
             DataError: the dataset yields no trainable tokens, or cannot be read.
+            RunLockedError: another live run holds ``output_dir`` (:mod:`poros.run_lock`).
+            OutputDirError: ``output_dir`` holds another run's results and neither ``overwrite`` nor a
+                checkpoint to resume is given; or it cannot be written (full, read-only).
         """
         data_source = None  # an in-memory dataset (records, datasets object, TokenizedData)
         if dataset is not None and not isinstance(dataset, (str, os.PathLike)):
