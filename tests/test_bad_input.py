@@ -754,7 +754,7 @@ def _load(path: Path, tokenizer) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(records=st.lists(RECORD, max_size=5), junk=st.sampled_from(["", "\n", "{", "\ufeff", "\n\n[1]\n"]))
+@given(records=st.lists(RECORD, max_size=5) | RECORD.map(lambda record: [record] * 3), junk=st.sampled_from([""] * 4 + ["\n", "{", "\ufeff", "\n\n[1]\n"]))
 def test_fuzzed_jsonl_loads_or_raises_a_poros_error(records, junk, tokenizer, tmp_path):
     path = tmp_path / "fuzz.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + junk, encoding="utf-8")
