@@ -351,6 +351,13 @@ class PorosTrainer:
         with run_lock.hold(config.output_dir):  # one run per output_dir (re-entrant: the CLI holds it through save)
             return _Run(self, config, data_source).execute()
 
+    def generate(self, prompt: str, **options: Any) -> str:
+        """The model's continuation of ``prompt`` with the adapter as trained so far; ``options`` as for
+        :func:`poros.generate.generate_text` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``chat``)."""
+        from poros.generate import generate_text
+
+        return generate_text(self.model, self.tokenizer, prompt, **options).text
+
     # -- saving --------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
         """Write the adapter (PEFT layout), the tokenizer and ``poros_config.json`` into ``directory``.
@@ -389,7 +396,7 @@ class PorosTrainer:
         return target
 
     def _peft_model(self):
-        peft_model = self.model.model
+        peft_model = self.model  # prepare returns the model it was given, streamed
         if not (hasattr(peft_model, "peft_config") and hasattr(peft_model, "save_pretrained")):
             raise UnsupportedModelError(
                 f"the model inside this PorosModel is a {type(peft_model).__name__} without PEFT adapters; saving "
