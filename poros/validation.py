@@ -56,15 +56,20 @@ def missing_packages(names: tuple[str, ...] = RUN_PACKAGES) -> list[str]:
 
 def require_run_packages(command: str) -> None:
     """Raise :class:`~poros.errors.MissingDependencyError` when a package ``command`` needs is missing."""
-    from poros.cli.doctor import INSTALL_HINT
-
     missing = missing_packages()
     if missing:
-        raise MissingDependencyError(
-            f"{command} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed (a "
-            f"core-only install of poros-train lists and plans nothing heavy). Fix: {INSTALL_HINT}; `poros doctor` "
-            "shows what is installed."
-        )
+        raise missing_dependency(command, missing)
+
+
+def missing_dependency(command: str, missing: list[str]) -> MissingDependencyError:
+    """The error for ``command`` run without the packages ``missing``, with the install hint."""
+    from poros.cli.doctor import INSTALL_HINT
+
+    return MissingDependencyError(
+        f"{command} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed (the core "
+        f"install of poros-train runs list-architectures, plugins, doctor and init). Fix: {INSTALL_HINT}; "
+        "`poros doctor` shows what is installed."
+    )
 
 
 def check_device(device: str) -> None:
@@ -207,4 +212,4 @@ def validate_run(config: Any, *, dry_run: bool = False) -> None:
 
 
 __all__ = ["RUN_PACKAGES", "check_dataset", "check_device", "check_model", "check_output_dir", "check_resume",
-           "missing_packages", "require_run_packages", "validate_run"]
+           "missing_dependency", "missing_packages", "require_run_packages", "validate_run"]

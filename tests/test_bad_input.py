@@ -609,7 +609,9 @@ CORE_ONLY = ("import sys\nfor name in ('torch', 'transformers', 'peft', 'bitsand
     (["train"], 1, "MissingDependencyError", "pip install 'poros-train[train]'"),
     (["train", "--dry-run"], 1, "MissingDependencyError", "pip install 'poros-train[train]'"),
     (["plan", "--vram-budget", "8GiB"], 1, "MissingDependencyError", "pip install 'poros-train[train]'"),
-], ids=["train-core-only", "dry-run-core-only", "plan-core-only"])
+    (["generate", "--adapter", "nowhere", "--prompt", "hi"], 1, "MissingDependencyError",
+     "pip install 'poros-train[train]'"),
+], ids=["train-core-only", "dry-run-core-only", "plan-core-only", "generate-core-only"])
 def test_core_only_install_gets_the_install_hint(argv, code, error, fix, tmp_path, child_env):
     result = subprocess.run([sys.executable, "-c", CORE_ONLY, *argv], capture_output=True, text=True, timeout=120,
                             cwd=tmp_path, env=child_env(POROS_LOAD_PLUGINS=""), check=False)

@@ -68,6 +68,12 @@ def error_line(command: str, error: BaseException) -> str:
     return f"poros {command}: error: {type(error).__name__}: {message}"
 
 
+def _reinstall_hint() -> str:
+    from poros.cli.doctor import INSTALL_HINT
+
+    return f"{INSTALL_HINT}, then `poros doctor` to see what is installed."
+
+
 def _os_error_fix(error: OSError) -> str:
     import errno
 
@@ -105,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"poros {args.command}: interrupted.", file=sys.stderr)
         return 130
+    except ImportError as exc:  # a package of the train extra that this install lacks (a core-only install)
+        if debug:
+            raise
+        from poros.validation import RUN_PACKAGES, missing_dependency
+
+        package = (exc.name or "").partition(".")[0]
+        if package not in (*RUN_PACKAGES, "datasets"):
+            print(f"{error_line(args.command, exc)} -- a broken install? Fix: {_reinstall_hint()}", file=sys.stderr)
+            return 1
+        print(error_line(args.command, missing_dependency(f"poros {args.command}", [package])), file=sys.stderr)
+        return 1
     except OSError as exc:  # a file system error no check foresaw (a disk filled mid-run...)
         if debug:
             raise
