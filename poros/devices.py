@@ -1,48 +1,72 @@
-"""Which device a run uses, checked to exist before anything is loaded.
-
-One small module (torch and :mod:`poros.errors` only) so that the trainer, the planner, the CLI
-and :mod:`poros.validation` resolve a device the same way without importing each other.
-"""
+"""Which device a run computes on: :func:`resolve_device` turns the ``device`` option (``"auto"``,
+None, ``"cuda"``, ``"cuda:1"``, ``"cpu"``) into a ``torch.device`` -- the one rule the trainer, the
+loader, the planner's dry run, the bench, the CLI and :mod:`poros.validation` share -- and, asked to
+``check``, refuses a CUDA device this machine cannot use before anything is loaded;
+:func:`compute_device` reads the device off a model. torch is imported inside the functions
+(``poros plan``'s parser imports this module); :mod:`poros.errors` is the only other import."""
 
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from poros.errors import DeviceError
 
+if TYPE_CHECKING:
+    import torch
 
-def resolve_device(device: str, *, check: bool = True) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else as ``torch.device``.
+
+def resolve_device(device: Any = "auto", *, with_index: bool = False, check: bool = False) -> "torch.device":
+    """``"auto"`` or None -> CUDA when available, else CPU; anything else as ``torch.device``.
 
     Args:
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        check: raise when a CUDA device is not available here; False names a target without using
-            it (a plan for a CUDA run is made on any machine).
+        device: ``"auto"``, None, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        with_index: a bare ``cuda`` gets the index of the current CUDA device (``cuda:0``), as the
+            loader's ``device_map`` and the bench's generators need.
+        check: raise when a CUDA device is not available here (a run about to use it); without it the
+            device is named, not used (a plan for a CUDA run is made on any machine).
 
     Raises:
         DeviceError: with ``check``, a CUDA device on a torch built without CUDA, with no visible
             GPU, or with fewer GPUs than the index asks for.
     """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import torch
+
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    named = str(device)
     resolved = torch.device(device)
-    if resolved.type != "cuda" or not check:
-        return resolved
-    fix = "Fix: pass --device cpu (or auto), or run where a CUDA build of torch sees a GPU."
-    if torch.version.cuda is None:
-        raise DeviceError(f"--device {device}: this torch {torch.__version__} is built without CUDA; expected a CUDA "
-                          f"build (pip install torch --index-url https://download.pytorch.org/whl/cu128). {fix}")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise DeviceError(f"--device {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, or no driver). "
-                          f"{fix}")
-    if resolved.index is not None and resolved.index >= count:
-        raise DeviceError(f"--device {device}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1}). Fix: pass "
-                          f"--device cuda:0 .. cuda:{count - 1}.")
+    if check and resolved.type == "cuda":
+        _check_cuda(named, resolved)
+    if with_index and resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 
-__all__ = ["resolve_device"]
+def _check_cuda(named: str, resolved: "torch.device") -> None:
+    """Raise :class:`DeviceError` unless this torch can compute on ``resolved`` here."""
+    import torch
+
+    fix = "Fix: pass --device cpu (or auto), or run where a CUDA build of torch sees a GPU."
+    if torch.version.cuda is None:
+        raise DeviceError(f"--device {named}: this torch {torch.__version__} is built without CUDA; expected a CUDA "
+                          f"build (pip install torch --index-url https://download.pytorch.org/whl/cu128). {fix}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise DeviceError(f"--device {named}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, or no driver). "
+                          f"{fix}")
+    if resolved.index is not None and resolved.index >= count:
+        raise DeviceError(f"--device {named}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1}). Fix: pass "
+                          f"--device cuda:0 .. cuda:{count - 1}.")
+
+
+def compute_device(module: Any) -> "torch.device":
+    """The device ``module`` computes on: its first trainable parameter's, else its first parameter's."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if trainable:
+        return trainable[0].device
+    return next(module.parameters()).device
+
+
+__all__ = ["compute_device", "resolve_device"]

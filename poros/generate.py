@@ -23,8 +23,9 @@ Notable choices:
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -62,10 +63,23 @@ class Generation:
                 f"{self.seconds:.2f} s: {self.tokens_per_second:.1f} tokens/s")
 
 
+@contextmanager
+def generation_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and no grad for the duration, then the mode the model had: a training run
+    can generate between steps. ``PorosModel.generate`` runs HF's ``generate`` inside it."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def generate(model: nn.Module, input_ids: torch.Tensor | None = None, **generate_kwargs: Any) -> torch.Tensor:
     """transformers' ``generate`` on ``model`` in eval mode, without grad, with a KV cache (``use_cache=True``
-    unless given); returns the ids, prompt included, as HF does. ``PorosModel.generate`` calls it with
-    the model it wraps (e.g. the ``PeftModel``), whose trunk streams.
+    unless given); returns the ids, prompt included, as HF does. A prepared model's own ``generate``
+    (:meth:`PorosModel.generate`) does the same, its trunk streaming.
 
     Args:
         model: an HF causal LM or a PEFT model around one (streamed or not).
@@ -73,13 +87,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor | None = None, **generate
             ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``streamer``...).
     """
     generate_kwargs.setdefault("use_cache", True)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return model.generate(input_ids=input_ids, **generate_kwargs)
-    finally:
-        model.train(was_training)
+    with generation_mode(model):
+        return model.generate(input_ids=input_ids, **generate_kwargs)
 
 
 def generate_text(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,

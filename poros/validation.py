@@ -76,7 +76,7 @@ def check_device(device: str) -> None:
     """Raise :class:`~poros.errors.DeviceError` when ``device`` is not available here."""
     from poros.devices import resolve_device
 
-    resolve_device(device)
+    resolve_device(device, check=True)
 
 
 def _probe_writable(directory: pathlib.Path) -> None:
@@ -133,7 +133,7 @@ def check_model(model: str, *, revision: str | None = None, download_allowed: bo
         UnknownArchitectureError: no registered family claims the checkpoint's ``model_type``.
     """
     from poros import registry
-    from poros.stream.planner import load_text_config, locate_checkpoint_config
+    from poros.run_plan import load_text_config, locate_checkpoint_config
 
     try:
         directory, _ = locate_checkpoint_config(model, revision=revision)
