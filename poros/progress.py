@@ -11,8 +11,9 @@
 
 On a terminal the bar is tqdm's. When stdout is not a terminal (``poros train | tee log``, a
 batch job, CI) a redrawn bar would fill the log with carriage returns, so :class:`PlainProgress`
-prints a plain line instead -- ``train 40/100 steps (40%) | 1.52 s/step | 1m31s left`` -- at each
-tenth of the way and whenever ``interval`` seconds passed without any line on stdout.
+prints a plain line instead -- ``train 40/100 steps (40%) | 1.52 s/step | 1m31s left`` -- after
+the first step (the first rate and time left) and whenever ``interval`` seconds passed without any
+line on stdout: a run that logs often gets no extra lines, a slow one still shows it is alive.
 
 Torch-free; tqdm (a dependency of transformers) is imported only for a terminal.
 """
@@ -20,7 +21,6 @@ Torch-free; tqdm (a dependency of transformers) is imported only for a terminal.
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -42,8 +42,8 @@ def echo(text: str) -> None:
 class PlainProgress:
     """Progress as plain lines on stdout, for output that is not a terminal.
 
-    A line is printed when the count reaches each ``1/marks`` of ``total`` and, between those,
-    when ``interval`` seconds passed since the last line on stdout (its own or one written through
+    A line is printed after the first update (unless ``first_line`` is False) and whenever
+    ``interval`` seconds passed since the last line on stdout (its own or one written through
     :meth:`write`, so a run that already logs often gets no extra lines).
 
     Args:
@@ -51,25 +51,22 @@ class PlainProgress:
         initial: the count already done (a resumed run).
         unit: what is counted, singular (``"step"``, ``"batch"``).
         label: the first word of each line (``"train"``, ``"eval"``).
-        marks: lines at each ``total / marks``; 0: by time only.
-        interval: seconds without a line after which one is printed; None: by marks only.
+        first_line: print a line after the first update.
+        interval: seconds without a line after which one is printed.
         clock: seconds, monotonic (``time.monotonic``).
     """
 
-    def __init__(self, total: int, initial: int = 0, *, unit: str = "step", label: str = "", marks: int = 10,
-                 interval: float | None = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, total: int, initial: int = 0, *, unit: str = "step", label: str = "", first_line: bool = True,
+                 interval: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.total, self.initial, self.count, self.unit, self.label = total, initial, initial, unit, label
-        self.interval, self.clock = interval, clock
-        self.every = math.ceil(total / marks) if marks and total > 0 else 0
+        self.first_line, self.interval, self.clock = first_line, interval, clock
         self.postfix: dict[str, Any] = {}
         self.started = self.last_line = clock()
 
     def update(self, n: int = 1) -> None:
-        before, self.count = self.count, self.count + n
-        at_mark = bool(self.every) and (self.count // self.every > before // self.every
-                                        or self.count >= self.total > before)
-        overdue = self.interval is not None and self.clock() - self.last_line >= self.interval
-        if at_mark or overdue:
+        first = self.count == self.initial
+        self.count += n
+        if (first and self.first_line) or self.clock() - self.last_line >= self.interval:
             self._print(self.line())
 
     def set_postfix(self, **values: Any) -> None:
@@ -111,16 +108,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def progress_bar(total: int, initial: int = 0, *, unit: str = "step", label: str = "", nested: bool = False,
-                 marks: int = 10) -> Any:
+def progress_bar(total: int, initial: int = 0, *, unit: str = "step", label: str = "", nested: bool = False) -> Any:
     """tqdm's bar when stdout is a terminal, else a :class:`PlainProgress`.
 
     Args:
         nested: a bar inside another (evaluation inside training): tqdm's disappears when closed;
-            the plain one prints by time only (``marks`` ignored).
+            the plain one prints by time only (no first line).
     """
     if not sys.stdout.isatty():
-        return PlainProgress(total, initial, unit=unit, label=label, marks=0 if nested else marks)
+        return PlainProgress(total, initial, unit=unit, label=label, first_line=not nested)
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, unit=unit, desc=label or None, dynamic_ncols=True, file=sys.stdout,

@@ -274,3 +274,37 @@ def test_resume_after_an_eval_row_continues_the_uninterrupted_run(qwen3_checkpoi
     strip = [{k: v for k, v in row.items() if k not in TIMING} for row in expected.log_history]
     assert [{k: v for k, v in row.items() if k not in TIMING} for row in result.log_history] == strip
     assert [row["step"] for row in expected.log_history] == [1, 2, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance: the command line, on the bundled model and data
+# ---------------------------------------------------------------------------------------------
+def test_poros_train_with_eval_split_writes_eval_rows_and_a_tensorboard_event_file(tmp_path, child_env):
+    """``poros train --eval-split 0.1 --eval-steps 2 --report-to tensorboard`` (4 steps), stdout piped."""
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = subprocess.run(
+        [sys.executable, "-m", "poros.cli.main", "train", "--eval-split", "0.1", "--eval-steps", "2", "--report-to",
+         "tensorboard", "--steps", "4"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env=child_env(POROS_LOAD_PLUGINS="", OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output_dir = tmp_path / "poros_output"
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    eval_rows = [row for row in rows if "eval_loss" in row]
+    assert [row["step"] for row in eval_rows] == [2, 4]
+    assert all(row["eval_batches"] == 40 and row["eval_loss"] > 0 for row in eval_rows)  # 10 % of 400, batch 1
+    assert "eval: 40 examples held out of poros-tiny-chat (eval_split 0.1)" in result.stdout
+    assert "eval step 2/4 | eval_loss" in result.stdout
+    assert "train 1/4 steps (25%) | " in result.stdout  # the plain progress line: stdout is a pipe
+
+    (run,) = (output_dir / "runs").iterdir()
+    events = EventAccumulator(str(run))
+    events.Reload()
+    # float32 in the event file, as in metrics.jsonl: the same values exactly
+    assert [(event.step, event.value) for event in events.Scalars("eval/loss")] == \
+        [(row["step"], row["eval_loss"]) for row in eval_rows]
