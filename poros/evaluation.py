@@ -41,13 +41,14 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from poros.data import load_dataset
 from poros.data.batches import collate
 from poros.data.tokenize import IGNORE_INDEX, TokenizedData
-from poros.errors import DataError
+from poros.errors import ConfigError, DataError
 from poros.progress import progress_bar, showing
 
-__all__ = ["EVAL_METRIC_FIELDS", "EvalResult", "EvalSet", "eval_set_for_run", "evaluate", "evaluation_due",
-           "evaluation_mode", "hold_out", "pad_token_id"]
+__all__ = ["EVAL_METRIC_FIELDS", "EvalResult", "EvalSet", "eval_set_for_run", "eval_set_of", "evaluate",
+           "evaluate_trainer", "evaluation_due", "evaluation_mode", "hold_out", "load_eval_data", "pad_token_id"]
 
 #: Every eval row of ``metrics.jsonl`` (and of ``TrainResult.log_history``) has these keys.
 EVAL_METRIC_FIELDS = ("step", "eval_loss", "eval_perplexity", "eval_num_tokens", "eval_batches", "eval_runtime")
@@ -138,16 +139,58 @@ def eval_set_for_run(config: Any, data: TokenizedData, tokenizer: Any, *, pad_to
         data, held = hold_out(data, config.eval_split, config.seed)
         source = f"{held.num_examples:,} examples held out of {config.dataset} (eval_split {config.eval_split})"
     elif config.eval_dataset is not None:
-        from poros.data import load_dataset
-
-        held = load_dataset(config.eval_dataset, tokenizer, seq_len=config.seq_len, split=config.eval_dataset_split,
-                            chat_template=config.chat_template, seed=config.seed, vocab_size=vocab_size)
+        held = load_eval_data(config.eval_dataset, config, tokenizer, vocab_size)
         source = f"{held.num_examples:,} examples of {config.eval_dataset}"
     else:
         return data, None
-    batches = [collate(held.examples[start:start + config.batch_size], pad_token_id)
-               for start in range(0, len(held.examples), config.batch_size)]
-    return data, EvalSet(batches, held.num_examples, source)
+    return data, eval_set_of(held, batch_size=config.batch_size, pad_token_id=pad_token_id, source=source)
+
+
+def load_eval_data(source: Any, config: Any, tokenizer: Any, vocab_size: int | None) -> TokenizedData:
+    """``source`` tokenized as the run's training data is (``seq_len``, ``chat_template``), split ``eval_dataset_split``."""
+    return load_dataset(source, tokenizer, seq_len=config.seq_len, split=config.eval_dataset_split,
+                        chat_template=config.chat_template, seed=config.seed, vocab_size=vocab_size)
+
+
+def eval_set_of(data: TokenizedData, *, batch_size: int, pad_token_id: int, source: str) -> EvalSet:
+    """``data``'s examples in order, ``batch_size`` at a time (the last batch may be smaller)."""
+    batches = [collate(data.examples[start:start + batch_size], pad_token_id)
+               for start in range(0, len(data.examples), batch_size)]
+    return EvalSet(batches, data.num_examples, source)
+
+
+def evaluate_trainer(trainer: Any, dataset: Any = None, *, max_batches: int | None = None) -> dict[str, Any]:
+    """:meth:`PorosTrainer.evaluate <poros.trainer.PorosTrainer.evaluate>`: one evaluation, outside ``train()``.
+
+    Args:
+        trainer: a :class:`~poros.trainer.PorosTrainer`; its ``run_config`` gives ``seq_len``,
+            ``chat_template``, ``batch_size``, ``eval_dataset`` and ``eval_batches``.
+        dataset: what to evaluate (anything :func:`poros.data.load_dataset` takes); None: the eval set
+            of the trainer's last ``train()``, else ``eval_dataset``.
+        max_batches: at most this many batches; None: ``eval_batches`` of the config.
+
+    Returns:
+        The eval row, ``step`` being the trainer's ``global_step``.
+
+    Raises:
+        ConfigError: no dataset, no previous eval set and no ``eval_dataset``.
+    """
+    config, model = trainer.run_config, trainer.model
+    eval_set = trainer.eval_set
+    if dataset is not None or eval_set is None:
+        if dataset is None and config.eval_dataset is None:
+            raise ConfigError("evaluate() found no eval data: no dataset was passed, the last train() had none and "
+                              "eval_dataset is null. Pass one: trainer.evaluate('data/val.jsonl'), or train with "
+                              "eval_split or eval_dataset first")
+        data = load_eval_data(dataset if dataset is not None else config.eval_dataset, config, trainer.tokenizer,
+                              model.config.vocab_size)
+        eval_set = eval_set_of(data, batch_size=config.batch_size, source=f"{data.num_examples:,} examples",
+                               pad_token_id=pad_token_id(trainer.tokenizer, model.config))
+    parameters = model.trainable_parameters()
+    device = parameters[0].device if parameters else next(model.parameters()).device
+    result = evaluate(model, eval_set.batches, device=device,
+                      max_batches=max_batches if max_batches is not None else config.eval_batches)
+    return result.row(trainer.global_step)
 
 
 def evaluation_due(config: Any, step: int) -> bool:

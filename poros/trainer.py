@@ -209,6 +209,7 @@ class PorosTrainer:
             what :meth:`save` records.
         optimizer, scheduler: those of the last ``train()`` (None before).
         global_step: optimizer steps done by the last ``train()``, resumed steps included.
+        eval_set: the eval batches of the last ``train()`` (``eval_split`` or ``eval_dataset``), or None.
         launch_command: set by the CLI to the ``argv`` it ran; the resume command printed on an
             interrupt is that command with ``--resume_from <checkpoint>``.
     """
@@ -222,6 +223,7 @@ class PorosTrainer:
         self.scheduler = None
         self.global_step = 0
         self.launch_command: list[str] | None = None
+        self.eval_set: evaluation.EvalSet | None = None
 
     # -- creation ------------------------------------------------------------------------------
     @classmethod
@@ -349,6 +351,17 @@ class PorosTrainer:
             )
         self.run_config = config
         return _Run(self, config, data_source).execute()
+
+    def evaluate(self, dataset: Any = None, *, max_batches: int | None = None) -> dict[str, Any]:
+        """The eval loss of the adapter now, computed as ``train()`` computes it between steps.
+
+        Evaluates ``dataset`` (anything ``poros.data.load_dataset`` takes), else the eval set of the
+        last ``train()``, else the config's ``eval_dataset``; see :func:`poros.evaluation.evaluate_trainer`.
+
+        Returns:
+            The row ``train()`` logs: ``step`` (:attr:`global_step`), ``eval_loss``, ``eval_perplexity``...
+        """
+        return evaluation.evaluate_trainer(self, dataset, max_batches=max_batches)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
@@ -565,6 +578,7 @@ class _Run:
         pad_token_id = evaluation.pad_token_id(tokenizer, self.model.config)
         data, self.eval_set = evaluation.eval_set_for_run(config, data, tokenizer, pad_token_id=pad_token_id,
                                                           vocab_size=self.model.config.vocab_size)
+        self.trainer.eval_set = self.eval_set
         batches = BatchIterator(data, batch_size=config.batch_size, pad_token_id=pad_token_id, seed=config.seed,
                                 shuffle=True)
         return data, batches

@@ -148,7 +148,16 @@ def reference_run(checkpoint, chat_file, eval_file, *, steps, lr, seed):
                                   pad_token_id=tokenizer.pad_token_id, shuffle=False).next_batch()
                     for start in range(0, len(eval_examples), 2)]
     assert [len(batch["input_ids"]) for batch in eval_batches] == [2, 2, 1]
-    eval_losses = []
+
+    def eval_loss():
+        with torch.no_grad():
+            items = sum((b["labels"][..., 1:] != -100).sum() for b in eval_batches)
+            total = torch.zeros((), dtype=torch.float32)
+            for b in eval_batches:
+                total = total + reference(**b, num_items_in_batch=items, use_cache=False).loss
+        return float(total)
+
+    eval_losses = [eval_loss()]  # before training
     for _ in range(steps):
         batch = batches.next_batch()
         n = (batch["labels"][..., 1:] != -100).sum()
@@ -157,25 +166,24 @@ def reference_run(checkpoint, chat_file, eval_file, *, steps, lr, seed):
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            items = sum((b["labels"][..., 1:] != -100).sum() for b in eval_batches)
-            total = torch.zeros((), dtype=torch.float32)
-            for b in eval_batches:
-                total = total + reference(**b, num_items_in_batch=items, use_cache=False).loss
-        eval_losses.append(float(total))
+        eval_losses.append(eval_loss())
     return eval_losses
 
 
 @pytest.mark.parametrize("family", sorted(TINY_VARIANTS))
 def test_eval_loss_is_the_resident_peft_models(family, tokenizer, chat_file, eval_file, tmp_path):
     checkpoint = make_checkpoint(tmp_path / "ckpt", family, tokenizer)
-    trainer = PorosTrainer.from_pretrained(checkpoint, **LORA, seed=3, output_dir=str(tmp_path / "out"))
-    result = trainer.train(chat_file, steps=2, seq_len=SEQ_LEN, batch_size=2, lr=2e-2, seed=3,
-                           eval_dataset=str(eval_file), eval_steps=1)
+    trainer = PorosTrainer.from_pretrained(checkpoint, **LORA, seed=3, seq_len=SEQ_LEN, batch_size=2,
+                                           output_dir=str(tmp_path / "out"))
+    before = trainer.evaluate(eval_file)  # the model as from_pretrained leaves it: HF's eval mode
+    result = trainer.train(chat_file, steps=2, lr=2e-2, seed=3, eval_dataset=str(eval_file), eval_steps=1)
     expected = reference_run(checkpoint, chat_file, eval_file, steps=2, lr=2e-2, seed=3)
-    actual = [row["eval_loss"] for row in result.log_history if "eval_loss" in row]
+    actual = [before["eval_loss"]] + [row["eval_loss"] for row in result.log_history if "eval_loss" in row]
     assert actual == expected  # exact float32 values: torch.equal
-    assert expected[0] != expected[1]
+    assert expected[0] != expected[1] != expected[2]
+    again = trainer.evaluate()  # the last train()'s eval set
+    assert {k: v for k, v in again.items() if k not in TIMING} == \
+        {k: v for k, v in result.log_history[-1].items() if k not in TIMING}
 
 
 # ---------------------------------------------------------------------------------------------
