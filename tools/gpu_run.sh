@@ -8,7 +8,8 @@
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
-# `curve:SHAPE` (tools/vram_curve.py --model SHAPE) or `load` (tools/load_check.py), each
+# `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `load` (tools/load_check.py) or `eval`
+# (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -130,8 +131,11 @@ main() {
       load)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 tools/load_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+      eval)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 tools/eval_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...] or load[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], load[:k=v...] or eval[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo
