@@ -42,13 +42,13 @@ import torch
 from torch import nn
 
 from poros.data import load_dataset
-from poros.data.batches import collate
+from poros.data.batches import collate, pad_token_id
 from poros.data.tokenize import IGNORE_INDEX, TokenizedData
 from poros.errors import ConfigError, DataError
 from poros.progress import progress_bar, showing
 
 __all__ = ["EVAL_METRIC_FIELDS", "EvalResult", "EvalSet", "eval_set_for_run", "eval_set_of", "evaluate",
-           "evaluate_trainer", "evaluation_due", "evaluation_mode", "hold_out", "load_eval_data", "pad_token_id"]
+           "evaluate_trainer", "evaluation_due", "evaluation_mode", "hold_out", "load_eval_data"]
 
 #: Every eval row of ``metrics.jsonl`` (and of ``TrainResult.log_history``) has these keys.
 EVAL_METRIC_FIELDS = ("step", "eval_loss", "eval_perplexity", "eval_num_tokens", "eval_batches", "eval_runtime")
@@ -91,15 +91,6 @@ class EvalResult:
                 "eval_num_tokens": self.num_tokens, "eval_batches": self.num_batches, "eval_runtime": self.runtime}
 
 
-def pad_token_id(tokenizer: Any, model_config: Any) -> int:
-    """The id padding is written with: the tokenizer's pad (else its eos) token, else the model config's pad, else 0."""
-    if tokenizer is not None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad is not None:
-            return pad
-    return getattr(model_config, "pad_token_id", None) or 0
-
-
 def hold_out(data: TokenizedData, fraction: float, seed: int) -> tuple[TokenizedData, TokenizedData]:
     """``(train, held_out)``: ``round(fraction * n)`` examples (at least one) held out, both in dataset order.
 
@@ -129,7 +120,7 @@ def eval_set_for_run(config: Any, data: TokenizedData, tokenizer: Any, *, pad_to
             ``eval_dataset_split``, ``seq_len``, ``chat_template``, ``batch_size``, ``seed``).
         data: the tokenized training dataset.
         tokenizer: the model's tokenizer (None: only ``"synthetic"`` eval data).
-        pad_token_id: see :func:`pad_token_id`.
+        pad_token_id: see :func:`poros.data.batches.pad_token_id`.
         vocab_size: the vocabulary of ``"synthetic"`` data without a tokenizer.
 
     Raises:

@@ -566,6 +566,7 @@ class _Run:
     # -- setup ---------------------------------------------------------------------------------
     def _data(self):
         from poros.data import BatchIterator, load_dataset
+        from poros.data.batches import pad_token_id as padding_id
 
         config, tokenizer = self.config, self.trainer.tokenizer
         if tokenizer is None and not (isinstance(self.data_source, str) and self.data_source == "synthetic"):
@@ -575,7 +576,7 @@ class _Run:
         data = load_dataset(self.data_source, tokenizer, seq_len=config.seq_len, split=config.dataset_split,
                             chat_template=config.chat_template, seed=config.seed,
                             vocab_size=self.model.config.vocab_size)
-        pad_token_id = evaluation.pad_token_id(tokenizer, self.model.config)
+        pad_token_id = padding_id(tokenizer, self.model.config)
         data, self.eval_set = evaluation.eval_set_for_run(config, data, tokenizer, pad_token_id=pad_token_id,
                                                           vocab_size=self.model.config.vocab_size)
         self.trainer.eval_set = self.eval_set

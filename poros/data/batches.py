@@ -147,4 +147,13 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int) -> d
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-__all__ = ["BatchIterator", "collate"]
+def pad_token_id(tokenizer: Any, model_config: Any) -> int:
+    """The id padding is written with: the tokenizer's pad (else its eos) token, else the model config's pad, else 0."""
+    if tokenizer is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is not None:
+            return pad
+    return getattr(model_config, "pad_token_id", None) or 0
+
+
+__all__ = ["BatchIterator", "collate", "pad_token_id"]
