@@ -44,6 +44,7 @@ from torch import nn
 from poros.data import load_dataset
 from poros.data.batches import collate, pad_token_id
 from poros.data.tokenize import IGNORE_INDEX, TokenizedData
+from poros.devices import compute_device
 from poros.errors import ConfigError, DataError
 from poros.progress import progress_bar, showing
 
@@ -177,9 +178,7 @@ def evaluate_trainer(trainer: Any, dataset: Any = None, *, max_batches: int | No
                               model.config.vocab_size)
         eval_set = eval_set_of(data, batch_size=config.batch_size, source=f"{data.num_examples:,} examples",
                                pad_token_id=pad_token_id(trainer.tokenizer, model.config))
-    parameters = model.trainable_parameters()
-    device = parameters[0].device if parameters else next(model.parameters()).device
-    result = evaluate(model, eval_set.batches, device=device,
+    result = evaluate(model, eval_set.batches, device=compute_device(model),
                       max_batches=max_batches if max_batches is not None else config.eval_batches)
     return result.row(trainer.global_step)
 

@@ -70,7 +70,7 @@ def adapters(model):
 
 
 def training_state(trainer, result):
-    named = adapters(trainer.model.model)
+    named = adapters(trainer.model)
     return {
         "losses": result.losses,
         "adapters": {name: p.detach().clone() for name, p in named.items()},

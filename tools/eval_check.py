@@ -2,7 +2,7 @@
 """Evaluation on the device: a run with evaluation is bit for bit the run without, and eval_loss is the
 resident PEFT model's on the same batches.
 
-    python3 tools/eval_check.py --device cuda --json out/eval.json              # every family
+    python3 -m tools.eval_check --device cuda --json out/eval.json              # every family
     tools/gpu_run.sh eval                                                        # the same, from gpu_run
     DEVICE=cpu tools/gpu_run.sh eval:families=qwen3                              # a dry run here
 
@@ -28,17 +28,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import bench  # noqa: E402  (tools/bench.py: start_tool, provenance)
-import torch  # noqa: E402
+from tools import bench  # start_tool, provenance
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4")
 SETTINGS = dict(steps=3, seq_len=64, batch_size=2, grad_accum=2, lr=2e-2, logging_steps=1, seed=11)
 
 
 def training_state(trainer, result) -> dict[str, Any]:
-    named = {name: p for name, p in trainer.model.model.named_parameters() if p.requires_grad}
+    named = {name: p for name, p in trainer.model.named_parameters() if p.requires_grad}
     device = next(iter(named.values())).device
     return {
         "losses": result.losses,
@@ -94,7 +93,7 @@ def check_family(family: str, device: torch.device, work: Path) -> dict[str, Any
     reference = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                                                           target_modules=all_linear_targets(base)))
     reference.train()  # dropout 0; bitsandbytes' 4-bit linears in training mode, as poros.evaluation runs them
-    poros_adapters = {name: p for name, p in trained.model.model.named_parameters() if p.requires_grad}
+    poros_adapters = {name: p for name, p in trained.model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         for name, parameter in reference.named_parameters():
             if parameter.requires_grad:
