@@ -46,10 +46,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poros import checkpoint as checkpoints
+from poros import evaluation, tracking
 from poros.adapters import lora_target_modules
 from poros.devices import resolve_device
 from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
-from poros.training import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, echo, stream_schedule  # noqa: F401 (re-exported)
+from poros.progress import echo
+from poros.training import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
@@ -82,6 +84,7 @@ class PorosTrainer:
             what :meth:`save` records.
         optimizer, scheduler: those of the last ``train()`` (None before).
         global_step: optimizer steps done by the last ``train()``, resumed steps included.
+        eval_set: the eval batches of the last ``train()`` (``eval_split`` or ``eval_dataset``), or None.
         launch_command: set by the CLI to the ``argv`` it ran; the resume command printed on an
             interrupt is that command with ``--resume_from <checkpoint>``.
     """
@@ -95,6 +98,7 @@ class PorosTrainer:
         self.scheduler = None
         self.global_step = 0
         self.launch_command: list[str] | None = None
+        self.eval_set: evaluation.EvalSet | None = None
 
     # -- creation ------------------------------------------------------------------------------
     @classmethod
@@ -140,6 +144,7 @@ class PorosTrainer:
         from poros.model import prepare
 
         config.validate()
+        tracking.check_installed(config.report_to)  # before the model loads
         device = resolve_device(config.device, check=True)  # a missing GPU is named before any weight is read
         if config.deterministic and device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -227,6 +232,17 @@ class PorosTrainer:
 
         with run_lock.hold(config.output_dir):  # one run per output_dir (re-entrant: the CLI holds it through save)
             return TrainingRun(self, config, data_source).execute()
+
+    def evaluate(self, dataset: Any = None, *, max_batches: int | None = None) -> dict[str, Any]:
+        """The eval loss of the adapter now, computed as ``train()`` computes it between steps.
+
+        Evaluates ``dataset`` (anything ``poros.data.load_dataset`` takes), else the eval set of the
+        last ``train()``, else the config's ``eval_dataset``; see :func:`poros.evaluation.evaluate_trainer`.
+
+        Returns:
+            The row ``train()`` logs: ``step`` (:attr:`global_step`), ``eval_loss``, ``eval_perplexity``...
+        """
+        return evaluation.evaluate_trainer(self, dataset, max_batches=max_batches)
 
     def generate(self, prompt: str, **options: Any) -> str:
         """The model's continuation of ``prompt`` with the adapter as trained so far; ``options`` as for

@@ -12,7 +12,8 @@
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
-# --model SHAPE: poros merge RAM/time and poros generate tokens/s), `load` (tools/load_check.py) or `doctor`
+# --model SHAPE: poros merge RAM/time and poros generate tokens/s), `load` (tools/load_check.py), `eval`
+# (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident) or `doctor`
 # (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
 # `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
@@ -141,11 +142,14 @@ main() {
       load)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.load_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+      eval)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.eval_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       doctor)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], load[:k=v...] or doctor[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], load[:k=v...], eval[:k=v...] or doctor[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

@@ -37,6 +37,7 @@ EPILOG = textwrap.dedent("""\
       $ poros train --steps 20 --output-dir /tmp/tiny-lora
       $ poros train poros.yaml                       # the file written by `poros init`
       $ poros train poros.yaml --model Qwen/Qwen2.5-7B --dataset data/chat.jsonl --seq-len 1024
+      $ poros train --eval-split 0.1 --eval-steps 50 --report-to tensorboard   # held-out eval_loss
 
       $ poros train --dry-run                        # validate, print the memory plan; nothing loaded
       poros train --dry-run: the configuration is valid (all defaults)
