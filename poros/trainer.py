@@ -286,7 +286,8 @@ class PorosTrainer:
             workload = Workload(config.batch_size, config.seq_len, config.grad_accum,
                                 _stream_schedule(config, peft_model))
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
-                        require=config.require, vram_budget=config.vram_budget, workload=workload)
+                        require=config.require, vram_budget=config.vram_budget, workload=workload,
+                        optimizer_states=config.optimizer_states)
         if model.budget_plan is not None:
             _echo(model.budget_plan.summary())
         if model.detection is not None:
@@ -577,9 +578,13 @@ class _Run:
     def _optimizer(self):
         import transformers
 
+        from poros.stream import host_optimizer, optimizer_states
+
         config = self.config
-        optimizer = torch.optim.AdamW(self.model.trainable_parameters(), lr=config.lr,
-                                      weight_decay=config.weight_decay)
+        plan = self.model.budget_plan
+        states = optimizer_states.resolve(config.optimizer_states, plan.optimizer_states if plan else None)
+        optimizer = host_optimizer.adamw(self.model.trainable_parameters(), optimizer_states=states, lr=config.lr,
+                                         weight_decay=config.weight_decay)
         scheduler = transformers.get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup,
                                                num_training_steps=config.steps)
         return optimizer, scheduler
@@ -600,9 +605,12 @@ class _Run:
         return checkpoint
 
     def _resume(self, checkpoint: checkpoints.TrainingCheckpoint, optimizer, scheduler, batches) -> None:
+        from poros.stream.host_optimizer import HostAdamW
+
         self.trainer._restore_adapter(checkpoint.adapter_state_dict(device=self.device), checkpoint.path)
         try:
-            optimizer.load_state_dict(checkpoint.optimizer_state_dict(device=self.device))
+            on_host = isinstance(optimizer, HostAdamW)  # its state goes to host memory, not via the device
+            optimizer.load_state_dict(checkpoint.optimizer_state_dict(device="cpu" if on_host else self.device))
             scheduler.load_state_dict(checkpoint.scheduler_state_dict())
         except (ValueError, KeyError) as error:
             raise TrainingCheckpointError(

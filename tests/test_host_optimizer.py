@@ -132,3 +132,131 @@ def test_resume_through_state_dict_either_way(qwen3, flags):
     losses += run_steps(model, third, parameters, micro_batches[3:])
     assert_same(reference, ref_opt, model, third, ref_losses, losses)
     assert saved(third)["state"].keys() == saved(ref_opt)["state"].keys()
+
+
+# -- the planner ---------------------------------------------------------------------------------
+def test_the_planner_moves_the_adamw_state_to_the_host_only_when_nothing_fits_with_it_on_the_device():
+    from poros.stream import planner
+    from poros.stream.planner import Footprint, Workload
+
+    mib = 2**20  # the LoRA state far larger than HostAdamW's chunks, as at real shapes
+    fp = Footprint(block_bytes=(100 * mib,) * 4, device_non_block_bytes=500 * mib, host_embedding_bytes=0,
+                   lora_parameter_bytes=400 * mib, boundary_bytes=10 * mib, recompute_bytes=50 * mib,
+                   head_bytes=200 * mib)
+    workload = Workload()
+    device_minimum = planner.minimum_budget(fp, workload)
+    host_minimum = planner.minimum_budget(fp, workload, optimizer_states="auto")
+    assert host_minimum < device_minimum
+    assert host_minimum == planner.minimum_budget(fp, workload, optimizer_states="host")
+    on_host = planner.predict_peak(fp, workload, optimizer_on_host=True)
+    on_device = planner.predict_peak(fp, workload)
+    persistent = sum(n for _, n in on_device.persistent) - sum(n for _, n in on_host.persistent)
+    assert persistent == 2 * 400 * mib  # exp_avg + exp_avg_sq off the device for the whole step
+    in_flight = dict(on_host.transient)["AdamW state chunks in flight (3) + temporary"]
+    assert in_flight == 3 * 32 * mib + 16 * mib < dict(on_device.transient)["AdamW temporary"]
+    # roomy: the state stays; below the device minimum: the host, then the ring again
+    assert planner.plan_budget(fp, workload, device_minimum, optimizer_states="auto").optimizer_states == "device"
+    tight = planner.plan_budget(fp, workload, device_minimum - 1, optimizer_states="auto")
+    assert tight.optimizer_states == "host" and "AdamW state on the host" in " ".join(tight.notes)
+    assert tight.needed_bytes <= device_minimum - 1 and "AdamW state on the host" in tight.summary()
+    with pytest.raises(poros.errors.ConfigError, match="below the minimum"):
+        planner.plan_budget(fp, workload, device_minimum - 1)  # the planner API's default: on the device
+    with pytest.raises(poros.errors.ConfigError, match="below the minimum"):
+        planner.plan_budget(fp, workload, host_minimum - 1, optimizer_states="auto")
+    assert planner.plan_budget(fp, workload, 10**12, optimizer_states="host").optimizer_states == "host"
+    with pytest.raises(poros.errors.ConfigError, match="optimizer_states='disk'"):
+        planner.plan_budget(fp, workload, 10**12, optimizer_states="disk")
+
+
+def test_poros_plan_picks_host_optimizer_states_when_that_is_what_fits(tmp_path, capsys):
+    import json
+
+    from poros.cli.main import main
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=1)
+    base = ["plan", "--model", str(checkpoint), "--device", "cpu", "--seq-len", "64", "--json"]
+
+    def plan(*argv):
+        assert main([*base, *argv]) == 0
+        return json.loads(capsys.readouterr().out)["plan"]
+
+    roomy = plan("--vram-budget", "1GiB")
+    assert roomy["optimizer_states"] == "device"
+    tight = plan("--vram-budget", str(roomy["minimum_bytes"] - 1))
+    assert tight["optimizer_states"] == "host" and tight["needed_bytes"] < roomy["minimum_bytes"]
+    assert plan("--vram-budget", "1GiB", "--optimizer-states", "host")["optimizer_states"] == "host"
+
+
+# -- PorosTrainer ----------------------------------------------------------------------------------
+from test_trainer import (RESUME, assert_continues_uninterrupted, chat_file, new_trainer,  # noqa: E402,F401
+                          qwen3_checkpoint, tokenizer, uninterrupted)
+
+
+def test_poros_trainer_with_host_optimizer_states_trains_and_resumes_bitwise(uninterrupted, qwen3_checkpoint,
+                                                                             chat_file, tmp_path):
+    """optimizer_states='host': the same 4 steps (accumulation, clipping at max_grad_norm 1.0) as the
+    device run; its checkpoint resumes the device optimizer and the device checkpoint resumes it."""
+    from poros import checkpoint as checkpoints
+
+    host = new_trainer(qwen3_checkpoint, tmp_path / "host")
+    result = host.train(chat_file, save_steps=2, optimizer_states="host", **RESUME)
+    assert isinstance(host.optimizer, HostAdamW) and host.run_config.max_grad_norm == 1.0
+    assert_continues_uninterrupted(uninterrupted, host, result)
+
+    resumed = new_trainer(qwen3_checkpoint, tmp_path / "device-from-host")
+    result = resumed.train(chat_file, resume_from=tmp_path / "host" / "checkpoint-2", optimizer_states="device",
+                           **RESUME)
+    assert type(resumed.optimizer) is torch.optim.AdamW
+    assert_continues_uninterrupted(uninterrupted, resumed, result)
+
+    resumed = new_trainer(qwen3_checkpoint, tmp_path / "host-from-device")
+    result = resumed.train(chat_file, resume_from=uninterrupted["output_dir"] / "checkpoint-2",
+                           optimizer_states="host", **RESUME)
+    assert isinstance(resumed.optimizer, HostAdamW)
+    assert_continues_uninterrupted(uninterrupted, resumed, result)
+    # the files: torch's AdamW state_dict either way, equal tensor for tensor
+    written = checkpoints.read_checkpoint(tmp_path / "host" / "checkpoint-4").optimizer_state_dict()
+    expected = checkpoints.read_checkpoint(uninterrupted["output_dir"] / "checkpoint-4").optimizer_state_dict()
+    assert written["param_groups"] == expected["param_groups"] and written["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        assert state.keys() == written["state"][index].keys()
+        assert all(torch.equal(value, written["state"][index][key]) for key, value in state.items())
+
+
+# -- HF Trainer ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_hf_trainer_with_host_adamw_is_bitwise_its_own_adamw(qwen3, optim, tmp_path):
+    """HF Trainer (its decay groups, clipping at max_grad_norm 1.0, accumulation, a mid-run save and
+    resume) with ``trainer.optimizer = HostAdamW.from_optimizer(trainer.create_optimizer())``."""
+    import transformers
+
+    from test_hf_integration import _Rows
+
+    rows = []
+    for seed in range(12):
+        batch = make_batch(seed, 1, 16, "none")
+        rows.append({key: value[0] for key, value in batch.items()})
+
+    def run(host: bool, output_dir, max_steps=3, resume=None):
+        model = load_qlora(qwen3, seed=9)
+        poros.patch_hf_model(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear",
+            optim=optim, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=11,
+            data_seed=11, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(rows))
+        if host:
+            trainer.optimizer = HostAdamW.from_optimizer(trainer.create_optimizer(), chunk_bytes=4096)
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return model, trainer.optimizer, losses
+
+    reference, ref_opt, ref_losses = run(False, tmp_path / "resident")
+    model, opt, losses = run(True, tmp_path / "host")
+    assert isinstance(opt.optimizer, HostAdamW) and len(opt.optimizer.param_groups) == len(ref_opt.param_groups)
+    assert losses == ref_losses and len(losses) == 3
+    assert_same(reference, ref_opt, model, opt.optimizer, [], [])
+    # resume the resident run's checkpoint-2 with HostAdamW: the same end state
+    model, opt, _ = run(True, tmp_path / "host-resumed", resume=str(tmp_path / "resident" / "checkpoint-2"))
+    assert_same(reference, ref_opt, model, opt.optimizer, [], [])

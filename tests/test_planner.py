@@ -518,7 +518,8 @@ def test_plan_on_cpu_prints_the_memory_plan(capsys, tiny_checkpoint):
 
 def test_plan_with_given_times_and_json(capsys, tiny_checkpoint):
     base = ["plan", "--model", str(tiny_checkpoint), "--device", "cpu", "--seq-len", "64", "--grad-accum", "2",
-            "--stream-schedule", "layer-major", "--block-ms", "0.3,0.6", "--link-gb-per-s", "0.001"]
+            "--stream-schedule", "layer-major", "--block-ms", "0.3,0.6", "--link-gb-per-s", "0.001",
+            "--optimizer-states", "device"]  # the AdamW state's host fallback: tests/test_host_optimizer.py
     status, out, err = run_cli(capsys, *base, "--vram-budget", "1GiB", "--json")
     assert status == 0, err
     report = json.loads(out)

@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     on_host = config.embeddings_on_host if config.embeddings_on_host is not None else on_cuda
     budget_plan = planner.plan_budget(
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
-        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0)
+        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0,
+        optimizer_states=config.optimizer_states)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
                     "device": plan.device, "link_source": link_source,

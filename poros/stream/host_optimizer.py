@@ -37,8 +37,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
-#: State bytes per chunk by default: about one decoder block of r16 all-linear LoRA at 72B shape.
-DEFAULT_CHUNK_BYTES = 32 * 2**20
+from poros.stream.optimizer_states import DEFAULT_CHUNK_BYTES
 
 
 class HostAdamW(torch.optim.AdamW):
@@ -242,3 +241,11 @@ class HostAdamW(torch.optim.AdamW):
                     cast = value.to(dtype=param.dtype) if param.is_floating_point() else value
                     host_state[key] = self._host_copy(cast, param).copy_(cast)
             self.state[param] = host_state
+
+
+def adamw(parameters, *, optimizer_states: str = "device", **options: Any) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(parameters, **options)``, or :class:`HostAdamW` when ``optimizer_states`` is ``"host"``."""
+    parameters = list(parameters)
+    if optimizer_states == "host":
+        return HostAdamW(parameters, **options)
+    return torch.optim.AdamW(parameters, **options)

@@ -47,6 +47,7 @@ from torch import nn
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.config import parse_budget
 from poros.errors import CheckpointLoadError, ConfigError, StreamingError
+from poros.stream import optimizer_states as adamw_states
 from poros.stream.store import ALIGN, _frozen_tensors, _shared_tensor_keys
 
 #: bitsandbytes 4-bit block sizes: values per absmax, and absmax values per nested absmax.
@@ -399,7 +400,8 @@ class PeakBreakdown:
 
 
 def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable[int] = (), num_slots: int = 2,
-                 embeddings_on_host: bool = True, boundary_on_host: bool = False) -> PeakBreakdown:
+                 embeddings_on_host: bool = True, boundary_on_host: bool = False,
+                 optimizer_on_host: bool = False) -> PeakBreakdown:
     """The peak allocated device bytes of a step: the largest of its three phases.
 
     Persistent: the slot ring (``min(num_slots, streamed blocks)`` x the largest streamed block),
@@ -414,6 +416,9 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
       (micro-major frees each as its block is done, so the larger of L x B at the first backward
       block and G at the last; layer-major keeps all M x L until the step's backward is over);
     * **optimizer**: G + AdamW's temporary (one more copy of the LoRA parameters).
+
+    ``optimizer_on_host``: AdamW's state lives in host memory (``HostAdamW``); on the device only
+    the chunks in flight during the optimizer step (:mod:`poros.stream.optimizer_states`).
 
     ``boundary_on_host`` (layer-major): the boundary states wait in host memory; on the device
     only the M prelude outputs (HF's graph holds them) and those in flight: at the turn each
@@ -430,7 +435,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         (f"resident blocks ({len(resident)})", sum(footprint.block_bytes[i] for i in resident)),
         ("modules outside the blocks (head, norms)", footprint.device_non_block_bytes),
         ("embedding tables", 0 if embeddings_on_host else footprint.host_embedding_bytes),
-        ("LoRA parameters + AdamW state", 3 * lora),
+        adamw_states.persistent_bytes(lora, states_on_host=optimizer_on_host),
         ("library workspaces", footprint.workspace_bytes),
     ]
     micro, blocks = workload.grad_accum, footprint.num_blocks
@@ -455,7 +460,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         last_block = 2 * boundary + lora
         backward = [("boundary states and LoRA gradients still held", max(first_block, last_block)),
                     ("one block's recompute working set", footprint.recompute_bytes)]
-    optimizer = [("LoRA gradients", lora), ("AdamW temporary", lora)]
+    optimizer = adamw_states.step_bytes(lora, states_on_host=optimizer_on_host)
     phases = {"head and loss (forward-backward turn)": turn, "block recompute and backward": backward,
               "optimizer step": optimizer}
     phase = max(phases, key=lambda name: sum(n for _, n in phases[name]))
@@ -624,6 +629,8 @@ class BudgetPlan:
         hide_copy_bytes, hide_copy_peak_bytes: the budget that plan needs, and its peak allocated.
         hide_copy_step: that plan's step prediction.
         notes: the decisions, in words.
+        optimizer_states: where AdamW's state lives: ``"device"``, or ``"host"`` (``HostAdamW``)
+            when no plan fits the budget with it on the device (or when asked).
     """
 
     budget_bytes: int
@@ -651,6 +658,7 @@ class BudgetPlan:
     hide_copy_peak_bytes: int | None
     hide_copy_step: StepPrediction | None
     notes: tuple[str, ...]
+    optimizer_states: str = "device"
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -659,6 +667,7 @@ class BudgetPlan:
                     else f"no resident block of {self.num_blocks}")
         step = f", predicted step {self.step.step_s:.3f} s" if self.step else ""
         boundary = ", boundary states on the host" if self.boundary_states == "host" else ""
+        boundary += ", AdamW state on the host" if self.optimizer_states == "host" else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
                 f"{'s' if self.num_slots != 1 else ''}, embeddings on the {'host' if self.embeddings_on_host else 'device'}"
                 f"{boundary}"
@@ -676,17 +685,20 @@ class BudgetPlan:
 
 
 def _fits_plan(footprint: Footprint, workload: Workload, resident: int, slots: int, on_host: bool,
-               context_bytes: int, slack: float, boundary_on_host: bool = False) -> tuple[PeakBreakdown, int]:
+               context_bytes: int, slack: float, boundary_on_host: bool = False,
+               optimizer_on_host: bool = False) -> tuple[PeakBreakdown, int]:
     last = footprint.num_blocks
     peak = predict_peak(footprint, workload, resident=range(last - resident, last), num_slots=slots,
-                        embeddings_on_host=on_host, boundary_on_host=boundary_on_host)
+                        embeddings_on_host=on_host, boundary_on_host=boundary_on_host,
+                        optimizer_on_host=optimizer_on_host)
     return peak, budget_for_peak(peak.total, context_bytes=context_bytes, slack=slack)
 
 
 def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, num_slots: int = 2,
                 embeddings_on_host: bool | None = None, compute: ComputeTimes | None = None,
                 link_bytes_per_s: float | None = None, context_bytes: int = 0,
-                slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None) -> BudgetPlan:
+                slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None,
+                optimizer_states: str = "device") -> BudgetPlan:
     """Decide slots, resident blocks, embedding and boundary-state placement for ``budget``;
     predict peak and step.
 
@@ -708,6 +720,9 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         slack: allocator slack, a fraction of the peak.
         boundary_states: ``"device"`` or ``"host"`` to force where layer-major keeps its boundary
             states; None lets the budget decide.
+        optimizer_states: where AdamW's state lives: ``"device"`` (torch.optim.AdamW), ``"host"``
+            (``HostAdamW``) or ``"auto"``: on the host only when no plan fits with it on the device
+            (``poros plan`` and ``prepare`` ask for ``"auto"``: ``PorosConfig.optimizer_states``).
 
     Raises:
         ConfigError: an unparsable budget, or a budget below the minimum (the message names the
@@ -718,13 +733,23 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         raise ConfigError(f"num_slots={num_slots}: expected an integer >= 1 (2 overlaps copy and compute).")
     if boundary_states not in (None, "device", "host"):
         raise ConfigError(f"boundary_states={boundary_states!r}: expected 'device', 'host' or None (the budget decides).")
+    if optimizer_states not in ("auto", *adamw_states.OPTIMIZER_STATES):
+        raise ConfigError(f"optimizer_states={optimizer_states!r}: expected 'device', 'host' or 'auto' (the budget "
+                          "decides).")
     blocks = footprint.num_blocks
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
 
     layer_major = workload.schedule == "layer-major"
+    # AdamW's state to the host only when no plan (1 slot, nothing resident) fits with it on the device
+    boundary_placements = {"device": (False,), "host": (True,)}.get(boundary_states, (False, layer_major))
+    states = adamw_states.choose(optimizer_states, lambda: any(
+        _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, boundary)[1] <= budget_bytes
+        for boundary in boundary_placements))
+    optimizer_on_host = states == "host"
 
     def sized(resident: int, slots: int, host: bool) -> tuple[PeakBreakdown, int]:
-        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host)
+        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host,
+                          optimizer_on_host)
 
     def fits(resident: int, slots: int, host: bool) -> int:
         return sized(resident, slots, host)[1]
@@ -830,6 +855,11 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
                                  slack)
         if hint:
             notes.append(hint)
+    if optimizer_on_host:
+        notes.append(f"AdamW state on the host ({format_gb(2 * footprint.lora_parameter_bytes)} in pinned memory, "
+                     "stepped a chunk at a time by HostAdamW, bitwise torch's AdamW) "
+                     + ("as asked" if optimizer_states == "host" else
+                        "because no plan fits the budget with it on the device"))
     notes.append("the head stays on the device (streaming the head is not implemented)")
     if streamed == 0:
         notes.append("every block is resident: nothing streams")
@@ -843,7 +873,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=accepted_minimum, pipelined_minimum_bytes=pipelined,
         boundary_bytes=boundary_total, boundary_offload_minimum_bytes=offload_minimum,
         hide_copy_resident=hide_resident, hide_copy_bytes=hide_bytes, hide_copy_peak_bytes=hide_peak,
-        hide_copy_step=hide_step, notes=tuple(notes),
+        hide_copy_step=hide_step, notes=tuple(notes), optimizer_states=states,
     )
 
 
@@ -863,13 +893,17 @@ def _layer_major_hint(footprint: Footprint, workload: Workload, compute: Compute
 
 
 def minimum_budget(footprint: Footprint, workload: Workload, *, embeddings_on_host: bool | None = None,
-                   context_bytes: int = 0, slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None) -> int:
+                   context_bytes: int = 0, slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None,
+                   optimizer_states: str = "device") -> int:
     """The smallest budget :func:`plan_budget` accepts for this run with the same options (1 slot,
-    nothing resident; layer-major's boundary states where that is smaller unless forced)."""
+    nothing resident; layer-major's boundary states where that is smaller unless forced; AdamW's state on
+    the device unless ``optimizer_states`` is ``"host"`` or ``"auto"``)."""
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
     layer_major = workload.schedule == "layer-major"
-    device = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, False)[1]
-    host = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, True)[1] if layer_major else device
+    optimizer_on_host = optimizer_states != "device"  # 'auto' falls back to the host, which is never larger
+    device = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, False, optimizer_on_host)[1]
+    host = (_fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, True, optimizer_on_host)[1]
+            if layer_major else device)
     return _accepted_minimum(device, host, layer_major, boundary_states)
 
 
@@ -1193,7 +1227,7 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
 def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module], *,
                    budget: str | int, workload: Workload, device: torch.device, compute_dtype: torch.dtype,
                    num_slots: int = 2, embeddings_on_host: bool | None = None,
-                   boundary_states: str | None = None) -> BudgetPlan:
+                   boundary_states: str | None = None, optimizer_states: str = "auto") -> BudgetPlan:
     """:func:`plan_budget` for a loaded model (what ``prepare(vram_budget=...)`` asks); no compute
     times, so the plan fills the budget with resident blocks.
 
@@ -1204,7 +1238,7 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                                    compute_dtype=compute_dtype)
     return plan_budget(footprint, workload, budget, num_slots=num_slots, embeddings_on_host=embeddings_on_host,
                        context_bytes=CUDA_CONTEXT_BYTES if device.type == "cuda" else 0,
-                       boundary_states=boundary_states)
+                       boundary_states=boundary_states, optimizer_states=optimizer_states)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1462,6 +1496,8 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
         ("embedding tables", "host" if bp.embeddings_on_host else "device"),
         ("boundary states", f"{bp.boundary_states} ({gb(bp.boundary_bytes)}"
                             + ("; pinned, in flight on the device" if bp.boundary_states == "host" else "") + ")"),
+        ("AdamW state", bp.optimizer_states + ("; pinned, stepped a chunk at a time" if bp.optimizer_states == "host"
+                                               else "")),
         ("head", "device (head streaming not implemented)"),
     ]
     memory = [(name, n) for name, n in (*bp.peak.persistent, *bp.peak.transient) if n]
