@@ -133,7 +133,7 @@ class PorosConfig:
     optimizer_states: str = _field("auto", "Where AdamW's exp_avg / exp_avg_sq live: 'device', 'host' (pinned host "
                                    "memory, stepped on the device a chunk at a time by poros.HostAdamW: bitwise "
                                    "torch's AdamW, 8 bytes per LoRA value off the device) or 'auto' (on the host "
-                                   "only when vram_budget cannot be met with them on the device).",
+                                   "only when vram_budget cannot hold them beside the num_slots slot ring).",
                                    choices=("auto", "device", "host"))
 
     def __post_init__(self) -> None:

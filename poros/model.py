@@ -348,7 +348,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             a side stream; bitwise the same). With ``vram_budget`` the planner decides (host only
             when the budget needs it) unless this is given.
         optimizer_states: with ``vram_budget``, where the plan puts AdamW's state: ``"device"``,
-            ``"host"`` or ``"auto"`` (host only when no plan fits with it on the device). Prepare moves no
+            ``"host"`` or ``"auto"`` (host only when the slot ring does not fit with it on the device). Prepare moves no
             optimizer: the plan's choice is ``PorosModel.budget_plan.optimizer_states``, which
             PorosTrainer applies (``poros.stream.host_optimizer.adamw``) and a loop of your own
             should too (``poros.HostAdamW`` when it says ``"host"``).

@@ -123,6 +123,11 @@ SHAPES: dict[str, Shape] = {
         layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
         vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_sliding_window=False)),
+    # https://huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json (the registry's facts win: registry/qwen2.toml)
+    "qwen2.5-14b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-14B", facts=dict(
+        layers=48, hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8,
+        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
     # https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
     "qwen2.5-32b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-32B", facts=dict(
         layers=64, hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8,
@@ -501,14 +506,19 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
-            forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None) -> ArmResult:
+            forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None,
+            optimizer_states: str = "device") -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
     given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch.
-    ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing."""
+    ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing.
+    ``optimizer_states="host"``: ``poros.HostAdamW`` (the state in pinned host memory) instead of
+    ``torch.optim.AdamW``."""
+    from poros.stream.host_optimizer import adamw
+
     result = ArmResult(name)
     params = [p for _, p in named_params]
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    optimizer = adamw(params, optimizer_states=optimizer_states, lr=lr)
     free_memory(device)
     if device.type == "cuda":
         if vram_limit_gb is not None:
@@ -844,8 +854,12 @@ def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
 def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"), device: torch.device, warmup: int, lr: float = 1e-3,
                  vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
-                 compute=None, link_bytes_per_s: float | None = None, timeline: bool = False) -> dict[str, Any]:
+                 compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
+                 optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
+
+    ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
+    ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all).
 
     ``vram_budget`` goes to ``poros.prepare`` (the planner picks slots and resident blocks); the
     poros arm records the planner's prediction for the setup prepare made (``prediction``: peak,
@@ -857,18 +871,22 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
     device = _device(device)
     named = trainable(peft_model)
     initial = snapshot(named)
+
+    def limit(arm: str) -> float | None:
+        return vram_limit_gb if capped_arms is None or arm in capped_arms else None
+
     results: dict[str, ArmResult] = {}
     for name in ("resident", "control"):
         if name in arms:
             restore(named, initial)
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
-                                    vram_limit_gb=vram_limit_gb, grad_accum=grad_accum, profile=profile)
+                                    vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile)
     if "poros" in arms:
         restore(named, initial)
         results["poros"], handle = run_poros_arm(
-            peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=vram_limit_gb,
+            peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit("poros"),
             num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile, vram_budget=vram_budget,
-            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline)
+            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline, optimizer_states=optimizer_states)
         if handle is None:
             return {"arms": results, "comparison": None}
     return {"arms": results, "comparison": compare(results, warmup)}
@@ -877,7 +895,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
 def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
                   vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
-                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False):
+                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
+                  optimizer_states: str = "device"):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -893,12 +912,14 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule)
     try:
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
-                                 workload=workload if vram_budget is not None else None)
+                                 workload=workload if vram_budget is not None else None,
+                                 optimizer_states=optimizer_states)
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
     try:  # the planner's prediction for this setup, recorded next to the measurement
-        prediction = planner.predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
+        prediction = planner.predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s,
+                                              optimizer_states=optimizer_states)
     except Exception as exc:  # noqa: BLE001 - a planner bug must not cost the measurement
         prediction = {"error": f"{type(exc).__name__}: {exc}"}
     store = streamed.store
@@ -907,7 +928,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                      vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
                      forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
                      profile=profile, step_hooks=copies.hooks(warmup) if copies else None,
-                     timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)})
+                     timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)},
+                     optimizer_states=optimizer_states)
     if copies is not None:
         copies.detach()
         result.extra["copy_timeline"] = copies.summary()
@@ -1158,6 +1180,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8")
     parser.add_argument("--vram-limit", type=float, metavar="GB",
                         help="cap the process (set_per_process_memory_fraction) during each arm's steps")
+    parser.add_argument("--cap-arms", help="comma list of the arms --vram-limit caps (default: every arm), e.g. "
+                                           "poros: the reference runs uncapped for the parity check")
+    parser.add_argument("--optimizer-states", default="device", choices=("device", "host"),
+                        help="Poros arm: AdamW's state on the device (torch.optim.AdamW) or in pinned host memory "
+                             "(poros.HostAdamW, stepped a chunk at a time); the reference keeps torch's AdamW")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
                         help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks")
@@ -1226,7 +1253,8 @@ def main(argv=None) -> int:
     outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
                            vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
-                           timeline=args.timeline,
+                           timeline=args.timeline, optimizer_states=args.optimizer_states,
+                           capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
                            link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
@@ -1235,6 +1263,8 @@ def main(argv=None) -> int:
             "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
+            "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
+            "optimizer_states": args.optimizer_states,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,

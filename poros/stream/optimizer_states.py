@@ -39,7 +39,7 @@ def step_bytes(lora_parameter_bytes: int, *, states_on_host: bool,
 
 
 def choose(requested: str, fits_with_states_on_device: Callable[[], bool]) -> str:
-    """``requested`` unless ``"auto"``; then ``"device"`` when a plan fits with the states there, else ``"host"``."""
+    """``requested`` unless ``"auto"``; then ``"device"`` when the plan fits with the states there, else ``"host"``."""
     if requested != "auto":
         return requested
     return "device" if fits_with_states_on_device() else "host"

@@ -630,7 +630,7 @@ class BudgetPlan:
         hide_copy_step: that plan's step prediction.
         notes: the decisions, in words.
         optimizer_states: where AdamW's state lives: ``"device"``, or ``"host"`` (``HostAdamW``)
-            when no plan fits the budget with it on the device (or when asked).
+            when the ring asked for does not fit the budget with it on the device (or when asked).
     """
 
     budget_bytes: int
@@ -721,7 +721,8 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         boundary_states: ``"device"`` or ``"host"`` to force where layer-major keeps its boundary
             states; None lets the budget decide.
         optimizer_states: where AdamW's state lives: ``"device"`` (torch.optim.AdamW), ``"host"``
-            (``HostAdamW``) or ``"auto"``: on the host only when no plan fits with it on the device
+            (``HostAdamW``) or ``"auto"``: on the host only when the ring asked for does not fit with
+            it on the device
             (``poros plan`` and ``prepare`` ask for ``"auto"``: ``PorosConfig.optimizer_states``).
 
     Raises:
@@ -740,10 +741,12 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
 
     layer_major = workload.schedule == "layer-major"
-    # AdamW's state to the host only when no plan (1 slot, nothing resident) fits with it on the device
+    # 'auto': AdamW's state to the host only when the ring asked for (nothing resident, the boundary
+    # states wherever they may go) does not fit with it on the device: a slot saves every copy's wait,
+    # the host state costs two copies of 8 B per LoRA value per step on the side stream
     boundary_placements = {"device": (False,), "host": (True,)}.get(boundary_states, (False, layer_major))
     states = adamw_states.choose(optimizer_states, lambda: any(
-        _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, boundary)[1] <= budget_bytes
+        _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, boundary)[1] <= budget_bytes
         for boundary in boundary_placements))
     optimizer_on_host = states == "host"
 
@@ -859,7 +862,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         notes.append(f"AdamW state on the host ({format_gb(2 * footprint.lora_parameter_bytes)} in pinned memory, "
                      "stepped a chunk at a time by HostAdamW, bitwise torch's AdamW) "
                      + ("as asked" if optimizer_states == "host" else
-                        "because no plan fits the budget with it on the device"))
+                        f"because {num_slots} slots do not fit the budget with it on the device"))
     notes.append("the head stays on the device (streaming the head is not implemented)")
     if streamed == 0:
         notes.append("every block is resident: nothing streams")
@@ -1197,9 +1200,9 @@ def _segments(labels: list[str], times: list[float], layers: int, micro: int = 1
 
 
 def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | None = None,
-                     link_bytes_per_s: float | None = None) -> dict[str, Any]:
+                     link_bytes_per_s: float | None = None, optimizer_states: str = "device") -> dict[str, Any]:
     """What the planner predicts for a :class:`~poros.model.PorosModel` as :func:`poros.prepare` set it
-    up (its slots, resident blocks and embedding placement): the peak and its parts, the copy bytes
+    up (its slots, resident blocks and embedding placement; AdamW's state where the run keeps it): the peak and its parts, the copy bytes
     per step, and with compute times and a link the step. ``tools/bench.py`` records it next to
     what it measures."""
     store = model.store
@@ -1212,7 +1215,8 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
     slots = max(store.num_slots, 1)
     peak = predict_peak(footprint, workload, resident=resident, num_slots=slots,
                         embeddings_on_host=bool(model.host_tables),
-                        boundary_on_host=model.executor.boundary_states == "host")
+                        boundary_on_host=model.executor.boundary_states == "host",
+                        optimizer_on_host=optimizer_states == "host")
     step = None
     if compute is not None and link_bytes_per_s:
         step = predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s, resident=resident,
