@@ -66,7 +66,7 @@ METRICS_FILE = "metrics.jsonl"
 FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
-    "device", "num_slots", "deterministic", "require", "embeddings_on_host",
+    "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks",
 )
 #: Every row of ``metrics.jsonl`` (and of ``TrainResult.log_history``) has these keys.
 METRIC_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "num_tokens",
@@ -284,10 +284,17 @@ class PorosTrainer:
             from poros.stream.planner import Workload
 
             workload = Workload(config.batch_size, config.seq_len, config.grad_accum,
-                                _stream_schedule(config, peft_model))
+                                _stream_schedule(config, peft_model), config.loss_chunks)
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
                         require=config.require, vram_budget=config.vram_budget, workload=workload,
                         optimizer_states=config.optimizer_states)
+        if config.loss_chunks > 1:
+            from poros.stream.chunked_loss import use_chunked_loss
+
+            use_chunked_loss(model, config.loss_chunks)
+            _echo(f"poros: loss_chunks={config.loss_chunks}: the loss is computed over {config.loss_chunks} token "
+                  "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
+                  "default loss")
         if model.budget_plan is not None:
             _echo(model.budget_plan.summary())
         if model.detection is not None:

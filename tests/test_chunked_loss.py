@@ -77,3 +77,19 @@ def test_one_chunk_installs_nothing_and_bad_values_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="loss_chunks=0"):
         use_chunked_loss(model, 0)
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)] and chunk_bounds(2, 5) == [(0, 1), (1, 2)]
+
+
+def test_the_planner_counts_one_chunk_of_the_fp32_loss_working_set(tmp_path):
+    from poros.config import PorosConfig
+    from poros.stream import planner
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=2)
+    plans = {n: planner.plan_run(PorosConfig(model=str(checkpoint), device="cpu", seq_len=64, loss_chunks=n))
+             for n in (1, 4)}
+    logits = 64 * plans[1].vocab_size
+    value = plans[1].activation_bytes_per_value
+    assert plans[1].logits_bytes == logits * (value + planner.LOSS_BYTES_PER_LOGIT)
+    assert plans[4].logits_bytes == 2 * logits * value + -(-logits // 4) * planner.LOSS_BYTES_PER_LOGIT
+    assert planner.Workload(loss_chunks=4).loss_chunks == 4
+    with pytest.raises(ConfigError, match="loss_chunks=0"):
+        planner.Workload(loss_chunks=0)

@@ -855,7 +855,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                  vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
-                 optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None) -> dict[str, Any]:
+                 optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
+                 loss_chunks: int = 1) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
@@ -886,7 +887,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         results["poros"], handle = run_poros_arm(
             peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit("poros"),
             num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile, vram_budget=vram_budget,
-            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline, optimizer_states=optimizer_states)
+            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline, optimizer_states=optimizer_states,
+            loss_chunks=loss_chunks)
         if handle is None:
             return {"arms": results, "comparison": None}
     return {"arms": results, "comparison": compare(results, warmup)}
@@ -896,7 +898,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                   vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                   compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
-                  optimizer_states: str = "device"):
+                  optimizer_states: str = "device", loss_chunks: int = 1):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -909,7 +911,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
 
     peft_model.get_base_model().activation_checkpointing_disable()
     batch, seq = batches[0]["input_ids"].shape
-    workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule)
+    workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule,
+                                loss_chunks=loss_chunks)
     try:
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
                                  workload=workload if vram_budget is not None else None,
@@ -1182,6 +1185,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="cap the process (set_per_process_memory_fraction) during each arm's steps")
     parser.add_argument("--cap-arms", help="comma list of the arms --vram-limit caps (default: every arm), e.g. "
                                            "poros: the reference runs uncapped for the parity check")
+    parser.add_argument("--loss-chunks", type=int, default=1, metavar="N",
+                        help="both arms compute the loss over N token chunks (poros.stream.chunked_loss; bitwise "
+                             "between the arms, numerically HF's default loss); 1: HF's loss")
     parser.add_argument("--optimizer-states", default="device", choices=("device", "host"),
                         help="Poros arm: AdamW's state on the device (torch.optim.AdamW) or in pinned host memory "
                              "(poros.HostAdamW, stepped a chunk at a time); the reference keeps torch's AdamW")
@@ -1234,7 +1240,7 @@ def main(argv=None) -> int:
         from poros.stream import planner  # the planner's own probe, before the model takes the memory
 
         compute = planner.probe_compute(
-            config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule), device,
+            config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule, args.loss_chunks), device,
             compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
             lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)
             else targets)
@@ -1244,6 +1250,10 @@ def main(argv=None) -> int:
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
                         attn_implementation=args.attn, experts_implementation=args.experts)
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
+    if args.loss_chunks > 1:  # on the model both arms run, so the parity check compares like with like
+        from poros.stream.chunked_loss import use_chunked_loss
+
+        use_chunked_loss(peft_model, args.loss_chunks)
     free_memory(device)
     build_s = time.perf_counter() - start
     allocated = torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else None
@@ -1255,6 +1265,7 @@ def main(argv=None) -> int:
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
                            timeline=args.timeline, optimizer_states=args.optimizer_states,
                            capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
+                           loss_chunks=args.loss_chunks,
                            link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
@@ -1264,7 +1275,7 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
             "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
-            "optimizer_states": args.optimizer_states,
+            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,

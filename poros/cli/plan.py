@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
                               "an 8 GiB card); on CUDA it defaults to the device's memory.")
         budget = torch.cuda.get_device_properties(device).total_memory
     plan = planner.plan_run(config)
-    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule)
+    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule,
+                                config.loss_chunks)
 
     compute = link = None
     link_source = None

@@ -256,7 +256,7 @@ class BlockShapes:
 
 
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
-                     attn_implementation: str | None) -> tuple[int, int, int]:
+                     attn_implementation: str | None, loss_chunks: int = 1) -> tuple[int, int, int]:
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
@@ -267,7 +267,9 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
       dequantized to the compute dtype (bitsandbytes dequantizes one weight at a time, in forward
       and again in backward); plus, for eager attention, scores, probabilities and their gradient.
     * head: the logits in the compute dtype plus the fp32 loss working set
-      (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors.
+      (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
+      ``loss_chunks`` N > 1 (:mod:`poros.stream.chunked_loss`): the logits and their gradient in
+      the compute dtype, and the fp32 working set of one chunk.
     """
     tokens = batch_size * seq_len
     boundary = tokens * shapes.hidden_size * value_bytes
@@ -276,7 +278,9 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
     if attn_implementation == "eager":
         recompute += 3 * batch_size * shapes.num_attention_heads * seq_len * seq_len * value_bytes
     logits = tokens * shapes.vocab_size
-    head = logits * (value_bytes + LOSS_BYTES_PER_LOGIT) + (2 * logits * value_bytes if shapes.logit_softcapping else 0)
+    loss = (logits * LOSS_BYTES_PER_LOGIT if loss_chunks == 1
+            else logits * value_bytes + -(-logits // loss_chunks) * LOSS_BYTES_PER_LOGIT)
+    head = logits * value_bytes + loss + (2 * logits * value_bytes if shapes.logit_softcapping else 0)
     return boundary, recompute, head
 
 
@@ -307,6 +311,7 @@ class Workload:
             per step) or ``"layer-major"`` (:meth:`~poros.model.PorosModel.forward_backward`: each
             block once per direction for all M micro-batches, whose M x L boundary states stay on
             the device).
+        loss_chunks: the loss over this many token chunks (``PorosConfig.loss_chunks``; 1: HF's).
 
     Raises:
         ConfigError: a size below 1 or an unknown schedule.
@@ -316,9 +321,10 @@ class Workload:
     seq_len: int = 512
     grad_accum: int = 1
     schedule: str = "micro-major"
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "grad_accum"):
+        for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"Workload {name}={getattr(self, name)!r}: expected an integer >= 1.")
         if self.schedule not in SCHEDULES:
@@ -939,7 +945,7 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
     boundary, recompute, head = activation_bytes(
         BlockShapes.of(layers, config), batch_size=workload.batch_size, seq_len=workload.seq_len,
         value_bytes=torch.empty((), dtype=compute_dtype, device="meta").element_size(),
-        attn_implementation=getattr(config, "_attn_implementation", None))
+        attn_implementation=getattr(config, "_attn_implementation", None), loss_chunks=workload.loss_chunks)
     return Footprint(
         block_bytes=tuple(packed_block_bytes(layers) if block_bytes is None else block_bytes),
         device_non_block_bytes=sum(t.numel() * t.element_size() for k, t in outside.items() if k not in tables),
@@ -1373,7 +1379,8 @@ def plan_run(config: Any) -> Plan:
     value_bytes = torch.empty((), dtype=compute_dtype, device="meta").element_size()
     _, recompute, head = activation_bytes(BlockShapes.of(blocks, text_config), batch_size=config.batch_size,
                                           seq_len=config.seq_len, value_bytes=value_bytes,
-                                          attn_implementation=config.attn_implementation)
+                                          attn_implementation=config.attn_implementation,
+                                          loss_chunks=getattr(config, "loss_chunks", 1))
     return Plan(
         model=config.model, checkpoint=str(directory), found_in=found_in, family=descriptor.name,
         model_type=text_config.model_type,
