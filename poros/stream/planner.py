@@ -802,7 +802,10 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     # The ring first: a second slot overlaps every copy, a resident block saves one. So resident
     # blocks only with the ring asked for (as many slots as blocks still stream, at most); without
     # room for it, fewer slots and nothing resident. A bigger budget never means fewer resident blocks.
-    fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes and not (auto_host and k)]
+    # an automatic host placement (boundary or AdamW state) keeps no resident block, so that a bigger
+    # budget (which keeps them on the device) never keeps fewer blocks resident
+    automatic_host = auto_host or (optimizer_on_host and optimizer_states == "auto")
+    fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes and not (automatic_host and k)]
     slots, most = num_slots, max(fitting, default=0)
     while not fitting and slots > 1 and needs(0, slots)[1] > budget_bytes:
         slots -= 1
