@@ -419,13 +419,13 @@ def _results_docs():
 
 @cache
 def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
-                 targets: tuple[str, ...], rank: int, attn: str | None) -> planner.Plan:
+                 targets: tuple[str, ...], rank: int, attn: str | None, loss_chunks: int = 1) -> planner.Plan:
     config, _ = _bench().model_config(model, layers=layers)
     directory = tmp_root / f"{model}-{layers}"
     config.save_pretrained(directory)
     return planner.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                         double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
-                                        embeddings_on_host=True, attn_implementation=attn))
+                                        embeddings_on_host=True, attn_implementation=attn, loss_chunks=loss_chunks))
 
 
 def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, float]:
@@ -433,12 +433,14 @@ def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, floa
     setup, measured = record["config"], record["arms"]["poros"]
     plan = _record_plan(tmp_root, setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"],
                         setup["batch"], setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]),
-                        setup["lora"]["rank"], setup.get("attn_implementation"))
-    workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major")
+                        setup["lora"]["rank"], setup.get("attn_implementation"), setup.get("loss_chunks", 1))
+    workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major",
+                        setup.get("loss_chunks", 1))
     chosen = measured.get("budget_plan") or {}  # with --vram-budget the planner chose slots and placement
     peak = planner.predict_peak(plan.footprint(), workload, resident=measured.get("resident_blocks", ()),
                                 num_slots=measured.get("num_slots", setup["num_slots"]),
-                                boundary_on_host=chosen.get("boundary_states") == "host")
+                                boundary_on_host=chosen.get("boundary_states") == "host",
+                                optimizer_on_host=setup.get("optimizer_states") == "host")
     assert plan.host_store_bytes - sum(plan.block_bytes[i] for i in measured.get("resident_blocks", ())) \
         == measured["host_bytes"]
     return peak.total, measured["peak_allocated_gb"] * 1e9

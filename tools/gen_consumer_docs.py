@@ -144,14 +144,13 @@ def render_measured() -> str:
 
 
 def render_capped() -> str:
-    rows = ["| shape | micro-batches per step | boundary states | AdamW state | cap GB | Poros peak allocated GB "
-            "| Poros peak reserved GB | Poros step s | JSON |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| shape | micro-batches per step | boundary states | cap GB | Poros peak allocated GB "
+            "| Poros peak reserved GB | Poros step s | JSON |", "|---|---|---|---|---|---|---|---|"]
     for path, record in capped_records():
         config, poros = record["config"], record["arms"]["poros"]
         layer_major = config.get("grad_accum", 1) > 1 and config.get("schedule") == "layer-major"
         states = (poros.get("budget_plan") or {}).get("boundary_states", "device") if layer_major else "-"
-        rows.append(f"| {config['model']} | {docgen.accum_label(config)} | {states} | "
-                    f"{config.get('optimizer_states', 'device')} | {config['vram_limit_gb']:g} | "
+        rows.append(f"| {config['model']} | {docgen.accum_label(config)} | {states} | {config['vram_limit_gb']:g} | "
                     f"{poros['peak_allocated_gb']:.2f} | {poros['peak_reserved_gb']:.2f} | "
                     f"{poros['median_step_s']:.3f} | {_link(path)} |")
     return "\n".join(rows)
@@ -235,7 +234,9 @@ def render_small_cards() -> str:
             if found:
                 path, record = found
                 poros = record["arms"]["poros"]
-                cell = f"{poros['peak_allocated_gb']:.2f} GB, {poros['median_step_s']:.3f} s ({_link(path)})"
+                chunks = record["config"].get("loss_chunks", 1)
+                cell = (f"{poros['peak_allocated_gb']:.2f} GB, {poros['median_step_s']:.3f} s"
+                        + (f", loss in {chunks} chunks" if chunks > 1 else "") + f" ({_link(path)})")
             rows.append(f"| {name} | {card} GiB | yes | {plan.optimizer_states} | {plan.num_slots} | "
                         f"{len(plan.resident_blocks)} of {plan.num_blocks} | {_gb(plan.peak.total)} | {steps} | {cell} |")
     return "\n".join(rows)
