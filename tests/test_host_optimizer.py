@@ -11,6 +11,8 @@ import io
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import poros
 from poros.stream.host_optimizer import HostAdamW
@@ -22,7 +24,7 @@ FAMILIES = [(family, variants[0]) for family, variants in TINY_VARIANTS.items()]
 FLAGS = [{}, {"foreach": True}, {"fused": True}]
 
 
-def run_steps(model, optimizer, parameters, micro_batches, *, max_grad_norm=0.5):
+def run_steps(model, optimizer, parameters, micro_batches, *, max_grad_norm=0.5, scheduler=None):
     """HF Trainer's step: accumulate the micro-batches, clip, step, zero."""
     losses = []
     for batches in micro_batches:
@@ -31,8 +33,11 @@ def run_steps(model, optimizer, parameters, micro_batches, *, max_grad_norm=0.5)
             loss = model(**batch, use_cache=False).loss / len(batches)
             loss.backward()
             total = total + loss.detach()
-        torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
     return losses
@@ -47,7 +52,7 @@ def assert_same(reference, ref_opt, model, opt, ref_losses, losses):
     for name in ref_params:
         assert torch.equal(ref_params[name], params[name]), name
         ref_state, state = ref_opt.state[ref_params[name]], opt.state[params[name]]
-        assert ref_state.keys() == state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert ref_state.keys() == state.keys() and {"step", "exp_avg", "exp_avg_sq"} <= state.keys()
         for key in ref_state:
             assert ref_state[key].dtype == state[key].dtype, (name, key)
             assert torch.equal(ref_state[key].cpu(), state[key].cpu()), (name, key)
@@ -94,6 +99,35 @@ def test_every_kernel_choice_and_chunking_is_bitwise(qwen3, flags, chunk_bytes):
     parameters = list(trainable(model).values())
     opt = HostAdamW(parameters, lr=1e-2, weight_decay=0.1, chunk_bytes=chunk_bytes, **flags)
     losses = run_steps(model, opt, parameters, micro_batches)
+    assert_same(reference, ref_opt, model, opt, ref_losses, losses)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(hyper=st.fixed_dictionaries({
+    "lr": st.sampled_from([1e-3, 2e-2]), "weight_decay": st.sampled_from([0.0, 0.1]),
+    "betas": st.sampled_from([(0.9, 0.999), (0.8, 0.95)]), "eps": st.sampled_from([1e-8, 1e-6]),
+    "amsgrad": st.booleans(), "maximize": st.booleans()}),
+    kernels=st.sampled_from(FLAGS), chunk_bytes=st.sampled_from([1, 3000, 1 << 30]),
+    max_grad_norm=st.sampled_from([None, 0.05, 1.0]), accumulation=st.integers(1, 3), decay_groups=st.booleans())
+def test_drawn_hyperparameters_groups_and_chunkings_are_bitwise(qwen3, hyper, kernels, chunk_bytes, max_grad_norm,
+                                                                accumulation, decay_groups):
+    """Hypothesis draws AdamW's hyper-parameters and kernels, the chunking, clipping, accumulation, two
+    param groups (HF Trainer's decay / no-decay split) and a schedule that changes lr between steps."""
+    micro_batches = steps_of(7, steps=2, accumulation=accumulation)
+
+    def run(optimizer_class, **options):
+        model = load_qlora(qwen3, seed=9)
+        parameters = list(trainable(model).values())
+        groups = ([{"params": parameters[::2]}, {"params": parameters[1::2], "weight_decay": 0.0}]
+                  if decay_groups else parameters)
+        optimizer = optimizer_class(groups, **hyper, **kernels, **options)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        losses = run_steps(model, optimizer, parameters, micro_batches, max_grad_norm=max_grad_norm,
+                           scheduler=scheduler)
+        return model, optimizer, losses
+
+    reference, ref_opt, ref_losses = run(torch.optim.AdamW)
+    model, opt, losses = run(HostAdamW, chunk_bytes=chunk_bytes)
     assert_same(reference, ref_opt, model, opt, ref_losses, losses)
 
 
