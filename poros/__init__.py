@@ -20,6 +20,8 @@ _LAZY = {
     "HostAdamW": "poros.stream.host_optimizer",
     "PorosConfig": "poros.config",
     "PorosModel": "poros.model",
+    "PorosCallback": "poros.integrations",
+    "prepare_trainer": "poros.integrations",
     "PorosTrainer": "poros.trainer",
     "prepare": "poros.model",
     "patch_hf_model": "poros.model",

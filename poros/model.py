@@ -1,4 +1,5 @@
-"""``poros.prepare``: turn an HF NF4 + PEFT LoRA causal LM into a streamed :class:`PorosModel`.
+"""``poros.prepare``: stream an HF NF4 + PEFT LoRA causal LM in place; it stays the same object
+(its class gains :class:`PorosModel`), so trainers that inspect it see the model they know.
 
 ``prepare`` first *detects* (family and provider, quantization, adapters, platform) and *gates*:
 every check that can refuse the model runs before any weight moves, and raises a typed
@@ -18,7 +19,9 @@ import torch
 from torch import nn
 
 from poros import records, registry
+from poros.adapters import causal_lm_of
 from poros.descriptor import ArchitectureDescriptor, resolve_path
+from poros.devices import compute_device
 from poros.errors import (
     AlreadyPreparedError,
     BaseNotFrozenError,
@@ -28,11 +31,14 @@ from poros.errors import (
     GuaranteeError,
     OffloadedModelError,
     QuantizationError,
+    TorchCompileError,
     TrainableInBlockError,
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
 from poros.stream.executor import StreamingExecutor
+from poros.stream.placement import check_boundary_states, host_embedding_tables
+from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
 from poros.stream.store import BlockStore, HostEmbedding
 
 if TYPE_CHECKING:
@@ -46,42 +52,29 @@ LABEL_STRENGTH = {"unverified": 0, "numerical": 1, "bitwise": 2}
 
 
 
-class PorosModel(nn.Module):
-    """An HF causal LM whose decoder blocks stream through the compute device.
+class PorosModel:
+    """What a prepared model gains: :func:`prepare` returns **the model it was given**, streamed in
+    place, its class switched to a subclass of its own class with this mixin (same class name).
 
-    Called like the HF model (``input_ids``, ``attention_mask``, ``labels``, ``position_ids``,
-    ``num_items_in_batch``...) and returns the HF output (``.loss``, ``.logits``). Train it with
-    ``loss.backward()`` and any torch optimizer over ``trainable_parameters()``.
+    So every library that inspects models sees exactly the model it knows: ``isinstance(model,
+    PeftModel)``, ``get_base_model()``, ``loss_type``, the forward's signature, ``state_dict``
+    keys, ``save_pretrained``, ``generate`` -- HF ``Trainer``, TRL, accelerate and PEFT treat it
+    as the unprepared model, bit for bit (``docs/prepare.md``: why not a wrapper). Call it as
+    before (``model(input_ids=..., labels=...)``) and train it with ``loss.backward()`` and any
+    torch optimizer.
 
     Attributes:
-        model: the wrapped model as passed to :func:`prepare` (e.g. a ``PeftModel``).
-        causal_lm: the HF ``*ForCausalLM`` inside it.
+        causal_lm: the HF ``*ForCausalLM`` inside (the model itself when it is not PEFT-wrapped).
         descriptor: the family descriptor found in the registry.
         store: the :class:`~poros.stream.store.BlockStore` holding the frozen block tensors.
         executor: the :class:`~poros.stream.executor.StreamingExecutor`.
+        host_tables: the embedding tables kept on the host (``embeddings_on_host``).
+        detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
     """
 
-    def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
-                 store: BlockStore, executor: StreamingExecutor, restore_flags: list[tuple[nn.Module, bool]],
-                 host_tables: list[HostEmbedding] = (), detection: Detection | None = None):
-        super().__init__()
-        self.model = model
-        object.__setattr__(self, "causal_lm", causal_lm)
-        object.__setattr__(self, "descriptor", descriptor)
-        object.__setattr__(self, "store", store)
-        object.__setattr__(self, "executor", executor)
-        object.__setattr__(self, "_restore_flags", restore_flags)
-        object.__setattr__(self, "host_tables", list(host_tables))
-        object.__setattr__(self, "detection", detection)
-
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-        if self.store is None:
-            raise UnsupportedModelError(
-                "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
-            )
-        kwargs.setdefault("use_cache", False)
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+    _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
+                     "_restore_flags", "_poros_class")
 
     def forward_backward(self, micro_batches: list[dict]) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
@@ -97,18 +90,18 @@ class PorosModel(nn.Module):
         Raises:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
-        if self.store is None:
-            raise UnsupportedModelError(
-                "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
-            )
         return self.executor.forward_backward(self.forward, micro_batches)
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+    def generate(self, input_ids: torch.Tensor | None = None, **generate_kwargs: Any) -> torch.Tensor:
+        """HF ``generate`` with the blocks streamed and a KV cache on the device (see :mod:`poros.generate`)."""
+        from poros.generate import generation_mode
 
-    @property
-    def config(self):
-        return self.causal_lm.config
+        generate_kwargs.setdefault("use_cache", True)
+        with generation_mode(self):
+            return super().generate(input_ids=input_ids, **generate_kwargs)  # the model's own class's generate
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
 
     @property
     def guarantee(self) -> str | None:
@@ -116,29 +109,44 @@ class PorosModel(nn.Module):
         return self.detection.guarantee if self.detection else None
 
     def unpatch(self) -> nn.Module:
-        """Put every frozen tensor back in its module (on the compute device) and return the original model."""
-        if self.store is not None:
-            self.executor.uninstall()
-            self.causal_lm.__dict__.pop("_poros_handle", None)
-            self.store.restore()
-            for layer, flag in self._restore_flags:
-                layer.gradient_checkpointing = flag
-            for table in self.host_tables:
-                table.restore()
-            object.__setattr__(self, "store", None)
-        return self.model
+        """Put every frozen tensor back in its module (on the compute device), give the model its own
+        class back, and return it (the same object)."""
+        self.executor.uninstall()
+        self.causal_lm.__dict__.pop("_poros_handle", None)
+        self.store.restore()
+        for layer, flag in self._restore_flags:
+            layer.gradient_checkpointing = flag
+        for table in self.host_tables:
+            table.restore()
+        original = self._poros_class
+        for name in self._POROS_FIELDS:
+            self.__dict__.pop(name, None)
+        self.__class__ = original
+        return self
 
 
-def _causal_lm_of(model: nn.Module) -> nn.Module:
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
+_STREAMED_CLASSES: dict[type, type] = {}
 
 
-def _compute_device(module: nn.Module) -> torch.device:
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if trainable:
-        return trainable[0].device
-    return next(module.parameters()).device
+def _streamed_class(cls: type) -> type:
+    """``cls`` with :class:`PorosModel` mixed in, made once per class; same name, module and qualname,
+    so ``_get_name()``, ``architectures`` in a saved config and pickling see the original class."""
+    if issubclass(cls, PorosModel):
+        return cls
+    if cls not in _STREAMED_CLASSES:
+        _STREAMED_CLASSES[cls] = type(cls.__name__, (PorosModel, cls),
+                                      {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _STREAMED_CLASSES[cls]
+
+
+def _become_streamed(model: nn.Module, fields: dict[str, Any]) -> PorosModel:
+    """Switch ``model`` (in place) to its streamed class and attach the Poros fields (plain attributes:
+    none of them is registered as a submodule, so ``state_dict``/``parameters`` do not change)."""
+    fields = {**fields, "_poros_class": type(model)}
+    for name, value in fields.items():
+        object.__setattr__(model, name, value)
+    model.__class__ = _streamed_class(type(model))
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +271,21 @@ def _check_offload(model: nn.Module, causal_lm: nn.Module) -> None:
         )
 
 
+#: what the refusal of torch.compile says to do (prepare, prepare_trainer and PorosCallback use it)
+COMPILE_WORKAROUND = ("Poros streams the blocks through eager PyTorch: drop torch.compile (TrainingArguments("
+                      "torch_compile=False), no torch.compile(model)) for the streamed run; docs/prepare.md says why.")
+
+
+def _check_not_compiled(model: nn.Module) -> None:
+    compiled = hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+    if compiled:
+        raise TorchCompileError(
+            f"the model was compiled with torch.compile ({type(model).__name__}); compiled graphs capture each "
+            "decoder block's tensors and strides, which streaming swaps between calls (inductor then fails with "
+            f"assert_size_stride or wrong dimensions). {COMPILE_WORKAROUND}"
+        )
+
+
 def _check_frozen(model: nn.Module, layers: list[nn.Module]) -> None:
     in_blocks = {id(p) for layer in layers for p in layer.parameters()}
     for name, param in model.named_parameters():
@@ -318,7 +341,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             vram_budget: str | int | None = None,
             workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None,
             optimizer_states: str = "auto") -> PorosModel:
-    """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
+    """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM, in place; returns ``model``
+    itself, its class switched to a same-named subclass with the :class:`PorosModel` mixin.
 
     Detects the family, quantization, adapters and platform, runs every gate, decides the guarantee
     label (logged as one block on the ``poros`` logger and kept as ``PorosModel.detection``), and
@@ -357,7 +381,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
             message lists the registered ones.
         UnsupportedModelError: the model's class is not the family's causal-LM class.
-        AlreadyPreparedError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
+        AlreadyPreparedError, TorchCompileError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
         BaseNotFrozenError, TrainableInBlockError, CheckpointingError, GuaranteeError: the gates
             (``docs/prepare.md`` lists each with its message).
         ConfigError: ``resident_blocks`` names no block, or with ``vram_budget``; ``vram_budget``
@@ -365,13 +389,12 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             how much it needs); ``boundary_states`` not ``"device"`` or ``"host"``.
     """
     _check_budget_options(resident_blocks, vram_budget, workload)
-    if boundary_states not in (None, "device", "host"):
-        raise ConfigError(f"boundary_states={boundary_states!r}: expected 'device' or 'host' (pinned host memory, "
-                          "for layer-major accumulation when the device cannot hold the M x L block inputs).")
-    causal_lm = _causal_lm_of(model)
+    check_boundary_states(boundary_states)
+    _check_not_compiled(model)
+    causal_lm = causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
         raise AlreadyPreparedError(
-            f"this {type(causal_lm).__name__} is already streamed by Poros; use the PorosModel you got, or call "
+            f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "
             "its unpatch() before preparing again."
         )
     descriptor = registry.for_config(causal_lm.config)
@@ -388,7 +411,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     adapters, targets = _adapters(model, causal_lm)
     _check_frozen(model, layers)
     _check_checkpointing(layers)
-    device = _compute_device(causal_lm)
+    device = compute_device(causal_lm)
     platform, platform_class = platform_of(device)
     deterministic = torch.are_deterministic_algorithms_enabled()
     label, reason = guarantee_label(descriptor.name, adapters, quantization, platform_class, deterministic)
@@ -401,14 +424,13 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             f"pass require={label!r} (or None) to accept it."
         )
     logger.info(detection.summary())
-    if embeddings_on_host is None:
-        embeddings_on_host = device.type == "cuda"
+    embeddings_on_host = choose_embeddings_on_host(embeddings_on_host, device)
     budget_plan = None
     if vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
-        from poros.stream import planner
+        from poros.stream.footprint import plan_for_model
 
-        budget_plan = planner.plan_for_model(
-            causal_lm, layers, _host_tables(causal_lm, descriptor), budget=vram_budget,
+        budget_plan = plan_for_model(
+            causal_lm, layers, host_embedding_tables(causal_lm, descriptor), budget=vram_budget,
             workload=_workload(workload), device=device,
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
             embeddings_on_host=embeddings_on_host, boundary_states=boundary_states,
@@ -427,7 +449,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
     store = BlockStore(layers, device, num_slots=num_slots, resident=resident)
-    host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
+    host_tables = [HostEmbedding(table, device) for table in host_embedding_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
     executor.boundary_states = boundary_states or "device"
@@ -435,10 +457,12 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
-    handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection)
-    object.__setattr__(handle, "budget_plan", budget_plan)  # the planner's decision (vram_budget), else None
-    object.__setattr__(causal_lm, "_poros_handle", handle)
-    return handle
+    prepared = _become_streamed(model, {
+        "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
+        "host_tables": host_tables, "detection": detection, "budget_plan": budget_plan,
+        "_restore_flags": restore_flags})
+    object.__setattr__(causal_lm, "_poros_handle", prepared)
+    return prepared
 
 
 def _check_budget_options(resident_blocks: Any, vram_budget: Any, workload: Any) -> None:
@@ -487,27 +511,12 @@ def _resident_indices(resident_blocks: int | Iterable[int] | None, count: int) -
     return indices
 
 
-def _host_tables(causal_lm: nn.Module, descriptor: ArchitectureDescriptor) -> list[nn.Module]:
-    """Frozen embedding tables (input and prelude) that may live on the host: not tied to the head."""
-    disabled = descriptor.disabled_names(causal_lm.config)
-    paths = [descriptor.embeddings, *(p for p in descriptor.prelude_modules if p not in disabled)]
-    head_weight = getattr(resolve_path(causal_lm, descriptor.head), "weight", None)
-    head_storage = head_weight.data_ptr() if head_weight is not None else None
-    tables = []
-    for path in paths:
-        module = resolve_path(causal_lm, path)
-        if isinstance(module, nn.Embedding) and not module.weight.requires_grad \
-                and module.weight.data_ptr() != head_storage:
-            tables.append(module)
-    return tables
-
-
 def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
     """Stream ``model`` in place and keep using the same object: ``model(...)``, HF ``Trainer``, TRL
     ``SFTTrainer`` and PEFT's ``save_pretrained`` work as before, its decoder blocks streamed.
 
-    :func:`prepare` already installs streaming in place (the trunk instance's ``forward`` runs the
-    executor); this is the spelling for scripts that keep their own model object.
+    The same as :func:`prepare` (which also returns the object it was given): the spelling for
+    scripts that keep their own model variable.
 
     Args:
         model: as for :func:`prepare`.
@@ -515,7 +524,7 @@ def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
             ``resident_blocks``, ``vram_budget``, ``workload``, ``boundary_states``).
 
     Returns:
-        The :class:`PorosModel` handle: ``detection``/``guarantee``, ``store`` and ``executor`` for
-        inspection, and ``unpatch()`` to restore the model (weights back in their modules).
+        ``model`` itself, now also a :class:`PorosModel`: ``detection``/``guarantee``, ``store`` and
+        ``executor`` for inspection, ``forward_backward``, and ``unpatch()`` to restore it.
     """
     return prepare(model, **options)

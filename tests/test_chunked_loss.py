@@ -44,7 +44,7 @@ def test_streamed_chunked_loss_is_bitwise_a_resident_run_with_the_same_chunked_l
     parameters = streamed.trainable_parameters()
     opt = torch.optim.AdamW(parameters, lr=1e-2)
     losses = run_steps(streamed, opt, parameters, micro_batches)
-    assert_same(reference, ref_opt, streamed.model, opt, ref_losses, losses)
+    assert_same(reference, ref_opt, streamed, opt, ref_losses, losses)
 
 
 def test_chunked_loss_is_numerically_hfs_default_loss_and_removable(tmp_path):
@@ -81,15 +81,17 @@ def test_one_chunk_installs_nothing_and_bad_values_are_refused(tmp_path):
 
 def test_the_planner_counts_one_chunk_of_the_fp32_loss_working_set(tmp_path):
     from poros.config import PorosConfig
+    from poros.run_plan import plan_run
     from poros.stream import planner
+    from poros.stream.footprint import LOSS_BYTES_PER_LOGIT
 
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=2)
-    plans = {n: planner.plan_run(PorosConfig(model=str(checkpoint), device="cpu", seq_len=64, loss_chunks=n))
+    plans = {n: plan_run(PorosConfig(model=str(checkpoint), device="cpu", seq_len=64, loss_chunks=n))
              for n in (1, 4)}
     logits = 64 * plans[1].vocab_size
     value = plans[1].activation_bytes_per_value
-    assert plans[1].logits_bytes == logits * (value + planner.LOSS_BYTES_PER_LOGIT)
-    assert plans[4].logits_bytes == 2 * logits * value + -(-logits // 4) * planner.LOSS_BYTES_PER_LOGIT
+    assert plans[1].logits_bytes == logits * (value + LOSS_BYTES_PER_LOGIT)
+    assert plans[4].logits_bytes == 2 * logits * value + -(-logits // 4) * LOSS_BYTES_PER_LOGIT
     assert planner.Workload(loss_chunks=4).loss_chunks == 4
     with pytest.raises(ConfigError, match="loss_chunks=0"):
         planner.Workload(loss_chunks=0)

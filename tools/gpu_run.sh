@@ -7,10 +7,16 @@
 #   tools/gpu_run.sh bench:qwen2.5-7b:layers=4:deterministic
 #   tools/gpu_run.sh bench:qwen2.5-72b:deterministic:optimizer-states=host:vram-limit=8:cap-arms=poros   # small cards
 #   tools/gpu_run.sh bench:qwen2.5-32b:deterministic:optimizer-states=host:loss-chunks=8:vram-limit=6:cap-arms=poros
+#   tools/gpu_run.sh doctor doctor:model=qwen2.5-32b
+#   tools/gpu_run.sh merge:qwen2.5-32b:layers=2 merge:qwen2.5-72b:layers=2
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
+#   DEVICE=cpu tools/gpu_run.sh doctor:quick doctor:model=poros-tiny-qwen3:vram-budget=2GiB
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
-# `curve:SHAPE` (tools/vram_curve.py --model SHAPE) or `load` (tools/load_check.py), each
+# `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
+# --model SHAPE: poros merge RAM/time and poros generate tokens/s), `load` (tools/load_check.py) or `doctor`
+# (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
+# `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -34,7 +40,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 if [ $# -eq 0 ]; then
-  echo "usage: tools/gpu_run.sh STEP... (STEP: gate[:k=v...] | bench:SHAPE[:k=v...])" >&2
+  echo "usage: tools/gpu_run.sh STEP... (STEP: gate[:k=v...] | bench:SHAPE[:k=v...] | curve:SHAPE[:k=v...] | load[:k=v...] | doctor[:k=v...])" >&2
   exit 2
 fi
 
@@ -116,24 +122,32 @@ main() {
       gate)
         mapfile -t extra < <(options "$rest")
         # shellcheck disable=SC2086  # GATE_ARGS is a word list on purpose
-        cmd=(python3 tools/parity_gate.py --device "$DEVICE" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.parity_gate --device "$DEVICE" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"} ${GATE_ARGS:-}) ;;
       bench)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
         # shellcheck disable=SC2086
-        cmd=(python3 tools/bench.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"} ${BENCH_ARGS:-}) ;;
       curve)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 tools/vram_curve.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.vram_curve --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"}) ;;
+      merge)
+        model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.merge_generate_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 tools/load_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.load_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+      doctor)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...] or load[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], load[:k=v...] or doctor[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from poros.adapters import causal_lm_of
 from poros.errors import ConfigError
 
 _UNSET = object()
@@ -113,7 +114,7 @@ def use_chunked_loss(model: nn.Module, chunks: int) -> ChunkedLoss:
     """Compute ``model``'s loss over ``chunks`` chunks of tokens (see the module docstring).
 
     Args:
-        model: an HF causal LM, a PEFT model around one, or a ``PorosModel``.
+        model: an HF causal LM, a PEFT model around one, either prepared or not.
         chunks: token chunks (>= 2; the loss is HF's own with 1, so nothing is installed then).
 
     Raises:
@@ -125,9 +126,7 @@ def use_chunked_loss(model: nn.Module, chunks: int) -> ChunkedLoss:
     if not isinstance(chunks, int) or chunks < 1:
         raise ConfigError(f"loss_chunks={chunks!r}: expected an integer >= 1 (1: HF's own loss). Fix: e.g. "
                           "loss_chunks: 8.")
-    causal_lm = getattr(model, "causal_lm", None) or model
-    get_base_model = getattr(causal_lm, "get_base_model", None)
-    causal_lm = get_base_model() if callable(get_base_model) else causal_lm
+    causal_lm = getattr(model, "causal_lm", None) or causal_lm_of(model)  # a prepared model knows its own
     current = getattr(causal_lm, "loss_function", None)
     already_chunked = getattr(current, "func", None) is chunked_causal_lm_loss
     if current is not LOSS_MAPPING["ForCausalLM"] and not already_chunked:

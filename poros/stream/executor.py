@@ -41,6 +41,10 @@ Notable features:
   prelude) and computes its head and loss (a second call whose trunk returns the streamed hidden
   states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
   LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise the same.
+* **Without grad, HF's own loop.** A forward without grad (generation, evaluation) is never
+  recomputed: the trunk's class ``forward`` runs with each layer a ``_StreamingLayer`` proxy
+  (fetch, run with HF's arguments, release), so HF's KV cache and whatever the trunk does
+  between layers work as in the resident model.
 * **Nothing is family-specific here.** Paths and carried-state kwargs come from the descriptor.
 """
 
@@ -85,6 +89,30 @@ class _LayerRecorder(nn.Module):
         if self.last:
             raise _CaptureDone
         return args[0]
+
+
+class _StreamingLayer(nn.Module):
+    """Stands for decoder layer ``index`` in a forward without grad: fetch, run with HF's arguments, release.
+
+    Attributes HF reads from a layer (e.g. ``attention_type``) are the real layer's.
+    """
+
+    def __init__(self, executor: "StreamingExecutor", index: int) -> None:
+        super().__init__()
+        self.executor, self.index = executor, index
+
+    def forward(self, *args, **kwargs):
+        self.executor._make_resident(self.index)
+        self.executor._prefetch(self.index + 1)
+        try:
+            return self.executor.layers[self.index](*args, **kwargs)
+        finally:
+            self.executor.store.release(self.index)
+
+    def __getattr__(self, name: str):
+        if name in ("executor", "index") or name.startswith("_"):
+            return super().__getattr__(name)
+        return getattr(self.executor.layers[self.index], name)
 
 
 class _TrunkOutput:
@@ -182,6 +210,8 @@ class _Step:
     written_by: dict[int, list[tuple[str, Any]]] = field(default_factory=dict)
     pending: dict[tuple[str, Any, int], list[torch.Tensor | None]] = field(default_factory=dict)
     rng_states: dict[int, Any] = field(default_factory=dict)
+    # block index -> the autocast state its forward ran under (replayed by its recompute)
+    autocast_states: dict[int, Any] = field(default_factory=dict)
 
 
 class StreamingExecutor:
@@ -232,22 +262,35 @@ class StreamingExecutor:
             return _TrunkOutput(self.final_norm(self._tail))
         if self.before_forward is not None:
             self.before_forward(kwargs)
-        kwargs["use_cache"] = False  # streaming keeps no KV cache
+        if not torch.is_grad_enabled() and not self._stop_after_prelude:
+            return self._trunk_without_grad(*args, **kwargs)
+        kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
         step = self._capture(*args, **kwargs)
         if self._stop_after_prelude:  # layer-major, first call: hand the prelude over, skip the rest
             raise _PreludeDone(step)
         hidden = step.calls[0].leaves[0]
-        differentiable = torch.is_grad_enabled()
         last = len(self.layers) - 1
         for index in range(len(self.layers)):
             self._note_mapping_entry(step, index)
-            if differentiable:
-                # The last block stays resident: it is the first one backward needs.
-                hidden = _StreamedBlock.apply(self, step, index, index == last, self._grad_anchor, hidden,
-                                              *step.calls[index].grad_tensors())
-            else:
-                hidden = self._run_block(step, index, hidden, recompute_later=False)
+            # The last block stays resident: it is the first one backward needs.
+            hidden = _StreamedBlock.apply(self, step, index, index == last, self._grad_anchor, hidden,
+                                          *step.calls[index].grad_tensors())
         return _TrunkOutput(self.final_norm(hidden))
+
+    def _trunk_without_grad(self, *args, **kwargs):
+        """A forward without grad (generation, evaluation): HF's own trunk forward, each decoder layer a
+        :class:`_StreamingLayer` that fetches its block, runs it, releases it.
+
+        Nothing is recomputed later, so there is nothing to capture: HF runs its whole loop, with
+        whatever it does between layers (a trunk may slice later layers' inputs to
+        ``logits_to_keep``), and the KV cache (``use_cache=True``, as ``generate`` asks) lives on the
+        device, written by the layers themselves and returned in HF's own output.
+        """
+        if kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False  # no cache unless asked for: an evaluation forward keeps none
+        proxies = nn.ModuleList(_StreamingLayer(self, i) for i in range(len(self.layers)))
+        with _swapped(self._layers_parent, self._layers_attr, proxies):
+            return self._trunk_class_forward(*args, **kwargs)
 
     # -- prelude: HF's own code ----------------------------------------------------------------
     def _capture(self, *args, **kwargs) -> _Step:
@@ -275,6 +318,7 @@ class StreamingExecutor:
         call = step.calls[index]
         if recompute_later:
             step.rng_states[index] = _rng_state(hidden.device)
+            step.autocast_states[index] = _autocast_state(hidden.device)
         mappings = call.mappings()
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         args, kwargs = call.build(hidden, grad_tensors)
@@ -301,7 +345,8 @@ class StreamingExecutor:
         leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
         leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
-        with torch.enable_grad(), _restored_rng(step.rng_states.get(index), hidden.device):
+        with torch.enable_grad(), _restored_rng(step.rng_states.get(index), hidden.device), \
+                _replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
             output = self.layers[index](*args, **kwargs)
         roots, root_grads = [output], [grad_output]
@@ -563,6 +608,28 @@ def _rng_state(device: torch.device):
     cpu = torch.get_rng_state()
     accel = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return cpu, accel
+
+
+def _autocast_state(device: torch.device):
+    """The thread-local autocast state a block's forward runs under, as ``torch.utils.checkpoint`` records
+    it (``_get_autocast_kwargs``): the compute device's and the CPU's, and the cache flag."""
+    cache = torch.is_autocast_cache_enabled()
+    kinds = [device.type] if device.type != "cpu" and torch.amp.is_autocast_available(device.type) else []
+    return [(kind, {"enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind),
+                    "cache_enabled": cache}) for kind in [*kinds, "cpu"]]
+
+
+@contextlib.contextmanager
+def _replayed_autocast(state, device: torch.device):
+    """Recompute under the forward's autocast state (mixed precision: the same ops in the same dtypes),
+    whatever the state of the thread that runs backward (CUDA runs it on an engine thread, autocast off)."""
+    if state is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for kind, kwargs in state:
+            stack.enter_context(torch.amp.autocast(kind, **kwargs))
+        yield
 
 
 @contextlib.contextmanager

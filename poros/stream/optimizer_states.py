@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from poros.errors import ConfigError
+
 #: Where AdamW's ``exp_avg`` / ``exp_avg_sq`` live: ``"device"`` (torch.optim.AdamW) or ``"host"`` (HostAdamW).
 OPTIMIZER_STATES = ("device", "host")
 #: HostAdamW's state bytes per chunk: about one decoder block of r16 all-linear LoRA at 72B shape.
@@ -38,11 +40,33 @@ def step_bytes(lora_parameter_bytes: int, *, states_on_host: bool,
     return [("LoRA gradients", lora), (f"AdamW state chunks in flight ({CHUNKS_IN_FLIGHT}) + temporary", in_flight)]
 
 
+def check(value: str) -> None:
+    """Raise unless ``value`` is ``"device"``, ``"host"`` or ``"auto"`` (the budget planner decides).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value not in ("auto", *OPTIMIZER_STATES):
+        raise ConfigError(f"optimizer_states={value!r}: expected 'device', 'host' or 'auto' (the budget decides).")
+
+
 def choose(requested: str, fits_with_states_on_device: Callable[[], bool]) -> str:
-    """``requested`` unless ``"auto"``; then ``"device"`` when the plan fits with the states there, else ``"host"``."""
+    """``requested`` unless ``"auto"``; then ``"device"`` when the plan fits with the states there, else ``"host"``.
+
+    The planner asks with the ring asked for, nothing resident and the boundary states wherever they
+    may go: a slot saves every copy's wait, while the host state costs two copies of 8 B per LoRA
+    value per step on the side stream.
+    """
     if requested != "auto":
         return requested
     return "device" if fits_with_states_on_device() else "host"
+
+
+def host_note(state_size: str, *, asked: bool, num_slots: int) -> str:
+    """The budget plan's note for AdamW's state on the host (``state_size``: its bytes, formatted)."""
+    return (f"AdamW state on the host ({state_size} in pinned memory, stepped a chunk at a time by HostAdamW, "
+            "bitwise torch's AdamW) " + ("as asked" if asked else
+                                         f"because {num_slots} slots do not fit the budget with it on the device"))
 
 
 def resolve(configured: str, planned: str | None) -> str:

@@ -18,6 +18,13 @@ forward pre-hook on the block and on every module in it that owns a streamed ten
 restored from its snapshot on every fetch, so bitsandbytes' in-place CPU repacking in eval mode
 (AVX512-BF16 CPUs) cannot leak from one fetch into the next.
 
+**state_dict / load_state_dict of an evicted block** see its real tensors: a state-dict hook on
+every streamed block binds it to views of its host buffer (QuantStates restored from their
+snapshots first, so a double-quant ``nested_offset`` or an eval repack never reaches the save),
+and binds the placeholders back afterwards. ``save_pretrained``, PEFT's adapter save and every
+Trainer checkpoint therefore write exactly what the unstreamed model writes, and a
+``load_state_dict`` into an evicted block writes into its host buffer (the next fetch brings it).
+
 **Resident blocks** (``resident=``, e.g. the last blocks of forward, which backward needs first)
 are packed the same way into a buffer of their own on the device, bound once and never released:
 ``fetch``/``wait``/``release`` do nothing for them, they never take a slot, and the ring of slots
@@ -103,7 +110,7 @@ class StoreStats:
         self.log.clear()
 
 
-def _frozen_tensors(block: nn.Module):
+def frozen_tensors(block: nn.Module):
     """Yield (name, owner, attr, kind, tensor) for every frozen tensor of a block, each once."""
     seen: set[int] = set()
     for module_name, module in block.named_modules():
@@ -133,11 +140,11 @@ def _quant_state_tensors(prefix: str, quant_state):
         yield from _quant_state_tensors(f"{prefix}.state2", nested)
 
 
-def _shared_tensor_keys(blocks: list[nn.Module]) -> set[tuple[int, str]]:
+def shared_tensor_keys(blocks: list[nn.Module]) -> set[tuple[int, str]]:
     """``(id(owner), attr)`` of every tensor slot that several blocks reference (it stays where it is)."""
     seen_in: dict[tuple[int, str], set[int]] = {}
     for i, block in enumerate(blocks):
-        for _, owner, attr, _, _ in _frozen_tensors(block):
+        for _, owner, attr, _, _ in frozen_tensors(block):
             seen_in.setdefault((id(owner), attr), set()).add(i)
     return {key for key, where in seen_in.items() if len(where) > 1}
 
@@ -147,7 +154,7 @@ def _layout(block: nn.Module, shared: set[tuple[int, str]]) -> tuple[list[Entry]
     entries: list[Entry] = []
     tensors: list[torch.Tensor] = []
     offset = 0
-    for name, owner, attr, kind, tensor in _frozen_tensors(block):
+    for name, owner, attr, kind, tensor in frozen_tensors(block):
         if (id(owner), attr) in shared:
             continue
         span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
@@ -161,7 +168,7 @@ def _layout(block: nn.Module, shared: set[tuple[int, str]]) -> tuple[list[Entry]
 
 def packed_block_bytes(blocks: list[nn.Module]) -> list[int]:
     """The buffer bytes :class:`BlockStore` gives each of ``blocks`` (before packing, nothing moves)."""
-    shared = _shared_tensor_keys(blocks)
+    shared = shared_tensor_keys(blocks)
     return [_layout(block, shared)[2] for block in blocks]
 
 
@@ -211,7 +218,7 @@ class BlockStore:
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
         # A tensor slot that several blocks share (e.g. one adapter buffer referenced by every layer)
         # cannot follow one block's residency: it stays where it is, resident.
-        self.shared = _shared_tensor_keys(blocks)
+        self.shared = shared_tensor_keys(blocks)
         self.blocks: list[BlockRecord] = [self._pack(i, block, i in resident) for i, block in enumerate(blocks)]
         streamed = [b for b in self.blocks if not b.resident]
         self.num_slots = min(num_slots, len(streamed))
@@ -226,12 +233,24 @@ class BlockStore:
         self.slot_ready = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
         self.slot_free = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
         self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
+        #: objects told of each copy and wait (tracing, e.g. the bench's copy timeline):
+        #: ``on_fetch(index)`` after a block's copy is issued, ``on_wait(index)`` before the compute
+        #: stream is ordered after a streamed block's copy. Empty: nothing is called.
+        self.observers: list[Any] = []
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # Guard the block and every module in it that owns a streamed tensor: calling any of
         # them while the block is evicted raises, even when called directly. Resident blocks
         # are never evicted: they need no guard.
         self._hooks = [module.register_forward_pre_hook(self._guard(b.index))
                        for b in streamed for module in _owners(b.module)]
+        for b in streamed:
+            self._hooks += [
+                b.module.register_state_dict_pre_hook(lambda *_, i=b.index: self._lend_host(i)),
+                b.module.register_state_dict_post_hook(lambda *_, i=b.index: self._end_lend(i)),
+                b.module.register_load_state_dict_pre_hook(lambda *_, i=b.index: self._lend_host(i)),
+                b.module.register_load_state_dict_post_hook(lambda *_, i=b.index: self._end_lend(i)),
+            ]
+        self._lent: set[int] = set()  # evicted blocks bound to their host buffer for a state_dict (see _lend_host)
         for block in self.blocks:
             if block.resident:
                 self._bind_all(block, block.buffer)
@@ -302,6 +321,8 @@ class BlockStore:
         self.stats.resident.add(index)
         self.stats.max_resident = max(self.stats.max_resident, len(self.stats.resident))
         self.stats.log.append(("fetch", index))
+        for observer in self.observers:
+            observer.on_fetch(index)
 
     def wait(self, index: int) -> None:
         """Order the current (compute) stream after block ``index``'s copy. No-op on CPU and for a
@@ -311,6 +332,8 @@ class BlockStore:
         slot = self.blocks[index].slot
         if slot is None:
             raise StreamingError(f"wait({index}): block {index} is not fetched; call fetch({index}) first.")
+        for observer in self.observers:
+            observer.on_wait(index)
         if self.on_cuda:
             torch.cuda.current_stream(self.device).wait_event(self.slot_ready[slot])
 
@@ -357,11 +380,27 @@ class BlockStore:
             self._bind(entry, self._view(buffer, entry))
 
     def _bind_placeholders(self, block: BlockRecord) -> None:
+        # An evicted block's QuantStates are as packed, not as bitsandbytes' eval-mode CPU repacking left
+        # them: a state_dict (PEFT's save) of an evicted block must not try to unpack placeholders.
+        self._restore_quant_states(block)
         for entry in block.entries:
             key = (entry.dtype, self.device)
             if key not in self._placeholders:
                 self._placeholders[key] = torch.empty(0, dtype=entry.dtype, device=self.device)
             self._bind(entry, self._placeholders[key])
+
+    def _lend_host(self, index: int) -> None:
+        """``state_dict``/``load_state_dict`` of an evicted block: bind its tensors to views of its host
+        buffer (exact bytes, QuantStates restored), so it saves and loads what the unstreamed model would."""
+        block = self.blocks[index]
+        if block.slot is None and block.buffer is not None and index not in self._lent:
+            self._lent.add(index)
+            self._bind_all(block, block.buffer)
+
+    def _end_lend(self, index: int) -> None:
+        if index in self._lent:
+            self._lent.discard(index)
+            self._bind_placeholders(self.blocks[index])
 
     def _guard(self, index: int):
         def guard(module, args):
