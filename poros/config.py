@@ -148,6 +148,15 @@ class PorosConfig:
                                   "the run falls back to micro-major and says so) or 'micro-major' (each "
                                   "micro-batch streams every block, 2 x grad_accum copies per block per step).",
                                   choices=("micro-major", "layer-major"))
+    optimizer_states: str = _field("auto", "Where AdamW's exp_avg / exp_avg_sq live: 'device', 'host' (pinned host "
+                                   "memory, stepped on the device a chunk at a time by poros.HostAdamW: bitwise "
+                                   "torch's AdamW, 8 bytes per LoRA value off the device) or 'auto' (on the host "
+                                   "only when vram_budget cannot hold them beside the num_slots slot ring).",
+                                   choices=("auto", "device", "host"))
+    loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set "
+                              "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
+                              "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
+                              "only numerically HF's default loss (another summation order).")
 
     def __post_init__(self) -> None:
         hints = _type_hints()
@@ -172,11 +181,12 @@ class PorosConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: expected {expected}; {fix}")
 
         for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "steps", "num_slots",
-                     "logging_steps"):
+                     "logging_steps", "loss_chunks"):
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
-        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule"):
+        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule",
+                     "optimizer_states"):
             choices = _metadata(name)["choices"]
             need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
                  f"pick one of {_choice_list(choices)}")

@@ -64,7 +64,7 @@ logger = logging.getLogger("poros")
 FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
-    "device", "num_slots", "deterministic", "require", "embeddings_on_host",
+    "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -167,9 +167,17 @@ class PorosTrainer:
             from poros.stream.planner import Workload
 
             workload = Workload(config.batch_size, config.seq_len, config.grad_accum,
-                                stream_schedule(config, peft_model))
+                                stream_schedule(config, peft_model), config.loss_chunks)
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
-                        require=config.require, vram_budget=config.vram_budget, workload=workload)
+                        require=config.require, vram_budget=config.vram_budget, workload=workload,
+                        optimizer_states=config.optimizer_states)
+        if config.loss_chunks > 1:
+            from poros.stream.chunked_loss import use_chunked_loss
+
+            use_chunked_loss(model, config.loss_chunks)
+            echo(f"poros: loss_chunks={config.loss_chunks}: the loss is computed over {config.loss_chunks} token "
+                  "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
+                  "default loss")
         if model.budget_plan is not None:
             echo(model.budget_plan.summary())
         if model.detection is not None:

@@ -121,9 +121,13 @@ class TrainingRun:
     def _optimizer(self):
         import transformers
 
+        from poros.stream import host_optimizer, optimizer_states
+
         config = self.config
-        optimizer = torch.optim.AdamW(self.model.trainable_parameters(), lr=config.lr,
-                                      weight_decay=config.weight_decay)
+        plan = self.model.budget_plan
+        states = optimizer_states.resolve(config.optimizer_states, plan.optimizer_states if plan else None)
+        optimizer = host_optimizer.adamw(self.model.trainable_parameters(), optimizer_states=states, lr=config.lr,
+                                         weight_decay=config.weight_decay)
         scheduler = transformers.get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup,
                                                num_training_steps=config.steps)
         return optimizer, scheduler
@@ -144,9 +148,12 @@ class TrainingRun:
         return checkpoint
 
     def _resume(self, checkpoint: checkpoints.TrainingCheckpoint, optimizer, scheduler, batches) -> None:
+        from poros.stream.host_optimizer import HostAdamW
+
         self.trainer._restore_adapter(checkpoint.adapter_state_dict(device=self.device), checkpoint.path)
         try:
-            optimizer.load_state_dict(checkpoint.optimizer_state_dict(device=self.device))
+            on_host = isinstance(optimizer, HostAdamW)  # its state goes to host memory, not via the device
+            optimizer.load_state_dict(checkpoint.optimizer_state_dict(device="cpu" if on_host else self.device))
             scheduler.load_state_dict(checkpoint.scheduler_state_dict())
         except (ValueError, KeyError) as error:
             raise TrainingCheckpointError(

@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                               "an 8 GiB card); on CUDA it defaults to the device's memory.")
         budget = torch.cuda.get_device_properties(device).total_memory
     plan = plan_run(config)
-    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule)
+    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule,
+                                config.loss_chunks)
 
     compute = link = None
     link_source = None
@@ -163,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     on_host = embeddings_on_host(config.embeddings_on_host, device)
     budget_plan = planner.plan_budget(
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
-        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0)
+        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0,
+        optimizer_states=config.optimizer_states)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
                     "device": plan.device, "link_source": link_source,
