@@ -3,8 +3,8 @@
 ``poros train`` alone trains the bundled tiny Qwen3 on the bundled chat data on the CPU, so a
 fresh install can go from nothing to a saved adapter without a download or a GPU.
 Exit status: 0 trained and saved (or ``--dry-run`` printed the plan), 1 a Poros error (a bad
-config value or override, a missing checkpoint...), 2 a usage error, 130 interrupted (the
-checkpoint written on the interrupt is printed with the command that resumes it).
+config value or override, a missing checkpoint, an output_dir in use...), 2 a usage error, 130
+interrupted (the checkpoint written on the interrupt is printed with the command that resumes it).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ EPILOG = textwrap.dedent("""\
       $ poros train --steps 20 --output-dir /tmp/tiny-lora
       $ poros train poros.yaml                       # the file written by `poros init`
       $ poros train poros.yaml --model Qwen/Qwen2.5-7B --dataset data/chat.jsonl --seq-len 1024
+      $ poros train --eval-split 0.1 --eval-steps 50 --report-to tensorboard   # held-out eval_loss
 
       $ poros train --dry-run                        # validate, print the memory plan; nothing loaded
       poros train --dry-run: the configuration is valid (all defaults)
@@ -49,11 +50,11 @@ EPILOG = textwrap.dedent("""\
       ...
 
       $ poros train poros.yaml --stpes 10
-      poros train: error: unknown override --stpes: PorosConfig has no field 'stpes'; did you mean
+      poros train: error: ConfigError: unknown override --stpes: PorosConfig has no field 'stpes'; did you mean
       'steps'? ...
     """)
 
-USAGE = "poros train [-h] [--dry-run] [CONFIG] [--KEY VALUE ...]"
+USAGE = "poros train [-h] [--dry-run] [--verbose] [CONFIG] [--KEY VALUE ...]"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -69,17 +70,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config and print the memory plan (from config.json only) without "
                              "loading weights or training")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the known third-party notices Poros hides (see poros.noise)")
     parser.set_defaults(run=run)
     keep_unknown_arguments(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    import shlex
+
+    from poros import run_lock
+    from poros.noise import quiet_known_noise
+    from poros.validation import require_run_packages, validate_run
+
+    quiet_known_noise(verbose=getattr(args, "verbose", False))
     arguments = list(getattr(args, "arguments", []))
     config = load_config(arguments)
+    require_run_packages("poros train" + (" --dry-run" if args.dry_run else ""))
+    validate_run(config, dry_run=args.dry_run)  # before any weight is read
     if args.dry_run:
         return dry_run(config)
-    return train(config, launch_command=["poros", "train", *arguments])
+    launch_command = ["poros", "train", *arguments]
+    with run_lock.hold(config.output_dir, command=shlex.join(launch_command)):  # through the final save
+        return train(config, launch_command=launch_command)
 
 
 def dry_run(config) -> int:
