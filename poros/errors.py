@@ -86,3 +86,7 @@ class TrainingCheckpointError(PorosError):
 
 
 __all__ = [name for name in dir() if name.endswith("Error")]
+
+
+class DistributedError(PorosError, RuntimeError):
+    """A data-parallel run is inconsistent: world size vs batch, versions across ranks, a lost rank."""

@@ -83,13 +83,19 @@ class PorosModel(nn.Module):
         kwargs.setdefault("use_cache", False)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
-    def forward_backward(self, micro_batches: list[dict]) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
         block fetched once per direction (instead of once per micro-batch per direction).
 
         Leaves in ``.grad`` exactly what ``for mb in micro_batches: model(**mb).loss.backward()``
         leaves -- bit for bit. Give each micro-batch ``labels`` and, for HF's accumulation
         semantics, ``num_items_in_batch`` (the loss terms of all micro-batches together).
+
+        Under torch.distributed (world size > 1) the gradients are then averaged over the ranks
+        exactly as DDP averages them at the synchronizing micro-batch
+        (:func:`poros.distributed.all_reduce_gradients`); ``sync_gradients=False`` skips that, like
+        DDP's ``no_sync()``, for a step made of several calls. Call it on this model, not through
+        the DDP wrapper (DDP's forward is not involved).
 
         Returns:
             The micro-batches' losses, detached, in order.
@@ -101,7 +107,12 @@ class PorosModel(nn.Module):
             raise UnsupportedModelError(
                 "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
             )
-        return self.executor.forward_backward(self.forward, micro_batches)
+        losses = self.executor.forward_backward(self.forward, micro_batches)
+        from poros import distributed
+
+        if sync_gradients is not False and distributed.reducing():
+            distributed.all_reduce_gradients(self.trainable_parameters())
+        return losses
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

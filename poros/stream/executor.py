@@ -25,8 +25,10 @@ Notable features:
   for bit.
 * **One autograd node per block.** ``_StreamedBlock`` runs a block without grad in forward,
   saving only its input; in backward it fetches the block, recomputes it with grad from that
-  input and back-propagates into the LoRA parameters — reentrant recompute, but with every
-  differentiable argument passed explicitly, so nothing reaches autograd through a side door.
+  input and back-propagates — reentrant recompute, but with every differentiable argument passed
+  explicitly, so nothing reaches autograd through a side door. The block's LoRA parameters are
+  inputs of the node too and their gradients its outputs: each parameter's accumulator runs once,
+  from the graph the forward built, in the resident order (what DDP's reducer needs).
 * **Carried state is generic.** A carried *mapping* (descriptor ``CarriedState(kind="mapping")``,
   e.g. K/V one layer stores for later layers) is tracked by identity: entries a block writes are
   versioned with the writer's index; a later block's recompute receives leaf copies; their gradients are summed in
@@ -211,6 +213,7 @@ class StreamingExecutor:
         #: layer-major: where the M x L boundary states wait for backward, "device" or "host" (pinned)
         self.boundary_states = "device"
         self._stash_stream = None  # the host stash's side stream, made once
+        self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
 
     # -- installing ----------------------------------------------------------------------------
     def install(self) -> None:
@@ -243,8 +246,17 @@ class StreamingExecutor:
             self._note_mapping_entry(step, index)
             if differentiable:
                 # The last block stays resident: it is the first one backward needs.
-                hidden = _StreamedBlock.apply(self, step, index, index == last, self._grad_anchor, hidden,
-                                              *step.calls[index].grad_tensors())
+                grad_inputs = step.calls[index].grad_tensors()
+                parameters = self.block_parameters(index)
+                known = self._use_order.get(index)
+                with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
+                    output = self._run_block(step, index, hidden, grad_inputs, keep=index == last)
+                self._use_order[index] = used
+                # The block's trainable parameters are inputs of its node, each through a view made in
+                # the order the block used them: the engine runs the later-made view first, so their
+                # accumulators (and DDP's hooks) fire in reverse use order, as in the resident backward.
+                hidden = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
+                                              len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
             else:
                 hidden = self._run_block(step, index, hidden, recompute_later=False)
         return _TrunkOutput(self.final_norm(hidden))
@@ -292,9 +304,19 @@ class StreamingExecutor:
             self.store.release(index)
         return output
 
+    def block_parameters(self, index: int) -> list[nn.Parameter]:
+        """The trainable parameters of block ``index`` (its adapters), in registration order."""
+        return [p for p in self.layers[index].parameters() if p.requires_grad]
+
     def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
-                        hidden_needs_grad: bool, keep: bool = False):
-        """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release."""
+                        hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False):
+        """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release.
+
+        With ``return_parameter_grads`` the block's parameter gradients are returned (third value)
+        instead of accumulated into ``.grad`` here (else that list is empty): the caller's autograd node hands them to the
+        parameters' own accumulators, so hooks on those (DDP's reducer) fire once, from the graph
+        the forward built.
+        """
         self._make_resident(index)
         self._prefetch(index - 1)
         call = step.calls[index]
@@ -314,10 +336,24 @@ class StreamingExecutor:
                     roots.append(tensor)
                     root_grads.append(grad)
         live = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
-        if live:
+        parameters = self.block_parameters(index) if return_parameter_grads else []
+        # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
+        # sums inside the block are the engine's either way, so the values are backward's.
+        targets = [leaf_hidden] if hidden_needs_grad else []
+        targets += [t for t in leaf_inputs]
+        targets += [t for leaves in readers.values() for t in leaves
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+        targets += parameters
+        captured: dict[int, torch.Tensor | None] = {}
+        if live and targets and return_parameter_grads:
+            grads = torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live], allow_unused=True)
+            captured = {id(t): g for t, g in zip(targets, grads)}
+        elif live:
             torch.autograd.backward([r for r, _ in live], [g for _, g in live])
+        if not return_parameter_grads:
+            captured = {id(t): t.grad for t in targets}
         for (name, key, writer), leaves in readers.items():
-            grads = [t.grad if isinstance(t, torch.Tensor) else None for t in leaves]
+            grads = [captured.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves]
             if any(g is not None for g in grads):
                 earlier = step.pending.get((name, key, writer))
                 step.pending[(name, key, writer)] = grads if earlier is None else [
@@ -325,7 +361,9 @@ class StreamingExecutor:
                 ]
         if not keep:
             self.store.release(index)
-        return leaf_hidden.grad if hidden_needs_grad else None, [t.grad for t in leaf_inputs]
+        hidden_grad = captured.get(id(leaf_hidden)) if hidden_needs_grad else None
+        input_grads = [captured.get(id(t)) for t in leaf_inputs]
+        return hidden_grad, input_grads, [captured.get(id(p)) for p in parameters]
 
     # -- layer-major accumulation -------------------------------------------------------------
     def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict]) -> list[torch.Tensor]:
@@ -402,7 +440,7 @@ class StreamingExecutor:
                 needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
                 keep = m < len(steps) - 1
                 block_input = stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
-                grad_hidden[m], input_grads[m][index] = self._backward_block(
+                grad_hidden[m], input_grads[m][index], _ = self._backward_block(
                     step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
                     keep=keep)
                 del block_input
@@ -525,22 +563,61 @@ class _HostStash:
 
 
 class _StreamedBlock(torch.autograd.Function):
-    """One decoder block as one autograd node: saves its input, recomputes in backward."""
+    """One decoder block as one autograd node: saves its input, recomputes in backward.
+
+    The block's trainable parameters are inputs of the node and their gradients its outputs, so
+    the graph the forward built reaches each parameter's accumulator exactly once, as in the
+    resident graph: DDP's reducer (``find_unused_parameters`` searches that graph; its hooks sit
+    on the accumulators) sees every adapter used, and ready once per backward.
+    """
 
     @staticmethod
-    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, keep: bool, anchor, hidden,
-                *grad_inputs):
-        ctx.executor, ctx.step, ctx.index = executor, step, index
+    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, used: list, anchor, hidden, output,
+                input_count: int, *inputs_and_parameters):
+        # ``output`` was computed (without grad) by the caller: it had to see the use order first.
+        grad_inputs = inputs_and_parameters[:input_count]
+        ctx.executor, ctx.step, ctx.index, ctx.used = executor, step, index, used
         ctx.save_for_backward(hidden, *grad_inputs)
-        return executor._run_block(step, index, hidden, grad_inputs, keep=keep)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
         hidden, *grad_inputs = ctx.saved_tensors
-        hidden_grad, input_grads = ctx.executor._backward_block(
-            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5]
+        hidden_grad, input_grads, parameter_grads = ctx.executor._backward_block(
+            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5],
+            return_parameter_grads=True,
         )
-        return (None, None, None, None, None, hidden_grad, *input_grads)
+        by_parameter = dict(zip(map(id, ctx.executor.block_parameters(ctx.index)), parameter_grads))
+        in_use_order = [by_parameter[id(p)] for p in ctx.used]
+        return (None, None, None, None, None, hidden_grad, None, None, *input_grads, *in_use_order)
+
+
+@contextlib.contextmanager
+def _recording_use(layer: nn.Module, parameters: list[nn.Parameter], known: list[nn.Parameter] | None):
+    """Yields ``parameters`` in the order ``layer``'s forward uses them (forward pre-hooks on their
+    owning modules; parameters no hook saw follow in registration order). Once ``known`` holds the
+    same parameters, it is yielded as it is and nothing is hooked."""
+    if known is not None and {id(p) for p in known} == {id(p) for p in parameters}:
+        yield known
+        return
+    wanted = {id(p) for p in parameters}
+    order: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def note(module, _args):
+        for parameter in module.parameters(recurse=False):
+            if id(parameter) in wanted and id(parameter) not in seen:
+                seen.add(id(parameter))
+                order.append(parameter)
+
+    handles = [module.register_forward_pre_hook(note) for module in layer.modules()
+               if any(id(p) in wanted for p in module.parameters(recurse=False))]
+    try:
+        yield order
+    finally:
+        for handle in handles:
+            handle.remove()
+        order.extend(p for p in parameters if id(p) not in seen)
 
 
 def dropout_modules(model: nn.Module) -> list[str]:
