@@ -112,6 +112,20 @@ def init_process_group(device: "torch.device | str | None" = None, backend: str 
     return world()
 
 
+def join_launched_job(device: "torch.device") -> "torch.device":
+    """In a process torchrun started: this rank's device (``cuda:LOCAL_RANK`` when ``device`` is CUDA)
+    and the process group (:func:`init_process_group`). Elsewhere ``device`` as it is."""
+    import torch
+
+    if not launched_by_torchrun():
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    init_process_group(device)
+    return device
+
+
 def versions() -> dict[str, str]:
     """The versions that decide the bits: every rank must run the same."""
     import importlib.metadata as metadata
@@ -226,3 +240,147 @@ def shared_host_copy() -> Iterator[World]:
     finally:
         if grouped and here.local_rank == 0:
             dist.barrier()  # release the others
+
+
+# ---------------------------------------------------------------------------------------------
+# PorosTrainer's side: one object the training loop asks (a no-op on one process)
+# ---------------------------------------------------------------------------------------------
+class DataParallel:
+    """What ``PorosTrainer`` needs to train data-parallel, and nothing when there is one rank.
+
+    The global batch (``batch_size``) is drawn the same way on every rank (same seed, same order)
+    and rank ``r`` trains rows ``[r*b, (r+1)*b)`` of it, ``b = batch_size / world_size``: a
+    deterministic shard, and a data position that is the same on every rank (checkpoints hold one).
+    Micro-major steps go through ``DistributedDataParallel`` (``no_sync`` on all but the last
+    micro-batch); layer-major steps reduce in ``PorosModel.forward_backward``. Only rank 0 writes.
+
+    Args:
+        model: the :class:`~poros.model.PorosModel` (its frozen tensors are left out of DDP: each
+            rank loaded the same base, and broadcasting it would move the whole model).
+        device: the compute device.
+        global_batch: ``batch_size`` of the run, split over the ranks.
+
+    Raises:
+        DistributedError: the world size does not divide ``global_batch``.
+    """
+
+    def __init__(self, model, device, global_batch: int) -> None:
+        self.world = world()
+        self.active = reducing()
+        self.model = model
+        self.per_rank_batch = check_batch_divides(global_batch, self.world.size) if self.active else global_batch
+        self.ddp = None
+        if self.active:
+            from torch.nn.parallel import DistributedDataParallel
+
+            frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+            frozen += [name for name, _ in model.named_buffers()]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+            self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    @property
+    def is_main(self) -> bool:
+        return self.world.is_main
+
+    def describe(self, global_batch: int, grad_accum: int) -> str:
+        return (f"poros: data parallel over {self.world.size} ranks ({dist_backend()}): global batch {global_batch} "
+                f"= {self.per_rank_batch} per rank x {self.world.size} ranks, x {grad_accum} accumulation = "
+                f"{global_batch * grad_accum} sequences per optimizer step")
+
+    def shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's rows of a global batch."""
+        if not self.active:
+            return batch
+        start = self.world.rank * self.per_rank_batch
+        return {key: value[start:start + self.per_rank_batch] for key, value in batch.items()}
+
+    def forward_model(self, micro_batch: int, micro_batches: int):
+        """``(callable, context)`` for one micro-major micro-batch: DDP, without sync but at the last."""
+        if not self.active:
+            return self.model, contextlib.nullcontext()
+        return self.ddp, (self.ddp.no_sync() if micro_batch < micro_batches - 1 else contextlib.nullcontext())
+
+    def mean(self, values: "torch.Tensor") -> "torch.Tensor":
+        """The mean over ranks of a tensor (losses for the log)."""
+        import torch.distributed as dist
+
+        if not self.active:
+            return values
+        total = values.detach().clone()
+        dist.all_reduce(total)
+        return total / self.world.size
+
+    def total(self, value: "torch.Tensor | int", device) -> int:
+        """The sum over ranks of a count (tokens for the log)."""
+        import torch
+        import torch.distributed as dist
+
+        if not self.active:
+            return int(value)
+        tensor = torch.as_tensor(value, device=device, dtype=torch.float64).clone()
+        dist.all_reduce(tensor)
+        return int(tensor.item())
+
+    def any_rank(self, flag: bool, device) -> bool:
+        """True on every rank when ``flag`` is true on any rank (a stop request)."""
+        import torch
+        import torch.distributed as dist
+
+        if not self.active:
+            return flag
+        tensor = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.active:
+            dist.barrier()
+
+    def check_resume(self, trainer_state: dict[str, Any], path) -> None:
+        """Refuse to resume a checkpoint written by another number of ranks."""
+        saved = int(trainer_state.get("world_size", 1))
+        if saved != self.world.size:
+            raise DistributedError(
+                f"{path} was written by a run over {saved} rank(s); this run has {self.world.size}. The data shards "
+                f"and the global batch depend on it. Resume with {saved} rank(s) (--nproc-per-node {saved}, or the "
+                "same torchrun flags), or start a fresh run in another output_dir.")
+
+
+def dist_backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# `poros train --nproc-per-node N`: torchrun, in process
+# ---------------------------------------------------------------------------------------------
+def launch(nproc_per_node: int, module_arguments: list[str]) -> int:
+    """Start ``python -m poros <module_arguments>`` on ``nproc_per_node`` local ranks through
+    ``torch.distributed.run`` (what ``torchrun --standalone`` runs) and wait for them.
+
+    Returns the exit status: 0, 130 when every rank stopped on a signal after saving, else 1 (the
+    launcher has printed which rank failed and why).
+    """
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if nproc_per_node < 1:
+        raise DistributedError(f"--nproc-per-node {nproc_per_node}: expected 1 or more processes per node.")
+    argv = ["--standalone", "--nproc-per-node", str(nproc_per_node), "-m", "poros", *module_arguments]
+    print(f"poros: starting {nproc_per_node} ranks: torchrun {' '.join(argv)}", flush=True)
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as failed:
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        if codes == {130}:
+            return 130
+        first = min(failed.failures.items())
+        print(f"poros: rank {first[0]} failed with exit status {first[1].exitcode}; every rank was stopped.",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from poros import checkpoint as checkpoints
+from poros import distributed
 from poros.errors import ConfigError, DataError, TrainingCheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -262,15 +263,16 @@ class PorosTrainer:
         from poros.model import prepare
 
         config.validate()
-        device = resolve_device(config.device)
+        device = distributed.join_launched_job(resolve_device(config.device))  # under torchrun: this rank's
         if config.deterministic and device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        loaded = load_pretrained(
-            config.model, quantization=config.quantization, compute_dtype=config.compute_dtype,
-            double_quant=config.double_quant, device=device, attn_implementation=config.attn_implementation,
-            revision=config.revision,
-        )
+        with distributed.shared_host_copy():  # the node's ranks: local rank 0 first (see docs/multi-gpu.md)
+            loaded = load_pretrained(
+                config.model, quantization=config.quantization, compute_dtype=config.compute_dtype,
+                double_quant=config.double_quant, device=device, attn_implementation=config.attn_implementation,
+                revision=config.revision,
+            )
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(loaded.model, config.target_modules),
@@ -365,6 +367,8 @@ class PorosTrainer:
             TrainingCheckpointError: ``directory`` exists and is a file.
         """
         target = pathlib.Path(directory)
+        if not distributed.world().is_main:  # data parallel: rank 0 writes (the adapters are the same)
+            return target
         previous_files = set(_saved_files(target))
         with checkpoints.atomic_directory(target, merge=True,
                                           written_last=checkpoints.POROS_CONFIG_FILE) as temporary:
@@ -513,6 +517,8 @@ _ACTIVE_BAR: list[Any] = []
 
 def _echo(text: str) -> None:
     """A line for the user on stdout (through the progress bar when one is drawn)."""
+    if not distributed.world().is_main:  # data parallel: rank 0 speaks for the run
+        return
     if _ACTIVE_BAR:
         _ACTIVE_BAR[-1].write(text)
     else:
@@ -552,6 +558,8 @@ class _Run:
         self.num_tokens = 0
         self.global_step = 0
         self.last_checkpoint: pathlib.Path | None = None
+        #: ranks, shards, DDP and rank-0 writing (inactive on one process); refuses a batch the ranks do not divide
+        self.parallel = distributed.DataParallel(self.model, self.device, config.batch_size)
 
     # -- setup ---------------------------------------------------------------------------------
     def _data(self):
@@ -625,8 +633,13 @@ class _Run:
     # -- the loop ------------------------------------------------------------------------------
     def execute(self) -> TrainResult:
         config = self.config
-        checkpoints.remove_partial_saves(self.output_dir)
+        parallel = self.parallel
+        if parallel.is_main:
+            checkpoints.remove_partial_saves(self.output_dir)
+        parallel.barrier()
         checkpoint = self._checkpoint_to_resume()  # refuses a mismatched checkpoint before any work
+        if checkpoint is not None:
+            parallel.check_resume(checkpoint.trainer_state, checkpoint.path)
         data, batches = self._data()
         optimizer, scheduler = self._optimizer()
         self.trainer.optimizer, self.trainer.scheduler = optimizer, scheduler
@@ -640,9 +653,12 @@ class _Run:
                                ", ".join(p.name for p in existing))
             _seed_everything(config.seed)
         self.trainer.global_step = self.global_step
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._rewrite_metrics()
+        if parallel.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._rewrite_metrics()
         _echo(data.summary())
+        if parallel.active:
+            _echo(parallel.describe(config.batch_size, config.grad_accum))
 
         parameters = self.model.trainable_parameters()
         self.model.train()
@@ -659,7 +675,7 @@ class _Run:
         with _StopRequest() as stop, _showing(bar):
             while self.global_step < config.steps:
                 micro_batches = [{key: value.to(self.device, non_blocking=True)
-                                  for key, value in batches.next_batch().items()}
+                                  for key, value in parallel.shard(batches.next_batch()).items()}
                                  for _ in range(config.grad_accum)]
                 num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
                 step_loss = 0
@@ -668,9 +684,11 @@ class _Run:
                             [{**batch, "num_items_in_batch": num_items_in_batch} for batch in micro_batches]):
                         step_loss = step_loss + loss
                 else:
-                    for batch in micro_batches:
-                        loss = self.model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
-                        loss.backward()
+                    for index, batch in enumerate(micro_batches):
+                        model, sync = parallel.forward_model(index, len(micro_batches))  # DDP (no_sync) or not
+                        with sync:
+                            loss = model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+                            loss.backward()
                         step_loss = step_loss + loss.detach()
                 if config.max_grad_norm is None:
                     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
@@ -696,7 +714,9 @@ class _Run:
                               bytes_copied - window_bytes, bar)
                     window_start, window_first_tokens, window_bytes = time.perf_counter(), self.num_tokens, bytes_copied
                 last_step = self.global_step == config.steps
-                if stop.signal_name is not None and not last_step:
+                # a signal on any rank stops every rank after the same step
+                if parallel.any_rank(stop.signal_name is not None, self.device) and not last_step:
+                    stop.signal_name = stop.signal_name or "SIGINT"  # (it arrived on another rank)
                     interrupted = True
                     self._save_checkpoint(optimizer, scheduler, batches)
                     self._announce_interrupt(stop.signal_name)
@@ -714,11 +734,14 @@ class _Run:
     # -- logging -------------------------------------------------------------------------------
     def _sync(self) -> None:
         """Move the step losses and token counts kept as tensors since the last sync to Python numbers."""
-        synced = [float(loss) for loss in self.pending_losses]
+        pending = self.pending_losses
+        if pending and self.parallel.active:  # the log shows the mean over ranks
+            pending = list(self.parallel.mean(torch.stack([torch.as_tensor(x) for x in pending])))
+        synced = [float(loss) for loss in pending]
         self.pending_losses.clear()
         self.losses.extend(synced)
         self.window_losses.extend(synced)
-        self.num_tokens += int(self.pending_tokens)
+        self.num_tokens += self.parallel.total(self.pending_tokens, self.device)
         self.pending_tokens = 0
 
     def _log(self, learning_rate: float, grad_norm: torch.Tensor, window_tokens: int, elapsed: float,
@@ -736,9 +759,12 @@ class _Run:
             "peak_memory_kind": peak_kind,
             "h2d_gb_per_s": window_bytes / elapsed / 1e9,
         }
+        if self.parallel.active:
+            row["world_size"] = self.parallel.world.size
         self.log_history.append(row)
-        with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
+        if self.parallel.is_main:
+            with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
         peak_text = f"{peak:.2f} GB ({peak_kind})" if peak is not None else "n/a"
         _echo(f"step {row['step']}/{self.config.steps} | loss {row['loss']:.4f} | lr {row['learning_rate']:.3e} | "
               f"grad_norm {row['grad_norm']:.4f} | {row['tokens_per_second']:.0f} tok/s | peak {peak_text} | "
@@ -765,15 +791,20 @@ class _Run:
             "train_batch_size": config.batch_size,
             "grad_accum": config.grad_accum,
             "num_tokens": self.num_tokens,
+            "world_size": self.parallel.world.size,
             "losses": self.losses,
             "log_history": self.log_history,
         }
-        self.last_checkpoint = checkpoints.write_checkpoint(
-            self.output_dir, self.global_step, write_adapter=self.trainer._write_adapter, optimizer=optimizer,
-            scheduler=scheduler, trainer_state=trainer_state, data_state=batches.state_dict(),
-            poros_config=self.trainer._poros_config_record(), save_total_limit=config.save_total_limit,
-        )
-        logger.info("poros: wrote %s", self.last_checkpoint)
+        if self.parallel.is_main:  # data parallel: rank 0 writes; the others wait for it
+            self.last_checkpoint = checkpoints.write_checkpoint(
+                self.output_dir, self.global_step, write_adapter=self.trainer._write_adapter, optimizer=optimizer,
+                scheduler=scheduler, trainer_state=trainer_state, data_state=batches.state_dict(),
+                poros_config=self.trainer._poros_config_record(), save_total_limit=config.save_total_limit,
+            )
+            logger.info("poros: wrote %s", self.last_checkpoint)
+        else:
+            self.last_checkpoint = self.output_dir / f"{checkpoints.CHECKPOINT_PREFIX}{self.global_step}"
+        self.parallel.barrier()
 
     def _announce_interrupt(self, signal_name: str) -> None:
         command, python = self.trainer.resume_commands(self.last_checkpoint)

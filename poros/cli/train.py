@@ -36,6 +36,9 @@ EPILOG = textwrap.dedent("""\
       $ poros train poros.yaml                       # the file written by `poros init`
       $ poros train poros.yaml --model Qwen/Qwen2.5-7B --dataset data/chat.jsonl --seq-len 1024
 
+      $ poros train --nproc-per-node 2 --batch-size 4   # 2 ranks (torch.distributed.run), 2 rows each
+      $ torchrun --nproc-per-node 8 -m poros train poros.yaml    # the same, started by torchrun
+
       $ poros train --dry-run                        # validate, print the memory plan; nothing loaded
       poros train --dry-run: the configuration is valid (all defaults)
       model       poros-tiny-qwen3 (bundled with poros: .../poros/assets/tiny-qwen3)
@@ -51,7 +54,7 @@ EPILOG = textwrap.dedent("""\
       'steps'? ...
     """)
 
-USAGE = "poros train [-h] [--dry-run] [CONFIG] [--KEY VALUE ...]"
+USAGE = "poros train [-h] [--dry-run] [--nproc-per-node N] [CONFIG] [--KEY VALUE ...]"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -67,6 +70,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config and print the memory plan (from config.json only) without "
                              "loading weights or training")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="data parallel: start N ranks on this node through torch.distributed.run (the "
+                             "launcher torchrun is); each streams its own blocks, rank 0 writes. Multi-node: "
+                             "torchrun --nnodes ... -m poros train (docs/multi-gpu.md)")
     parser.set_defaults(run=run)
     _keep_unknown_arguments(parser)
     return parser
@@ -114,7 +121,12 @@ def load_config(arguments: list[str]):
 
 def run(args: argparse.Namespace) -> int:
     arguments = list(getattr(args, "arguments", []))
-    config = load_config(arguments)
+    config = load_config(arguments)  # a bad config fails here, before any rank starts
+    if args.nproc_per_node is not None and args.nproc_per_node > 1 and not args.dry_run:
+        from poros import distributed
+
+        if not distributed.launched_by_torchrun():
+            return distributed.launch(args.nproc_per_node, ["train", *arguments])
     if args.dry_run:
         return dry_run(config)
     return train(config, launch_command=["poros", "train", *arguments])
@@ -139,6 +151,7 @@ def train(config, *, launch_command: list[str]) -> int:
     """Load, train, save; the exit status (0, or 130 when interrupted)."""
     import sys
 
+    from poros.distributed import world
     from poros.trainer import PorosTrainer, _StopRequest
 
     try:
@@ -153,8 +166,9 @@ def train(config, *, launch_command: list[str]) -> int:
     # A signal during the final save (a preemption's SIGTERM) waits for the save: with save_steps 0
     # the adapter is the only copy of the run.
     with _StopRequest() as stop:
-        output_dir = trainer.save(config.output_dir)
-    print(loading_instructions(config.model, output_dir))
+        output_dir = trainer.save(config.output_dir)  # data parallel: rank 0 writes
+    if world().is_main:
+        print(loading_instructions(config.model, output_dir))
     if stop.signal_name is not None:
         print(f"poros train: {stop.signal_name} arrived during the final save; the adapter was saved first.",
               file=sys.stderr)
