@@ -13,13 +13,14 @@ streamed (``poros.prepare`` / ``patch_hf_model``, then DDP, or layer-major accum
 CPU (``tests/test_distributed.py``); ``tools/ddp_check.py`` on GPUs (gloo on one device, NCCL on two).
 
 Modes: ``micro`` (one batch per step, DDP with and without ``find_unused_parameters``), ``accum``
-(``no_sync`` accumulation, micro-major), ``layer_major`` (``PorosModel.forward_backward`` against
-DDP's ``no_sync`` accumulation), ``hf_prepare`` / ``hf_patch`` (HF ``Trainer`` makes the DDP wrapper).
+(DDP's ``no_sync`` accumulation against Poros's micro-major ``no_sync`` accumulation and against
+layer-major ``PorosModel.forward_backward``), ``hf_prepare`` / ``hf_patch`` (HF ``Trainer`` makes the DDP wrapper).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -34,7 +35,7 @@ import poros
 from poros import distributed
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 
-MODES = ("micro", "accum", "layer_major", "hf_prepare", "hf_patch")
+MODES = ("micro", "accum", "hf_prepare", "hf_patch")
 
 
 def make_batch(seed: int, batch: int, seq: int, vocab: int = 256) -> dict[str, torch.Tensor]:
@@ -107,7 +108,7 @@ def _batches(rank: int, steps: int, accum: int, batch: int, seq: int) -> list[li
 
 
 def run_arm(checkpoint, device, *, mode: str, streamed: bool, seed: int, steps: int, accum: int, batch: int,
-            seq: int, find_unused: bool) -> dict[str, Any]:
+            seq: int, find_unused: bool, control: bool = False) -> dict[str, Any]:
     rank = distributed.world().rank
     peft_model, target = _load(checkpoint, device, "prepare" if streamed else None, seed)
     optimizer = torch.optim.AdamW(list(_trainable(peft_model).values()), lr=1e-2)
@@ -116,7 +117,7 @@ def run_arm(checkpoint, device, *, mode: str, streamed: bool, seed: int, steps: 
         for micro in _batches(rank, steps, accum, batch, seq):
             total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
             micro = [_to({**b, "num_items_in_batch": torch.tensor(total)}, device) for b in micro]
-            losses += target.forward_backward(micro)
+            losses += target.forward_backward(micro, sync_gradients=not control)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return _state(peft_model, optimizer, losses)
@@ -125,7 +126,7 @@ def run_arm(checkpoint, device, *, mode: str, streamed: bool, seed: int, steps: 
         total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
         for m, mb in enumerate(micro):
             extra = {"num_items_in_batch": torch.tensor(total)} if accum > 1 else {}
-            context = model.no_sync() if m < len(micro) - 1 else _nothing()
+            context = model.no_sync() if m < len(micro) - 1 else contextlib.nullcontext()
             with context:
                 loss = model(**_to({**mb, **extra}, device), use_cache=False).loss
                 loss.backward()
@@ -133,14 +134,6 @@ def run_arm(checkpoint, device, *, mode: str, streamed: bool, seed: int, steps: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return _state(peft_model, optimizer, losses)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -180,10 +173,6 @@ def _backend() -> str:
     return dist.get_backend()
 
 
-def _nothing_context():
-    return _nothing()
-
-
 # ---------------------------------------------------------------------------------------------
 # The job
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +189,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny models")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--control", action="store_true",
+                        help="negative control: layer-major without the all-reduce (must differ)")
+    parser.add_argument("--handshake-only", action="store_true",
+                        help="only the version handshake; POROS_TEST_FAKE_VERSION_RANK=r makes rank r report "
+                             "another torch version")
     return parser.parse_args(argv)
 
 
@@ -222,6 +216,8 @@ def main(argv=None) -> int:
     device = _device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.handshake_only:
+        return handshake(device, args)
     here = distributed.init_process_group(device, backend=args.backend)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +243,29 @@ def main(argv=None) -> int:
     return 0 if all(r.get("equal") for r in report["results"].values()) else 1
 
 
+def handshake(device, args) -> int:
+    """Join with versions (one rank may fake another torch); write what each rank saw."""
+    import torch.distributed as dist
+
+    from poros.errors import DistributedError
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    mine = distributed.versions()
+    if str(rank) == os.environ.get("POROS_TEST_FAKE_VERSION_RANK"):
+        mine["torch"] = "0.0.0-fake"
+    dist.init_process_group(backend=args.backend or "gloo")
+    try:
+        distributed.check_same_versions(mine)
+        seen = {"error": None}
+    except DistributedError as error:
+        seen = {"error": str(error), "error_type": type(error).__name__}
+    (out / f"rank{rank}.json").write_text(json.dumps(seen) + "\n")
+    dist.destroy_process_group()
+    return 1 if seen["error"] else 0
+
+
 def run_mode(mode: str, checkpoint, device, args, out) -> dict[str, Any]:
     shape = {"seed": args.seed, "steps": args.steps, "batch": args.batch, "seq": args.seq}
     if mode == "micro":
@@ -256,12 +275,16 @@ def run_mode(mode: str, checkpoint, device, args, out) -> dict[str, Any]:
             got = run_arm(checkpoint, device, mode=mode, streamed=True, accum=1, find_unused=find_unused, **shape)
             results[f"find_unused={find_unused}"] = compare(ref, got)
         return {"equal": all(r["equal"] for r in results.values()), **results}
-    if mode in ("accum", "layer_major"):
+    if mode == "accum":
         # the reference is DDP's no_sync accumulation; find_unused_parameters=True keeps DDP's
         # construction-time buckets, the ones all_reduce_gradients uses (see poros.distributed)
         ref = run_arm(checkpoint, device, mode="accum", streamed=False, accum=args.accum, find_unused=True, **shape)
-        got = run_arm(checkpoint, device, mode=mode, streamed=True, accum=args.accum, find_unused=True, **shape)
-        return compare(ref, got)
+        results = {}
+        for schedule in ("micro_major", "layer_major"):
+            got = run_arm(checkpoint, device, mode=schedule, streamed=True, accum=args.accum, find_unused=True,
+                          control=args.control, **shape)
+            results[schedule] = compare(ref, got)
+        return {"equal": all(r["equal"] for r in results.values()), **results}
     if mode in ("hf_prepare", "hf_patch"):
         ref = run_hf_trainer(checkpoint, device, streamed=None, seed=args.seed, out=out)
         got = run_hf_trainer(checkpoint, device, streamed=mode.removeprefix("hf_"), seed=args.seed, out=out)
