@@ -191,6 +191,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--control", action="store_true",
                         help="negative control: layer-major without the all-reduce (must differ)")
+    parser.add_argument("--die-rank", type=int, default=None,
+                        help="this rank exits (status 7) right after joining; the others wait in a collective")
     parser.add_argument("--handshake-only", action="store_true",
                         help="only the version handshake; POROS_TEST_FAKE_VERSION_RANK=r makes rank r report "
                              "another torch version")
@@ -219,6 +221,11 @@ def main(argv=None) -> int:
     if args.handshake_only:
         return handshake(device, args)
     here = distributed.init_process_group(device, backend=args.backend)
+    if args.die_rank is not None:
+        if here.rank == args.die_rank:
+            os._exit(7)
+        dist.barrier()
+        dist.all_reduce(torch.ones(1))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"rank": here.rank, "world_size": here.size, "backend": dist.get_backend(),

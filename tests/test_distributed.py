@@ -87,6 +87,16 @@ def test_ranks_with_different_versions_fail_on_every_rank(child_env, tmp_path):
         assert "torch" in report["error"] and "0.0.0-fake" in report["error"] and "rank 1" in report["error"]
 
 
+def test_a_rank_that_dies_stops_the_job_without_a_hang(child_env, tmp_path):
+    """torchrun stops the other ranks; the collective they wait in fails (gloo: the peer's connection
+    closes; NCCL: the process group's timeout, POROS_DIST_TIMEOUT) -- the subprocess timeout is the hang check."""
+    done = torchrun(child_env, "-m", "poros.testing_distributed", "--out", str(tmp_path), "--die-rank", "1",
+                    timeout=120)
+    assert done.returncode != 0
+    assert "exitcode  : 7" in done.stderr or "exit code 7" in done.stderr or "exitcode: 7" in done.stderr, \
+        done.stderr[-2000:]
+
+
 def poros_train(child_env, *arguments: str, timeout: int = TIMEOUT_S):
     return subprocess.run([sys.executable, "-m", "poros", "train", *arguments],
                           env=child_env(OMP_NUM_THREADS="1", POROS_DIST_TIMEOUT="60"), capture_output=True,
