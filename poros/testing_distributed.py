@@ -189,6 +189,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the tiny models")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) (warn only), CUBLAS_WORKSPACE_CONFIG=:4096:8")
     parser.add_argument("--control", action="store_true",
                         help="negative control: layer-major without the all-reduce (must differ)")
     parser.add_argument("--die-rank", type=int, default=None,
@@ -215,6 +217,9 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device = _device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

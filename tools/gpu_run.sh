@@ -8,7 +8,8 @@
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
-# `curve:SHAPE` (tools/vram_curve.py --model SHAPE) or `load` (tools/load_check.py), each
+# `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `load` (tools/load_check.py) or `ddp`
+# (tools/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -127,11 +128,14 @@ main() {
         mapfile -t extra < <(options "$rest")
         cmd=(python3 tools/vram_curve.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
+      ddp)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 tools/ddp_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 tools/load_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...] or load[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], load[:k=v...] or ddp[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo
