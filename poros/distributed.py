@@ -366,6 +366,7 @@ def launch(nproc_per_node: int, module_arguments: list[str]) -> int:
     """
     import sys
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -375,6 +376,10 @@ def launch(nproc_per_node: int, module_arguments: list[str]) -> int:
     print(f"poros: starting {nproc_per_node} ranks: torchrun {' '.join(argv)}", flush=True)
     try:
         run(get_args_parser().parse_args(argv))
+    except SignalException as stopped:  # the ranks got the signal too; the launcher waited for them to exit
+        print(f"poros: {signal_name(stopped.sigval)} received; the ranks stopped (rank 0 printed the checkpoint it "
+              "saved, if a step was done).", file=sys.stderr)
+        return 130
     except ChildFailedError as failed:
         codes = {failure.exitcode for failure in failed.failures.values()}
         if codes == {130}:
@@ -384,3 +389,12 @@ def launch(nproc_per_node: int, module_arguments: list[str]) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -129,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
             return distributed.launch(args.nproc_per_node, ["train", *arguments])
     if args.dry_run:
         return dry_run(config)
-    return train(config, launch_command=["poros", "train", *arguments])
+    from poros.distributed import world
+
+    ranks = world().local_size if world().distributed else 1  # the resume command starts as many ranks
+    return train(config, launch_command=["poros", "train", *(["--nproc-per-node", str(ranks)] if ranks > 1 else []),
+                                         *arguments])
 
 
 def dry_run(config) -> int:
