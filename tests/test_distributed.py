@@ -133,3 +133,17 @@ def test_poros_train_refuses_a_batch_the_ranks_do_not_divide(child_env, tmp_path
     assert done.returncode == 1
     assert done.stderr.count("a global batch of 3 sequences cannot be split over 2 ranks") == 2  # every rank
     assert not out.exists()
+
+
+def test_plan_per_gpu_and_host_ram_per_node(capsys):
+    from poros.cli.main import main
+
+    assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--json", "--batch-size", "4",
+                 "--nproc-per-node", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    node = report["data_parallel"]
+    assert report["plan"]["workload"]["batch_size"] == 2  # each GPU plans for its share
+    assert node["ranks_per_node"] == 2
+    assert node["host_bytes_per_node_one_copy_per_rank"] == 2 * node["host_bytes_per_node_shared"] > 0
+    assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--batch-size", "4", "--nproc-per-node", "3"]) == 1
+    assert "cannot be split over 3 ranks" in capsys.readouterr().err
