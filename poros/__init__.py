@@ -19,6 +19,8 @@ _LAZY = {
     "CarriedState": "poros.descriptor",
     "PorosConfig": "poros.config",
     "PorosModel": "poros.model",
+    "PorosCallback": "poros.integrations",
+    "prepare_trainer": "poros.integrations",
     "PorosTrainer": "poros.trainer",
     "prepare": "poros.model",
     "patch_hf_model": "poros.model",

@@ -60,6 +60,10 @@ class CheckpointingError(UnsupportedModelError):
     """HF gradient checkpointing is configured in a way that changes the math (reentrant)."""
 
 
+class TorchCompileError(UnsupportedModelError):
+    """``torch.compile`` around a streamed model (inductor would bake one block's tensors into a graph)."""
+
+
 class CacheDuringTrainingError(PorosError, ValueError):
     """``use_cache=True`` was passed to a training forward."""
 

@@ -1,4 +1,5 @@
-"""``poros.prepare``: turn an HF NF4 + PEFT LoRA causal LM into a streamed :class:`PorosModel`.
+"""``poros.prepare``: stream an HF NF4 + PEFT LoRA causal LM in place; it stays the same object
+(its class gains :class:`PorosModel`), so trainers that inspect it see the model they know.
 
 ``prepare`` first *detects* (family and provider, quantization, adapters, platform) and *gates*:
 every check that can refuse the model runs before any weight moves, and raises a typed
@@ -28,6 +29,7 @@ from poros.errors import (
     GuaranteeError,
     OffloadedModelError,
     QuantizationError,
+    TorchCompileError,
     TrainableInBlockError,
     UnsupportedAdapterError,
     UnsupportedModelError,
@@ -46,42 +48,29 @@ LABEL_STRENGTH = {"unverified": 0, "numerical": 1, "bitwise": 2}
 
 
 
-class PorosModel(nn.Module):
-    """An HF causal LM whose decoder blocks stream through the compute device.
+class PorosModel:
+    """What a prepared model gains: :func:`prepare` returns **the model it was given**, streamed in
+    place, its class switched to a subclass of its own class with this mixin (same class name).
 
-    Called like the HF model (``input_ids``, ``attention_mask``, ``labels``, ``position_ids``,
-    ``num_items_in_batch``...) and returns the HF output (``.loss``, ``.logits``). Train it with
-    ``loss.backward()`` and any torch optimizer over ``trainable_parameters()``.
+    So every library that inspects models sees exactly the model it knows: ``isinstance(model,
+    PeftModel)``, ``get_base_model()``, ``loss_type``, the forward's signature, ``state_dict``
+    keys, ``save_pretrained``, ``generate`` -- HF ``Trainer``, TRL, accelerate and PEFT treat it
+    as the unprepared model, bit for bit (``docs/prepare.md``: why not a wrapper). Call it as
+    before (``model(input_ids=..., labels=...)``) and train it with ``loss.backward()`` and any
+    torch optimizer.
 
     Attributes:
-        model: the wrapped model as passed to :func:`prepare` (e.g. a ``PeftModel``).
-        causal_lm: the HF ``*ForCausalLM`` inside it.
+        causal_lm: the HF ``*ForCausalLM`` inside (the model itself when it is not PEFT-wrapped).
         descriptor: the family descriptor found in the registry.
         store: the :class:`~poros.stream.store.BlockStore` holding the frozen block tensors.
         executor: the :class:`~poros.stream.executor.StreamingExecutor`.
+        host_tables: the embedding tables kept on the host (``embeddings_on_host``).
+        detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
     """
 
-    def __init__(self, model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor,
-                 store: BlockStore, executor: StreamingExecutor, restore_flags: list[tuple[nn.Module, bool]],
-                 host_tables: list[HostEmbedding] = (), detection: Detection | None = None):
-        super().__init__()
-        self.model = model
-        object.__setattr__(self, "causal_lm", causal_lm)
-        object.__setattr__(self, "descriptor", descriptor)
-        object.__setattr__(self, "store", store)
-        object.__setattr__(self, "executor", executor)
-        object.__setattr__(self, "_restore_flags", restore_flags)
-        object.__setattr__(self, "host_tables", list(host_tables))
-        object.__setattr__(self, "detection", detection)
-
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-        if self.store is None:
-            raise UnsupportedModelError(
-                "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
-            )
-        kwargs.setdefault("use_cache", False)
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+    _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
+                     "_restore_flags", "_poros_class")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
@@ -103,10 +92,6 @@ class PorosModel(nn.Module):
         Raises:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
-        if self.store is None:
-            raise UnsupportedModelError(
-                "this PorosModel was unpatched; call the original model, or poros.prepare(model) again."
-            )
         losses = self.executor.forward_backward(self.forward, micro_batches)
         from poros import distributed
 
@@ -115,11 +100,7 @@ class PorosModel(nn.Module):
         return losses
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    @property
-    def config(self):
-        return self.causal_lm.config
+        return [p for p in self.parameters() if p.requires_grad]
 
     @property
     def guarantee(self) -> str | None:
@@ -127,17 +108,44 @@ class PorosModel(nn.Module):
         return self.detection.guarantee if self.detection else None
 
     def unpatch(self) -> nn.Module:
-        """Put every frozen tensor back in its module (on the compute device) and return the original model."""
-        if self.store is not None:
-            self.executor.uninstall()
-            self.causal_lm.__dict__.pop("_poros_handle", None)
-            self.store.restore()
-            for layer, flag in self._restore_flags:
-                layer.gradient_checkpointing = flag
-            for table in self.host_tables:
-                table.restore()
-            object.__setattr__(self, "store", None)
-        return self.model
+        """Put every frozen tensor back in its module (on the compute device), give the model its own
+        class back, and return it (the same object)."""
+        self.executor.uninstall()
+        self.causal_lm.__dict__.pop("_poros_handle", None)
+        self.store.restore()
+        for layer, flag in self._restore_flags:
+            layer.gradient_checkpointing = flag
+        for table in self.host_tables:
+            table.restore()
+        original = self._poros_class
+        for name in self._POROS_FIELDS:
+            self.__dict__.pop(name, None)
+        self.__class__ = original
+        return self
+
+
+_STREAMED_CLASSES: dict[type, type] = {}
+
+
+def _streamed_class(cls: type) -> type:
+    """``cls`` with :class:`PorosModel` mixed in, made once per class; same name, module and qualname,
+    so ``_get_name()``, ``architectures`` in a saved config and pickling see the original class."""
+    if issubclass(cls, PorosModel):
+        return cls
+    if cls not in _STREAMED_CLASSES:
+        _STREAMED_CLASSES[cls] = type(cls.__name__, (PorosModel, cls),
+                                      {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _STREAMED_CLASSES[cls]
+
+
+def _become_streamed(model: nn.Module, fields: dict[str, Any]) -> PorosModel:
+    """Switch ``model`` (in place) to its streamed class and attach the Poros fields (plain attributes:
+    none of them is registered as a submodule, so ``state_dict``/``parameters`` do not change)."""
+    fields = {**fields, "_poros_class": type(model)}
+    for name, value in fields.items():
+        object.__setattr__(model, name, value)
+    model.__class__ = _streamed_class(type(model))
+    return model
 
 
 def _causal_lm_of(model: nn.Module) -> nn.Module:
@@ -274,6 +282,21 @@ def _check_offload(model: nn.Module, causal_lm: nn.Module) -> None:
         )
 
 
+#: what the refusal of torch.compile says to do (prepare, prepare_trainer and PorosCallback use it)
+COMPILE_WORKAROUND = ("Poros streams the blocks through eager PyTorch: drop torch.compile (TrainingArguments("
+                      "torch_compile=False), no torch.compile(model)) for the streamed run; docs/prepare.md says why.")
+
+
+def _check_not_compiled(model: nn.Module) -> None:
+    compiled = hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None
+    if compiled:
+        raise TorchCompileError(
+            f"the model was compiled with torch.compile ({type(model).__name__}); compiled graphs capture each "
+            "decoder block's tensors and strides, which streaming swaps between calls (inductor then fails with "
+            f"assert_size_stride or wrong dimensions). {COMPILE_WORKAROUND}"
+        )
+
+
 def _check_frozen(model: nn.Module, layers: list[nn.Module]) -> None:
     in_blocks = {id(p) for layer in layers for p in layer.parameters()}
     for name, param in model.named_parameters():
@@ -328,7 +351,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             require: str | None = None, resident_blocks: int | Iterable[int] | None = None,
             vram_budget: str | int | None = None,
             workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None) -> PorosModel:
-    """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM; returns a :class:`PorosModel`.
+    """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM, in place; returns ``model``
+    itself, its class switched to a same-named subclass with the :class:`PorosModel` mixin.
 
     Detects the family, quantization, adapters and platform, runs every gate, decides the guarantee
     label (logged as one block on the ``poros`` logger and kept as ``PorosModel.detection``), and
@@ -362,7 +386,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
             message lists the registered ones.
         UnsupportedModelError: the model's class is not the family's causal-LM class.
-        AlreadyPreparedError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
+        AlreadyPreparedError, TorchCompileError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
         BaseNotFrozenError, TrainableInBlockError, CheckpointingError, GuaranteeError: the gates
             (``docs/prepare.md`` lists each with its message).
         ConfigError: ``resident_blocks`` names no block, or with ``vram_budget``; ``vram_budget``
@@ -373,10 +397,11 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     if boundary_states not in (None, "device", "host"):
         raise ConfigError(f"boundary_states={boundary_states!r}: expected 'device' or 'host' (pinned host memory, "
                           "for layer-major accumulation when the device cannot hold the M x L block inputs).")
+    _check_not_compiled(model)
     causal_lm = _causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
         raise AlreadyPreparedError(
-            f"this {type(causal_lm).__name__} is already streamed by Poros; use the PorosModel you got, or call "
+            f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "
             "its unpatch() before preparing again."
         )
     descriptor = registry.for_config(causal_lm.config)
@@ -439,10 +464,12 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
-    handle = PorosModel(model, causal_lm, descriptor, store, executor, restore_flags, host_tables, detection)
-    object.__setattr__(handle, "budget_plan", budget_plan)  # the planner's decision (vram_budget), else None
-    object.__setattr__(causal_lm, "_poros_handle", handle)
-    return handle
+    prepared = _become_streamed(model, {
+        "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
+        "host_tables": host_tables, "detection": detection, "budget_plan": budget_plan,
+        "_restore_flags": restore_flags})
+    object.__setattr__(causal_lm, "_poros_handle", prepared)
+    return prepared
 
 
 def _check_budget_options(resident_blocks: Any, vram_budget: Any, workload: Any) -> None:
@@ -510,8 +537,8 @@ def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
     """Stream ``model`` in place and keep using the same object: ``model(...)``, HF ``Trainer``, TRL
     ``SFTTrainer`` and PEFT's ``save_pretrained`` work as before, its decoder blocks streamed.
 
-    :func:`prepare` already installs streaming in place (the trunk instance's ``forward`` runs the
-    executor); this is the spelling for scripts that keep their own model object.
+    The same as :func:`prepare` (which also returns the object it was given): the spelling for
+    scripts that keep their own model variable.
 
     Args:
         model: as for :func:`prepare`.
@@ -519,7 +546,7 @@ def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:
             ``resident_blocks``, ``vram_budget``, ``workload``, ``boundary_states``).
 
     Returns:
-        The :class:`PorosModel` handle: ``detection``/``guarantee``, ``store`` and ``executor`` for
-        inspection, and ``unpatch()`` to restore the model (weights back in their modules).
+        ``model`` itself, now also a :class:`PorosModel`: ``detection``/``guarantee``, ``store`` and
+        ``executor`` for inspection, ``forward_backward``, and ``unpatch()`` to restore it.
     """
     return prepare(model, **options)

@@ -391,7 +391,7 @@ class PorosTrainer:
         return target
 
     def _peft_model(self):
-        peft_model = self.model.model
+        peft_model = self.model  # prepare returns the model it was given, streamed
         if not (hasattr(peft_model, "peft_config") and hasattr(peft_model, "save_pretrained")):
             raise UnsupportedModelError(
                 f"the model inside this PorosModel is a {type(peft_model).__name__} without PEFT adapters; saving "

@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 import poros
 from poros import records, registry
@@ -154,7 +155,12 @@ def test_doctor_text_is_a_paste_ready_block(capsys):
     lines = out.strip().splitlines()
     assert status == 0 and lines[0] == "```text" and lines[-1] == "```"
     labels = [line.split()[0] for line in lines[1:-1] if not line.startswith(" ")]
-    assert labels == ["poros", "python", "platform", "cpus", "memory", "nvidia", "packages", "plugins", "problems"]
+    host = ["poros", "python", "platform", "cpus", "memory", "nvidia", "packages", "plugins"]
+    # with torch importable the GPU half follows (poros.diagnostics; tests/test_doctor_gpu.py)
+    if torch.cuda.is_available():
+        assert labels[:10] == [*host, "torch", "cuda:0"] and labels[-1] == "problems"
+    else:
+        assert labels == [*host, "torch", "gpu", "bitsandbytes", "pinned", "link", "notes", "problems"]
 
 
 def test_doctor_reports_missing_training_packages_with_the_install_hint(capsys, monkeypatch):

@@ -13,8 +13,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from poros.testing import TINY_VARIANTS
 
 CASES = [f"{family}:{variant}" for family, variants in TINY_VARIANTS.items() for variant in variants]
@@ -55,23 +53,17 @@ def test_every_family_under_ddp_is_bitwise_resident_ddp(child_env, tmp_path):
     assert done.returncode == 0
 
 
-def test_hf_trainer_with_patch_hf_model_under_ddp_and_a_negative_control(child_env, tmp_path):
-    """HF Trainer makes the DDP wrapper around the patched PEFT model: bitwise. And the parity check
-    can fail: layer-major without the all-reduce (each rank keeps its own gradients) differs."""
-    done, reports = parity_job(child_env, tmp_path, ["qwen3:default"], "hf_patch,accum", "--control", "--steps", "1")
+def test_hf_trainer_drop_in_under_ddp_and_a_negative_control(child_env, tmp_path):
+    """HF Trainer makes the DDP wrapper around the model given ``prepare`` / ``patch_hf_model``: bitwise.
+    And the parity check can fail: layer-major without the all-reduce (each rank keeps its own
+    gradients) differs."""
+    done, reports = parity_job(child_env, tmp_path, ["qwen3:default"], "hf_prepare,hf_patch,accum", "--control",
+                               "--steps", "1")
     for report in reports:
-        assert report["results"]["qwen3:default/hf_patch"]["equal"], (report, done.stderr[-3000:])
+        for mode in ("hf_prepare", "hf_patch"):
+            assert report["results"][f"qwen3:default/{mode}"]["equal"], (report, done.stderr[-3000:])
         control = report["results"]["qwen3:default/accum"]
         assert control["micro_major"]["equal"] and not control["layer_major"]["equal"]
-
-
-@pytest.mark.xfail(strict=True, reason="HF Trainer given the PorosModel counts num_items_in_batch otherwise than "
-                                       "for the PEFT model (single-process too); prepare returning the model "
-                                       "itself (issue 13) fixes it: remove this mark then")
-def test_hf_trainer_with_prepare_under_ddp(child_env, tmp_path):
-    _, reports = parity_job(child_env, tmp_path, ["qwen3:default"], "hf_prepare")
-    for report in reports:
-        assert report["results"]["qwen3:default/hf_prepare"]["equal"], report
 
 
 def test_ranks_with_different_versions_fail_on_every_rank(child_env, tmp_path):

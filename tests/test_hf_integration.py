@@ -27,8 +27,11 @@ def test_patched_model_is_the_same_object_and_trains_bitwise(checkpoint):
     assert handle.store.stats.fetches[0] > 0  # it really streamed
     assert_bitwise(reference, model, ref_losses, losses, ref_opt, opt)
 
+    assert handle is model  # patch_hf_model, like prepare, streams the object in place and returns it
+    executor, causal_lm = handle.executor, handle.causal_lm
     handle.unpatch()
-    assert "forward" not in handle.executor.trunk.__dict__ and "forward" not in handle.causal_lm.__dict__
+    assert "forward" not in executor.trunk.__dict__ and "forward" not in causal_lm.__dict__
+    assert not hasattr(model, "store") and type(model) is type(reference)
     with torch.no_grad():
         batch = make_batch(9, 2, 14, "right")
         assert torch.equal(reference(**batch, use_cache=False).logits, model(**batch, use_cache=False).logits)

@@ -22,7 +22,8 @@ CHILD = textwrap.dedent("""\
     class Blocker(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name.partition(".")[0] in BLOCKED:
-                raise ImportError(f"{name} is blocked by test_import_light")
+                # what Python raises for a package that is not installed (a core install)
+                raise ModuleNotFoundError(f"{name} is blocked by test_import_light", name=name)
             return None
 
     sys.meta_path.insert(0, Blocker())

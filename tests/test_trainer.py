@@ -177,7 +177,7 @@ def test_training_is_bitwise_a_plain_peft_loop(qwen3_checkpoint, tokenizer, chat
     assert result.losses == [float(loss) for loss in losses]
     reference_adapters = adapters(reference)
     assert_same_training_state(reference_adapters, optimizer_states(optimizer, reference_adapters),
-                               trainer.model.model, trainer.optimizer)
+                               trainer.model, trainer.optimizer)
     assert trainer.scheduler.get_last_lr() == scheduler.get_last_lr()
 
 
@@ -198,7 +198,7 @@ def uninterrupted(qwen3_checkpoint, chat_file, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("uninterrupted")
     trainer = new_trainer(qwen3_checkpoint, output_dir)
     result = trainer.train(chat_file, save_steps=2, **RESUME)
-    named = adapters(trainer.model.model)
+    named = adapters(trainer.model)
     return {"result": result, "adapters": {name: p.detach().clone() for name, p in named.items()},
             "optimizer": optimizer_states(trainer.optimizer, named), "lr": trainer.scheduler.get_last_lr(),
             "output_dir": output_dir}
@@ -207,7 +207,7 @@ def uninterrupted(qwen3_checkpoint, chat_file, tmp_path_factory):
 def assert_continues_uninterrupted(run, trainer, result):
     expected = run["result"]
     assert result.steps == 4 and result.losses == expected.losses
-    assert_same_training_state(run["adapters"], run["optimizer"], trainer.model.model, trainer.optimizer)
+    assert_same_training_state(run["adapters"], run["optimizer"], trainer.model, trainer.optimizer)
     assert trainer.scheduler.get_last_lr() == run["lr"]
     timing = {"tokens_per_second", "peak_memory_gb", "h2d_gb_per_s"}
     assert [{k: v for k, v in row.items() if k not in timing} for row in result.log_history] == \

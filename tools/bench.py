@@ -903,7 +903,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
         prediction = {"error": f"{type(exc).__name__}: {exc}"}
     store = streamed.store
     copies = CopyTimeline(store) if timeline and store.on_cuda else None
-    result = run_arm("poros", streamed, trainable(streamed.model), batches, device=device, warmup=warmup, lr=lr,
+    result = run_arm("poros", streamed, trainable(streamed), batches, device=device, warmup=warmup, lr=lr,
                      vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
                      forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
                      profile=profile, step_hooks=copies.hooks(warmup) if copies else None,

@@ -5,10 +5,14 @@
 #   tools/gpu_run.sh bench:qwen2.5-72b:layers=20 bench:qwen2.5-32b:seq=2048
 #   tools/gpu_run.sh bench:qwen2.5-32b:arms=poros:vram-limit=8 gate:only=gemma4,gemma4-moe:attn=eager
 #   tools/gpu_run.sh bench:qwen2.5-7b:layers=4:deterministic
+#   tools/gpu_run.sh doctor doctor:model=qwen2.5-32b
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
+#   DEVICE=cpu tools/gpu_run.sh doctor:quick doctor:model=poros-tiny-qwen3:vram-budget=2GiB
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
-# `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `load` (tools/load_check.py) or `ddp`
+# `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `load` (tools/load_check.py), `doctor`
+# (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
+# `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds) or `ddp`
 # (tools/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
@@ -33,7 +37,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 if [ $# -eq 0 ]; then
-  echo "usage: tools/gpu_run.sh STEP... (STEP: gate[:k=v...] | bench:SHAPE[:k=v...])" >&2
+  echo "usage: tools/gpu_run.sh STEP... (STEP: gate[:k=v...] | bench:SHAPE[:k=v...] | curve:SHAPE[:k=v...] | load[:k=v...] | doctor[:k=v...])" >&2
   exit 2
 fi
 
@@ -134,8 +138,11 @@ main() {
       load)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 tools/load_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+      doctor)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 tools/doctor_run.py --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], load[:k=v...] or ddp[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], load[:k=v...], doctor[:k=v...] or ddp[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

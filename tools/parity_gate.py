@@ -21,6 +21,13 @@ implementation (eager / sdpa) and, for MoE, the other experts implementation (ea
 grouped_mm), and the report names the kernel whose swap makes it bitwise. Kernels that torch
 reports as non-deterministic are listed by torch's own message.
 
+``--autocast bf16`` (or ``fp16``) runs both arms under ``torch.autocast`` (as ``TrainingArguments(bf16=True)``
+does; PEFT keeps the LoRA weights in fp32, so autocast changes their ops and Poros's recompute must replay
+the forward's autocast state). ``--save-load`` then checks, on the trained streamed model (double quant,
+the builder's default), that ``state_dict``, PEFT's ``save_pretrained`` and the base model's
+``save_pretrained`` hold the resident model's bytes, and that a ``load_state_dict`` gives the resident
+logits; any difference labels the variant ``numerical``.
+
 Writes JSON (``--json``) and, with ``--append-registry``, one ``[[validation]]`` table per variant
 appended to ``registry/<family>.toml`` (text appended, the file is not rewritten; the result is
 re-parsed and the append undone if it does not parse).
@@ -98,9 +105,14 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
                                 target_parameters=list(variant.target_parameters) or None)
     batches = bench.make_batches(config, count=args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1,
                                  left_pad=args.pad)
-    with warnings.catch_warnings(record=True) as caught:
+    autocast = getattr(args, "autocast", "none")  # callers building their own Namespace may leave it out
+    mixed = contextlib.nullcontext() if autocast == "none" else \
+        torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[autocast])
+    with warnings.catch_warnings(record=True) as caught, mixed:
         warnings.simplefilter("always")
         outcome = bench.compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr)
+    checked = getattr(args, "save_load", False) and outcome["comparison"]
+    save_load = save_load_check(peft_model, batches[0]) if checked else None
     kernels = sorted({_kernel_name(str(w.message)) for w in caught if NONDETERMINISTIC_MARK in str(w.message)})
     arms = {name: result.summary(0) for name, result in outcome["arms"].items()}
     for arm in arms.values():
@@ -114,11 +126,61 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         "attn_implementation": attn, "experts_implementation": experts if variant.moe else None,
         "target_parameters": list(variant.target_parameters),
         "arms": arms, "comparison": outcome["comparison"], "nondeterministic_kernels": kernels,
-        "model_info": info,
+        "model_info": info, "autocast": autocast, "save_load": save_load,
     }
     del outcome, peft_model, model
     bench.free_memory(device)
     return report
+
+
+def _host_state(model) -> dict[str, torch.Tensor]:
+    return {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
+
+
+def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    def raw(t):
+        return t.contiguous().view(torch.uint8) if t.numel() else t
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                        and torch.equal(raw(a[k]), raw(b[k])) for k in a)
+
+
+def _saved(model, directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    model.save_pretrained(directory / "adapter")
+    model.get_base_model().save_pretrained(directory / "base")
+    files = sorted((directory / "adapter").glob("*.safetensors")) + sorted((directory / "base").glob("*.safetensors"))
+    return {f"{path.parent.name}/{key}": value for path in files for key, value in load_file(path).items()}
+
+
+def save_load_check(peft_model, batch: dict) -> dict[str, Any]:
+    """The trained streamed model's state_dict and saved files against the same model resident (unpatched), and
+    a load_state_dict into each (LoRA A doubled, a block norm halved) followed by a no-grad forward."""
+    import tempfile
+
+    import poros
+
+    if not isinstance(peft_model, poros.PorosModel):
+        return {"error": "the poros arm did not leave a prepared model"}
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        tmp = Path(tmp)
+        streamed_state, streamed_files = _host_state(peft_model), _saved(peft_model, tmp / "poros")
+        peft_model.unpatch()
+        resident_state, resident_files = _host_state(peft_model), _saved(peft_model, tmp / "resident")
+        edited = {key: (value * 2 if ".lora_A." in key else value / 2 if key.endswith("layers.0.input_layernorm.weight")
+                        else value) for key, value in resident_state.items()}
+        logits = {}
+        for arm in ("resident", "poros"):
+            if arm == "poros":
+                peft_model.load_state_dict(resident_state, strict=False)  # back to the trained state first
+                poros.prepare(peft_model)
+            peft_model.load_state_dict(edited, strict=False)
+            logits[arm] = peft_model(**batch).logits.float().cpu()
+            peft_model.load_state_dict(resident_state, strict=False)
+        peft_model.unpatch()
+    return {"state_dict_equal": _same_bytes(resident_state, streamed_state),
+            "files_equal": _same_bytes(resident_files, streamed_files), "tensors": len(resident_state),
+            "load_state_dict_logits_equal": torch.equal(logits["resident"], logits["poros"])}
 
 
 def _kernel_name(message: str) -> str:
@@ -146,7 +208,10 @@ def gate_variant(variant: Variant, args, device: torch.device) -> dict[str, Any]
     if comparison is None:
         report["label"] = "error"
         return report
-    bitwise = comparison["bitwise"] and not report["nondeterministic_kernels"]
+    save_load = report.get("save_load")
+    saves_equal = save_load is None or (save_load.get("state_dict_equal") and save_load.get("files_equal")
+                                        and save_load.get("load_state_dict_logits_equal"))
+    bitwise = comparison["bitwise"] and not report["nondeterministic_kernels"] and bool(saves_equal)
     report["label"] = "bitwise" if bitwise else "numerical"
     if not bitwise and not args.no_diagnose:
         with _warn_only() if report.get("warn_only") else contextlib.nullcontext():
@@ -215,6 +280,10 @@ def validation_record(report: dict[str, Any], env: dict[str, Any], args) -> dict
         "deterministic": args.deterministic,
         "attn_implementation": report["attn_implementation"],
     }
+    if getattr(args, "autocast", "none") != "none":
+        record["autocast"] = getattr(args, "autocast", "none")
+    if getattr(args, "save_load", False):
+        record["save_load"] = "checked"
     if report["experts_implementation"]:
         record["experts_implementation"] = report["experts_implementation"]
     if report["label"] == "numerical":
@@ -294,6 +363,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--experts", default="grouped_mm", choices=("grouped_mm", "eager"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--autocast", default="none", choices=("none", "bf16", "fp16"),
+                        help="run both arms under torch.autocast with this dtype (TrainingArguments(bf16=True))")
+    parser.add_argument("--save-load", action="store_true",
+                        help="also check state_dict / save_pretrained / load_state_dict of the streamed model")
     parser.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                         help="leave deterministic algorithms off (the result can then only be 'numerical' evidence)")
     parser.add_argument("--no-diagnose", action="store_true", help="skip the kernel-swap reruns")
@@ -347,7 +420,8 @@ def main(argv=None) -> int:
                    "steps": args.steps, "lr": args.lr, "lora": {"rank": args.rank, "alpha": args.alpha,
                                                                 "targets": args.targets},
                    "attn_implementation": args.attn, "experts_implementation": args.experts,
-                   "deterministic": args.deterministic, "seed": args.seed},
+                   "deterministic": args.deterministic, "seed": args.seed, "autocast": args.autocast,
+                   "save_load": args.save_load},
         "variants": reports,
         "records": [{"family": family, **record} for family, record in records],
     }

@@ -53,14 +53,14 @@ for family in sys.argv[1:]:
             l = ref(**b, num_items_in_batch=n, use_cache=False).loss; l.backward(); sl = sl + l.detach()
         torch.nn.utils.clip_grad_norm_(params, 0.5); opt.step(); sch.step(); opt.zero_grad(set_to_none=True)
         losses.append(float(sl))
-    mine = {n: p for n, p in t.model.model.named_parameters() if p.requires_grad}
+    mine = {n: p for n, p in t.model.named_parameters() if p.requires_grad}
     theirs = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     lora_equal = all(torch.equal(mine[n], theirs[n]) for n in theirs)
     state_equal = all(torch.equal(t.optimizer.state[mine[n]][k], opt.state[theirs[n]][k]) for n in theirs for k in opt.state[theirs[n]])
     # resume from checkpoint-2 in a fresh trainer
     t2 = PorosTrainer.from_pretrained(ckpt, lora_rank=4, lora_alpha=8, seed=11, device=str(device), output_dir=str(work / f"r{family}"))
     r2 = t2.train(chat, resume_from=str(work / f"o{family}" / "checkpoint-2"), **S)
-    mine2 = {n: p for n, p in t2.model.model.named_parameters() if p.requires_grad}
+    mine2 = {n: p for n, p in t2.model.named_parameters() if p.requires_grad}
     saved = t2.save(work / f"a{family}")
     report[family] = dict(losses_equal=r.losses == losses, poros=r.losses, ref=losses, lora_equal=lora_equal,
         adam_equal=state_equal, resume_equal=r2.losses == r.losses and all(torch.equal(mine2[n], mine[n]) for n in mine),

@@ -1,8 +1,11 @@
 """``poros doctor``: what this machine and install look like, as a block to paste into a bug report.
 
-Torch-free on purpose: package versions come from ``importlib.metadata`` (nothing is imported),
-host memory from ``/proc/meminfo`` and the cgroup limits, so the doctor runs where torch is
-missing or broken -- the very machines that need it.
+The host part is torch-free on purpose: package versions come from ``importlib.metadata`` (nothing
+is imported), host memory from ``/proc/meminfo`` and the cgroup limits, so the doctor runs where
+torch is missing or broken -- the very machines that need it. Where torch is installed, the GPU
+part follows (:mod:`poros.gpu_probe`, imported inside :func:`gpu_report`): CUDA, the cards,
+bitsandbytes' kernels, pinned memory, the link, and with ``--model`` what the planner says; every
+finding that blocks training becomes a named problem with its fix (:data:`poros.diagnostics.RULES`).
 """
 
 from __future__ import annotations
@@ -27,26 +30,46 @@ INSTALL_HINT = "pip install 'poros-train[train]'"
 DESCRIPTION = """\
 Print what Poros needs to know about this machine, in a ```text block ready to paste into an
 issue: Python and platform, the installed versions of torch, transformers, peft, bitsandbytes,
-safetensors, datasets and accelerate (read from package metadata, never imported), host memory
-(the smaller of /proc/meminfo MemTotal and the cgroup memory limit, and which one it is), usable
-CPUs, and plugins that failed to load or register. Exit status 1 when a plugin problem was found;
-missing training packages are reported with the command that installs them, and are not an error
-(a torch-free install is a valid install).
+safetensors, datasets and accelerate (read from package metadata), host memory (the smaller of
+/proc/meminfo MemTotal and the cgroup memory limit, and which one it is), usable CPUs, and plugins
+that failed to load or register.
+
+Where torch is installed it also reports: the torch build and its CUDA runtime against the
+driver's CUDA; each visible card (name, compute capability, total and free memory, PCIe link,
+NVLink peers); the native library bitsandbytes loaded and an NF4 quantize -> matmul -> dequantize
+smoke test on the card compared with the CPU; whether pinning a few GiB of host memory works, and
+the locked-memory limit (ulimit -l); the measured host<->device bandwidth, pinned and pageable
+(--quick skips it). With --model, what the planner says for that model on this machine: the NF4
+base's host bytes against free RAM, the minimum VRAM budget, the predicted peak, whether the card
+fits, and the flags to train with.
+
+Every finding that blocks training is a named problem with its fix; findings that only explain a
+number are notes. Exit status 1 when a plugin problem or a blocking problem was found; missing
+training packages are reported with the command that installs them, and are not an error (a
+torch-free install is a valid install).
 """
 
 EPILOG = textwrap.dedent("""\
     examples:
-      $ poros doctor
+      $ poros doctor                     # everything, with the pinning and bandwidth tests
+      $ poros doctor --quick             # no bandwidth measurement
+      $ poros doctor --model Qwen/Qwen2.5-32B --vram-budget 24GiB   # + the planner (config.json only)
+      $ poros doctor --model ./my-checkpoint --json
+
+      On a CPU machine with the training packages:
       ```text
       poros          0.1.0 (/work/main/poros)
-      python         3.11.7 CPython (/work/venv/bin/python)
-      platform       Linux-6.18.44-fc-v657-x86_64-with-glibc2.36 (x86_64)
-      cpus           2 usable (sched_getaffinity), 2 online
-      memory         23.5 GiB total (/proc/meminfo MemTotal), 23.2 GiB available
-      nvidia driver  none (/proc/driver/nvidia/version absent)
-      packages       torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2, bitsandbytes 0.50.2,
-                     safetensors 0.8.0, datasets 5.2.0, accelerate 1.15.0
+      ...
       plugins        5 loaded, families: qwen2, qwen3, qwen3_5, gemma3, gemma4
+      torch          2.13.0+cpu, CUDA runtime none (CPU build), driver CUDA none, cuda available no
+      gpu            no CUDA device
+      bitsandbytes   0.50.2, library .../bitsandbytes/libbitsandbytes_cpu.so; NF4 smoke test: not
+                     run (no CUDA device)
+      pinned         not tested (no CUDA device); memlock limit 8.0 MiB
+      link           not measured (no CUDA device)
+      notes          [no_cuda_device] no CUDA device: torch 2.13.0+cpu, no NVIDIA driver loaded;
+                     Poros trains on the CPU here (small models only); on a GPU machine install
+                     torch with CUDA
       problems       none
       ```
 
@@ -59,12 +82,19 @@ EPILOG = textwrap.dedent("""\
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "doctor",
-        help="report versions, host memory, CPUs and plugin problems (paste-ready)",
+        help="report versions, host memory, plugins, CUDA, the cards, bitsandbytes, the link (paste-ready)",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the host<->device bandwidth measurement")
+    parser.add_argument("--model", metavar="ID_OR_DIR",
+                        help="also say what the planner needs for this model on this machine (its config.json only: "
+                             "a local directory, a bundled model or an HF id whose config is cached)")
+    parser.add_argument("--vram-budget", metavar="SIZE",
+                        help="plan --model for this budget (e.g. 24GiB) instead of the first card's memory")
     parser.set_defaults(run=run)
     return parser
 
@@ -250,6 +280,30 @@ def report() -> dict[str, Any]:
     }
 
 
+def gpu_report(data: dict[str, Any], *, quick: bool = False, model: str | None = None,
+               vram_budget: str | None = None) -> dict[str, Any]:
+    """The torch part of the report (:mod:`poros.gpu_probe`: CUDA, cards, bitsandbytes, pinning, the
+    link, ``--model``) and ``problems``, its named findings (:mod:`poros.diagnostics`). Where torch is
+    not installed, only ``problems`` (and ``model``'s error when one was asked for)."""
+    from poros import diagnostics, gpu_probe
+
+    available = data["memory"]["available_bytes"]
+    part: dict[str, Any] = {}
+    if data["packages"]["torch"] is not None:
+        try:
+            part = gpu_probe.probe(quick=quick, available_host_bytes=available)
+        except ModuleNotFoundError as error:  # metadata without the module: a core install in effect
+            part = {"torch_skipped": f"torch is not importable ({error})"}
+    if model is not None:
+        if part.get("torch") and "import_error" not in part["torch"]:
+            part["model"] = gpu_probe.model_fit(model, vram_budget=vram_budget, devices=part.get("devices") or [],
+                                                available_host_bytes=available)
+        else:
+            part["model"] = {"model": model, "error": f"--model needs torch and the planner: {INSTALL_HINT}"}
+    part["problems"] = diagnostics.problems({**data, **part})
+    return part
+
+
 def _gib(value: int | None) -> str:
     return "unknown" if value is None else f"{value / 2**30:.1f} GiB"
 
@@ -266,6 +320,9 @@ def format_report(data: dict[str, Any]) -> str:
     if env_setting is not None:
         plugin_line += f" (POROS_LOAD_PLUGINS={env_setting!r})"
     problems = [*plugins["problems"], *(f"plugin {e['plugin']} failed to load: {e['error']}" for e in plugins["load_errors"])]
+    named = data.get("problems") or []
+    problems += [f"[{p['code']}] {p['problem']}; fix: {p['fix']}" for p in named if p["blocks"]]
+    notes = [f"[{p['code']}] {p['problem']}; {p['fix']}" for p in named if not p["blocks"]]
     if data["missing_train_packages"]:
         problems.append(
             f"not installed for training: {', '.join(data['missing_train_packages'])}; install with "
@@ -280,6 +337,8 @@ def format_report(data: dict[str, Any]) -> str:
         ("nvidia driver", data["nvidia_driver"] or "none (/proc/driver/nvidia/version absent)"),
         ("packages", _wrap(", ".join(packages))),
         ("plugins", plugin_line),
+        *((label, _wrap(value)) for label, value in _gpu_rows(data)),
+        *([("notes", "\n".join(_wrap(note) for note in notes))] if notes else []),
         ("problems", "\n".join(_wrap(problem) for problem in problems) or "none"),
     ]
     width = max(len(label) for label, _ in rows) + 2
@@ -291,15 +350,35 @@ def format_report(data: dict[str, Any]) -> str:
     return "```text\n" + "\n".join(lines) + "\n```"
 
 
+def _gpu_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
+    if not data.get("torch") and not data.get("model"):
+        return []
+    from poros import diagnostics
+
+    return diagnostics.format_rows(data)
+
+
 def _wrap(text: str) -> str:
     return "\n".join(textwrap.wrap(text, width=80, break_on_hyphens=False))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.vram_budget is not None and args.model is None:
+        from poros.errors import ConfigError
+
+        raise ConfigError(f"--vram-budget {args.vram_budget} plans a model: add --model ID_OR_DIR (e.g. --model "
+                          "Qwen/Qwen2.5-32B), or leave --vram-budget out.")
     data = report()
+    data.update(gpu_report(data, quick=args.quick, model=args.model, vram_budget=args.vram_budget))
     if args.json:
         print_json(data)
     else:
         print(format_report(data))
+    return exit_status(data)
+
+
+def exit_status(data: dict[str, Any]) -> int:
+    """1 when a plugin problem or a problem that blocks training was found (notes do not count), else 0."""
     plugins = data["plugins"]
-    return 1 if plugins["problems"] or plugins["load_errors"] else 0
+    blocking = [problem for problem in data.get("problems", []) if problem["blocks"]]
+    return 1 if plugins["problems"] or plugins["load_errors"] or blocking else 0

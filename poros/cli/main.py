@@ -32,7 +32,7 @@ examples:
   $ poros train poros.yaml --dry-run  # validate it and print the memory plan; nothing is loaded
   $ poros train poros.yaml --steps 50 --lr 1e-4   # any setting can be overridden by name
   $ poros plan poros.yaml --vram-budget 8GiB      # slots, resident blocks, peak and step for a budget
-  $ poros doctor                      # versions, host memory and plugin problems, paste-ready
+  $ poros doctor                      # versions, memory, plugins, CUDA, cards, the link: paste-ready
   $ poros list-architectures          # the model families this install can stream
   $ poros plugins                     # which package provides each family
   $ poros list-architectures --json   # the same, machine-readable

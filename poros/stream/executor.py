@@ -184,6 +184,8 @@ class _Step:
     written_by: dict[int, list[tuple[str, Any]]] = field(default_factory=dict)
     pending: dict[tuple[str, Any, int], list[torch.Tensor | None]] = field(default_factory=dict)
     rng_states: dict[int, Any] = field(default_factory=dict)
+    # block index -> the autocast state its forward ran under (replayed by its recompute)
+    autocast_states: dict[int, Any] = field(default_factory=dict)
 
 
 class StreamingExecutor:
@@ -287,6 +289,7 @@ class StreamingExecutor:
         call = step.calls[index]
         if recompute_later:
             step.rng_states[index] = _rng_state(hidden.device)
+            step.autocast_states[index] = _autocast_state(hidden.device)
         mappings = call.mappings()
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         args, kwargs = call.build(hidden, grad_tensors)
@@ -323,7 +326,8 @@ class StreamingExecutor:
         leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
         leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
-        with torch.enable_grad(), _restored_rng(step.rng_states.get(index), hidden.device):
+        with torch.enable_grad(), _restored_rng(step.rng_states.get(index), hidden.device), \
+                _replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
             output = self.layers[index](*args, **kwargs)
         roots, root_grads = [output], [grad_output]
@@ -640,6 +644,28 @@ def _rng_state(device: torch.device):
     cpu = torch.get_rng_state()
     accel = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return cpu, accel
+
+
+def _autocast_state(device: torch.device):
+    """The thread-local autocast state a block's forward runs under, as ``torch.utils.checkpoint`` records
+    it (``_get_autocast_kwargs``): the compute device's and the CPU's, and the cache flag."""
+    cache = torch.is_autocast_cache_enabled()
+    kinds = [device.type] if device.type != "cpu" and torch.amp.is_autocast_available(device.type) else []
+    return [(kind, {"enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind),
+                    "cache_enabled": cache}) for kind in [*kinds, "cpu"]]
+
+
+@contextlib.contextmanager
+def _replayed_autocast(state, device: torch.device):
+    """Recompute under the forward's autocast state (mixed precision: the same ops in the same dtypes),
+    whatever the state of the thread that runs backward (CUDA runs it on an engine thread, autocast off)."""
+    if state is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for kind, kwargs in state:
+            stack.enter_context(torch.amp.autocast(kind, **kwargs))
+        yield
 
 
 @contextlib.contextmanager

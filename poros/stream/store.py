@@ -18,6 +18,13 @@ forward pre-hook on the block and on every module in it that owns a streamed ten
 restored from its snapshot on every fetch, so bitsandbytes' in-place CPU repacking in eval mode
 (AVX512-BF16 CPUs) cannot leak from one fetch into the next.
 
+**state_dict / load_state_dict of an evicted block** see its real tensors: a state-dict hook on
+every streamed block binds it to views of its host buffer (QuantStates restored from their
+snapshots first, so a double-quant ``nested_offset`` or an eval repack never reaches the save),
+and binds the placeholders back afterwards. ``save_pretrained``, PEFT's adapter save and every
+Trainer checkpoint therefore write exactly what the unstreamed model writes, and a
+``load_state_dict`` into an evicted block writes into its host buffer (the next fetch brings it).
+
 **Resident blocks** (``resident=``, e.g. the last blocks of forward, which backward needs first)
 are packed the same way into a buffer of their own on the device, bound once and never released:
 ``fetch``/``wait``/``release`` do nothing for them, they never take a slot, and the ring of slots
@@ -232,6 +239,14 @@ class BlockStore:
         # are never evicted: they need no guard.
         self._hooks = [module.register_forward_pre_hook(self._guard(b.index))
                        for b in streamed for module in _owners(b.module)]
+        for b in streamed:
+            self._hooks += [
+                b.module.register_state_dict_pre_hook(lambda *_, i=b.index: self._lend_host(i)),
+                b.module.register_state_dict_post_hook(lambda *_, i=b.index: self._end_lend(i)),
+                b.module.register_load_state_dict_pre_hook(lambda *_, i=b.index: self._lend_host(i)),
+                b.module.register_load_state_dict_post_hook(lambda *_, i=b.index: self._end_lend(i)),
+            ]
+        self._lent: set[int] = set()  # evicted blocks bound to their host buffer for a state_dict (see _lend_host)
         for block in self.blocks:
             if block.resident:
                 self._bind_all(block, block.buffer)
@@ -362,6 +377,19 @@ class BlockStore:
             if key not in self._placeholders:
                 self._placeholders[key] = torch.empty(0, dtype=entry.dtype, device=self.device)
             self._bind(entry, self._placeholders[key])
+
+    def _lend_host(self, index: int) -> None:
+        """``state_dict``/``load_state_dict`` of an evicted block: bind its tensors to views of its host
+        buffer (exact bytes, QuantStates restored), so it saves and loads what the unstreamed model would."""
+        block = self.blocks[index]
+        if block.slot is None and block.buffer is not None and index not in self._lent:
+            self._lent.add(index)
+            self._bind_all(block, block.buffer)
+
+    def _end_lend(self, index: int) -> None:
+        if index in self._lent:
+            self._lent.discard(index)
+            self._bind_placeholders(self.blocks[index])
 
     def _guard(self, index: int):
         def guard(module, args):

@@ -1,0 +1,184 @@
+"""Conformance: HF Trainer flows (a user script, a run_clm-style script) plain and with the one Poros line,
+on the tiny model of every family; losses, eval losses, LoRA tensors, optimizer state and saved files compared
+with ``torch.equal``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+import poros
+from conformance_flows import (
+    FAMILY_IDS,
+    FAMILY_VARIANTS,
+    assert_same_files,
+    assert_same_outcome,
+    load,
+    rows,
+    run_trainer,
+    texts,
+    word_tokenizer,
+)
+from poros import errors
+from poros.testing import save_tiny_checkpoint
+from test_parity import make_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: per family, which trainer settings its run switches on: together every one is run on and off
+SETTINGS = {
+    "qwen2": dict(bf16=False, double_quant=False, dropout=0.0),
+    "qwen3": dict(bf16=True, double_quant=True, dropout=0.0),
+    "qwen3_5": dict(bf16=True, double_quant=False, dropout=0.1),
+    "gemma3": dict(bf16=False, double_quant=True, dropout=0.1),
+    "gemma4": dict(bf16=True, double_quant=True, dropout=0.0),
+}
+
+
+@pytest.mark.parametrize(("family", "variant"), FAMILY_VARIANTS, ids=FAMILY_IDS)
+def test_trainer_with_prepare_is_bitwise(family, variant, tmp_path):
+    """``model = poros.prepare(model)`` before ``Trainer(model=model, ...)``: train with accumulation, eval and a
+    checkpoint save, bf16 / double quant / LoRA dropout on or off per family."""
+    setting = SETTINGS[family]
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
+    flow = dict(train_rows=rows(8, 29), eval_rows=rows(2, 29, seed=100), gradient_accumulation_steps=2,
+                bf16=setting["bf16"], eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
+    options = dict(double_quant=setting["double_quant"], dropout=setting["dropout"])
+    plain = run_trainer(load(checkpoint, **options), tmp_path / "plain", **flow)
+    streamed = run_trainer(poros.prepare(load(checkpoint, **options)), tmp_path / "poros", **flow)
+    assert len(plain["loss"]) == 2 and len(plain["eval_loss"]) == 1
+    assert_same_outcome(plain, streamed)
+    assert streamed["trainer"].model.store.stats.fetches[0] > 0  # it really streamed
+    assert_same_files(tmp_path / "plain" / "checkpoint-2", tmp_path / "poros" / "checkpoint-2",
+                      ("adapter_model.safetensors", "optimizer.pt"))
+
+
+def test_prepare_and_patch_hf_model_give_the_plain_bits(tmp_path):
+    """The reported case: tiny Qwen3, batches of 2 x 29 tokens. A wrapper hid the causal LM from the Trainer,
+    which then counted num_items_in_batch over unshifted labels (58 instead of 56: loss x 56/58)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    flow = dict(train_rows=rows(4, 29))
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", **flow)
+    prepared = run_trainer(poros.prepare(load(checkpoint)), tmp_path / "prepare", **flow)
+    model = load(checkpoint)
+    poros.patch_hf_model(model)
+    patched = run_trainer(model, tmp_path / "patch", **flow)
+    assert_same_outcome(plain, prepared)
+    assert_same_outcome(plain, patched)
+    for run in (prepared, patched):  # the Trainer sees the model it knows
+        trainer = run["trainer"]
+        assert trainer._loss_shifts_labels and trainer.model_accepts_loss_kwargs
+        assert isinstance(trainer.model, type(plain["trainer"].model)) and isinstance(trainer.model, poros.PorosModel)
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b")], ids=["qwen3", "gemma4"])
+def test_checkpoint_save_and_resume_is_bitwise(family, variant, tmp_path):
+    """Trainer checkpoints (double quant, bf16) are the plain run's files, and resuming from them continues bitwise."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
+    flow = dict(train_rows=rows(8, 29), max_steps=3, save_strategy="steps", save_steps=2, bf16=True)
+    outcomes = {}
+    for arm, line in (("plain", None), ("poros", poros.prepare_trainer)):
+        run_trainer(load(checkpoint, double_quant=True), tmp_path / arm, line=line, **flow)
+        outcomes[arm] = run_trainer(load(checkpoint, double_quant=True), tmp_path / f"{arm}-resumed", line=line,
+                                    resume_from=str(tmp_path / arm / "checkpoint-2"), **flow)
+    assert_same_files(tmp_path / "plain" / "checkpoint-2", tmp_path / "poros" / "checkpoint-2",
+                      ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt"))
+    assert len(outcomes["plain"]["loss"]) == 3  # steps 1-2 from the checkpoint's history, step 3 trained
+    assert_same_outcome(outcomes["plain"], outcomes["poros"])
+
+
+def test_modules_to_save_is_bitwise(tmp_path):
+    """``LoraConfig(modules_to_save=["lm_head", "embed_tokens"])``: full copies trained next to the adapters."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=7, tie_word_embeddings=False)
+    flow = dict(train_rows=rows(4, 29), save_strategy="steps", save_steps=2)
+    options = dict(modules_to_save=["lm_head", "embed_tokens"])
+    plain = run_trainer(load(checkpoint, **options), tmp_path / "plain", **flow)
+    streamed = run_trainer(load(checkpoint, **options), tmp_path / "poros", line=poros.prepare_trainer, **flow)
+    assert any("modules_to_save" in name for name in plain["params"])
+    assert_same_outcome(plain, streamed)
+    assert_same_files(tmp_path / "plain" / "checkpoint-2", tmp_path / "poros" / "checkpoint-2")
+
+
+def _clm_rows(tokenizer, block_size: int, seed: int):
+    """run_clm's preprocessing: tokenize, concatenate, cut into ``block_size`` blocks, ``labels = input_ids``."""
+    tokenized = tokenizer(texts(12, seed=seed))["input_ids"]
+    concatenated = [token for ids in tokenized for token in ids]
+    total = (len(concatenated) // block_size) * block_size
+    blocks = [concatenated[i: i + block_size] for i in range(0, total, block_size)]
+    from conformance_flows import Rows
+
+    return Rows([{"input_ids": torch.tensor(b), "attention_mask": torch.ones(len(b), dtype=torch.long),
+                  "labels": torch.tensor(b)} for b in blocks])
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwen3_5", "default"), ("gemma3", "default")],
+                         ids=["qwen3_5", "gemma3"])
+def test_run_clm_style_script_is_bitwise(family, variant, tmp_path):
+    """run_clm with NF4 + PEFT (kbit preparation, non-reentrant checkpointing): train, evaluate (perplexity),
+    save_model -- the added line is ``poros.prepare_trainer(trainer)``."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
+    tokenizer = word_tokenizer()
+    train_rows, eval_rows = _clm_rows(tokenizer, 24, seed=1), _clm_rows(tokenizer, 24, seed=2)
+    results = {}
+    for arm, line in (("plain", None), ("poros", poros.prepare_trainer)):
+        model = load(checkpoint, kbit=True)
+        trainer = transformers.Trainer(
+            model=model, train_dataset=train_rows, eval_dataset=eval_rows, processing_class=tokenizer,
+            data_collator=transformers.default_data_collator,
+            args=transformers.TrainingArguments(
+                output_dir=str(tmp_path / arm), max_steps=2, per_device_train_batch_size=2,
+                per_device_eval_batch_size=2, gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-2, logging_steps=1,
+                report_to=[], use_cpu=True, seed=11, save_strategy="no", disable_tqdm=True))
+        if line is not None:
+            line(trainer)
+        trainer.train()
+        metrics = trainer.evaluate()
+        trainer.save_model()
+        results[arm] = (trainer, metrics)
+    (plain, plain_metrics), (streamed, metrics) = results["plain"], results["poros"]
+    assert plain_metrics["eval_loss"] == metrics["eval_loss"] and math.isfinite(math.exp(metrics["eval_loss"]))
+    assert [e["loss"] for e in plain.state.log_history if "loss" in e] == \
+        [e["loss"] for e in streamed.state.log_history if "loss" in e]
+    assert_same_files(tmp_path / "plain", tmp_path / "poros")
+
+
+def test_autocast_forward_and_recompute_are_bitwise(tmp_path):
+    """``torch.autocast`` around the forward with fp32 LoRA weights (PEFT's upcast): autocast changes the ops, and
+    the recompute in backward must run under the forward's autocast state, as torch.utils.checkpoint does."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "gemma4", "e2b", seed=7)
+    batch = make_batch(3, 2, 16, "left")
+    grads = []
+    for streamed in (False, True):
+        model = load(checkpoint)
+        assert any(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+        if streamed:
+            poros.prepare(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (ref_loss, ref_grads), (loss, got) = grads
+    assert torch.equal(ref_loss, loss)
+    for name, grad in ref_grads.items():
+        assert grad is not None and torch.equal(grad, got[name]), name
+
+
+def test_torch_compile_is_refused_with_the_workaround(tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    with pytest.raises(errors.TorchCompileError, match="torch_compile=False"):
+        poros.prepare(torch.compile(load(checkpoint)))
+    model = load(checkpoint)
+    model.compile()  # nn.Module.compile: in place
+    with pytest.raises(errors.TorchCompileError, match="torch.compile"):
+        poros.prepare(model)
+    trainer = transformers.Trainer(model=load(checkpoint), train_dataset=rows(2, 8),
+                                   args=transformers.TrainingArguments(
+                                       output_dir=str(tmp_path / "out"), torch_compile=True, use_cpu=True,
+                                       report_to=[]))
+    with pytest.raises(errors.TorchCompileError, match="torch_compile=True.*torch_compile=False"):
+        poros.prepare_trainer(trainer)
+    assert not isinstance(trainer.model, poros.PorosModel)  # refused before any weight moved

@@ -1,0 +1,76 @@
+"""``poros doctor`` on the GPU host, written to files: the paste-ready block and the JSON, with date and commit.
+
+    python tools/doctor_run.py --json out/doctor.json                      # the full doctor
+    python tools/doctor_run.py --model qwen2.5-32b --json out/doctor-32b.json   # + what the planner says
+    python tools/doctor_run.py --model poros-tiny-qwen3 --quick --json out/d.json   # CPU dry run
+
+``--model`` takes what ``poros doctor --model`` takes, or a shape of ``tools/bench.py`` (``SHAPES``,
+facts from ``registry/<family>.toml``): its ``config.json`` is written to a temporary directory
+named after the shape, since the GPU host has no HF cache and no network. The text block goes to
+the ``.txt`` beside the JSON and to stdout (the run's log); the JSON holds the doctor's report
+(``report``), the block (``text``), the date, the commit and, for a shape, where its facts came from.
+Exit status: the doctor's (1 when a problem that blocks training was found).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def relabel(data: dict, directory: str, shape_info: dict) -> None:
+    """Name a shape's model by its HF id, not by the temporary directory its config was written to,
+    in the model's record, the suggested flags and the problems (rendered again)."""
+    from poros import diagnostics
+
+    name = shape_info["hf_id"] or shape_info["shape"]
+    record = data["model"]
+    record["model"] = name
+    record["found_in"] = f"config.json from {shape_info['facts_from']} (tools/bench.py shape {shape_info['shape']})"
+    record["suggested_flags"] = [name if flag == directory else flag for flag in record["suggested_flags"]]
+    data["problems"] = diagnostics.problems(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a bench shape (qwen2.5-32b), a checkpoint directory or a bundled model")
+    parser.add_argument("--vram-budget", help="as poros doctor --vram-budget")
+    parser.add_argument("--quick", action="store_true", help="skip the bandwidth measurement")
+    parser.add_argument("--json", type=Path, required=True, help="where the JSON goes; the text goes beside it (.txt)")
+    parser.add_argument("--commit", help="commit to record (default: $POROS_COMMIT or git)")
+    args = parser.parse_args(argv)
+
+    import bench  # tools/bench.py: the shapes and git_commit
+    from poros.cli import doctor
+
+    shape_info = None
+    with tempfile.TemporaryDirectory() as scratch:
+        model = args.model
+        if model in bench.SHAPES:
+            config, shape_info = bench.model_config(model)
+            model = str(Path(scratch) / model)
+            config.save_pretrained(model)
+        data = doctor.report()
+        data.update(doctor.gpu_report(data, quick=args.quick, model=model, vram_budget=args.vram_budget))
+    if shape_info is not None and not data["model"].get("error"):
+        relabel(data, model, shape_info)
+    text = doctor.format_report(data)
+    print(text)
+    record = {"tool": "doctor", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": bench.git_commit(args.commit), "argv": sys.argv[1:] if argv is None else argv,
+              "model_shape": shape_info, "text": text, "report": data}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    args.json.with_suffix(".txt").write_text(text + "\n")
+    return doctor.exit_status(data)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
