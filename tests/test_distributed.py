@@ -93,11 +93,11 @@ def poros_train(child_env, *arguments: str, timeout: int = TIMEOUT_S):
 
 def test_poros_train_nproc_per_node_2_trains_saves_once_and_resumes_only_with_two(child_env, tmp_path):
     out = tmp_path / "run"
-    common = ["--steps", "3", "--save-steps", "2", "--batch-size", "2", "--seq-len", "48", "--logging-steps", "1",
-              "--output-dir", str(out)]
+    common = ["--steps", "3", "--save-steps", "2", "--batch-size", "2", "--grad-accum", "2", "--seq-len", "48",
+              "--logging-steps", "1", "--output-dir", str(out)]
     done = poros_train(child_env, "--nproc-per-node", "2", *common)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "data parallel over 2 ranks (gloo): global batch 2 = 1 per rank" in done.stdout
+    assert "data parallel over 2 ranks (gloo): global batch 2 = 1 per rank x 2 ranks, x 2 accumulation" in done.stdout
     assert done.stdout.count("poros: saved the adapter to") == 1  # rank 0 writes, once
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3] and all(row["world_size"] == 2 for row in rows)
@@ -116,6 +116,14 @@ def test_poros_train_nproc_per_node_2_trains_saves_once_and_resumes_only_with_tw
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert (out / "checkpoint-3" / "adapter_model.safetensors").read_bytes() == uninterrupted
+
+    # layer-major (above: each rank accumulates block by block, then all_reduce_gradients) and
+    # micro-major (DDP with no_sync) train the same adapter, byte for byte
+    micro = tmp_path / "micro"
+    other = poros_train(child_env, "--nproc-per-node", "2", "--stream-schedule", "micro-major",
+                        *common[:-1], str(micro))
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert (micro / "checkpoint-3" / "adapter_model.safetensors").read_bytes() == uninterrupted
 
 
 def test_poros_train_refuses_a_batch_the_ranks_do_not_divide(child_env, tmp_path):
