@@ -303,6 +303,90 @@ def load_pretrained(
     return LoadedModel(model, tokenizer, path, info.descriptor, info, device, unused)
 
 
+@dataclass
+class AdapterInfo:
+    """What :func:`read_adapter` found in an adapter directory (PEFT layout, as ``PorosTrainer.save`` writes).
+
+    Attributes:
+        path: the adapter directory.
+        peft_config: ``adapter_config.json`` as a dict.
+        base_model: the base checkpoint: the ``base_model`` argument, else ``poros_config.json``'s
+            ``base_model_name_or_path``, else ``adapter_config.json``'s.
+        poros_config: the training run's :class:`~poros.config.PorosConfig` fields from
+            ``poros_config.json`` (empty for an adapter Poros did not train).
+        weights: the adapter weights file (``adapter_model.safetensors``).
+    """
+
+    path: pathlib.Path
+    peft_config: dict[str, Any]
+    base_model: str
+    poros_config: dict[str, Any]
+    weights: pathlib.Path
+
+
+def read_adapter(adapter: str | os.PathLike, base_model: str | os.PathLike | None = None) -> AdapterInfo:
+    """Check an adapter directory and find its base model, before anything is loaded.
+
+    Raises:
+        CheckpointLoadError: no directory, no ``adapter_config.json`` or no ``adapter_model.safetensors``,
+            or no base model named anywhere (pass ``base_model``).
+    """
+    path = pathlib.Path(adapter).expanduser()
+    config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights.is_file():
+        raise CheckpointLoadError(
+            f"{path} is not an adapter directory: expected adapter_config.json and adapter_model.safetensors "
+            f"(found {sorted(p.name for p in path.iterdir())[:8] if path.is_dir() else 'no directory'}). Pass the "
+            "directory that PorosTrainer.save / PEFT's save_pretrained wrote."
+        )
+    peft_config = json.loads(config_file.read_text())
+    record_file = path / "poros_config.json"
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    base = base_model or record.get("base_model_name_or_path") or peft_config.get("base_model_name_or_path")
+    if not base:
+        raise CheckpointLoadError(
+            f"{path} names no base model (adapter_config.json base_model_name_or_path is empty and there is no "
+            "poros_config.json). Pass the base checkpoint with --model / base_model=."
+        )
+    return AdapterInfo(path, peft_config, os.fspath(base), dict(record.get("config") or {}), weights)
+
+
+def load_with_adapter(adapter: str | os.PathLike, *, model: str | os.PathLike | None = None,
+                      device: torch.device | str | None = None, num_slots: int | None = None,
+                      resident_blocks: int | None = None):
+    """Load the base an adapter was trained on (4-bit, blocks on the host), add the adapter, stream it.
+
+    The base is loaded as the training run loaded it (``quantization``, ``compute_dtype``,
+    ``double_quant``, ``attn_implementation``, ``revision`` from the adapter's ``poros_config.json``;
+    Poros's defaults otherwise) with :func:`load_pretrained`; the adapter with PEFT's own
+    ``PeftModel.from_pretrained`` (frozen: it streams with its block). The tokenizer is the adapter
+    directory's when it has one, else the base checkpoint's.
+
+    Returns:
+        ``(PorosModel, tokenizer)``; the tokenizer is None when neither directory has one.
+
+    Raises:
+        CheckpointLoadError: see :func:`read_adapter` and :func:`load_pretrained`.
+        UnknownArchitectureError, and the gates of :func:`poros.prepare`.
+    """
+    import peft
+    import transformers
+
+    from poros.model import prepare
+
+    info = read_adapter(adapter, model)
+    trained = info.poros_config
+    loaded = load_pretrained(
+        info.base_model, quantization=trained.get("quantization", "nf4"),
+        compute_dtype=trained.get("compute_dtype", "bfloat16"), double_quant=trained.get("double_quant", False),
+        device=device, attn_implementation=trained.get("attn_implementation"), revision=trained.get("revision"))
+    peft_model = peft.PeftModel.from_pretrained(loaded.model, info.path)
+    tokenizer = loaded.tokenizer
+    if any((info.path / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(info.path)
+    return prepare(peft_model, num_slots=num_slots, resident_blocks=resident_blocks), tokenizer
+
+
 def adapters_to_device(model: nn.Module, device: torch.device | str) -> int:
     """Move every trainable tensor (the adapters PEFT just added) to the compute device; returns how many.
 
@@ -494,5 +578,6 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
                     _to_host(module, name)
 
 
-__all__ = ["adapters_to_device", "read_config", "CheckpointInfo", "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
+__all__ = ["AdapterInfo", "adapters_to_device", "load_with_adapter", "read_adapter", "read_config", "CheckpointInfo",
+           "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
            "resolve_checkpoint"]

@@ -99,6 +99,14 @@ class PorosModel:
             distributed.all_reduce_gradients(self.trainable_parameters())
         return losses
 
+    def generate(self, input_ids: torch.Tensor | None = None, **generate_kwargs: Any) -> torch.Tensor:
+        """HF ``generate`` with the blocks streamed and a KV cache on the device (see :mod:`poros.generate`)."""
+        from poros.generate import generation_mode
+
+        generate_kwargs.setdefault("use_cache", True)
+        with generation_mode(self):
+            return super().generate(input_ids=input_ids, **generate_kwargs)  # the model's own class's generate
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 

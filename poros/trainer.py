@@ -351,6 +351,13 @@ class PorosTrainer:
         self.run_config = config
         return _Run(self, config, data_source).execute()
 
+    def generate(self, prompt: str, **options: Any) -> str:
+        """The model's continuation of ``prompt`` with the adapter as trained so far; ``options`` as for
+        :func:`poros.generate.generate_text` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``chat``)."""
+        from poros.generate import generate_text
+
+        return generate_text(self.model, self.tokenizer, prompt, **options).text
+
     # -- saving --------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
         """Write the adapter (PEFT layout), the tokenizer and ``poros_config.json`` into ``directory``.

@@ -20,6 +20,8 @@ SUBCOMMANDS = (
     "poros.cli.init",
     "poros.cli.train",
     "poros.cli.plan",
+    "poros.cli.merge",
+    "poros.cli.generate",
     "poros.cli.list_architectures",
     "poros.cli.plugins",
     "poros.cli.doctor",
@@ -32,6 +34,8 @@ examples:
   $ poros train poros.yaml --dry-run  # validate it and print the memory plan; nothing is loaded
   $ poros train poros.yaml --steps 50 --lr 1e-4   # any setting can be overridden by name
   $ poros plan poros.yaml --vram-budget 8GiB      # slots, resident blocks, peak and step for a budget
+  $ poros merge --adapter ./poros_output --output ./merged   # adapter into its base, tensor by tensor
+  $ poros generate --adapter ./poros_output --prompt "Hi"    # try the adapter (greedy, tokens/s)
   $ poros doctor                      # versions, memory, plugins, CUDA, cards, the link: paste-ready
   $ poros list-architectures          # the model families this install can stream
   $ poros plugins                     # which package provides each family

@@ -43,6 +43,10 @@ Notable features:
   prelude) and computes its head and loss (a second call whose trunk returns the streamed hidden
   states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
   LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise the same.
+* **Without grad, HF's own loop.** A forward without grad (generation, evaluation) is never
+  recomputed: the trunk's class ``forward`` runs with each layer a ``_StreamingLayer`` proxy
+  (fetch, run with HF's arguments, release), so HF's KV cache and whatever the trunk does
+  between layers work as in the resident model.
 * **Nothing is family-specific here.** Paths and carried-state kwargs come from the descriptor.
 """
 
@@ -87,6 +91,30 @@ class _LayerRecorder(nn.Module):
         if self.last:
             raise _CaptureDone
         return args[0]
+
+
+class _StreamingLayer(nn.Module):
+    """Stands for decoder layer ``index`` in a forward without grad: fetch, run with HF's arguments, release.
+
+    Attributes HF reads from a layer (e.g. ``attention_type``) are the real layer's.
+    """
+
+    def __init__(self, executor: "StreamingExecutor", index: int) -> None:
+        super().__init__()
+        self.executor, self.index = executor, index
+
+    def forward(self, *args, **kwargs):
+        self.executor._make_resident(self.index)
+        self.executor._prefetch(self.index + 1)
+        try:
+            return self.executor.layers[self.index](*args, **kwargs)
+        finally:
+            self.executor.store.release(self.index)
+
+    def __getattr__(self, name: str):
+        if name in ("executor", "index") or name.startswith("_"):
+            return super().__getattr__(name)
+        return getattr(self.executor.layers[self.index], name)
 
 
 class _TrunkOutput:
@@ -237,31 +265,44 @@ class StreamingExecutor:
             return _TrunkOutput(self.final_norm(self._tail))
         if self.before_forward is not None:
             self.before_forward(kwargs)
-        kwargs["use_cache"] = False  # streaming keeps no KV cache
+        if not torch.is_grad_enabled() and not self._stop_after_prelude:
+            return self._trunk_without_grad(*args, **kwargs)
+        kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
         step = self._capture(*args, **kwargs)
         if self._stop_after_prelude:  # layer-major, first call: hand the prelude over, skip the rest
             raise _PreludeDone(step)
         hidden = step.calls[0].leaves[0]
-        differentiable = torch.is_grad_enabled()
         last = len(self.layers) - 1
         for index in range(len(self.layers)):
             self._note_mapping_entry(step, index)
-            if differentiable:
-                # The last block stays resident: it is the first one backward needs.
-                grad_inputs = step.calls[index].grad_tensors()
-                parameters = self.block_parameters(index)
-                known = self._use_order.get(index)
-                with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
-                    output = self._run_block(step, index, hidden, grad_inputs, keep=index == last)
-                self._use_order[index] = used
-                # The block's trainable parameters are inputs of its node, each through a view made in
-                # the order the block used them: the engine runs the later-made view first, so their
-                # accumulators (and DDP's hooks) fire in reverse use order, as in the resident backward.
-                hidden = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
-                                              len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
-            else:
-                hidden = self._run_block(step, index, hidden, recompute_later=False)
+            # The last block stays resident: it is the first one backward needs.
+            grad_inputs = step.calls[index].grad_tensors()
+            parameters = self.block_parameters(index)
+            known = self._use_order.get(index)
+            with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
+                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last)
+            self._use_order[index] = used
+            # The block's trainable parameters are inputs of its node, each through a view made in
+            # the order the block used them: the engine runs the later-made view first, so their
+            # accumulators (and DDP's hooks) fire in reverse use order, as in the resident backward.
+            hidden = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
+                                          len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
         return _TrunkOutput(self.final_norm(hidden))
+
+    def _trunk_without_grad(self, *args, **kwargs):
+        """A forward without grad (generation, evaluation): HF's own trunk forward, each decoder layer a
+        :class:`_StreamingLayer` that fetches its block, runs it, releases it.
+
+        Nothing is recomputed later, so there is nothing to capture: HF runs its whole loop, with
+        whatever it does between layers (a trunk may slice later layers' inputs to
+        ``logits_to_keep``), and the KV cache (``use_cache=True``, as ``generate`` asks) lives on the
+        device, written by the layers themselves and returned in HF's own output.
+        """
+        if kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False  # no cache unless asked for: an evaluation forward keeps none
+        proxies = nn.ModuleList(_StreamingLayer(self, i) for i in range(len(self.layers)))
+        with _swapped(self._layers_parent, self._layers_attr, proxies):
+            return self._trunk_class_forward(*args, **kwargs)
 
     # -- prelude: HF's own code ----------------------------------------------------------------
     def _capture(self, *args, **kwargs) -> _Step:

@@ -372,6 +372,9 @@ class BlockStore:
             self._bind(entry, self._view(buffer, entry))
 
     def _bind_placeholders(self, block: BlockRecord) -> None:
+        # An evicted block's QuantStates are as packed, not as bitsandbytes' eval-mode CPU repacking left
+        # them: a state_dict (PEFT's save) of an evicted block must not try to unpack placeholders.
+        self._restore_quant_states(block)
         for entry in block.entries:
             key = (entry.dtype, self.device)
             if key not in self._placeholders:
