@@ -338,11 +338,12 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
     first card's total memory, else none (the minimum only)."""
     from poros.config import PorosConfig, parse_budget
     from poros.errors import PorosError
+    from poros.run_plan import plan_run
     from poros.stream import planner
 
     try:
         config = PorosConfig().apply_overrides(["--model", model, "--device", "cuda", "--embeddings-on-host", "true"])
-        plan = planner.plan_run(config)
+        plan = plan_run(config)
     except PorosError as error:
         return {"model": model, "error": f"{type(error).__name__}: {error}"}
     workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule)

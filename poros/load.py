@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from poros.descriptor import ArchitectureDescriptor
+from poros.devices import resolve_device
 from poros.errors import CheckpointLoadError
 
 logger = logging.getLogger("poros")
@@ -259,9 +260,7 @@ def load_pretrained(
         raise CheckpointLoadError(f"quantization={quantization!r}: Poros streams 4-bit bases, 'nf4' or 'fp4'.")
     if isinstance(compute_dtype, str):
         compute_dtype = getattr(torch, compute_dtype)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device or None, with_index=True)
     path = resolve_checkpoint(name_or_path, revision=revision)
     info = inspect_checkpoint(path, allow_pickle=allow_pickle)
     quantization_config = transformers.BitsAndBytesConfig(

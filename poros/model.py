@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from poros import records, registry
+from poros.adapters import causal_lm_of
 from poros.descriptor import ArchitectureDescriptor, resolve_path
+from poros.devices import compute_device
 from poros.errors import (
     AlreadyPreparedError,
     BaseNotFrozenError,
@@ -35,6 +37,8 @@ from poros.errors import (
     UnsupportedModelError,
 )
 from poros.stream.executor import StreamingExecutor
+from poros.stream.placement import check_boundary_states, host_embedding_tables
+from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
 from poros.stream.store import BlockStore, HostEmbedding
 
 if TYPE_CHECKING:
@@ -154,18 +158,6 @@ def _become_streamed(model: nn.Module, fields: dict[str, Any]) -> PorosModel:
         object.__setattr__(model, name, value)
     model.__class__ = _streamed_class(type(model))
     return model
-
-
-def _causal_lm_of(model: nn.Module) -> nn.Module:
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
-def _compute_device(module: nn.Module) -> torch.device:
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if trainable:
-        return trainable[0].device
-    return next(module.parameters()).device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,11 +394,9 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             how much it needs); ``boundary_states`` not ``"device"`` or ``"host"``.
     """
     _check_budget_options(resident_blocks, vram_budget, workload)
-    if boundary_states not in (None, "device", "host"):
-        raise ConfigError(f"boundary_states={boundary_states!r}: expected 'device' or 'host' (pinned host memory, "
-                          "for layer-major accumulation when the device cannot hold the M x L block inputs).")
+    check_boundary_states(boundary_states)
     _check_not_compiled(model)
-    causal_lm = _causal_lm_of(model)
+    causal_lm = causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
         raise AlreadyPreparedError(
             f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "
@@ -426,7 +416,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     adapters, targets = _adapters(model, causal_lm)
     _check_frozen(model, layers)
     _check_checkpointing(layers)
-    device = _compute_device(causal_lm)
+    device = compute_device(causal_lm)
     platform, platform_class = platform_of(device)
     deterministic = torch.are_deterministic_algorithms_enabled()
     label, reason = guarantee_label(descriptor.name, adapters, quantization, platform_class, deterministic)
@@ -439,14 +429,13 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             f"pass require={label!r} (or None) to accept it."
         )
     logger.info(detection.summary())
-    if embeddings_on_host is None:
-        embeddings_on_host = device.type == "cuda"
+    embeddings_on_host = choose_embeddings_on_host(embeddings_on_host, device)
     budget_plan = None
     if vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
-        from poros.stream import planner
+        from poros.stream.footprint import plan_for_model
 
-        budget_plan = planner.plan_for_model(
-            causal_lm, layers, _host_tables(causal_lm, descriptor), budget=vram_budget,
+        budget_plan = plan_for_model(
+            causal_lm, layers, host_embedding_tables(causal_lm, descriptor), budget=vram_budget,
             workload=_workload(workload), device=device,
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
             embeddings_on_host=embeddings_on_host, boundary_states=boundary_states)
@@ -464,7 +453,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
     store = BlockStore(layers, device, num_slots=num_slots, resident=resident)
-    host_tables = [HostEmbedding(table, device) for table in _host_tables(causal_lm, descriptor)] \
+    host_tables = [HostEmbedding(table, device) for table in host_embedding_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
     executor = StreamingExecutor(causal_lm, descriptor, store)
     executor.boundary_states = boundary_states or "device"
@@ -524,21 +513,6 @@ def _resident_indices(resident_blocks: int | Iterable[int] | None, count: int) -
         raise ConfigError(f"resident_blocks names {wrong}, not blocks of this model (indices 0..{count - 1}). Pass "
                           "indices in that range, or an int N for the last N blocks.")
     return indices
-
-
-def _host_tables(causal_lm: nn.Module, descriptor: ArchitectureDescriptor) -> list[nn.Module]:
-    """Frozen embedding tables (input and prelude) that may live on the host: not tied to the head."""
-    disabled = descriptor.disabled_names(causal_lm.config)
-    paths = [descriptor.embeddings, *(p for p in descriptor.prelude_modules if p not in disabled)]
-    head_weight = getattr(resolve_path(causal_lm, descriptor.head), "weight", None)
-    head_storage = head_weight.data_ptr() if head_weight is not None else None
-    tables = []
-    for path in paths:
-        module = resolve_path(causal_lm, path)
-        if isinstance(module, nn.Embedding) and not module.weight.requires_grad \
-                and module.weight.data_ptr() != head_storage:
-            tables.append(module)
-    return tables
 
 
 def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:

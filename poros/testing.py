@@ -12,6 +12,9 @@ family plugins use the same helpers::
 
 Notable choices:
 
+* **Families declare their tiny variants** (``TINY_VARIANTS`` in the family module, next to its
+  descriptor: :mod:`poros.tiny`), so :func:`tiny_config` builds a tiny model for any registered
+  family, a plugin's included; the descriptor contract lives in :mod:`poros.descriptor_check`.
 * Tiny configs switch every special feature of the family on and represent every layer kind
   the layer count allows (sliding windows shorter than test sequences, soft-capping, KV sharing,
   per-layer inputs, MoE...), so a streaming bug that ignores a quirk shows up as a difference.
@@ -28,7 +31,6 @@ imports it.
 
 from __future__ import annotations
 
-import inspect
 import pathlib
 from typing import Any
 
@@ -36,15 +38,17 @@ import torch
 import transformers
 from torch import nn
 
-from poros.descriptor import ArchitectureDescriptor, resolve_path
-from poros.errors import DescriptorError
-from poros.plugin_testing import registered_plugin
+from poros.adapters import lora_target_modules
+from poros.descriptor_check import assert_descriptor_matches, check_descriptor  # noqa: F401 (re-exported)
+from poros.plugin_testing import registered_plugin  # noqa: F401 (re-exported)
+from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, tiny_multimodal, tiny_variants  # noqa: F401 (re-exported)
 
 __all__ = [
     "MULTIMODAL_FAMILIES",
     "tiny_vlm",
     "TINY_VARIANTS",
     "all_linear_targets",
+    "assert_bitwise_training",
     "assert_descriptor_matches",
     "check_descriptor",
     "load_qlora",
@@ -53,60 +57,42 @@ __all__ = [
     "save_tiny_checkpoint",
     "tiny_config",
     "tiny_model",
+    "train_adamw",
+    "trainable_parameters",
 ]
 
-#: family name -> tiny variants :func:`tiny_config` knows. ``qwen2``/``qwen3`` ``sliding``:
-#: ``use_sliding_window`` with the upper half of the layers sliding. ``gemma4`` ``e2b``: per-layer
-#: inputs, KV sharing (``num_layers // 2`` shared layers when ``num_layers >= 3``), double-wide MLP
-#: on shared layers, ``global_head_dim``. ``gemma4`` ``moe``: MoE block (4 experts, top 2),
-#: ``attention_k_eq_v`` with 1 global KV head, per-layer inputs off (modelled on 26B-A4B).
-TINY_VARIANTS: dict[str, tuple[str, ...]] = {
-    "qwen2": ("default", "sliding"),
-    "qwen3": ("default", "sliding"),
-    "qwen3_5": ("default",),
-    "gemma3": ("default",),
-    "gemma4": ("e2b", "moe"),
-}
-
-_CONFIG_CLASSES = {
-    "qwen2": "Qwen2Config",
-    "qwen3": "Qwen3Config",
-    "qwen3_5": "Qwen3_5TextConfig",
-    "gemma3": "Gemma3TextConfig",
-    "gemma4": "Gemma4TextConfig",
-}
-#: default (num_layers, head_dim) per (family, variant); hidden size 64, 4 heads, 2 KV heads everywhere.
-_DEFAULT_SHAPES = {
-    ("qwen2", "default"): (2, 16),
-    ("qwen2", "sliding"): (4, 16),
-    ("qwen3", "default"): (2, 32),   # explicit head_dim != hidden / heads, as in Qwen3-0.6B
-    ("qwen3", "sliding"): (4, 32),
-    ("qwen3_5", "default"): (4, 32),  # partial rotary 0.25 -> 8 rotary channels, mrope [2, 1, 1]
-    ("gemma3", "default"): (4, 16),
-    ("gemma4", "e2b"): (6, 16),
-    ("gemma4", "moe"): (4, 16),
-}
-#: sliding window of every tiny config: shorter than the sequences tests use, so sliding masks matter.
-TINY_SLIDING_WINDOW = 8
-SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 
-def _pattern(num_layers: int, period: int, *, every: str, other: str) -> list[str]:
-    """``other`` except every ``period``-th layer (1-based) and the last one, which are ``every``."""
-    period = max(1, min(period, num_layers))
-    return [every if (i + 1) % period == 0 or i == num_layers - 1 else other for i in range(num_layers)]
+def _builtin_tiny_variants() -> dict[str, tuple[str, ...]]:
+    from poros import registry
+
+    out = {}
+    for descriptor in registry.iter_descriptors():
+        names = tuple(v.name for v in tiny_variants(descriptor.name))
+        if names:
+            out[descriptor.name] = names
+    return out
 
 
-def _gemma4_layer_types(num_layers: int, num_kv_shared_layers: int) -> list[str]:
-    """Sliding layers ending in a full one, in the unshared prefix and in the shared tail alike.
+def _multimodal_families() -> tuple[str, ...]:
+    from poros import registry
 
-    Both kinds must be produced before the first KV-shared layer (HF checks it), and the last
-    layer must be full.
-    """
-    unshared = num_layers - num_kv_shared_layers
-    head = [SLIDING] * (unshared - 1) + [FULL] if unshared else []
-    tail = [SLIDING] * (num_kv_shared_layers - 1) + [FULL] if num_kv_shared_layers else []
-    return head + tail
+    return tuple(d.name for d in registry.iter_descriptors() if tiny_multimodal(d.name) is not None)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MULTIMODAL_FAMILIES":
+        #: the registered families whose module declares a tiny multimodal model (``TINY_MULTIMODAL``).
+        value = _multimodal_families()
+        globals()["MULTIMODAL_FAMILIES"] = value
+        return value
+    if name == "TINY_VARIANTS":
+        #: family name -> its tiny variants (declared by each family module as ``TINY_VARIANTS``, see
+        #: :mod:`poros.tiny`), for every registered family that declares some; read at first use.
+        value = _builtin_tiny_variants()
+        globals()["TINY_VARIANTS"] = value
+        return value
+    raise AttributeError(f"module 'poros.testing' has no attribute {name!r}")
 
 
 def tiny_config(
@@ -125,13 +111,13 @@ def tiny_config(
     """The family's real HF text config, shrunk, with every special feature on.
 
     Defaults: hidden 64, 4 heads, 2 KV heads, intermediate ``2 * hidden``, vocab 256, sliding
-    window :data:`TINY_SLIDING_WINDOW` (8), and per variant the layer count and head dim of
-    ``_DEFAULT_SHAPES``. Every layer kind of the family is present whenever ``num_layers`` allows
+    window :data:`TINY_SLIDING_WINDOW` (8), and per variant the layer count and head dim its
+    family declares (``TINY_VARIANTS`` of the family module, :class:`poros.tiny.TinyVariant`). Every layer kind of the family is present whenever ``num_layers`` allows
     (``qwen3_5`` with 2 layers: linear, full; ``gemma3`` with 2 layers: sliding, full); Gemma
     configs soft-cap the logits at 30.
 
     Args:
-        family: a key of :data:`TINY_VARIANTS`.
+        family: a registered family whose module declares tiny variants (a key of :data:`TINY_VARIANTS`).
         variant: one of ``TINY_VARIANTS[family]``; ``"default"`` means the first one.
         num_layers: decoder layers (>= 1). ``gemma4`` ``e2b`` shares KV in the last
             ``num_layers // 2`` layers when ``num_layers >= 3`` (override with
@@ -150,101 +136,50 @@ def tiny_config(
         ValueError: unknown family/variant or an impossible shape combination; the message says
             which rule failed.
     """
-    if family not in TINY_VARIANTS:
-        raise ValueError(f"no tiny config for family {family!r}; known: {sorted(TINY_VARIANTS)}")
-    variants = TINY_VARIANTS[family]
+    from poros.errors import UnknownArchitectureError
+
+    try:
+        declared = tiny_variants(family)
+    except UnknownArchitectureError:
+        declared = ()
+    if not declared:
+        raise ValueError(f"no tiny config for family {family!r}; known: {sorted(_builtin_tiny_variants())}")
+    by_name = {v.name: v for v in declared}
     if variant == "default":
-        variant = variants[0]
-    if variant not in variants:
-        raise ValueError(f"family {family!r} has no tiny variant {variant!r}; known: {list(variants)}")
-    default_layers, default_head_dim = _DEFAULT_SHAPES[(family, variant)]
-    num_layers = default_layers if num_layers is None else num_layers
+        variant = declared[0].name
+    if variant not in by_name:
+        raise ValueError(f"family {family!r} has no tiny variant {variant!r}; known: {list(by_name)}")
+    tiny = by_name[variant]
+    num_layers = tiny.num_layers if num_layers is None else num_layers
     hidden_size = 64 if hidden_size is None else hidden_size
     num_heads = 4 if num_heads is None else num_heads
     num_kv_heads = min(2, num_heads) if num_kv_heads is None else num_kv_heads
-    if family == "qwen2":
+    if tiny.head_dim_from_hidden:
         if head_dim is not None and head_dim * num_heads != hidden_size:
             raise ValueError(
-                f"qwen2 has no separate head_dim: it is hidden_size // num_heads = {hidden_size} // {num_heads}, "
+                f"{family} has no separate head_dim: it is hidden_size // num_heads = {hidden_size} // {num_heads}, "
                 f"got head_dim={head_dim}; pass hidden_size={head_dim * num_heads} instead"
             )
         head_dim = hidden_size // max(num_heads, 1)
-    head_dim = default_head_dim if head_dim is None else head_dim
+    head_dim = tiny.head_dim if head_dim is None else head_dim
     _validate_shape(family, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size)
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
+                    head_dim_multiple=tiny.head_dim_multiple)
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
 
-    common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )
-    kwargs: dict[str, Any]
-    if family in ("qwen2", "qwen3"):
-        sliding = variant == "sliding"
-        kwargs = dict(
-            common, tie_word_embeddings=family == "qwen2",
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-            use_sliding_window=sliding, sliding_window=TINY_SLIDING_WINDOW,
-            max_window_layers=num_layers // 2 if sliding else num_layers,
-        )
-        if family == "qwen3":
-            kwargs.update(head_dim=head_dim, attention_bias=False)
-    elif family == "qwen3_5":
-        rotary_pairs = int(head_dim * 0.25) // 2
-        kwargs = dict(
-            common, head_dim=head_dim, tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
-                "mrope_section": [rotary_pairs - 2 * (rotary_pairs // 3), rotary_pairs // 3, rotary_pairs // 3],
-                "mrope_interleaved": True,
-            },
-            layer_types=_pattern(num_layers, 4, every=FULL, other=LINEAR),
-            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_num_key_heads=num_kv_heads, linear_num_value_heads=num_heads,
-        )
-    elif family == "gemma3":
-        kwargs = dict(
-            common, head_dim=head_dim, tie_word_embeddings=True,
-            query_pre_attn_scalar=24,  # != head_dim: scaling must come from the config, not head_dim
-            sliding_window=TINY_SLIDING_WINDOW, final_logit_softcapping=30.0,
-            layer_types=_pattern(num_layers, 6, every=FULL, other=SLIDING),
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
-            },
-        )
-    else:  # gemma4
-        e2b = variant == "e2b"
-        shared = overrides.pop("num_kv_shared_layers", num_layers // 2 if e2b and num_layers >= 3 else 0)
-        if shared and not 2 <= num_layers - shared < num_layers:
-            raise ValueError(
-                f"impossible tiny gemma4 config: num_kv_shared_layers={shared} of num_layers={num_layers}; KV "
-                "sharing needs at least 2 unshared layers (one producer per layer kind) before the shared ones"
-            )
-        kwargs = dict(
-            common, head_dim=head_dim, global_head_dim=2 * head_dim, tie_word_embeddings=True,
-            sliding_window=TINY_SLIDING_WINDOW, final_logit_softcapping=30.0,
-            layer_types=_gemma4_layer_types(num_layers, shared), num_kv_shared_layers=shared,
-        )
-        if e2b:
-            kwargs.update(use_double_wide_mlp=True, hidden_size_per_layer_input=8,
-                          vocab_size_per_layer_input=vocab_size)
-        else:
-            kwargs.update(
-                hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
-                moe_intermediate_size=hidden_size // 2, attention_k_eq_v=True, num_global_key_value_heads=1,
-            )
+    shape = TinyShape(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size)
+    kwargs = dict(shape.common(), **tiny.fields(shape, overrides))
     kwargs.update(overrides)
-    config_class = getattr(transformers, _CONFIG_CLASSES[family])
+    config_class = getattr(transformers, tiny.config_class)
     config = config_class(**kwargs)
     config._attn_implementation = attn_implementation
     return config
 
 
 def _validate_shape(family: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                    head_dim: int, vocab_size: int) -> None:
+                    head_dim: int, vocab_size: int, head_dim_multiple: int = 2) -> None:
     problems = []
     if num_layers < 1:
         problems.append(f"num_layers must be >= 1, got {num_layers}")
@@ -256,8 +191,9 @@ def _validate_shape(family: str, *, num_layers: int, hidden_size: int, num_heads
         problems.append(f"hidden_size={hidden_size} must be a positive multiple of num_heads={num_heads}")
     if head_dim < 2 or head_dim % 2:
         problems.append(f"head_dim={head_dim} must be even and >= 2 (rotary rotates pairs of channels)")
-    elif family in ("qwen3_5", "gemma4") and head_dim % 8:
-        problems.append(f"{family} rotates a quarter of each head: head_dim={head_dim} must be a multiple of 8")
+    elif head_dim % head_dim_multiple:
+        problems.append(f"{family} rotates a quarter of each head: head_dim={head_dim} must be a multiple of "
+                        f"{head_dim_multiple}")
     if vocab_size < 8:
         problems.append(f"vocab_size={vocab_size} must be >= 8 (ids 0, 1, 2 are pad, eos, bos)")
     if problems:
@@ -326,12 +262,10 @@ def save_tiny_checkpoint(
     return path
 
 
-MULTIMODAL_FAMILIES = ("gemma3", "gemma4", "qwen3_5")
-
-
 def tiny_vlm(family: str, *, seed: int = 0, **config_kwargs: Any) -> transformers.PreTrainedModel:
     """The family's real multimodal model (``*ForConditionalGeneration``) around a :func:`tiny_config`
-    text tower and a one-layer vision tower, random weights (``torch.manual_seed(seed)``), bf16.
+    text tower and a one-layer vision tower, random weights (``torch.manual_seed(seed)``), bf16. The
+    family module declares it (``TINY_MULTIMODAL``, :class:`poros.tiny.TinyMultimodal`).
 
     Real Gemma 3 (4B+), Gemma 4 and Qwen 3.5/3.6 checkpoints have this shape; ``save_pretrained`` writes
     the text weights under ``model.language_model.*`` (Gemma 3: the legacy ``language_model.model.*``).
@@ -339,30 +273,18 @@ def tiny_vlm(family: str, *, seed: int = 0, **config_kwargs: Any) -> transformer
     Raises:
         KeyError: ``family`` is not in :data:`MULTIMODAL_FAMILIES`.
     """
+    from poros.errors import UnknownArchitectureError
+
+    try:
+        declared = tiny_multimodal(family)
+    except UnknownArchitectureError:
+        declared = None
+    if declared is None:
+        raise KeyError(f"no tiny multimodal model for {family!r}; choose one of {_multimodal_families()}")
     text = tiny_config(family, **config_kwargs).to_dict()
-    if family == "gemma3":
-        config = transformers.Gemma3Config(
-            text_config=text, mm_tokens_per_image=4,
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                               image_size=32, patch_size=8))
-        model_class = transformers.Gemma3ForConditionalGeneration
-    elif family == "gemma4":
-        config = transformers.Gemma4Config(
-            text_config=text, audio_config=None,
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=2, head_dim=16))
-        model_class = transformers.Gemma4ForConditionalGeneration
-    elif family == "qwen3_5":
-        config = transformers.Qwen3_5Config(
-            text_config=text,
-            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                               out_hidden_size=text["hidden_size"], patch_size=4, spatial_merge_size=2,
-                               temporal_patch_size=2))
-        model_class = transformers.Qwen3_5ForConditionalGeneration
-    else:
-        raise KeyError(f"no tiny multimodal model for {family!r}; choose one of {MULTIMODAL_FAMILIES}")
+    config = getattr(transformers, declared.config_class)(text_config=text, **declared.fields(text))
     torch.manual_seed(seed)
-    return model_class._from_config(config, dtype=torch.bfloat16)
+    return getattr(transformers, declared.model_class)._from_config(config, dtype=torch.bfloat16)
 
 
 def load_qlora(
@@ -434,9 +356,7 @@ def load_qlora(
 
 def all_linear_targets(model: nn.Module) -> list[str]:
     """PEFT target names for "all-linear" per the family descriptor (see :func:`load_qlora`):
-    :func:`poros.trainer.lora_target_modules`, the targets PorosTrainer uses."""
-    from poros.trainer import lora_target_modules
-
+    :func:`poros.adapters.lora_target_modules`, the targets PorosTrainer uses."""
     return lora_target_modules(model, "all-linear")
 
 
@@ -455,261 +375,39 @@ def qlora_model(
     return load_qlora(path, seed=seed, **lora_kwargs)
 
 
-# -- the descriptor contract ----------------------------------------------------------------------
+# -- parity: a resident reference against the streamed run ---------------------------------------
 
-_PEFT_INTERNALS = frozenset({
-    "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_dropout", "lora_magnitude_vector",
-})
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
-def _resolves(root: Any, path: str) -> bool:
-    try:
-        resolve_path(root, path)
-    except DescriptorError:
-        return False
-    return True
+def train_adamw(model, parameters, batches, lr=1e-2):
+    """One AdamW step per batch (``loss.backward()``, ``step``, ``zero_grad(set_to_none=True)``);
+    returns ``(losses, optimizer)``: the detached losses and the optimizer with its state."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr)
+    losses = []
+    for batch in batches:
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses, optimizer
 
 
-def _layer_entries(layer: nn.Module) -> tuple[dict[str, nn.Module], set[str]]:
-    """``(linears, paths)`` of one decoder layer, with PEFT wrapping taken out.
-
-    ``linears``: layer-relative path -> ``nn.Linear`` (bitsandbytes ``Linear4bit`` is one);
-    ``paths``: every module, parameter and buffer path. ``.base_layer`` is dropped from paths and
-    LoRA's own modules (``lora_A``...) are skipped, so a PEFT-wrapped layer reads like the plain one.
-    """
-    linears: dict[str, nn.Module] = {}
-    paths: set[str] = set()
-    for name, module in layer.named_modules():
-        parts = name.split(".") if name else []
-        if _PEFT_INTERNALS.intersection(parts):
-            continue
-        clean = ".".join(p for p in parts if p != "base_layer")
-        if clean:
-            paths.add(clean)
-        if isinstance(module, nn.Linear):
-            linears[clean] = module
-        for attribute, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            paths.add(f"{clean}.{attribute}" if clean else attribute)
-    return linears, paths
+def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The parameters that train (the adapters), by name."""
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _is_linear(module: Any) -> bool:
-    """An ``nn.Linear`` (bitsandbytes ``Linear4bit`` included), or a PEFT layer wrapping one."""
-    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
-
-
-def _matches(path: str, name: str) -> bool:
-    """PEFT's rule: a target name matches a module path equal to it or ending in ``.name``."""
-    return path == name or path.endswith("." + name)
-
-
-def _is_quantized(obj: Any) -> bool:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:  # pragma: no cover - bitsandbytes is a [train] dependency
-        return False
-    return isinstance(obj, (bnb.nn.Linear4bit, bnb.nn.Params4bit))
-
-
-def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> list[str]:
-    """The descriptor contract: does ``descriptor`` describe ``model``? Returns the problems (empty: yes).
-
-    ``model`` is the real ``*ForCausalLM``, plain or NF4-quantized, optionally PEFT-wrapped
-    (unwrapped with ``get_base_model()``). Names that ``descriptor.optional_features`` switches
-    off on this config must be absent; all other names must be present. Checks:
-
-    * identity: ``type(model).__name__`` in ``causal_lm_classes``, ``config.model_type`` in
-      ``model_types``, the config class is ``config_class`` (when set);
-    * module paths (``text_model``, ``decoder_layers``, ``embeddings``, ``final_norm``, ``head``,
-      ``rotary``, ``prelude_modules``, ``model_level_linears``) resolve; ``decoder_layers`` holds
-      ``num_hidden_layers`` layers; ``embeddings`` is an ``nn.Embedding``, ``head`` and every
-      model-level linear an ``nn.Linear``; every ``nn.Linear`` outside the layers other than the
-      head is listed in ``model_level_linears``;
-    * layer kinds: every value of ``config.<layer_kinds_attr>`` is in ``layer_kinds`` and has a
-      ``mask_kinds`` entry naming a function of ``transformers.masking_utils``; a rotary module
-      with per-kind buffers (``<kind>_inv_freq``) is described per kind, one with a single
-      ``inv_freq`` by one ``rotary_kinds`` entry;
-    * adapters: every name in ``lora_targets_all_linear``/``lora_targets_default``/``lora_excluded``
-      is an ``nn.Linear``/``Linear4bit`` in at least one decoder layer; every such linear in a
-      layer is a target or excluded (offenders reported by full name);
-    * ``never_quantized`` entries exist in some layer (module, parameter or buffer path) and are
-      not bitsandbytes 4-bit;
-    * each ``CarriedState.kwarg`` is a parameter of the decoder layers' ``forward``;
-    * config attributes named by ``final_logit_softcapping``, ``tied_embeddings`` and each
-      ``CarriedState.enabled_by``/``optional_features`` entry exist on the config.
-
-    Run it on a model that has every layer kind of the family and every optional feature on
-    (:func:`tiny_config` builds such configs whenever ``num_layers`` allows): a name that only
-    some layer kind has (Qwen3.5's ``in_proj_qkv`` lives in linear-attention layers) is reported
-    missing on a model without that kind. A kind named in ``mask_kinds``/``rotary_kinds`` may be
-    unused by one model (Qwen2 slides only with ``use_sliding_window``); that every kind is used by
-    *some* configuration is a family-level check (see ``tests/test_descriptors.py``).
-    """
-    problems: list[str] = []
-    base = _unwrap(model)
-    config = base.config
-    disabled = descriptor.disabled_names(config)
-
-    # identity
-    if type(base).__name__ not in descriptor.causal_lm_classes:
-        problems.append(f"model class {type(base).__name__} is not in causal_lm_classes {list(descriptor.causal_lm_classes)}")
-    if config.model_type not in descriptor.model_types:
-        problems.append(f"config.model_type {config.model_type!r} is not in model_types {list(descriptor.model_types)}")
-    if descriptor.config_class and type(config).__name__ != descriptor.config_class:
-        problems.append(f"config class {type(config).__name__} is not config_class {descriptor.config_class!r}")
-
-    # config attributes
-    named_attributes = [("final_logit_softcapping", descriptor.final_logit_softcapping),
-                        ("tied_embeddings", descriptor.tied_embeddings),
-                        ("layer_kinds_attr", descriptor.layer_kinds_attr)]
-    named_attributes += [(f"carried_state[{c.kwarg!r}].enabled_by", c.enabled_by) for c in descriptor.carried_state]
-    named_attributes += [("optional_features", attribute) for attribute, _ in descriptor.optional_features]
-    for field_name, attribute in named_attributes:
-        if attribute and not hasattr(config, attribute):
-            problems.append(f"{field_name} names config attribute {attribute!r}, which {type(config).__name__} lacks")
-
-    # module paths
-    resolved: dict[str, Any] = {}
-    for field_name in ("text_model", "decoder_layers", "embeddings", "final_norm", "head", "rotary"):
-        path = getattr(descriptor, field_name)
-        try:
-            resolved[field_name] = resolve_path(base, path)
-        except DescriptorError as error:
-            problems.append(f"{field_name}: {error}")
-    for field_name in ("prelude_modules", "model_level_linears"):
-        for path in getattr(descriptor, field_name):
-            present = _resolves(base, path)
-            if path in disabled:
-                if present:
-                    problems.append(f"{field_name} entry {path!r} exists although optional_features marks it "
-                                    "absent for this config")
-                continue
-            try:
-                target = resolve_path(base, path)
-            except DescriptorError as error:
-                problems.append(f"{field_name}: {error}")
-                continue
-            if field_name == "model_level_linears" and not _is_linear(target):
-                problems.append(f"model_level_linears entry {path!r} is a {type(target).__name__}, not an nn.Linear")
-    if "embeddings" in resolved and not isinstance(resolved["embeddings"], nn.Embedding):
-        problems.append(f"embeddings {descriptor.embeddings!r} is a {type(resolved['embeddings']).__name__}, "
-                        "not an nn.Embedding")
-    head = resolved.get("head")
-    if head is not None and not _is_linear(head):
-        problems.append(f"head {descriptor.head!r} is a {type(head).__name__}, not an nn.Linear")
-    layers = resolved.get("decoder_layers")
-    if layers is not None and len(layers) != config.num_hidden_layers:
-        problems.append(f"decoder_layers {descriptor.decoder_layers!r} holds {len(layers)} layers, "
-                        f"config.num_hidden_layers is {config.num_hidden_layers}")
-    layers = list(layers) if layers is not None else []
-
-    # model-level linears outside the layers must be listed (bitsandbytes quantizes them)
-    layers_prefix = descriptor.decoder_layers + "."
-    for name, module in base.named_modules():
-        parts = name.split(".")
-        if (isinstance(module, nn.Linear) and not _PEFT_INTERNALS.intersection(parts)
-                and not name.startswith(layers_prefix)):
-            clean = ".".join(p for p in parts if p != "base_layer")
-            if clean != descriptor.head and clean not in descriptor.model_level_linears:
-                problems.append(f"nn.Linear {clean!r} outside the decoder layers is not in model_level_linears")
-
-    # layer kinds, masks, rotary
-    kinds = getattr(config, descriptor.layer_kinds_attr, None)
-    if kinds is None:
-        kinds = []
-    elif len(kinds) != config.num_hidden_layers:
-        problems.append(f"config.{descriptor.layer_kinds_attr} has {len(kinds)} entries for "
-                        f"{config.num_hidden_layers} layers")
-    used_kinds = list(dict.fromkeys(kinds))
-    for kind in used_kinds:
-        if kind not in descriptor.layer_kinds:
-            problems.append(f"config.{descriptor.layer_kinds_attr} uses layer kind {kind!r}, not in layer_kinds "
-                            f"{list(descriptor.layer_kinds)}")
-    mask_functions = dict(descriptor.mask_kinds)
-    from transformers import masking_utils
-
-    for kind in used_kinds:
-        if kind not in mask_functions:
-            problems.append(f"layer kind {kind!r} is used but has no mask_kinds entry")
-    for kind, function_name in descriptor.mask_kinds:
-        if not callable(getattr(masking_utils, function_name, None)):
-            problems.append(f"mask_kinds[{kind!r}] names {function_name!r}, not a function of transformers.masking_utils")
-    rotary = resolved.get("rotary")
-    if rotary is not None:
-        buffers = {name for name, _ in rotary.named_buffers(recurse=False)}
-        per_kind = sorted(k for k in descriptor.layer_kinds if f"{k}_inv_freq" in buffers)
-        described = sorted(k for k, _ in descriptor.rotary_kinds)
-        if per_kind and not set(per_kind) <= set(described):
-            problems.append(f"rotary module has per-kind buffers for {per_kind}, rotary_kinds describes {described}")
-        if not per_kind and len(descriptor.rotary_kinds) != 1:
-            problems.append(f"rotary module has one inv_freq, rotary_kinds describes {described}")
-
-    # carried state reaches the layers as a keyword of their forward
-    for layer_class in dict.fromkeys(type(layer) for layer in layers):
-        parameters = inspect.signature(layer_class.forward).parameters
-        for carried in descriptor.carried_state:
-            if carried.kwarg not in parameters:
-                problems.append(f"carried_state kwarg {carried.kwarg!r} is not a parameter of "
-                                f"{layer_class.__name__}.forward {list(parameters)[1:]}")
-
-    # adapters and quantization, per layer
-    missing_kinds = [kind for kind in descriptor.layer_kinds if kinds and kind not in used_kinds]
-    absent_kinds = (f" (this model has no {'/'.join(missing_kinds)} layers: check a config with every layer kind)"
-                    if missing_kinds else "")
-    all_linears: dict[str, nn.Module] = {}
-    all_paths: set[str] = set()
-    for index, layer in enumerate(layers):
-        linears, paths = _layer_entries(layer)
-        all_paths |= paths
-        for path, module in linears.items():
-            all_linears.setdefault(path, module)
-            if not any(_matches(path, n) for n in (*descriptor.lora_targets_all_linear, *descriptor.lora_excluded)):
-                problems.append(
-                    f"nn.Linear {descriptor.decoder_layers}.{index}.{path} is neither in lora_targets_all_linear "
-                    "nor in lora_excluded"
-                )
-    for field_name in ("lora_targets_all_linear", "lora_targets_default", "lora_excluded"):
-        for name in getattr(descriptor, field_name):
-            found = any(_matches(path, name) for path in all_linears)
-            if name in disabled:
-                if found:
-                    problems.append(f"{field_name} entry {name!r} exists although optional_features marks it "
-                                    "absent for this config")
-            elif not found:
-                problems.append(f"{field_name} entry {name!r} is not an nn.Linear in any decoder layer{absent_kinds}")
-    for name in descriptor.never_quantized:
-        found = sorted(path for path in all_paths if _matches(path, name))
-        if name in disabled:
-            if found:
-                problems.append(f"never_quantized entry {name!r} exists although optional_features marks it "
-                                "absent for this config")
-            continue
-        if not found:
-            problems.append(f"never_quantized entry {name!r} is not a module, parameter or buffer of any decoder "
-                            f"layer{absent_kinds}")
-            continue
-        for index, layer in enumerate(layers):
-            for path in found:
-                try:
-                    obj = resolve_path(layer, path)
-                except DescriptorError:
-                    continue
-                if _is_quantized(obj) or _is_quantized(getattr(obj, "weight", None)):
-                    problems.append(f"never_quantized entry {name!r} is 4-bit quantized at "
-                                    f"{descriptor.decoder_layers}.{index}.{path}")
-    return problems
-
-
-def assert_descriptor_matches(descriptor: ArchitectureDescriptor, model: nn.Module) -> None:
-    """Raise ``AssertionError`` listing every :func:`check_descriptor` problem."""
-    problems = check_descriptor(descriptor, model)
-    if problems:
-        raise AssertionError(
-            f"descriptor {descriptor.name!r} does not match {type(_unwrap(model)).__name__} "
-            f"({len(problems)} problems):\n  - " + "\n  - ".join(problems)
-        )
+def assert_bitwise_training(reference, streamed, ref_losses, poros_losses, ref_opt, poros_opt):
+    """Zero tolerance: every step's loss, every trainable tensor and every AdamW state tensor of the
+    streamed run ``torch.equal`` the resident reference's (as :func:`train_adamw` returns them)."""
+    assert len(ref_losses) == len(poros_losses)
+    for step, (a, b) in enumerate(zip(ref_losses, poros_losses)):
+        assert torch.equal(a, b), f"step {step}: loss {a.item()!r} (resident) != {b.item()!r} (streamed)"
+    ref_params, poros_params = trainable_parameters(reference), trainable_parameters(streamed)
+    assert ref_params.keys() == poros_params.keys() and ref_params
+    differing = [n for n in ref_params if not torch.equal(ref_params[n], poros_params[n])]
+    assert not differing, f"{len(differing)}/{len(ref_params)} LoRA tensors differ, e.g. {differing[:3]}"
+    for name in ref_params:
+        ref_state, poros_state = ref_opt.state[ref_params[name]], poros_opt.state[poros_params[name]]
+        assert ref_state.keys() == poros_state.keys()
+        for key in ref_state:
+            assert torch.equal(ref_state[key], poros_state[key]), f"AdamW {key} of {name} differs"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 import poros
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `from tools import bench`: the tools are a package of the checkout
+    sys.path.insert(0, str(REPO_ROOT))
 
 
 class FamilyPlugin:

@@ -279,8 +279,7 @@ def test_model_that_is_not_there_is_reported(capsys, tmp_path):
 def test_gpu_run_doctor_step_writes_text_and_json(tmp_path, repo_root, monkeypatch):
     # tools/doctor_run.py, as `tools/gpu_run.sh doctor:model=SHAPE` runs it: a bench shape's config is
     # written to a scratch directory and the report names the model by its id, not that directory
-    monkeypatch.syspath_prepend(str(repo_root / "tools"))
-    import doctor_run
+    from tools import doctor_run
 
     out = tmp_path / "doctor.json"
     status = doctor_run.main(["--model", "tiny-qwen3", "--quick", "--vram-budget", "2GiB", "--json", str(out)])

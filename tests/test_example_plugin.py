@@ -118,3 +118,18 @@ def test_example_descriptor_meets_the_contract(repo_root, monkeypatch):
         config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, **options)
         assert check_descriptor(DESCRIPTOR, transformers.LlamaForCausalLM(config)) == [], options
+
+
+def test_example_parity_test_builds_its_tiny_model_through_poros_testing(repo_root):
+    """The example's own test suite (examples/poros-family-example/tests): its tiny Llama comes from
+    the ``TINY_VARIANTS`` it declares next to its descriptor, through ``poros.testing``, and trains
+    bit for bit as the resident reference."""
+    pytest.importorskip("torch")
+    pytest.importorskip("bitsandbytes")
+    example = repo_root / "examples" / "poros-family-example"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root), str(example)]), "OMP_NUM_THREADS": "1"}
+    env.pop("POROS_LOAD_PLUGINS", None)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=example,
+                            capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "2 passed" in result.stdout

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -177,8 +176,7 @@ def test_hub_id_resolves_from_the_cache_offline(tmp_path, monkeypatch):
 def test_host_memory_during_load_stays_below_the_bf16_model(tmp_path):
     """Peak anonymous RSS while loading ~100 MB of bf16 shards (``tools/load_memory.py``): well under
     their size (NF4 + a tensor in flight), while materialising the shards (the control) reaches it."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-    from load_memory import measure
+    from tools.load_memory import measure
 
     result = measure(tmp_path, layers=16)
     bf16, control, streamed = (result["bf16_checkpoint_bytes"], result["control_peak_delta_bytes"],

@@ -19,6 +19,9 @@ from hypothesis import strategies as st
 
 import poros
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
+from poros.testing import assert_bitwise_training as assert_bitwise  # noqa: F401 (other tests import these)
+from poros.testing import train_adamw as train
+from poros.testing import trainable_parameters as trainable
 
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
 MIN_LAYERS = {("gemma4", "e2b"): 3, ("qwen3_5", "default"): 2, ("gemma3", "default"): 2,
@@ -64,37 +67,6 @@ def make_batch(seed: int, batch: int, seq: int, padding: str, vocab: int = 256):
         input_ids[attention_mask == 0] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def train(model, parameters, batches, lr=1e-2):
-    optimizer = torch.optim.AdamW(parameters, lr=lr)
-    losses = []
-    for batch in batches:
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return losses, optimizer
-
-
-def trainable(model) -> dict[str, torch.nn.Parameter]:
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def assert_bitwise(reference, streamed, ref_losses, poros_losses, ref_opt, poros_opt):
-    assert len(ref_losses) == len(poros_losses)
-    for step, (a, b) in enumerate(zip(ref_losses, poros_losses)):
-        assert torch.equal(a, b), f"step {step}: loss {a.item()!r} (resident) != {b.item()!r} (streamed)"
-    ref_params, poros_params = trainable(reference), trainable(streamed)
-    assert ref_params.keys() == poros_params.keys() and ref_params
-    differing = [n for n in ref_params if not torch.equal(ref_params[n], poros_params[n])]
-    assert not differing, f"{len(differing)}/{len(ref_params)} LoRA tensors differ, e.g. {differing[:3]}"
-    for name in ref_params:
-        ref_state, poros_state = ref_opt.state[ref_params[name]], poros_opt.state[poros_params[name]]
-        assert ref_state.keys() == poros_state.keys()
-        for key in ref_state:
-            assert torch.equal(ref_state[key], poros_state[key]), f"AdamW {key} of {name} differs"
 
 
 def run_parity(family: str, variant: str, setup: dict, directory: pathlib.Path, **prepare_options) -> poros.PorosModel:

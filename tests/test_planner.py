@@ -29,6 +29,8 @@ from poros.cli.main import main
 from poros.descriptor import resolve_path
 from poros.config import PorosConfig
 from poros.errors import ConfigError
+from poros import probe, run_plan
+from poros.stream import footprint as footprint_module
 from poros.stream import planner
 from poros.stream.planner import ComputeTimes, Footprint, Workload
 from poros.testing import load_qlora, save_tiny_checkpoint
@@ -156,7 +158,7 @@ def test_prepare_with_a_budget_applies_the_plan_and_trains_bitwise(tmp_path):
     workload = Workload(batch_size=2, seq_len=20)
     causal_lm = model.get_base_model()
     layers = decoder_layers(model)
-    footprint = planner.footprint_of_model(causal_lm, layers, [], workload, device=torch.device("cpu"),
+    footprint = footprint_module.footprint_of_model(causal_lm, layers, [], workload, device=torch.device("cpu"),
                                            compute_dtype=torch.bfloat16)
     # room for the ring and one resident block (two more would need a third block's bytes)
     peak = planner.predict_peak(footprint, workload, resident=[3], num_slots=2, embeddings_on_host=False)
@@ -178,7 +180,7 @@ def test_a_tight_layer_major_budget_puts_the_boundary_states_on_the_host(tmp_pat
     path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=3, num_layers=4)
     workload = Workload(batch_size=2, seq_len=14, grad_accum=3, schedule="layer-major")
     model = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3)
-    footprint = planner.footprint_of_model(model.get_base_model(), decoder_layers(model), [], workload,
+    footprint = footprint_module.footprint_of_model(model.get_base_model(), decoder_layers(model), [], workload,
                                            device=torch.device("cpu"), compute_dtype=torch.bfloat16)
     on_device = planner.plan_budget(footprint, workload, 10**12).pipelined_minimum_bytes
     steps = [with_item_counts([make_batch(3 + m, 2, 14, "left") for m in range(3)]) for _ in range(2)]
@@ -402,10 +404,8 @@ BENCH_RECORDS = sorted(p for p in (ROOT / "registry" / "results").glob("h200-*/b
 
 @cache
 def _bench():
-    spec = importlib.util.spec_from_file_location("poros_bench_for_planner", ROOT / "tools" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    from tools import bench
+
     return bench
 
 
@@ -419,11 +419,11 @@ def _results_docs():
 
 @cache
 def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
-                 targets: tuple[str, ...], rank: int, attn: str | None) -> planner.Plan:
+                 targets: tuple[str, ...], rank: int, attn: str | None) -> run_plan.Plan:
     config, _ = _bench().model_config(model, layers=layers)
     directory = tmp_root / f"{model}-{layers}"
     config.save_pretrained(directory)
-    return planner.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
+    return run_plan.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                         double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
                                         embeddings_on_host=True, attn_implementation=attn))
 
@@ -553,11 +553,11 @@ def test_probe_segments_per_micro_batch():
     labels = ["start", "block 0", "block 0", "block 1", "block 1", "head", "head", "block 1", "block 1", "block 0",
               "block 0", "end", "optimizer"]
     times = [0, 1, 3, 5, 7, 9, 10, 11, 17, 23, 27, 31, 32]
-    segments = planner._segments(labels, [float(t) for t in times], layers=2, micro=2)
+    segments = probe._segments(labels, [float(t) for t in times], layers=2, micro=2)
     assert segments == {"forward 0": 2.0, "forward 1": 2.0, "backward 1": 6.0, "backward 0": 4.0, "head": 1.0,
                         "optimizer": 1.0}
     with pytest.raises(poros.errors.StreamingError, match="do not follow the executor's order"):
-        planner._segments(labels[:3] + labels[5:], [float(t) for t in times[:3] + times[5:]], layers=2, micro=2)
+        probe._segments(labels[:3] + labels[5:], [float(t) for t in times[:3] + times[5:]], layers=2, micro=2)
 
 
 def test_plan_errors_exit_1(capsys, tiny_checkpoint):
@@ -575,6 +575,6 @@ def test_plan_errors_exit_1(capsys, tiny_checkpoint):
 def test_consumer_gpus_page_matches_the_planner_and_the_records(child_env):
     import subprocess
 
-    result = subprocess.run([sys.executable, "tools/gen_consumer_docs.py", "--check"], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "tools.gen_consumer_docs", "--check"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-2000:]

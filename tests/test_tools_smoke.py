@@ -1,7 +1,7 @@
 """The bench harness and the parity gate run on CPU and report exact parity (no timing asserted).
 
-Each tool runs once as a subprocess, its smoke command as documented (``tools/bench.py --model
-tiny --device cpu``, ``tools/parity_gate.py --device cpu --tiny``), both at the same time; the
+Each tool runs once as a subprocess, its smoke command as documented (``python -m tools.bench --model
+tiny --device cpu``, ``python -m tools.parity_gate --device cpu --tiny``), both at the same time; the
 JSON each writes is checked. The gate also appends its records to a copy of the registry, which
 must still parse and give the families the ``bitwise`` status through ``poros.records``.
 """
@@ -22,7 +22,6 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
 
 ENVIRONMENT_KEYS = {"platform", "platform_class", "torch", "transformers", "peft", "bitsandbytes", "date", "commit"}
 RECORD_KEYS = ENVIRONMENT_KEYS | {"label", "adapter", "max_diff_loss", "max_diff_adapter", "max_diff_optimizer",
@@ -37,11 +36,11 @@ def smoke(tmp_path_factory, child_env):
     registry = folder / "registry"
     shutil.copytree(REPO / "registry", registry)
     commands = {
-        "bench": ["tools/bench.py", "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+        "bench": ["-m", "tools.bench", "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
                   "--json", str(folder / "bench.json")],
-        "gate": ["tools/parity_gate.py", "--device", "cpu", "--tiny", "--json", str(folder / "gate.json"),
+        "gate": ["-m", "tools.parity_gate", "--device", "cpu", "--tiny", "--json", str(folder / "gate.json"),
                  "--append-registry", "--registry-dir", str(registry)],
-        "curve": ["tools/vram_curve.py", "--model", "tiny-qwen2", "--device", "cpu", "--points", "3", "--steps", "1",
+        "curve": ["-m", "tools.vram_curve", "--model", "tiny-qwen2", "--device", "cpu", "--points", "3", "--steps", "1",
                   "--warmup", "1", "--grad-accum", "2", "--deterministic", "--json", str(folder / "curve.json")],
     }
     running = {name: subprocess.Popen([sys.executable, *args], cwd=REPO, env=child_env(POROS_COMMIT="test"),
@@ -75,7 +74,7 @@ def test_vram_curve_smoke(smoke):
 
 
 def test_vram_curve_names_the_ends_of_its_range():
-    import vram_curve
+    from tools import vram_curve
 
     args = vram_curve.parse_args(["--budgets", "all,min,6GiB"])
     assert vram_curve.resolve_budgets(args.budgets, args.points, 2 * 2**30, 5 * 2**30) == ["5.00GiB", "2.00GiB", "6GiB"]
@@ -85,7 +84,7 @@ def test_vram_curve_names_the_ends_of_its_range():
 def test_bracketed_ratios_divide_each_round_by_the_resident_runs_around_it():
     """A machine that slows down during the run: each round's arm is compared with the mean of the
     resident runs just before and after it, so the drift cancels."""
-    import vram_curve
+    from tools import vram_curve
 
     rows = [{"budget": "min", "round": 0, "median_step_s": 11.0}, {"budget": "all", "round": 0, "median_step_s": 12.0},
             {"budget": "min", "round": 1, "median_step_s": 13.2}, {"budget": "all", "round": 1, "median_step_s": 14.4},
@@ -101,7 +100,7 @@ def test_sync_check_counts_each_synchronising_call_and_where_it_came_from(monkey
     (other warnings are not counted). Run here with the mode switch stubbed: there is no GPU."""
     import warnings
 
-    import bench
+    from tools import bench
     import torch
 
     modes = []
@@ -127,7 +126,7 @@ def test_sync_check_counts_each_synchronising_call_and_where_it_came_from(monkey
 def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch):
     """The CUDA-event bookkeeping of ``bench --timeline``, on a fake clock: a wait stalls the compute by
     max(0, copy done - compute reached it); the phase turns to backward when block indices go down."""
-    import bench
+    from tools import bench
     import torch
 
     clock = {"gpu": 0.0}
@@ -150,17 +149,26 @@ def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch)
         def __init__(self, index):
             self.index, self.resident, self.slot = index, False, None
 
-    class Store:
+    class Store:  # what BlockStore does for its observers
         device, copy_stream = "cuda", None
 
         def __init__(self):
             self.blocks = [Block(i) for i in range(3)]
+            self.observers = []
 
         def fetch(self, index):
-            self.blocks[index].slot = 0
+            block = self.blocks[index]
+            if block.resident or block.slot is not None:
+                return
+            block.slot = 0
+            for observer in self.observers:
+                observer.on_fetch(index)
 
         def wait(self, index):
-            pass
+            if self.blocks[index].resident:
+                return
+            for observer in self.observers:
+                observer.on_wait(index)
 
     store = Store()
     timeline = bench.CopyTimeline(store)
@@ -188,7 +196,7 @@ def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch)
     want(0, 30.0)                       # a resident block is never waited for
     end(1)
     timeline.detach()
-    assert store.fetch.__func__ is Store.fetch and store.wait.__func__ is Store.wait
+    assert store.observers == []
     (step,) = timeline.steps
     assert step["stall_forward_ms"] == 4.0 and step["stall_backward_ms"] == 1.5
     assert step["waits"] == 4 and step["stalled_waits"] == 2
@@ -250,7 +258,7 @@ def test_compare_reports_a_one_ulp_difference():
     """The comparison a bitwise label rests on notices the smallest possible difference."""
     import torch
 
-    import bench
+    from tools import bench
 
     base = torch.tensor([1.0, 2.0, 3.0])
     nudged = base.clone()
@@ -265,7 +273,7 @@ def test_compare_reports_a_one_ulp_difference():
 
 def test_diagnosis_names_the_kernel_whose_swap_makes_it_bitwise(monkeypatch):
     """A numerical variant is rerun with the other attention / experts kernel; the fixing swap is named."""
-    import parity_gate
+    from tools import parity_gate
 
     def fake_run(variant, args, device, *, attn, experts):
         bitwise = experts == "eager"  # pretend grouped_mm is the culprit
@@ -283,7 +291,7 @@ def test_diagnosis_names_the_kernel_whose_swap_makes_it_bitwise(monkeypatch):
 def test_validation_table_is_toml():
     import tomllib
 
-    import parity_gate
+    from tools import parity_gate
 
     record = {"platform": "NVIDIA H200", "label": "numerical", "max_diff_loss": 1.5e-05, "max_diff_adapter": "nan",
               "deterministic": True, "kernel": 'sdpa "efficient" backward', "skipped": None}
@@ -300,7 +308,7 @@ def test_a_refused_kernel_is_named_and_labels_numerical(monkeypatch):
 
     import torch
 
-    import parity_gate
+    from tools import parity_gate
 
     refusal = ("RuntimeError: cumsum_cuda_kernel does not have a deterministic implementation, but you set "
                "'torch.use_deterministic_algorithms(True)'.\nTraceback ...")

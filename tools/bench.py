@@ -2,13 +2,13 @@
 
 ::
 
-    python tools/bench.py --model qwen2.5-32b --seq 512 --batch 1 --steps 5 --warmup 2 \\
+    python -m tools.bench --model qwen2.5-32b --seq 512 --batch 1 --steps 5 --warmup 2 \\
         --arms resident,poros --json out.json
-    python tools/bench.py --model qwen2.5-72b --layers 20          # truncated depth, same width
-    python tools/bench.py --model qwen2.5-32b --arms poros --vram-limit 8   # an 8 GB card
-    python tools/bench.py --model qwen2.5-32b --arms poros --vram-budget 12GiB  # planner: resident blocks
-    python tools/bench.py --model qwen2.5-72b --arms resident,control,poros # + reference vs itself
-    python tools/bench.py --model tiny --device cpu --steps 2 --warmup 1    # CPU smoke test
+    python -m tools.bench --model qwen2.5-72b --layers 20          # truncated depth, same width
+    python -m tools.bench --model qwen2.5-32b --arms poros --vram-limit 8   # an 8 GB card
+    python -m tools.bench --model qwen2.5-32b --arms poros --vram-budget 12GiB  # planner: resident blocks
+    python -m tools.bench --model qwen2.5-72b --arms resident,control,poros # + reference vs itself
+    python -m tools.bench --model tiny --device cpu --steps 2 --warmup 1    # CPU smoke test
 
 What runs, in this order, on ONE model object:
 
@@ -40,16 +40,17 @@ Reported per arm: peak ``max_memory_allocated`` and ``max_memory_reserved`` over
 step time over the timed steps (after warm-up), the loss trajectory; for ``poros`` also bytes
 copied host->device per step and the achieved GB/s over the timed steps. GB = 1e9 bytes.
 
-Shapes are data (``SHAPES``): the facts of each checkpoint come from ``registry/<family>.toml``
-when it lists the checkpoint, else from the fallback written here; what the registry does not
-hold (rotary, norm eps, ...) is written here, under the ``config.json`` it came from.
-``parity_gate.py`` imports the builder from this file.
+Shapes are data (``SHAPES``): the facts of each checkpoint (layers, widths, vocab...) come from
+``registry/<family>.toml`` (a shape whose checkpoint the registry does not list is an error);
+what the registry does not hold (rotary, norm eps, ...) is written here, under the
+``config.json`` it came from. The builder is :func:`poros.probe.random_nf4_model`, shared with
+the planner's compute probe. ``tools`` is a package: the other tools ``from tools import bench``
+(run them from the repository root as ``python -m tools.<name>``; ``tools/gpu_run.sh`` does).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import gc
 import json
@@ -66,11 +67,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402  (after the path fix; importing torch does not initialise CUDA)
+from poros.devices import resolve_device
+from poros.probe import measure_link, random_nf4_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 GB = 1e9
 SEVEN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -88,16 +90,14 @@ class Shape:
     Args:
         family: the Poros family (``registry/<family>.toml``).
         model_type: the text config's ``model_type`` (``AutoConfig.for_model``).
-        hf_id: the registry entry whose facts (layers, widths, vocab...) are used; ``None`` for
-            synthetic shapes.
-        facts: fallback facts under the registry's keys, used when the registry lacks the entry.
+        hf_id: the registry entry (``registry/<family>.toml``) whose facts (layers, widths,
+            vocab...) are used; ``None`` for synthetic shapes.
         extra: config keyword arguments the registry does not hold (rotary, eps, layer pattern).
     """
 
     family: str
     model_type: str
     hf_id: str | None
-    facts: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,85 +119,53 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 
 SHAPES: dict[str, Shape] = {
     # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
-    "qwen2.5-7b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-7B", facts=dict(
-        layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
-        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen2.5-7b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-7B",
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_sliding_window=False)),
     # https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
-    "qwen2.5-32b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-32B", facts=dict(
-        layers=64, hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8,
-        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen2.5-32b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-32B",
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
     # https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json
-    "qwen2.5-72b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-72B", facts=dict(
-        layers=80, hidden_size=8192, intermediate_size=29568, num_attention_heads=64, num_key_value_heads=8,
-        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen2.5-72b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-72B",
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
     # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
-    "qwen3-8b": Shape("qwen3", "qwen3", "Qwen/Qwen3-8B", facts=dict(
-        layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-8b": Shape("qwen3", "qwen3", "Qwen/Qwen3-8B",
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
     # https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json
-    "qwen3-32b": Shape("qwen3", "qwen3", "Qwen/Qwen3-32B", facts=dict(
-        layers=64, hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960),
+    "qwen3-32b": Shape("qwen3", "qwen3", "Qwen/Qwen3-32B",
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
     # https://huggingface.co/Qwen/Qwen3.5-9B/blob/main/config.json (text_config)
-    "qwen3.5-9b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.5-9B", facts=dict(
-        layers=32, hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
-        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=248320,
-        tie_word_embeddings=False, max_position_embeddings=262144),
+    "qwen3.5-9b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.5-9B",
         extra=dict(rms_norm_eps=1e-6, linear_key_head_dim=128, linear_value_head_dim=128,
                    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
                                         mrope_section=[11, 11, 10], mrope_interleaved=True))),
     # https://huggingface.co/Qwen/Qwen3.6-27B/blob/main/config.json (text_config)
-    "qwen3.6-27b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.6-27B", facts=dict(
-        layers=64, hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4,
-        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, vocab_size=248320,
-        max_position_embeddings=262144),
-        # tie_word_embeddings is unconfirmed in the registry; the model card lists a separate LM output
+    # tie_word_embeddings is unconfirmed in the registry; the model card lists a separate LM output
+    "qwen3.6-27b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.6-27B",
         extra=dict(tie_word_embeddings=False, rms_norm_eps=1e-6, linear_key_head_dim=128, linear_value_head_dim=128,
                    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
                                         mrope_section=[11, 11, 10], mrope_interleaved=True))),
     # https://huggingface.co/google/gemma-3-12b-pt/blob/main/config.json (text_config)
-    "gemma3-12b": Shape("gemma3", "gemma3_text", "google/gemma-3-12b-pt", facts=dict(
-        layers=48, hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=256, query_pre_attn_scalar=256, vocab_size=262208, tie_word_embeddings=True,
-        max_position_embeddings=131072, sliding_window=1024),
+    "gemma3-12b": Shape("gemma3", "gemma3_text", "google/gemma-3-12b-pt",
         extra=dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                    rope_scaling=dict(rope_type="linear", factor=8.0))),
     # https://huggingface.co/google/gemma-3-27b-pt/blob/main/config.json (text_config)
-    "gemma3-27b": Shape("gemma3", "gemma3_text", "google/gemma-3-27b-pt", facts=dict(
-        layers=62, hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16,
-        head_dim=128, query_pre_attn_scalar=168, tie_word_embeddings=True, max_position_embeddings=131072,
-        sliding_window=1024),
-        # vocab_size is unconfirmed in the registry; the 4B and 12B text configs say 262208
+    # vocab_size is unconfirmed in the registry; the 4B and 12B text configs say 262208
+    "gemma3-27b": Shape("gemma3", "gemma3_text", "google/gemma-3-27b-pt",
         extra=dict(vocab_size=262208, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
                    rope_scaling=dict(rope_type="linear", factor=8.0))),
     # https://huggingface.co/google/gemma-4-E4B-it/blob/main/config.json (text_config)
-    "gemma4-e4b": Shape("gemma4", "gemma4_text", "google/gemma-4-E4B-it", facts=dict(
-        layers=42, hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=256, global_head_dim=512, num_kv_shared_layers=18, hidden_size_per_layer_input=256,
-        vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=131072, sliding_window=512),
+    "gemma4-e4b": Shape("gemma4", "gemma4_text", "google/gemma-4-E4B-it",
         extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, use_double_wide_mlp=True,
                    vocab_size_per_layer_input=262144)),
     # https://huggingface.co/google/gemma-4-26B-A4B-it/blob/main/config.json (text_config)
-    "gemma4-26b-a4b": Shape("gemma4", "gemma4_text", "google/gemma-4-26B-A4B-it", facts=dict(
-        layers=30, hidden_size=2816, intermediate_size=2112, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=256, global_head_dim=512, num_kv_shared_layers=0, num_experts=128, top_k_experts=8,
-        moe_intermediate_size=704, vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=262144,
-        sliding_window=1024),
-        # attention_k_eq_v / 2 global KV heads: transformers 5.24's Gemma4TextConfig EP-plan comment for this
-        # checkpoint ("num_global_key_value_heads=2"); unconfirmed in the registry
+    # attention_k_eq_v / 2 global KV heads: transformers 5.24's Gemma4TextConfig EP-plan comment for this
+    # checkpoint ("num_global_key_value_heads=2"); unconfirmed in the registry
+    "gemma4-26b-a4b": Shape("gemma4", "gemma4_text", "google/gemma-4-26B-A4B-it",
         extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
                    enable_moe_block=True, attention_k_eq_v=True, num_global_key_value_heads=2)),
     # https://huggingface.co/google/gemma-4-31B-it/blob/main/config.json (text_config)
-    "gemma4-31b": Shape("gemma4", "gemma4_text", "google/gemma-4-31B-it", facts=dict(
-        layers=60, hidden_size=5376, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16,
-        head_dim=256, global_head_dim=512, num_kv_shared_layers=0, vocab_size=262144, tie_word_embeddings=True,
-        max_position_embeddings=262144, sliding_window=1024),
-        # attention_k_eq_v / num_global_key_value_heads unconfirmed: the transformers defaults are used
+    # attention_k_eq_v / num_global_key_value_heads unconfirmed: the transformers defaults are used
+    "gemma4-31b": Shape("gemma4", "gemma4_text", "google/gemma-4-31B-it",
         extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, hidden_size_per_layer_input=0)),
     # Synthetic shapes for CPU smoke tests: every feature of each family, at width 64.
     "tiny": Shape("qwen2", "qwen2", None, extra=dict(_TINY, num_hidden_layers=2, head_dim=None)),
@@ -243,12 +211,13 @@ def model_config(name: str, *, layers: int | None = None, **overrides: Any):
     if name not in SHAPES:
         raise KeyError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     shape = SHAPES[name]
-    facts, source = dict(shape.facts), "tools/bench.py"
+    facts, source = {}, "tools/bench.py"
     if shape.hf_id is not None:
-        registry = _registry_facts(shape.hf_id)
-        if registry is not None:
-            facts.update(registry)
-            source = f"registry/{shape.family}.toml"
+        facts = _registry_facts(shape.hf_id)
+        if facts is None:
+            raise KeyError(f"shape {name!r} names {shape.hf_id!r}, which registry/{shape.family}.toml does not list; "
+                           "add the checkpoint's facts there (the registry is where shapes come from).")
+        source = f"registry/{shape.family}.toml"
     kwargs = {REGISTRY_TO_CONFIG[k]: v for k, v in facts.items() if k in REGISTRY_TO_CONFIG}
     kwargs.update(shape.extra)
     kwargs.update(overrides)
@@ -278,130 +247,15 @@ def model_config(name: str, *, layers: int | None = None, **overrides: Any):
 # ---------------------------------------------------------------------------------------------
 # Building the model: from_pretrained's path, with random weights instead of a checkpoint.
 # ---------------------------------------------------------------------------------------------
-def _device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def build_model(config, device: str | torch.device, *, seed: int = 0, double_quant: bool = True,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
                 weight_std: float = 0.02, perturb: float = 0.05):
-    """An HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights, built on ``device``.
-
-    The steps are those of ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
-    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16,
-    bnb_4bit_use_double_quant=double_quant), device_map={"": device})``; only the checkpoint read
-    is replaced by a seeded ``randn * weight_std`` per quantized weight.
-
-    Raises:
-        RuntimeError: a tensor was left on the meta device or holds NaN after initialisation.
-    """
-    import bitsandbytes as bnb
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    from transformers.quantizers import AutoHfQuantizer
-    from transformers.utils.generic import ContextManagers
-
-    device = _device(device)
-    dtype = torch.bfloat16
-    quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                                      bnb_4bit_use_double_quant=double_quant)
-    quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    config = copy.deepcopy(config)  # as from_pretrained: the quantizer writes into the model's config
-    # from_pretrained: skeleton on meta under the dtype context, Linear -> Linear4bit (weights untouched).
-    with ContextManagers(model_class.get_init_context(dtype, True, False, None)):
-        model = model_class(config)
-        quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device}, checkpoint_files=None,
-                                   use_kernels=False)
-
-    generator = torch.Generator(device=device).manual_seed(seed)
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    with torch.no_grad():
-        # Quantized weights, as Bnb4bitQuantize loads them: Params4bit(bf16 value).to(device) quantizes.
-        for module in model.modules():
-            if not isinstance(module, bnb.nn.Linear4bit):
-                continue
-            old = module.weight
-            value = torch.randn(old.shape, generator=generator, device=device, dtype=dtype) * weight_std
-            module.weight = bnb.nn.Params4bit(value, requires_grad=False, **old.__dict__).to(device)
-            del value
-            if module.bias is not None:
-                bias = torch.randn(module.bias.shape, generator=generator, device=device, dtype=dtype) * weight_std
-                module.bias = torch.nn.Parameter(bias, requires_grad=False)
-            module._is_hf_initialized = True
-        # Everything else, as _move_missing_keys_from_meta_to_device does, but NaN-filled so that a
-        # tensor the model's own init misses cannot pass unnoticed.
-        for name, param in list(model.named_parameters()):
-            if not param.is_meta:
-                continue
-            if name in tied:
-                param._is_hf_initialized = True  # tie_weights() below points it at its source
-                continue
-            _set_tensor(model, name, _placeholder(param, device), parameter=True)
-        for name, buffer in list(model.named_buffers()):
-            if buffer is not None and buffer.is_meta:
-                _set_tensor(model, name, _placeholder(buffer, device), parameter=False)
-        torch.manual_seed(seed)
-        model.initialize_weights()
-        model.tie_weights()
-        _check_materialised(model)
-        if perturb:
-            _perturb_one_dimensional(model, generator, perturb)
-    model.eval()  # what from_pretrained returns; the bench trains in train() mode
-    model.hf_quantizer = quantizer
-    quantizer.postprocess_model(model)
-    model.set_attn_implementation(attn_implementation)
-    if experts_implementation is not None:
-        model.set_experts_implementation(experts_implementation)
-    return model
-
-
-def _placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if tensor.is_floating_point():
-        return torch.full(tensor.shape, float("nan"), dtype=tensor.dtype, device=device)
-    return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
-
-
-def _set_tensor(model, name: str, value: torch.Tensor, *, parameter: bool) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    if parameter:
-        value = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
-    setattr(parent, attr, value)  # keeps a buffer's persistent / non-persistent status
-
-
-def _check_materialised(model) -> None:
-    bad = []
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor is None:
-            continue
-        if tensor.is_meta:
-            bad.append(f"{name} (still on meta)")
-        elif tensor.is_floating_point() and bool(torch.isnan(tensor).any()):
-            bad.append(f"{name} (NaN: the model's initialize_weights did not set it)")
-    if bad:
-        raise RuntimeError(f"build left {len(bad)} tensors uninitialised: {', '.join(bad[:8])}. Initialise them in "
-                           "build_model (tools/bench.py) the way the model's _init_weights would.")
-
-
-def _perturb_one_dimensional(model, generator: torch.Generator, scale: float) -> None:
-    """``+ scale * randn`` on every 1-D floating tensor that is neither quantized nor a non-persistent buffer:
-    norm weights, biases, Gemma 4's ``layer_scalar`` and router scales, Gated DeltaNet's ``A_log``..."""
-    import bitsandbytes as bnb
-
-    non_persistent = {name for name, _ in model.named_non_persistent_buffers()}
-    seen: set[int] = set()
-    tensors = [t for _, t in model.named_parameters()]
-    tensors += [t for n, t in model.named_buffers() if n not in non_persistent]
-    for tensor in tensors:
-        if (id(tensor) in seen or isinstance(tensor, bnb.nn.Params4bit) or tensor.dim() != 1
-                or not tensor.is_floating_point()):
-            continue
-        seen.add(id(tensor))
-        noise = torch.randn(tensor.shape, generator=generator, device=tensor.device, dtype=torch.float32)
-        tensor.add_((noise * scale).to(tensor.dtype))
+    """:func:`poros.probe.random_nf4_model` with the bench's defaults (bf16 compute, NF4, double
+    quantization, SDPA): an HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights,
+    built on ``device`` the way ``from_pretrained`` builds one."""
+    return random_nf4_model(config, resolve_device(device, with_index=True), seed=seed, double_quant=double_quant,
+                            attn_implementation=attn_implementation, experts_implementation=experts_implementation,
+                            weight_std=weight_std, perturb=perturb)
 
 
 def add_lora(model, *, rank: int = 16, alpha: int = 32, targets: Any = SEVEN_PROJECTIONS,
@@ -725,9 +579,9 @@ def profile_step(step, device: torch.device) -> dict[str, Any]:
 class CopyTimeline:
     """How long the compute stream waited for block copies in each timed step: CUDA events, no profiler.
 
-    Wraps this store instance's ``fetch`` and ``wait``: after each copy an event on the copy stream
-    (*copy done*); before each wait an event on the compute stream (*wanted*: the compute reached
-    the block) and the host clock. A wait stalls the compute by ``max(0, done - wanted)`` -- time
+    Observes the store (``store.observers``): after each copy an event on the copy stream (*copy
+    done*); before each wait an event on the compute stream (*wanted*: the compute reached the
+    block) and the host clock. A wait stalls the compute by ``max(0, done - wanted)`` -- time
     the GPU lost to the link, unlike the profiler's *exposed copy*, which also counts copies that
     run while the GPU waits for the host. ``gpu_lag``: how long after the host issued a wait the
     compute stream reached it -- near zero the GPU is starved by the host (launch-bound), large
@@ -736,33 +590,30 @@ class CopyTimeline:
 
     def __init__(self, store) -> None:
         self.store = store
-        self._fetch, self._wait = store.fetch, store.wait
         self._copy_done: dict[int, Any] = {}
         self._waits: list[tuple[int, Any, float, Any]] = []
         self._origin = None
         self._host_origin = 0.0
         self.steps: list[dict[str, Any]] = []
-        store.fetch, store.wait = self._traced_fetch, self._traced_wait
+        store.observers.append(self)
 
     def detach(self) -> None:
-        """Give the store its own ``fetch`` and ``wait`` back."""
-        del self.store.fetch, self.store.wait
+        """Stop observing the store."""
+        self.store.observers.remove(self)
 
-    def _traced_fetch(self, index: int) -> None:
-        block = self.store.blocks[index]
-        copies = not block.resident and block.slot is None
-        self._fetch(index)
-        if copies and self._origin is not None:
+    def on_fetch(self, index: int) -> None:
+        """The store issued block ``index``'s copy (it is called only when a copy happened)."""
+        if self._origin is not None:
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.store.copy_stream)
             self._copy_done[index] = done
 
-    def _traced_wait(self, index: int) -> None:
+    def on_wait(self, index: int) -> None:
+        """The compute stream is about to wait for block ``index``'s copy."""
         if self._origin is not None and not self.store.blocks[index].resident:
             wanted = torch.cuda.Event(enable_timing=True)
             wanted.record(torch.cuda.current_stream(self.store.device))
             self._waits.append((index, wanted, time.perf_counter(), self._copy_done.get(index)))
-        self._wait(index)
 
     def hooks(self, warmup: int):
         """``(begin, end)`` for :func:`run_arm`: trace the steps from index ``warmup`` on."""
@@ -817,22 +668,14 @@ class CopyTimeline:
                                                        "waits_gpu_starved", "waits")}}
 
 
-def measure_link(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
-    """Pinned host->device GB/s of one ``nbytes`` copy (best of ``repeats``): the link the poros arm streams over."""
+def link_gb_per_s(device: torch.device) -> float | None:
+    """Pinned host->device GB/s of one 1 GiB copy (best of 5, :func:`poros.probe.measure_link`): the link
+    the poros arm streams over; None off CUDA."""
     if device.type != "cuda":
         return None
-    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-    target = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    best = math.inf
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        target.copy_(host, non_blocking=True)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    del host, target
+    bytes_per_s = measure_link(device, nbytes=1 << 30, repeats=5)
     free_memory(device)
-    return round(nbytes / best / GB, 3)
+    return round(bytes_per_s / GB, 3)
 
 
 def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
@@ -854,7 +697,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
     Returns:
         ``{"arms": {name: ArmResult}, "comparison": compare(...)}``.
     """
-    device = _device(device)
+    device = resolve_device(device, with_index=True)
     named = trainable(peft_model)
     initial = snapshot(named)
     results: dict[str, ArmResult] = {}
@@ -887,6 +730,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     """
     import poros
     from poros.stream import planner
+    from poros.stream.footprint import predict_prepared
 
     peft_model.get_base_model().activation_checkpointing_disable()
     batch, seq = batches[0]["input_ids"].shape
@@ -898,7 +742,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
     try:  # the planner's prediction for this setup, recorded next to the measurement
-        prediction = planner.predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
+        prediction = predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
     except Exception as exc:  # noqa: BLE001 - a planner bug must not cost the measurement
         prediction = {"error": f"{type(exc).__name__}: {exc}"}
     store = streamed.store
@@ -1005,7 +849,7 @@ def start_tool(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     configure_determinism(args.deterministic)
     configure_threads(args.threads)
-    device = _device(args.device)
+    device = resolve_device(args.device, with_index=True)
     return device, environment(device, args.commit)
 
 
@@ -1039,7 +883,7 @@ def environment(device: torch.device, commit: str | None = None) -> dict[str, An
     import peft
     import transformers
 
-    device = _device(device)
+    device = resolve_device(device, with_index=True)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         name, platform_class = torch.cuda.get_device_name(device), f"cuda-sm{major}{minor}"
@@ -1201,12 +1045,13 @@ def main(argv=None) -> int:
     device, env = start_tool(args)
     targets = "all-linear" if args.targets == "all-linear" else tuple(args.targets.split(","))
     config, info = model_config(args.model, layers=args.layers)
-    link = measure_link(device) if "poros" in args.arms else None
+    link = link_gb_per_s(device) if "poros" in args.arms else None
     compute = None
     if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):
-        from poros.stream import planner  # the planner's own probe, before the model takes the memory
+        from poros import probe  # the planner's own probe, before the model takes the memory
+        from poros.stream import planner
 
-        compute = planner.probe_compute(
+        compute = probe.probe_compute(
             config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule), device,
             compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
             lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)

@@ -1,18 +1,18 @@
 """Data parallel on GPUs: parity of Poros-DDP vs resident-DDP, and scaling of 1 vs N ranks. JSON out.
 
     # one H200 (issue 20): two gloo ranks share the device
-    python tools/ddp_check.py --parity --backend gloo --share-device --json parity-gloo.json
-    python tools/ddp_check.py --scale qwen2.5-32b --layers 8 --share-device --json scale-32b.json
+    python -m tools.ddp_check --parity --backend gloo --share-device --json parity-gloo.json
+    python -m tools.ddp_check --scale qwen2.5-32b --layers 8 --share-device --json scale-32b.json
     # two GPUs (issue 21): NCCL, one GPU per rank
-    python tools/ddp_check.py --parity --backend nccl --deterministic --json parity-nccl.json
-    python tools/ddp_check.py --scale qwen2.5-72b --layers 8 --json scale-72b.json
-    python tools/ddp_check.py --train-cli --json train-cli.json
+    python -m tools.ddp_check --parity --backend nccl --deterministic --json parity-nccl.json
+    python -m tools.ddp_check --scale qwen2.5-72b --layers 8 --json scale-72b.json
+    python -m tools.ddp_check --train-cli --json train-cli.json
     DEVICE=cpu tools/gpu_run.sh ddp:parity:cases=qwen3 ddp:scale=tiny:ranks=1,2     # dry run here
 
 ``--parity`` starts ``torchrun -m poros.testing_distributed`` (every family's tiny variants, or
 ``--cases``; micro-major DDP with and without ``find_unused_parameters``, ``no_sync`` and layer-major
 accumulation, the HF Trainer drop-in with ``patch_hf_model`` and with ``prepare``) and gathers each
-rank's verdict. ``--scale SHAPE`` runs this file as a torchrun worker on 1 rank, then on
+rank's verdict. ``--scale SHAPE`` runs this module as a torchrun worker on 1 rank, then on
 ``--ranks`` ranks: random NF4 weights at the real widths (``tools/bench.py`` shapes, ``--layers``
 decoder layers), ``prepare``, layer-major accumulation (``--accum``) of micro-batch 1 at ``--seq``,
 and reports per rank the median step, tokens/s, peak allocated memory, H2D GB/s while streaming,
@@ -37,10 +37,15 @@ from typing import Any
 
 import torch
 
-import bench
+from tools import bench
 
-HERE = pathlib.Path(__file__).resolve()
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 1 << 30
+
+
+def checkout_env() -> dict[str, str]:
+    """PYTHONPATH with this checkout first: the ranks import its poros and tools (``-m tools.ddp_check --worker``)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def torchrun(nproc: int, arguments: list[str], *, timeout: int, env: dict[str, str] | None = None):
@@ -48,8 +53,8 @@ def torchrun(nproc: int, arguments: list[str], *, timeout: int, env: dict[str, s
                *arguments]
     print("$", " ".join(command), flush=True)
     started = time.perf_counter()
-    done = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(command, env={**os.environ, **checkout_env(), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT)
     return done, time.perf_counter() - started
 
 
@@ -77,7 +82,7 @@ def parity(args) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Scaling: this file is the worker of each rank
+# Scaling: this module is the worker of each rank
 # ---------------------------------------------------------------------------------------------
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -201,7 +206,7 @@ def scale(args) -> dict[str, Any]:
             forwarded += ["--layers", str(args.layers)] if args.layers else []
             forwarded += ["--share-device"] if args.share_device else []
             forwarded += ["--deterministic"] if args.deterministic else []
-            done, seconds = torchrun(nproc, [str(HERE), "--worker", *forwarded], timeout=args.timeout)
+            done, seconds = torchrun(nproc, ["-m", "tools.ddp_check", "--worker", *forwarded], timeout=args.timeout)
             run = json.loads(worker_out.read_text()) if worker_out.exists() else {}
             run.update(returncode=done.returncode, seconds=round(seconds, 1),
                        stderr_tail=done.stderr[-3000:] if done.returncode else "")
@@ -228,7 +233,8 @@ def train_cli(args) -> dict[str, Any]:
                    "--batch-size", str(2 * args.ranks_parity), "--seq-len", "128", "--logging-steps", "1",
                    "--device", "cpu" if args.device == "cpu" else "cuda", "--output-dir", out]
         print("$", " ".join(command), flush=True)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(command, env={**os.environ, **checkout_env()}, capture_output=True, text=True,
+                              timeout=args.timeout, cwd=REPO_ROOT)
         metrics = pathlib.Path(out) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         saved = (pathlib.Path(out) / "adapter_model.safetensors").exists()

@@ -21,8 +21,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def relabel(data: dict, directory: str, shape_info: dict) -> None:
@@ -47,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", help="commit to record (default: $POROS_COMMIT or git)")
     args = parser.parse_args(argv)
 
-    import bench  # tools/bench.py: the shapes and git_commit
+    from tools import bench  # the shapes and git_commit
     from poros.cli import doctor
 
     shape_info = None

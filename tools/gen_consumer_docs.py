@@ -1,7 +1,7 @@
 """Render the generated tables of docs/consumer-gpus.md: what fits on which card, from the planner.
 
-    python tools/gen_consumer_docs.py            # rewrite the generated blocks of docs/consumer-gpus.md
-    python tools/gen_consumer_docs.py --check    # exit 1 if the page is stale (a test runs this)
+    python -m tools.gen_consumer_docs            # rewrite the generated blocks of docs/consumer-gpus.md
+    python -m tools.gen_consumer_docs --check    # exit 1 if the page is stale (a test runs this)
 
 Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` is
 rewritten. The numbers come from two places, and every table says which:
@@ -20,8 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import docgen  # noqa: E402  (tools/docgen.py: write or --check)
+from tools import docgen  # tools/docgen.py: write or --check
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "consumer-gpus.md"
@@ -36,7 +35,7 @@ COMPUTE_RULE = ("resident reference step on the H200 (median, deterministic algo
 
 
 def _bench():
-    import bench  # tools/bench.py: the shapes and their configs
+    from tools import bench  # the shapes and their configs
 
     return bench
 
@@ -75,12 +74,12 @@ def shape_plan(name: str):
     projections, seq 512, batch 1, on CUDA with the embeddings on the host."""
     if name not in _PLANS:
         from poros.config import PorosConfig
-        from poros.stream import planner
+        from poros.run_plan import plan_run
 
         config, _ = _bench().model_config(name)
         with tempfile.TemporaryDirectory() as directory:
             config.save_pretrained(directory)
-            _PLANS[name] = planner.plan_run(PorosConfig(
+            _PLANS[name] = plan_run(PorosConfig(
                 model=directory, device="cuda", seq_len=SEQ, batch_size=BATCH, double_quant=True, lora_rank=RANK,
                 lora_alpha=2 * RANK, target_modules=list(TARGETS), embeddings_on_host=True,
                 attn_implementation="sdpa"))

@@ -121,33 +121,33 @@ main() {
       gate)
         mapfile -t extra < <(options "$rest")
         # shellcheck disable=SC2086  # GATE_ARGS is a word list on purpose
-        cmd=(python3 tools/parity_gate.py --device "$DEVICE" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.parity_gate --device "$DEVICE" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"} ${GATE_ARGS:-}) ;;
       bench)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
         # shellcheck disable=SC2086
-        cmd=(python3 tools/bench.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"} ${BENCH_ARGS:-}) ;;
       curve)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 tools/vram_curve.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.vram_curve --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       ddp)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 tools/ddp_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.ddp_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       merge)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 tools/merge_generate_bench.py --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.merge_generate_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 tools/load_check.py --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.load_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       doctor)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 tools/doctor_run.py --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
         echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], load[:k=v...], doctor[:k=v...] or ddp[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;

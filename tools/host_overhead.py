@@ -1,6 +1,6 @@
 """Host work per step, Poros against the resident reference, with the device work made negligible.
 
-    python tools/host_overhead.py --json registry/results/cpu-2026-11-30/host-overhead.json
+    python -m tools.host_overhead --json registry/results/cpu-2026-11-30/host-overhead.json
 
 On the H200 the 512-token steps are host-bound (the GPU waits for the host at most block
 boundaries, ``tools/bench.py --timeline``), so a step costs what the host spends issuing it. This
@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench  # noqa: E402
+from tools import bench
 
 
 def main(argv=None) -> int:

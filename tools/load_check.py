@@ -12,7 +12,7 @@ Reports peak device memory of each load, where the loaded tensors live, whether 
 is byte-identical to the reference's (quantized on the same device), and the parity of losses,
 LoRA tensors and AdamW state. JSON with ``--json``.
 
-    python tools/load_check.py --family qwen3 --layers 8 --hidden 2048 --json out/load.json
+    python -m tools.load_check --family qwen3 --layers 8 --hidden 2048 --json out/load.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 GB = 1024**3
 
@@ -48,7 +46,7 @@ def main(argv=None) -> int:
     import transformers
 
     import poros
-    from bench import configure_determinism, environment, make_batches, parity, snapshot, optimizer_snapshot, \
+    from tools.bench import configure_determinism, environment, make_batches, parity, snapshot, optimizer_snapshot, \
         ArmResult, trainable
     from poros.load import adapters_to_device, load_pretrained
     from poros.testing import save_tiny_checkpoint

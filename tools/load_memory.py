@@ -11,7 +11,7 @@ child processes measures the peak RssAnon (/proc, sampled every 0.5 ms) above th
 
 Memory-mapped shard pages are file-backed and reclaimable, so they are not anonymous RSS.
 
-    python tools/load_memory.py --layers 16 --json registry/results/cpu-2026-11-30/load-memory.json
+    python -m tools.load_memory --layers 16 --json registry/results/cpu-2026-11-30/load-memory.json
 
 tests/test_load.py runs :func:`measure` on a 16-layer checkpoint and asserts the bound.
 """
@@ -85,9 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tools"))
     import torch
-    from bench import environment
+
+    from tools.bench import environment
 
     with tempfile.TemporaryDirectory() as directory:
         result = measure(pathlib.Path(directory), layers=args.layers)

@@ -18,7 +18,7 @@ Generate: the shape's NF4 model with LoRA (``tools/bench.py build_model``/``add_
 per-token time of the streamed arm is dominated by the blocks crossing the link, so its full-depth
 estimate scales the measured per-token time by ``full_layers / layers`` (labelled an estimate).
 
-    python tools/merge_generate_bench.py --model qwen2.5-72b --layers 2 --json out/merge-72b.json
+    python -m tools.merge_generate_bench --model qwen2.5-72b --layers 2 --json out/merge-72b.json
     DEVICE=cpu tools/gpu_run.sh merge:tiny:layers=2        # dry run
 """
 
@@ -37,9 +37,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # tools/bench.py: shapes, model, environment
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 GiB = 2**30
 IMPORTS_ONLY = ("import resource, peft, safetensors.torch, torch, transformers, poros.cli.main, poros.merge; "
@@ -68,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from bench import model_config, start_tool
+    from tools.bench import model_config, start_tool
 
     device, env = start_tool(args)
     config, shape = model_config(args.model, layers=args.layers)
@@ -208,7 +206,7 @@ def write_random_adapter(config, base: pathlib.Path, path: pathlib.Path, rank: i
 # ---------------------------------------------------------------------------------------------
 def bench_generate(config, device: torch.device, args: argparse.Namespace, full_layers: int) -> dict[str, Any]:
     import poros
-    from bench import add_lora, build_model, free_memory
+    from tools.bench import add_lora, build_model, free_memory
     from poros.generate import generate
 
     model = add_lora(build_model(config, device), rank=args.rank, gradient_checkpointing=False)

@@ -2,10 +2,10 @@
 
 ::
 
-    python tools/parity_gate.py --device cuda --json gate.json            # the GPU gate
-    python tools/parity_gate.py --device cuda --append-registry           # ... and record it
-    python tools/parity_gate.py --device cpu --tiny                       # CPU smoke test
-    python tools/parity_gate.py --only gemma4,gemma4-moe --attn eager     # a subset, another kernel
+    python -m tools.parity_gate --device cuda --json gate.json            # the GPU gate
+    python -m tools.parity_gate --device cuda --append-registry           # ... and record it
+    python -m tools.parity_gate --device cpu --tiny                       # CPU smoke test
+    python -m tools.parity_gate --only gemma4,gemma4-moe --attn eager     # a subset, another kernel
 
 With deterministic algorithms on (``torch.use_deterministic_algorithms(True)``,
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8``), each variant below is built by ``bench.py``'s builder (NF4
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench  # noqa: E402  (tools/bench.py: the builder, the arms, provenance)
-import torch  # noqa: E402
+import torch
+
+from tools import bench  # the builder, the arms, provenance
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -1,8 +1,8 @@
 """VRAM budget against step time: one model, the resident reference, then Poros at several budgets.
 
-    python tools/vram_curve.py --model qwen2.5-32b --grad-accum 8 --schedule layer-major \\
+    python -m tools.vram_curve --model qwen2.5-32b --grad-accum 8 --schedule layer-major \\
         --points 5 --deterministic --json out/curve-qwen2.5-32b.json
-    python tools/vram_curve.py --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
+    python -m tools.vram_curve --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
 
 The model is built once (``tools/bench.py``'s random weights at the real shape). The resident arm
 (HF + bnb NF4 + PEFT, gradient checkpointing) runs first; then, for each budget, the LoRA state
@@ -28,9 +28,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench  # noqa: E402  (tools/bench.py: model building, arms, parity)
+from tools import bench  # model building, arms, parity
 
 GIB = 2**30
 #: what an arm measures beside its step time (bench.run_arm), copied into each row as is
@@ -42,15 +40,15 @@ def budget_range(peft_model, workload, device: torch.device, num_slots: int = 2)
     resident) in bytes, as the planner computes them for this loaded model."""
     from poros import registry
     from poros.descriptor import resolve_path
-    from poros.model import _host_tables
-    from poros.stream import planner
+    from poros.stream.footprint import plan_for_model
+    from poros.stream.placement import embeddings_on_host, host_embedding_tables
 
     causal_lm = peft_model.get_base_model()
     descriptor = registry.for_config(causal_lm.config)
     layers = list(resolve_path(causal_lm, descriptor.decoder_layers))
-    everything = planner.plan_for_model(causal_lm, layers, _host_tables(causal_lm, descriptor), budget=1 << 50,
-                                        workload=workload, device=device, compute_dtype=torch.bfloat16,
-                                        num_slots=num_slots, embeddings_on_host=device.type == "cuda")
+    everything = plan_for_model(causal_lm, layers, host_embedding_tables(causal_lm, descriptor), budget=1 << 50,
+                                workload=workload, device=device, compute_dtype=torch.bfloat16,
+                                num_slots=num_slots, embeddings_on_host=embeddings_on_host(None, device))
     return everything.pipelined_minimum_bytes, everything.needed_bytes
 
 
@@ -163,13 +161,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device, env = bench.start_tool(args)
     config, info = bench.model_config(args.model, layers=args.layers)
+    from poros import probe
     from poros.stream import planner
 
     workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)
-    link = bench.measure_link(device)
+    link = bench.link_gb_per_s(device)
     compute = None
     if device.type == "cuda":
-        compute = planner.probe_compute(config, workload, device, compute_dtype=torch.bfloat16, double_quant=True,
+        compute = probe.probe_compute(config, workload, device, compute_dtype=torch.bfloat16, double_quant=True,
                                         attn_implementation="sdpa", target_modules=list(bench.SEVEN_PROJECTIONS))
         bench.free_memory(device)
     start = time.perf_counter()

@@ -71,9 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "report the host RAM of the node")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
-    from poros.cli.train import _keep_unknown_arguments
+    from poros.cli.arguments import keep_unknown_arguments
 
-    _keep_unknown_arguments(parser)
+    keep_unknown_arguments(parser)
     return parser
 
 
@@ -103,11 +103,18 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from dataclasses import asdict
+
+    from poros import probe
+    from poros.cli.arguments import load_config
     from poros.cli.output import print_json
-    from poros.cli.train import load_config
+    from poros.cli.report import format_budget_plan
+    from poros.devices import resolve_device
+    from poros.distributed import check_batch_divides
     from poros.errors import ConfigError
+    from poros.run_plan import load_text_config, plan_run
     from poros.stream import planner
-    from poros.trainer import resolve_device
+    from poros.stream.placement import embeddings_on_host
 
     config = load_config(list(getattr(args, "arguments", [])))
     device = resolve_device(config.device)
@@ -118,9 +125,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("poros plan needs a budget on the CPU: pass --vram-budget (e.g. --vram-budget 8GiB for "
                               "an 8 GiB card); on CUDA it defaults to the device's memory.")
         budget = torch.cuda.get_device_properties(device).total_memory
-    plan = planner.plan_run(config)
-    from poros.distributed import check_batch_divides
-
+    plan = plan_run(config)
     ranks = args.nproc_per_node
     per_rank_batch = check_batch_divides(config.batch_size, ranks)  # each GPU runs its share of the batch
     workload = planner.Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule)
@@ -133,9 +138,9 @@ def run(args: argparse.Namespace) -> int:
                                                source=f"given: --block-ms {args.block_ms}"
                                                       + (f" --head-ms {args.head_ms:g}" if args.head_ms else ""))
     elif args.probe or (args.probe is None and on_cuda):
-        _, text_config = planner.load_text_config(Path(plan.checkpoint))
+        _, text_config = load_text_config(Path(plan.checkpoint))
         try:
-            compute = planner.probe_compute(
+            compute = probe.probe_compute(
                 text_config, workload, device, compute_dtype=getattr(torch, config.compute_dtype),
                 quant_type=config.quantization, double_quant=config.double_quant,
                 attn_implementation=config.attn_implementation, lora_rank=config.lora_rank,
@@ -150,9 +155,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--link-gb-per-s {args.link_gb_per_s:g}: expected a positive GB/s, e.g. 25 (PCIe 4 x16).")
         link, link_source = args.link_gb_per_s * 1e9, "given: --link-gb-per-s"
     elif compute is not None and (on_cuda or args.probe):
-        link = planner.measure_link(device)
+        link = probe.measure_link(device)
         link_source = "measured: one pinned 256 MiB copy" if on_cuda else "measured: a 256 MiB host memcpy (cpu)"
-    on_host = config.embeddings_on_host if config.embeddings_on_host is not None else on_cuda
+    on_host = embeddings_on_host(config.embeddings_on_host, device)
     budget_plan = planner.plan_budget(
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
         link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0)
@@ -160,11 +165,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
                     "device": plan.device, "link_source": link_source,
-                    "footprint": planner.asdict(plan.footprint()),
-                    "compute": planner.asdict(compute) if compute else None, "plan": budget_plan.to_dict(),
+                    "footprint": asdict(plan.footprint()),
+                    "compute": asdict(compute) if compute else None, "plan": budget_plan.to_dict(),
                     "data_parallel": node})
     else:
-        print(planner.format_budget_plan(plan, budget_plan, link_source=link_source))
+        print(format_budget_plan(plan, budget_plan, link_source=link_source))
         if ranks > 1:
             print(f"data parallel: {ranks} ranks per node, batch {config.batch_size} = {per_rank_batch} per GPU; the "
                   f"peak above is per GPU. Host RAM of the node for the frozen base: "

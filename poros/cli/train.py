@@ -13,6 +13,8 @@ import argparse
 import textwrap
 from typing import Any
 
+from poros.cli.arguments import keep_unknown_arguments, load_config, split_arguments  # noqa: F401 (re-exported)
+
 DESCRIPTION = """\
 Train a LoRA adapter on a frozen 4-bit base that streams through the device block by block.
 
@@ -75,48 +77,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "launcher torchrun is); each streams its own blocks, rank 0 writes. Multi-node: "
                              "torchrun --nnodes ... -m poros train (docs/multi-gpu.md)")
     parser.set_defaults(run=run)
-    _keep_unknown_arguments(parser)
+    keep_unknown_arguments(parser)
     return parser
-
-
-def _keep_unknown_arguments(parser: argparse.ArgumentParser) -> None:
-    """Let ``CONFIG`` and ``--key value`` overrides through the top-level ``parse_args``.
-
-    argparse hands a subcommand's arguments to the subparser's ``parse_known_args`` and rejects
-    whatever comes back unparsed. This subparser returns nothing unparsed: every argument it does
-    not know is kept, in order, in ``args.arguments`` for :func:`split_arguments` and
-    :meth:`PorosConfig.apply_overrides <poros.config.PorosConfig.apply_overrides>`, which check
-    them against the config's fields.
-    """
-    parse_known_args = parser.parse_known_args
-
-    def keep_unknown(args=None, namespace=None):
-        namespace, unknown = parse_known_args(args, namespace)
-        namespace.arguments = list(unknown)
-        return namespace, []
-
-    parser.parse_known_args = keep_unknown  # type: ignore[method-assign]
-
-
-def split_arguments(arguments: list[str]) -> tuple[str | None, list[str]]:
-    """``["poros.yaml", "--steps", "5"]`` -> ``("poros.yaml", ["--steps", "5"])``: CONFIG is the first
-    argument when it does not start with ``-``."""
-    if arguments and not arguments[0].startswith("-"):
-        return arguments[0], arguments[1:]
-    return None, list(arguments)
-
-
-def load_config(arguments: list[str]):
-    """The :class:`~poros.config.PorosConfig` of ``[CONFIG] [--key value ...]``.
-
-    Raises:
-        ConfigError: an unreadable or invalid CONFIG, or a bad override (named, with the closest field).
-    """
-    from poros.config import PorosConfig
-
-    config_path, overrides = split_arguments(arguments)
-    config = PorosConfig.from_yaml(config_path) if config_path is not None else PorosConfig()
-    return config.apply_overrides(overrides)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
 
 def dry_run(config) -> int:
     """Print the validated settings that differ from the defaults and the memory plan; load nothing."""
+    from poros.cli.report import format_plan
     from poros.config import PorosConfig
-    from poros.stream.planner import format_plan, plan_run
+    from poros.run_plan import plan_run
 
     plan = plan_run(config)
     defaults = PorosConfig().to_dict()
@@ -156,7 +119,8 @@ def train(config, *, launch_command: list[str]) -> int:
     import sys
 
     from poros.distributed import world
-    from poros.trainer import PorosTrainer, _StopRequest
+    from poros.stop import StopRequest
+    from poros.trainer import PorosTrainer
 
     try:
         trainer = PorosTrainer.from_config(config)
@@ -169,7 +133,7 @@ def train(config, *, launch_command: list[str]) -> int:
         return 130  # the trainer wrote checkpoint-{step} and printed how to resume
     # A signal during the final save (a preemption's SIGTERM) waits for the save: with save_steps 0
     # the adapter is the only copy of the run.
-    with _StopRequest() as stop:
+    with StopRequest() as stop:
         output_dir = trainer.save(config.output_dir)  # data parallel: rank 0 writes
     if world().is_main:
         print(loading_instructions(config.model, output_dir))

@@ -10,6 +10,7 @@ scaling is ``query_pre_attn_scalar ** -0.5``; ``final_logit_softcapping`` after 
 
 from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
 from poros.hookspecs import hookimpl
+from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant, layer_pattern
 
 DESCRIPTOR = decoder_family(
     name="gemma3",
@@ -39,6 +40,31 @@ DESCRIPTOR = decoder_family(
         "use_bidirectional_attention (EmbeddingGemma) adds or_mask functions; not a causal-LM setting.",
     ),
 )
+
+
+def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
+    """Sliding layers with a full one every 6th and last, per-kind RoPE, soft-capped logits."""
+    return dict(
+        head_dim=shape.head_dim, tie_word_embeddings=True,
+        query_pre_attn_scalar=24,  # != head_dim: scaling must come from the config, not head_dim
+        sliding_window=TINY_SLIDING_WINDOW, final_logit_softcapping=30.0,
+        layer_types=layer_pattern(shape.num_layers, 6, every=FULL_ATTENTION, other=SLIDING_ATTENTION),
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    )
+
+
+#: tiny test models (:mod:`poros.tiny`).
+TINY_VARIANTS = (
+    TinyVariant("gemma3", "default", "Gemma3TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields),
+)
+
+#: the tiny multimodal model (Gemma 3 4B+): a one-layer SigLIP vision tower.
+TINY_MULTIMODAL = TinyMultimodal("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration", lambda text: dict(
+    mm_tokens_per_image=4, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=32, patch_size=8)))
 
 
 @hookimpl

@@ -18,6 +18,7 @@ that bitsandbytes does not quantize (they stream in the compute dtype).
 
 from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, CarriedState, decoder_family
 from poros.hookspecs import hookimpl
+from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant
 
 DESCRIPTOR = decoder_family(
     name="gemma4",
@@ -86,6 +87,61 @@ DESCRIPTOR = decoder_family(
         "KV-shared layers have no k_proj/v_proj/k_norm/v_norm; full layers with attention_k_eq_v have no v_proj.",
     ),
 )
+
+
+def _tiny_layer_types(num_layers: int, num_kv_shared_layers: int) -> list[str]:
+    """Sliding layers ending in a full one, in the unshared prefix and in the shared tail alike.
+
+    Both kinds must be produced before the first KV-shared layer (HF checks it), and the last
+    layer must be full.
+    """
+    unshared = num_layers - num_kv_shared_layers
+    head = [SLIDING_ATTENTION] * (unshared - 1) + [FULL_ATTENTION] if unshared else []
+    tail = [SLIDING_ATTENTION] * (num_kv_shared_layers - 1) + [FULL_ATTENTION] if num_kv_shared_layers else []
+    return head + tail
+
+
+def _tiny_fields(e2b: bool):
+    def fields(shape: TinyShape, overrides: dict) -> dict:
+        num_layers = shape.num_layers
+        shared = overrides.pop("num_kv_shared_layers", num_layers // 2 if e2b and num_layers >= 3 else 0)
+        if shared and not 2 <= num_layers - shared < num_layers:
+            raise ValueError(
+                f"impossible tiny gemma4 config: num_kv_shared_layers={shared} of num_layers={num_layers}; KV "
+                "sharing needs at least 2 unshared layers (one producer per layer kind) before the shared ones"
+            )
+        out = dict(
+            head_dim=shape.head_dim, global_head_dim=2 * shape.head_dim, tie_word_embeddings=True,
+            sliding_window=TINY_SLIDING_WINDOW, final_logit_softcapping=30.0,
+            layer_types=_tiny_layer_types(num_layers, shared), num_kv_shared_layers=shared,
+        )
+        if e2b:
+            out.update(use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                       vocab_size_per_layer_input=shape.vocab_size)
+        else:
+            out.update(
+                hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                moe_intermediate_size=shape.hidden_size // 2, attention_k_eq_v=True, num_global_key_value_heads=1,
+            )
+        return out
+    return fields
+
+
+#: tiny test models (:mod:`poros.tiny`). ``e2b``: per-layer inputs, KV sharing (``num_layers // 2``
+#: shared layers when ``num_layers >= 3``; override with ``num_kv_shared_layers``), double-wide MLP
+#: on shared layers, ``global_head_dim``. ``moe``: MoE block (4 experts, top 2), ``attention_k_eq_v``
+#: with 1 global KV head, per-layer inputs off (modelled on 26B-A4B).
+TINY_VARIANTS = (
+    TinyVariant("gemma4", "e2b", "Gemma4TextConfig", num_layers=6, head_dim=16, fields=_tiny_fields(True),
+                head_dim_multiple=8, description="per-layer inputs, KV sharing, double-wide MLP, global_head_dim"),
+    TinyVariant("gemma4", "moe", "Gemma4TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields(False),
+                head_dim_multiple=8, description="MoE block, attention_k_eq_v, per-layer inputs off"),
+)
+
+#: the tiny multimodal model: a one-layer vision tower, no audio tower.
+TINY_MULTIMODAL = TinyMultimodal("gemma4", "Gemma4Config", "Gemma4ForConditionalGeneration", lambda text: dict(
+    audio_config=None, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)))
 
 
 @hookimpl

@@ -8,6 +8,7 @@ checkpoints). ``lm_head`` is tied to the embedding for 0.5B/1.5B/3B.
 
 from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
 from poros.hookspecs import hookimpl
+from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, TinyVariant
 
 LAYER_CALL = (
     "layer(h, attention_mask=masks[layer_types[i]], position_embeddings=(cos, sin), "
@@ -30,6 +31,23 @@ DESCRIPTOR = decoder_family(
                      "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     notes=("q/k/v biases stay in the compute dtype inside Linear4bit and stream with the block.",
            "sliding layers only with use_sliding_window=True (layers >= max_window_layers)."),
+)
+
+
+def _tiny_fields(sliding: bool):
+    def fields(shape: TinyShape, overrides: dict) -> dict:
+        return dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+                    use_sliding_window=sliding, sliding_window=TINY_SLIDING_WINDOW,
+                    max_window_layers=shape.num_layers // 2 if sliding else shape.num_layers)
+    return fields
+
+
+#: tiny test models (:mod:`poros.tiny`); ``sliding``: ``use_sliding_window`` with the upper half of the layers sliding.
+TINY_VARIANTS = (
+    TinyVariant("qwen2", "default", "Qwen2Config", num_layers=2, head_dim=16, fields=_tiny_fields(False),
+                head_dim_from_hidden=True),
+    TinyVariant("qwen2", "sliding", "Qwen2Config", num_layers=4, head_dim=16, fields=_tiny_fields(True),
+                head_dim_from_hidden=True, description="use_sliding_window, the upper half of the layers sliding"),
 )
 
 

@@ -10,6 +10,7 @@ loads their text tower as ``Qwen3_5ForCausalLM`` correctly. Qwen3.6 shares archi
 
 from poros.descriptor import FULL_ATTENTION, LINEAR_ATTENTION, decoder_family
 from poros.hookspecs import hookimpl
+from poros.tiny import TinyMultimodal, TinyShape, TinyVariant, layer_pattern
 
 DESCRIPTOR = decoder_family(
     name="qwen3_5",
@@ -41,6 +42,34 @@ DESCRIPTOR = decoder_family(
         "no carried state in training: conv/recurrent states exist only inside a Cache.",
     ),
 )
+
+
+def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
+    """Partial rotary 0.25 (8 rotary channels at head_dim 32), interleaved mrope, a full layer every 4th."""
+    rotary_pairs = int(shape.head_dim * 0.25) // 2
+    return dict(
+        head_dim=shape.head_dim, tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [rotary_pairs - 2 * (rotary_pairs // 3), rotary_pairs // 3, rotary_pairs // 3],
+            "mrope_interleaved": True,
+        },
+        layer_types=layer_pattern(shape.num_layers, 4, every=FULL_ATTENTION, other=LINEAR_ATTENTION),
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=shape.num_kv_heads, linear_num_value_heads=shape.num_heads,
+    )
+
+
+#: tiny test models (:mod:`poros.tiny`): partial rotary 0.25 -> 8 rotary channels, mrope [2, 1, 1].
+TINY_VARIANTS = (
+    TinyVariant("qwen3_5", "default", "Qwen3_5TextConfig", num_layers=4, head_dim=32, fields=_tiny_fields,
+                head_dim_multiple=8),
+)
+
+#: the tiny multimodal model (Qwen 3.5/3.6 with their vision tower): one vision block.
+TINY_MULTIMODAL = TinyMultimodal("qwen3_5", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration", lambda text: dict(
+    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2)))
 
 
 @hookimpl

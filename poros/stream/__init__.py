@@ -1,6 +1,25 @@
-"""The streaming engine (imports torch): block store and executor."""
+"""The streaming engine: the block store (:mod:`poros.stream.store`), the executor
+(:mod:`poros.stream.executor`), where the parts live (:mod:`poros.stream.placement`), the
+footprint of a model (:mod:`poros.stream.footprint`) and the torch-free budget model
+(:mod:`poros.stream.planner`). The engine imports the core (descriptors, registry, config,
+errors) and never the drop-in (:mod:`poros.model`), the trainer or the CLI (docs/architecture.md).
+Torch is imported by the store and the executor; ``BlockStore`` and ``StreamingExecutor`` load
+them on first use, so the planner alone stays torch-free."""
 
-from poros.stream.executor import StreamingExecutor
-from poros.stream.store import BlockStore
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["BlockStore", "StreamingExecutor"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BlockStore":
+        from poros.stream.store import BlockStore
+
+        return BlockStore
+    if name == "StreamingExecutor":
+        from poros.stream.executor import StreamingExecutor
+
+        return StreamingExecutor
+    raise AttributeError(f"module 'poros.stream' has no attribute {name!r}")

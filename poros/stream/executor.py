@@ -1,4 +1,5 @@
-"""The Poros streaming executor — all of it in this one file (the block store is ``store.py``).
+"""The Poros streaming executor (the block store is ``store.py``; what a recompute replays of its
+forward, RNG and autocast state, ``replay.py``).
 
 ::
 
@@ -63,6 +64,7 @@ from torch.utils import _pytree as pytree
 
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
+from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
 from poros.stream.store import BlockStore
 
 
@@ -329,8 +331,8 @@ class StreamingExecutor:
         self._prefetch(index + 1)
         call = step.calls[index]
         if recompute_later:
-            step.rng_states[index] = _rng_state(hidden.device)
-            step.autocast_states[index] = _autocast_state(hidden.device)
+            step.rng_states[index] = rng_state(hidden.device)
+            step.autocast_states[index] = autocast_state(hidden.device)
         mappings = call.mappings()
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         args, kwargs = call.build(hidden, grad_tensors)
@@ -367,8 +369,8 @@ class StreamingExecutor:
         leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
         leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
-        with torch.enable_grad(), _restored_rng(step.rng_states.get(index), hidden.device), \
-                _replayed_autocast(step.autocast_states.get(index), hidden.device):
+        with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
+                replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
             output = self.layers[index](*args, **kwargs)
         roots, root_grads = [output], [grad_output]
@@ -679,45 +681,3 @@ def _check_no_dropout(model: nn.Module) -> None:
             "order than in ordinary accumulation. Set lora_dropout=0 (and attention dropout 0), or use the "
             "micro-major schedule."
         )
-
-
-def _rng_state(device: torch.device):
-    cpu = torch.get_rng_state()
-    accel = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return cpu, accel
-
-
-def _autocast_state(device: torch.device):
-    """The thread-local autocast state a block's forward runs under, as ``torch.utils.checkpoint`` records
-    it (``_get_autocast_kwargs``): the compute device's and the CPU's, and the cache flag."""
-    cache = torch.is_autocast_cache_enabled()
-    kinds = [device.type] if device.type != "cpu" and torch.amp.is_autocast_available(device.type) else []
-    return [(kind, {"enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind),
-                    "cache_enabled": cache}) for kind in [*kinds, "cpu"]]
-
-
-@contextlib.contextmanager
-def _replayed_autocast(state, device: torch.device):
-    """Recompute under the forward's autocast state (mixed precision: the same ops in the same dtypes),
-    whatever the state of the thread that runs backward (CUDA runs it on an engine thread, autocast off)."""
-    if state is None:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for kind, kwargs in state:
-            stack.enter_context(torch.amp.autocast(kind, **kwargs))
-        yield
-
-
-@contextlib.contextmanager
-def _restored_rng(state, device: torch.device):
-    """Replay the forward's RNG state during recompute (dropout), leaving the caller's RNG untouched."""
-    if state is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield

@@ -110,7 +110,7 @@ class StoreStats:
         self.log.clear()
 
 
-def _frozen_tensors(block: nn.Module):
+def frozen_tensors(block: nn.Module):
     """Yield (name, owner, attr, kind, tensor) for every frozen tensor of a block, each once."""
     seen: set[int] = set()
     for module_name, module in block.named_modules():
@@ -140,11 +140,11 @@ def _quant_state_tensors(prefix: str, quant_state):
         yield from _quant_state_tensors(f"{prefix}.state2", nested)
 
 
-def _shared_tensor_keys(blocks: list[nn.Module]) -> set[tuple[int, str]]:
+def shared_tensor_keys(blocks: list[nn.Module]) -> set[tuple[int, str]]:
     """``(id(owner), attr)`` of every tensor slot that several blocks reference (it stays where it is)."""
     seen_in: dict[tuple[int, str], set[int]] = {}
     for i, block in enumerate(blocks):
-        for _, owner, attr, _, _ in _frozen_tensors(block):
+        for _, owner, attr, _, _ in frozen_tensors(block):
             seen_in.setdefault((id(owner), attr), set()).add(i)
     return {key for key, where in seen_in.items() if len(where) > 1}
 
@@ -154,7 +154,7 @@ def _layout(block: nn.Module, shared: set[tuple[int, str]]) -> tuple[list[Entry]
     entries: list[Entry] = []
     tensors: list[torch.Tensor] = []
     offset = 0
-    for name, owner, attr, kind, tensor in _frozen_tensors(block):
+    for name, owner, attr, kind, tensor in frozen_tensors(block):
         if (id(owner), attr) in shared:
             continue
         span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
@@ -168,7 +168,7 @@ def _layout(block: nn.Module, shared: set[tuple[int, str]]) -> tuple[list[Entry]
 
 def packed_block_bytes(blocks: list[nn.Module]) -> list[int]:
     """The buffer bytes :class:`BlockStore` gives each of ``blocks`` (before packing, nothing moves)."""
-    shared = _shared_tensor_keys(blocks)
+    shared = shared_tensor_keys(blocks)
     return [_layout(block, shared)[2] for block in blocks]
 
 
@@ -218,7 +218,7 @@ class BlockStore:
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
         # A tensor slot that several blocks share (e.g. one adapter buffer referenced by every layer)
         # cannot follow one block's residency: it stays where it is, resident.
-        self.shared = _shared_tensor_keys(blocks)
+        self.shared = shared_tensor_keys(blocks)
         self.blocks: list[BlockRecord] = [self._pack(i, block, i in resident) for i, block in enumerate(blocks)]
         streamed = [b for b in self.blocks if not b.resident]
         self.num_slots = min(num_slots, len(streamed))
@@ -233,6 +233,10 @@ class BlockStore:
         self.slot_ready = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
         self.slot_free = [torch.cuda.Event() for _ in range(self.num_slots)] if self.on_cuda else []
         self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
+        #: objects told of each copy and wait (tracing, e.g. the bench's copy timeline):
+        #: ``on_fetch(index)`` after a block's copy is issued, ``on_wait(index)`` before the compute
+        #: stream is ordered after a streamed block's copy. Empty: nothing is called.
+        self.observers: list[Any] = []
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # Guard the block and every module in it that owns a streamed tensor: calling any of
         # them while the block is evicted raises, even when called directly. Resident blocks
@@ -317,6 +321,8 @@ class BlockStore:
         self.stats.resident.add(index)
         self.stats.max_resident = max(self.stats.max_resident, len(self.stats.resident))
         self.stats.log.append(("fetch", index))
+        for observer in self.observers:
+            observer.on_fetch(index)
 
     def wait(self, index: int) -> None:
         """Order the current (compute) stream after block ``index``'s copy. No-op on CPU and for a
@@ -326,6 +332,8 @@ class BlockStore:
         slot = self.blocks[index].slot
         if slot is None:
             raise StreamingError(f"wait({index}): block {index} is not fetched; call fetch({index}) first.")
+        for observer in self.observers:
+            observer.on_wait(index)
         if self.on_cuda:
             torch.cuda.current_stream(self.device).wait_event(self.slot_ready[slot])
 

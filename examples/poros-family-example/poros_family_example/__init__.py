@@ -9,6 +9,7 @@ identity, the layer call and what differs from the defaults.
 
 import poros
 from poros.descriptor import decoder_family
+from poros.tiny import TinyShape, TinyVariant
 
 DESCRIPTOR = decoder_family(
     name="llama",
@@ -26,6 +27,20 @@ DESCRIPTOR = decoder_family(
     notes=(
         "q/k/v/o carry a bias only with attention_bias=True, gate/up/down only with mlp_bias=True.",
     ),
+)
+
+
+
+def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
+    """Every Llama option on: biases on q/k/v/o and the MLP, an explicit head_dim, an untied head."""
+    return dict(head_dim=shape.head_dim, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+
+
+#: The family's tiny test model, as data next to its descriptor: ``poros.testing.tiny_config("llama")``
+#: builds it (and ``tiny_model``, ``save_tiny_checkpoint``, ``qlora_model``) while the plugin is registered.
+TINY_VARIANTS = (
+    TinyVariant("llama", "default", "LlamaConfig", num_layers=3, head_dim=16, fields=_tiny_fields),
 )
 
 

@@ -1,0 +1,63 @@
+"""Where the parts of a streamed model live besides the block ring: which embedding tables may be
+looked up on the host (:func:`host_embedding_tables`), whether they are by default
+(:func:`embeddings_on_host`), and where layer-major keeps its boundary states
+(:func:`check_boundary_states`). The one home of these rules: ``prepare``, the planner's footprint,
+the dry-run plan and ``poros plan`` ask here. Torch-free at import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poros.descriptor import ArchitectureDescriptor, resolve_path
+from poros.errors import ConfigError, DescriptorError
+
+BOUNDARY_STATES = ("device", "host")
+
+
+def embeddings_on_host(option: bool | None, device: Any) -> bool:
+    """``embeddings_on_host`` as given, or its default: on the host when the run computes on CUDA
+    (only the looked-up rows cross the link); on the device otherwise. ``device`` is a
+    ``torch.device`` or its string (``"cuda:0"``, ``"cpu"``)."""
+    if option is not None:
+        return bool(option)
+    return str(getattr(device, "type", device)).startswith("cuda")
+
+
+def check_boundary_states(value: str | None) -> None:
+    """Raise unless ``value`` names a place layer-major may keep its boundary states (None: the
+    budget planner decides, else the device).
+
+    Raises:
+        ConfigError: anything but ``"device"``, ``"host"`` or None.
+    """
+    if value is not None and value not in BOUNDARY_STATES:
+        raise ConfigError(f"boundary_states={value!r}: expected 'device' or 'host' (pinned host memory, for "
+                          "layer-major accumulation when the device cannot hold the M x L block inputs), or None "
+                          "to let the budget planner decide.")
+
+
+def host_embedding_tables(model: Any, descriptor: ArchitectureDescriptor) -> list[Any]:
+    """Frozen embedding tables (input and prelude) that may live on the host: the ``nn.Embedding``
+    modules at the descriptor's ``embeddings`` and enabled ``prelude_modules`` whose weight is not
+    the head's (the same parameter, or the same storage once loaded). On a meta skeleton, where
+    nothing has storage or is frozen yet, identity decides."""
+    from torch import nn
+
+    disabled = descriptor.disabled_names(model.config)
+    paths = [descriptor.embeddings, *(p for p in descriptor.prelude_modules if p not in disabled)]
+    head_weight = getattr(resolve_path(model, descriptor.head), "weight", None)
+    head_storage = head_weight.data_ptr() if head_weight is not None and not head_weight.is_meta else None
+    tables = []
+    for path in paths:
+        try:
+            module = resolve_path(model, path)
+        except DescriptorError:
+            continue
+        if not isinstance(module, nn.Embedding) or module.weight is head_weight:
+            continue
+        if module.weight.is_meta or (not module.weight.requires_grad and module.weight.data_ptr() != head_storage):
+            tables.append(module)
+    return tables
+
+
+__all__ = ["BOUNDARY_STATES", "check_boundary_states", "embeddings_on_host", "host_embedding_tables"]

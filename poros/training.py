@@ -1,0 +1,403 @@
+"""One run of :meth:`PorosTrainer.train <poros.trainer.PorosTrainer.train>`: :class:`TrainingRun` holds
+its data, optimizer, schedule, counters and logging, runs the optimizer steps (micro-major, or
+layer-major through ``forward_backward``), writes ``metrics.jsonl`` (:data:`METRIC_FIELDS`) and the
+checkpoints, stops on SIGINT/SIGTERM with a checkpoint (:class:`~poros.stop.StopRequest`) and
+returns a :class:`TrainResult`. Data parallel (:class:`poros.distributed.DataParallel`, inactive on
+one process): each rank trains its shard of the global batch, through DDP micro-major, and rank 0
+writes the metrics and checkpoints. The trainer (poros/trainer.py) builds the model and saves the
+adapter; this module never imports it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from poros import checkpoint as checkpoints
+from poros import distributed
+from poros.devices import compute_device
+from poros.errors import DataError, TrainingCheckpointError
+from poros.stop import StopRequest
+
+if TYPE_CHECKING:
+    from poros.config import PorosConfig
+
+logger = logging.getLogger("poros")
+
+METRICS_FILE = "metrics.jsonl"
+#: Every row of ``metrics.jsonl`` (and of ``TrainResult.log_history``) has these keys.
+METRIC_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "num_tokens",
+                 "peak_memory_gb", "peak_memory_kind", "h2d_gb_per_s")
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`PorosTrainer.train` returns.
+
+    Attributes:
+        steps: optimizer steps done, counting those before a resumed checkpoint.
+        losses: the loss of every step from step 1 (the sum of its micro-batch losses).
+        final_loss: ``losses[-1]`` (None when no step ran).
+        interrupted: True when SIGINT/SIGTERM stopped the run (a checkpoint was written).
+        output_dir: where ``metrics.jsonl`` and the checkpoints are.
+        last_checkpoint: the newest checkpoint this run wrote, or None.
+        log_history: the rows written to ``metrics.jsonl`` (see :data:`METRIC_FIELDS`).
+    """
+
+    steps: int
+    losses: list[float]
+    final_loss: float | None
+    interrupted: bool
+    output_dir: pathlib.Path
+    last_checkpoint: pathlib.Path | None
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+
+
+_ACTIVE_BAR: list[Any] = []
+
+
+def echo(text: str) -> None:
+    """A line for the user on stdout (through the progress bar when one is drawn)."""
+    if not distributed.world().is_main:  # data parallel: rank 0 speaks for the run
+        return
+    if _ACTIVE_BAR:
+        _ACTIVE_BAR[-1].write(text)
+    else:
+        print(text, flush=True)
+
+
+def peak_memory(device: torch.device) -> tuple[float | None, str]:
+    """``(GB, kind)``: CUDA's peak allocated bytes on a CUDA device, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "cuda_max_allocated"
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None, "unavailable"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9, "process_peak_rss"
+
+
+class TrainingRun:
+    """The state of one ``train()`` call: data, optimizer, schedule, counters, logging."""
+
+    def __init__(self, trainer: Any, config: PorosConfig, data_source: Any = None):
+        self.trainer = trainer
+        self.config = config
+        self.data_source = config.dataset if data_source is None else data_source
+        self.model = trainer.model
+        self.device = compute_device(trainer.model)
+        self.output_dir = pathlib.Path(config.output_dir)
+        self.losses: list[float] = []
+        self.pending_losses: list[torch.Tensor] = []  # step losses not yet moved to Python
+        self.pending_tokens: torch.Tensor | int = 0  # non-pad tokens seen since the last sync
+        self.window_losses: list[float] = []  # losses of the steps since the last log line
+        self.log_history: list[dict[str, Any]] = []
+        self.num_tokens = 0
+        self.global_step = 0
+        self.last_checkpoint: pathlib.Path | None = None
+        #: ranks, shards, DDP and rank-0 writing (inactive on one process); refuses a batch the ranks do not divide
+        self.parallel = distributed.DataParallel(self.model, self.device, config.batch_size)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _data(self):
+        from poros.data import BatchIterator, load_dataset
+
+        config, tokenizer = self.config, self.trainer.tokenizer
+        if tokenizer is None and not (isinstance(self.data_source, str) and self.data_source == "synthetic"):
+            raise DataError(f"the checkpoint {config.model} has no tokenizer files, so only dataset 'synthetic' can "
+                            "be trained without one. Fix: copy the base model's tokenizer files next to its "
+                            "config.json, or pass a tokenizer: PorosTrainer(model, tokenizer, config)")
+        data = load_dataset(self.data_source, tokenizer, seq_len=config.seq_len, split=config.dataset_split,
+                            chat_template=config.chat_template, seed=config.seed,
+                            vocab_size=self.model.config.vocab_size)
+        pad_token_id = None
+        if tokenizer is not None:
+            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_token_id is None:
+            pad_token_id = getattr(self.model.config, "pad_token_id", None) or 0
+        batches = BatchIterator(data, batch_size=config.batch_size, pad_token_id=pad_token_id, seed=config.seed,
+                                shuffle=True)
+        return data, batches
+
+    def _optimizer(self):
+        import transformers
+
+        config = self.config
+        optimizer = torch.optim.AdamW(self.model.trainable_parameters(), lr=config.lr,
+                                      weight_decay=config.weight_decay)
+        scheduler = transformers.get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup,
+                                               num_training_steps=config.steps)
+        return optimizer, scheduler
+
+    def _checkpoint_to_resume(self) -> checkpoints.TrainingCheckpoint | None:
+        resume_from = self.config.resume_from
+        if resume_from is None:
+            return None
+        if resume_from == "auto":
+            path = checkpoints.latest_checkpoint(self.output_dir)
+            if path is None:
+                echo(f"poros: resume_from='auto': no complete checkpoint in {self.output_dir}, starting fresh")
+                return None
+        else:
+            path = pathlib.Path(resume_from)
+        checkpoint = checkpoints.read_checkpoint(path)
+        checkpoints.check_resumable(checkpoint, self.config.to_dict())
+        return checkpoint
+
+    def _resume(self, checkpoint: checkpoints.TrainingCheckpoint, optimizer, scheduler, batches) -> None:
+        self.trainer._restore_adapter(checkpoint.adapter_state_dict(device=self.device), checkpoint.path)
+        try:
+            optimizer.load_state_dict(checkpoint.optimizer_state_dict(device=self.device))
+            scheduler.load_state_dict(checkpoint.scheduler_state_dict())
+        except (ValueError, KeyError) as error:
+            raise TrainingCheckpointError(
+                f"the optimizer or scheduler state in {checkpoint.path} does not fit this run: {error}; expected "
+                "the same adapters and optimizer. Resume with the settings the checkpoint was trained with."
+            ) from error
+        batches.load_state_dict(checkpoint.data_state)
+        state = checkpoint.trainer_state
+        self.global_step = checkpoint.step
+        self.losses = [float(loss) for loss in state.get("losses", [])]
+        self.num_tokens = int(state.get("num_tokens", 0))
+        self.log_history = list(state.get("log_history", []))
+        # the logging window in progress at the checkpoint (a resume between two logging steps): its
+        # first row must average the same steps as the uninterrupted run's
+        last_logged = self.log_history[-1]["step"] if self.log_history else 0
+        self.window_losses = self.losses[last_logged:]
+        checkpoints.restore_rng_state(checkpoint.rng_state())
+        echo(f"poros: resumed from {checkpoint.path} at step {checkpoint.step}/{self.config.steps}")
+
+    # -- the loop ------------------------------------------------------------------------------
+    def execute(self) -> TrainResult:
+        config = self.config
+        parallel = self.parallel
+        if parallel.is_main:
+            checkpoints.remove_partial_saves(self.output_dir)
+        parallel.barrier()
+        checkpoint = self._checkpoint_to_resume()  # refuses a mismatched checkpoint before any work
+        if checkpoint is not None:
+            parallel.check_resume(checkpoint.trainer_state, checkpoint.path)
+        data, batches = self._data()
+        optimizer, scheduler = self._optimizer()
+        self.trainer.optimizer, self.trainer.scheduler = optimizer, scheduler
+        if checkpoint is not None:
+            self._resume(checkpoint, optimizer, scheduler, batches)
+        else:
+            existing = checkpoints.list_checkpoints(self.output_dir)
+            if existing:
+                logger.warning("poros: %s already holds %s from an earlier run; this run starts fresh and writes "
+                               "its own (resume_from='auto' continues the earlier one)", self.output_dir,
+                               ", ".join(p.name for p in existing))
+            seed_everything(config.seed)
+        self.trainer.global_step = self.global_step
+        if parallel.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._rewrite_metrics()
+        echo(data.summary())
+        if parallel.active:
+            echo(parallel.describe(config.batch_size, config.grad_accum))
+
+        parameters = self.model.trainable_parameters()
+        self.model.train()
+        layer_major = config.grad_accum > 1 and stream_schedule(config, self.model) == "layer-major"
+        if config.grad_accum > 1 and config.stream_schedule == "layer-major" and not layer_major:
+            echo("poros: dropout is active, so gradient accumulation runs micro-major (layer-major would "
+                  "draw the dropout masks in another order); set lora_dropout 0 for layer-major")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # peak_memory_gb: this run's training peak
+        interrupted = False
+        bar = progress_bar(config.steps, self.global_step)
+        window_start, window_first_tokens = time.perf_counter(), self.num_tokens
+        window_bytes = self.model.store.stats.bytes_copied if self.model.store is not None else 0
+        with StopRequest() as stop, showing(bar):
+            while self.global_step < config.steps:
+                micro_batches = [{key: value.to(self.device, non_blocking=True)
+                                  for key, value in parallel.shard(batches.next_batch()).items()}
+                                 for _ in range(config.grad_accum)]
+                num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
+                step_loss = 0
+                if layer_major:  # each block crosses the link twice per step, not twice per micro-batch
+                    for loss in self.model.forward_backward(
+                            [{**batch, "num_items_in_batch": num_items_in_batch} for batch in micro_batches]):
+                        step_loss = step_loss + loss
+                else:
+                    for index, batch in enumerate(micro_batches):
+                        model, sync = parallel.forward_model(index, len(micro_batches))  # DDP (no_sync) or not
+                        with sync:
+                            loss = model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+                            loss.backward()
+                        step_loss = step_loss + loss.detach()
+                if config.max_grad_norm is None:
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+                learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step uses
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                self.global_step += 1
+                self.trainer.global_step = self.global_step
+                self.pending_losses.append(step_loss)
+                self.pending_tokens = self.pending_tokens + sum(batch["attention_mask"].sum()
+                                                                for batch in micro_batches)
+                if bar is not None:
+                    bar.update(1)
+
+                if self.global_step % config.logging_steps == 0:
+                    self._sync()
+                    bytes_copied = self.model.store.stats.bytes_copied if self.model.store is not None else 0
+                    elapsed = max(time.perf_counter() - window_start, 1e-9)
+                    self._log(learning_rate, grad_norm, self.num_tokens - window_first_tokens, elapsed,
+                              bytes_copied - window_bytes, bar)
+                    window_start, window_first_tokens, window_bytes = time.perf_counter(), self.num_tokens, bytes_copied
+                last_step = self.global_step == config.steps
+                # a signal on any rank stops every rank after the same step
+                if parallel.any_rank(stop.signal_name is not None, self.device) and not last_step:
+                    stop.signal_name = stop.signal_name or "SIGINT"  # (it arrived on another rank)
+                    interrupted = True
+                    self._save_checkpoint(optimizer, scheduler, batches)
+                    self._announce_interrupt(stop.signal_name)
+                    break
+                if config.save_steps and (self.global_step % config.save_steps == 0 or last_step):
+                    self._save_checkpoint(optimizer, scheduler, batches)
+        self._sync()
+        final = self.losses[-1] if self.losses else None
+        if not interrupted:
+            echo(f"poros: trained {self.global_step} steps"
+                  + (f", final loss {final:.4f}" if final is not None else ""))
+        return TrainResult(self.global_step, list(self.losses), final, interrupted, self.output_dir,
+                           self.last_checkpoint, list(self.log_history))
+
+    # -- logging -------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Move the step losses and token counts kept as tensors since the last sync to Python numbers."""
+        pending = self.pending_losses
+        if pending and self.parallel.active:  # the log shows the mean over ranks
+            pending = list(self.parallel.mean(torch.stack([torch.as_tensor(x) for x in pending])))
+        synced = [float(loss) for loss in pending]
+        self.pending_losses.clear()
+        self.losses.extend(synced)
+        self.window_losses.extend(synced)
+        self.num_tokens += self.parallel.total(self.pending_tokens, self.device)
+        self.pending_tokens = 0
+
+    def _log(self, learning_rate: float, grad_norm: torch.Tensor, window_tokens: int, elapsed: float,
+             window_bytes: int, bar) -> None:
+        window, self.window_losses = self.window_losses, []
+        peak, peak_kind = peak_memory(self.device)
+        row = {
+            "step": self.global_step,
+            "loss": sum(window) / len(window),
+            "learning_rate": float(learning_rate),
+            "grad_norm": float(grad_norm),
+            "tokens_per_second": window_tokens / elapsed,
+            "num_tokens": self.num_tokens,
+            "peak_memory_gb": peak,
+            "peak_memory_kind": peak_kind,
+            "h2d_gb_per_s": window_bytes / elapsed / 1e9,
+        }
+        if self.parallel.active:
+            row["world_size"] = self.parallel.world.size
+        self.log_history.append(row)
+        if self.parallel.is_main:
+            with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+        peak_text = f"{peak:.2f} GB ({peak_kind})" if peak is not None else "n/a"
+        echo(f"step {row['step']}/{self.config.steps} | loss {row['loss']:.4f} | lr {row['learning_rate']:.3e} | "
+              f"grad_norm {row['grad_norm']:.4f} | {row['tokens_per_second']:.0f} tok/s | peak {peak_text} | "
+              f"h2d {row['h2d_gb_per_s']:.2f} GB/s")
+        if bar is not None:
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+
+    def _rewrite_metrics(self) -> None:
+        """``metrics.jsonl`` = this run's log history so far (empty on a fresh run)."""
+        lines = "".join(json.dumps(row) + "\n" for row in self.log_history)
+        temporary = self.output_dir / f".{METRICS_FILE}.tmp-{os.getpid()}"
+        temporary.write_text(lines, encoding="utf-8")
+        os.replace(temporary, self.output_dir / METRICS_FILE)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _save_checkpoint(self, optimizer, scheduler, batches) -> None:
+        self._sync()
+        config = self.config
+        trainer_state = {
+            "global_step": self.global_step,
+            "max_steps": config.steps,
+            "logging_steps": config.logging_steps,
+            "save_steps": config.save_steps,
+            "train_batch_size": config.batch_size,
+            "grad_accum": config.grad_accum,
+            "num_tokens": self.num_tokens,
+            "world_size": self.parallel.world.size,
+            "losses": self.losses,
+            "log_history": self.log_history,
+        }
+        if self.parallel.is_main:  # data parallel: rank 0 writes; the others wait for it
+            self.last_checkpoint = checkpoints.write_checkpoint(
+                self.output_dir, self.global_step, write_adapter=self.trainer._write_adapter, optimizer=optimizer,
+                scheduler=scheduler, trainer_state=trainer_state, data_state=batches.state_dict(),
+                poros_config=self.trainer._poros_config_record(), save_total_limit=config.save_total_limit,
+            )
+            logger.info("poros: wrote %s", self.last_checkpoint)
+        else:
+            self.last_checkpoint = self.output_dir / f"{checkpoints.CHECKPOINT_PREFIX}{self.global_step}"
+        self.parallel.barrier()
+
+    def _announce_interrupt(self, signal_name: str) -> None:
+        command, python = self.trainer.resume_commands(self.last_checkpoint)
+        echo(f"poros: {signal_name} received: stopped after step {self.global_step}/{self.config.steps} and saved "
+              f"{self.last_checkpoint}\n"
+              f"poros: resume with\n    {command}\n"
+              f"poros: or in Python\n    {python}")
+
+
+def stream_schedule(config, model) -> str:
+    """The schedule a run uses: the configured one, micro-major when the model has a dropout."""
+    from poros.stream.executor import dropout_modules
+
+    if config.stream_schedule == "layer-major" and dropout_modules(model):
+        return "micro-major"
+    return config.stream_schedule
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA too
+
+
+def progress_bar(total: int, initial: int):
+    if not sys.stdout.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+@contextlib.contextmanager
+def showing(bar):
+    if bar is None:
+        yield
+        return
+    _ACTIVE_BAR.append(bar)
+    try:
+        yield
+    finally:
+        _ACTIVE_BAR.remove(bar)
+        bar.close()
+
+
+__all__ = ["METRICS_FILE", "METRIC_FIELDS", "TrainResult", "TrainingRun", "echo", "peak_memory", "progress_bar", "seed_everything", "showing", "stream_schedule"]
