@@ -89,8 +89,9 @@ class TrainingCheckpointError(PorosError):
     """A training checkpoint (``checkpoint-{step}/``) is missing, incomplete or does not match the run."""
 
 
-__all__ = [name for name in dir() if name.endswith("Error")]
-
-
 class DistributedError(PorosError, RuntimeError):
     """A data-parallel run is inconsistent: world size vs batch, versions across ranks, a lost rank."""
+
+
+__all__ = [name for name in dir() if name.endswith("Error")]
+
