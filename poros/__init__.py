@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ArchitectureDescriptor": "poros.descriptor",
     "CarriedState": "poros.descriptor",
+    "HostAdamW": "poros.stream.host_optimizer",
     "PorosConfig": "poros.config",
     "PorosModel": "poros.model",
     "PorosCallback": "poros.integrations",

@@ -32,6 +32,7 @@ Notable choices:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from poros.errors import TrainingCheckpointError
+from poros.errors import OutputDirError, PorosError, TrainingCheckpointError
 
 logger = logging.getLogger("poros")
 
@@ -65,8 +66,8 @@ REQUIRED_FILES = (ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE, OPTIMIZER_FILE, SCH
 MATH_FIELDS = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
-    "dataset", "dataset_split", "chat_template", "seq_len", "batch_size", "grad_accum",
-    "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed",
+    "dataset", "dataset_split", "eval_split", "chat_template", "seq_len", "batch_size", "grad_accum",
+    "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "loss_chunks",
 )
 #: Schedules whose learning rate at a step does not depend on the total number of steps: a run
 #: resumed with more (or fewer) ``steps`` continues the same curve.
@@ -137,9 +138,12 @@ def atomic_directory(target: str | os.PathLike, *, merge: bool = False,
             f"{target} exists and is a file; expected a directory (or nothing) to write into. Choose another "
             "path or remove the file."
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
     temporary = _hidden_sibling(target, "tmp")
-    temporary.mkdir()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary.mkdir()
+    except OSError as error:
+        raise write_error(error, target) from error
     previous = None
     try:
         yield temporary
@@ -154,11 +158,46 @@ def atomic_directory(target: str | os.PathLike, *, merge: bool = False,
         else:
             os.rename(temporary, target)
         _fsync_directory(target.parent)
-    except BaseException:
+    except BaseException as error:
+        full = _disk_full(error, temporary)  # measured before the partial save frees its space
         shutil.rmtree(temporary, ignore_errors=True)
         if previous is not None and previous.exists() and not target.exists():
             os.rename(previous, target)  # interrupted between the two renames: the old one goes back
+        if isinstance(error, OSError):
+            raise write_error(error, target) from error
+        if full:  # torch.save / safetensors report a full disk as their own errors
+            raise write_error(OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({type(error).__name__}: "
+                                                    f"{str(error).splitlines()[0] if str(error) else ''})"),
+                              target) from error
         raise
+
+
+def _disk_full(error: BaseException, directory: pathlib.Path) -> bool:
+    """Whether a failed write looks like a full disk: ENOSPC said, or (almost) no space left."""
+    if isinstance(error, PorosError) or not isinstance(error, Exception):
+        return False
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    if "No space left" in str(error) or "os error 28" in str(error):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < 1 << 20
+    except OSError:
+        return False
+
+
+def write_error(error: OSError, target: pathlib.Path) -> PorosError:
+    """The :class:`~poros.errors.OutputDirError` for an ``OSError`` while writing ``target``, with the fix."""
+    fixes = {errno.ENOSPC: "free disk space (or pass an --output-dir on another disk) and resume with "
+                           "--resume_from auto",
+             errno.EDQUOT: "free space within your disk quota, then resume with --resume_from auto",
+             errno.EROFS: "pass an --output-dir on a writable file system",
+             errno.EACCES: "pass an --output-dir you can write to, or fix its permissions",
+             errno.EPERM: "pass an --output-dir you can write to, or fix its permissions"}
+    fix = fixes.get(error.errno, "check the disk and the path, then resume with --resume_from auto")
+    code = f", errno {error.errno}" if error.errno is not None else ""
+    return OutputDirError(f"could not write {target}: {error.strerror or error} ({type(error).__name__}{code}); "
+                          f"nothing was replaced: earlier saves are intact. Fix: {fix}.")
 
 
 def _merge_into(source: pathlib.Path, target: pathlib.Path, written_last: str | None) -> None:
@@ -367,7 +406,11 @@ class TrainingCheckpoint:
         """The adapter tensors, keyed as PEFT saves them."""
         from safetensors.torch import load_file
 
-        return load_file(self.path / ADAPTER_WEIGHTS_FILE, device=str(device or "cpu"))
+        path = self.path / ADAPTER_WEIGHTS_FILE
+        try:
+            return load_file(path, device=str(device or "cpu"))
+        except Exception as error:  # SafetensorError on a truncated file, OSError...: say which file
+            raise unreadable(path, error) from error
 
     def optimizer_state_dict(self, device=None) -> dict[str, Any]:
         return _load_tensors(self.path / OPTIMIZER_FILE, device)
@@ -385,19 +428,52 @@ def _load_tensors(path: pathlib.Path, device) -> Any:
     try:
         return torch.load(path, map_location=device or "cpu", weights_only=True)
     except Exception as error:  # a truncated or foreign file: say which one
-        raise TrainingCheckpointError(
-            f"cannot read {path}: {type(error).__name__}: {error}; expected a file written by Poros's "
-            "write_checkpoint. Resume from another checkpoint (resume_from=<path>) or start fresh."
-        ) from error
+        raise unreadable(path, error) from error
+
+
+def unreadable(path: pathlib.Path, error: BaseException) -> TrainingCheckpointError:
+    """The error for a checkpoint file that exists but cannot be read (truncated, foreign)."""
+    detail = str(error).splitlines()[0] if str(error) else ""
+    return TrainingCheckpointError(
+        f"cannot read {path}: {type(error).__name__}: {detail}; expected a file written by Poros's "
+        "write_checkpoint (this one is truncated or foreign). Fix: resume from another checkpoint "
+        "(--resume_from <path>), or start fresh with --overwrite."
+    )
+
+
+def check_intact(path: pathlib.Path) -> None:
+    """Cheap structural check of a tensor file, without reading its tensors: a ``.safetensors`` header whose
+    offsets end where the file ends, a ``torch.save`` zip whose central directory (at its end) opens.
+
+    Raises:
+        TrainingCheckpointError: the file is truncated or is not that format (named, with the fix).
+    """
+    import struct
+    import zipfile
+
+    try:
+        if path.suffix == ".safetensors":
+            with path.open("rb") as handle:
+                (header_size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(header_size))
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+            expected = 8 + header_size + max(ends, default=0)
+            if path.stat().st_size != expected:
+                raise ValueError(f"the file has {path.stat().st_size} bytes, its header describes {expected}")
+        else:
+            with zipfile.ZipFile(path):
+                pass
+    except Exception as error:  # struct.error, ValueError, BadZipFile, KeyError...: all mean damaged
+        raise unreadable(path, error) from None
 
 
 def read_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
     """Open a checkpoint directory and read its JSON files.
 
     Raises:
-        TrainingCheckpointError: ``path`` is not a directory, lacks a required file, or holds a
-            JSON file that cannot be parsed; the message names what is missing and the checkpoints
-            that do exist beside it.
+        TrainingCheckpointError: ``path`` is not a directory, lacks a required file, holds a
+            truncated tensor file (:func:`check_intact`) or a JSON file that cannot be parsed; the
+            message names what is missing and the checkpoints that do exist beside it.
     """
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -414,14 +490,16 @@ def read_checkpoint(path: str | os.PathLike) -> TrainingCheckpoint:
             f"{', '.join(REQUIRED_FILES)}). It was not written by a finished save; resume from an earlier "
             "checkpoint, or resume_from='auto', which skips incomplete ones."
         )
+    for name in (ADAPTER_WEIGHTS_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_STATE_FILE):
+        check_intact(path / name)
     parsed = {}
-    for name in (TRAINER_STATE_FILE, DATA_STATE_FILE, POROS_CONFIG_FILE):
+    for name in (TRAINER_STATE_FILE, DATA_STATE_FILE, POROS_CONFIG_FILE, ADAPTER_CONFIG_FILE):
         try:
             parsed[name] = json.loads((path / name).read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             raise TrainingCheckpointError(
-                f"cannot parse {path / name}: {error}; expected the JSON Poros wrote. Resume from another "
-                "checkpoint or start fresh."
+                f"cannot parse {path / name}: {error}; expected the JSON Poros wrote. Fix: resume from another "
+                "checkpoint (--resume_from <path>), or start fresh with --overwrite."
             ) from error
     state = parsed[TRAINER_STATE_FILE]
     return TrainingCheckpoint(path, int(state.get("global_step", checkpoint_step(path) or 0)), state,

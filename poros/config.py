@@ -29,7 +29,7 @@ import yaml
 
 from poros.errors import ConfigError
 
-__all__ = ["PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget"]
+__all__ = ["PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget", "report_to_names"]
 
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
               "on": True, "off": False}
@@ -87,6 +87,22 @@ class PorosConfig:
     dataset_split: str = _field("train", "Split of an HF dataset (or of a local file loaded with datasets).")
     chat_template: str | None = _field(None, "Jinja chat template for conversations; null: the tokenizer's own.")
     seq_len: int = _field(512, "Tokens per example; longer examples are truncated.")
+    # -- evaluation and tracking ------------------------------------------------------------------------
+    eval_dataset: str | None = _field(None, "Held-out data for eval_loss: an HF dataset id or a .jsonl/.json/.csv "
+                                      "file, read like dataset; null: none (or eval_split).",
+                                      section="evaluation and tracking")
+    eval_dataset_split: str = _field("validation", "Split of an HF eval_dataset (or the key of a .json object).")
+    eval_split: float = _field(0.0, "Fraction of dataset held out for evaluation, in [0, 1): the same examples for "
+                               "a given seed and dataset, never trained on; 0: none. Not with eval_dataset.")
+    eval_steps: int = _field(0, "Evaluate every this many steps and at the last step; 0: at the last step only. "
+                             "Evaluation is a no-grad pass that leaves the training run bit for bit unchanged.")
+    eval_batches: int | None = _field(None, "Batches (of batch_size) per evaluation, the first ones in order; "
+                                      "null: the whole eval set.")
+    report_to: str | list[str] = _field(
+        "none", "Experiment trackers that get every metric row and the config: tensorboard (event files in "
+        "output_dir/runs/), wandb (offline without an API key), mlflow, trackio, all (those installed) or none; "
+        "a list allowed, e.g. [tensorboard, wandb]. Each needs its extra: pip install 'poros-train[tensorboard]'.",
+        choices=("none", "tensorboard", "wandb", "mlflow", "trackio", "all"))
     # -- optimisation -------------------------------------------------------------------------------
     batch_size: int = _field(1, "Examples per micro-batch.", section="optimisation")
     grad_accum: int = _field(1, "Micro-batches accumulated per optimizer step.")
@@ -107,6 +123,8 @@ class PorosConfig:
                              "go.")
     resume_from: str | None = _field(None, "Resume training: 'auto' (newest checkpoint in output_dir) or a "
                                      "checkpoint directory; null starts fresh.", choices=(None, "auto", "PATH"))
+    overwrite: bool = _field(False, "Let a fresh run replace another run's adapter, checkpoints and metrics in "
+                             "output_dir (without it such a run is refused; resume_from continues one).")
     # -- runtime and streaming ---------------------------------------------------------------------------
     device: str = _field("auto", "Compute device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or "
                          "'cuda:N'.", choices=("auto", "cpu", "cuda", "cuda:N"), section="runtime and streaming")
@@ -130,6 +148,15 @@ class PorosConfig:
                                   "the run falls back to micro-major and says so) or 'micro-major' (each "
                                   "micro-batch streams every block, 2 x grad_accum copies per block per step).",
                                   choices=("micro-major", "layer-major"))
+    optimizer_states: str = _field("auto", "Where AdamW's exp_avg / exp_avg_sq live: 'device', 'host' (pinned host "
+                                   "memory, stepped on the device a chunk at a time by poros.HostAdamW: bitwise "
+                                   "torch's AdamW, 8 bytes per LoRA value off the device) or 'auto' (on the host "
+                                   "only when vram_budget cannot hold them beside the num_slots slot ring).",
+                                   choices=("auto", "device", "host"))
+    loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set "
+                              "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
+                              "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
+                              "only numerically HF's default loss (another summation order).")
 
     def __post_init__(self) -> None:
         hints = _type_hints()
@@ -154,11 +181,12 @@ class PorosConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: expected {expected}; {fix}")
 
         for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "steps", "num_slots",
-                     "logging_steps"):
+                     "logging_steps", "loss_chunks"):
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
-        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule"):
+        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule",
+                     "optimizer_states"):
             choices = _metadata(name)["choices"]
             need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
                  f"pick one of {_choice_list(choices)}")
@@ -193,6 +221,7 @@ class PorosConfig:
         if self.resume_from is not None:
             need(bool(self.resume_from.strip()), "resume_from", "'auto', a checkpoint directory or null",
                  "e.g. resume_from: auto")
+        self._validate_evaluation(need)
         if self.chat_template is not None:
             need(bool(self.chat_template.strip()), "chat_template", "a Jinja template or null",
                  "set chat_template: null to use the tokenizer's template")
@@ -200,6 +229,29 @@ class PorosConfig:
             raise ConfigError(f"invalid configuration: {problems[0]}")
         if problems:
             raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+    def _validate_evaluation(self, need) -> None:
+        """The evaluation and tracking fields (``need`` as in :meth:`validate`)."""
+        need(0.0 <= self.eval_split < 1.0, "eval_split", "a fraction in [0, 1) (0: no held-out split)",
+             "e.g. eval_split: 0.1")
+        if self.eval_dataset is not None:
+            need(bool(self.eval_dataset.strip()), "eval_dataset", "a dataset id, a file or null", "e.g. eval_dataset: "
+                 "data/val.jsonl")
+            need(self.eval_split == 0.0, "eval_split", "0 when eval_dataset is set (one source of eval data)",
+                 "keep eval_dataset or eval_split, not both")
+        need(bool(self.eval_dataset_split.strip()), "eval_dataset_split", "a non-empty string", "e.g. validation")
+        need(self.eval_steps >= 0, "eval_steps", "an integer >= 0 (0: evaluate at the last step only)",
+             "e.g. eval_steps: 50")
+        need(self.eval_steps == 0 or self.eval_dataset is not None or self.eval_split > 0, "eval_steps",
+             "eval data to evaluate on", "set eval_split (e.g. 0.1) or eval_dataset, or eval_steps: 0")
+        need(self.eval_batches is None or self.eval_batches >= 1, "eval_batches", "an integer >= 1 or null",
+             "set eval_batches: null to evaluate on the whole eval set")
+        names = report_to_names(self.report_to)
+        choices = _metadata("report_to")["choices"]
+        need(bool(names) and all(name in choices for name in names), "report_to",
+             f"one or more of {_choice_list(choices)}", "e.g. report_to: tensorboard, or [tensorboard, wandb]")
+        need(len(names) == 1 or not {"none", "all"} & set(names), "report_to", "'none' and 'all' alone",
+             "list the trackers, or write report_to: all")
 
     # -- conversions ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -389,6 +441,12 @@ def parse_budget(value: str | int) -> int:
     return nbytes
 
 
+def report_to_names(value: str | list[str]) -> list[str]:
+    """``"tensorboard"`` -> ``["tensorboard"]``; ``"tensorboard, wandb"`` and lists -> the names, stripped."""
+    items = value.split(",") if isinstance(value, str) else value
+    return [item.strip() for item in items if item.strip()]
+
+
 def _metadata(name: str) -> dict[str, Any]:
     return _fields_by_name()[name].metadata
 
@@ -498,7 +556,8 @@ def _example(name: str) -> str:
     default = _fields_by_name()[name].default
     examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
                 "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main",
-                "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB"}
+                "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
+                "eval_dataset": "data/val.jsonl", "eval_batches": "20", "report_to": "tensorboard"}
     if name in examples:
         return examples[name]
     if isinstance(default, bool):

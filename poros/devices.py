@@ -1,31 +1,64 @@
 """Which device a run computes on: :func:`resolve_device` turns the ``device`` option (``"auto"``,
 None, ``"cuda"``, ``"cuda:1"``, ``"cpu"``) into a ``torch.device`` -- the one rule the trainer, the
-loader, the planner's dry run and the bench share -- and :func:`compute_device` reads it off a model.
-torch is imported inside the functions (``poros plan``'s parser imports this module)."""
+loader, the planner's dry run, the bench, the CLI and :mod:`poros.validation` share -- and, asked to
+``check``, refuses a CUDA device this machine cannot use before anything is loaded;
+:func:`compute_device` reads the device off a model. torch is imported inside the functions
+(``poros plan``'s parser imports this module); :mod:`poros.errors` is the only other import."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
+
+from poros.errors import DeviceError
 
 if TYPE_CHECKING:
     import torch
 
 
-def resolve_device(device: Any = "auto", *, with_index: bool = False) -> "torch.device":
+def resolve_device(device: Any = "auto", *, with_index: bool = False, check: bool = False) -> "torch.device":
     """``"auto"`` or None -> CUDA when available, else CPU; anything else as ``torch.device``.
 
     Args:
+        device: ``"auto"``, None, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         with_index: a bare ``cuda`` gets the index of the current CUDA device (``cuda:0``), as the
             loader's ``device_map`` and the bench's generators need.
+        check: raise when a CUDA device is not available here (a run about to use it); without it the
+            device is named, not used (a plan for a CUDA run is made on any machine).
+
+    Raises:
+        DeviceError: with ``check``, a CUDA device on a torch built without CUDA, with no visible
+            GPU, or with fewer GPUs than the index asks for.
     """
     import torch
 
     if device is None or device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if with_index and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    named = str(device)
+    resolved = torch.device(device)
+    if check and resolved.type == "cuda":
+        _check_cuda(named, resolved)
+    if with_index and resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _check_cuda(named: str, resolved: "torch.device") -> None:
+    """Raise :class:`DeviceError` unless this torch can compute on ``resolved`` here."""
+    import torch
+
+    fix = "Fix: pass --device cpu (or auto), or run where a CUDA build of torch sees a GPU."
+    if torch.version.cuda is None:
+        raise DeviceError(f"--device {named}: this torch {torch.__version__} is built without CUDA; expected a CUDA "
+                          f"build (pip install torch --index-url https://download.pytorch.org/whl/cu128). {fix}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise DeviceError(f"--device {named}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, or no driver). "
+                          f"{fix}")
+    if resolved.index is not None and resolved.index >= count:
+        raise DeviceError(f"--device {named}: only {count} GPU(s) are visible (cuda:0..cuda:{count - 1}). Fix: pass "
+                          f"--device cuda:0 .. cuda:{count - 1}.")
 
 
 def compute_device(module: Any) -> "torch.device":

@@ -85,6 +85,20 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def is_main_process() -> bool:
+    """False in a rank other than 0 of a torchrun job (torch-free: from torchrun's ``RANK``)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def job_id() -> str | None:
+    """The torchrun job this process is a rank of (its run id at its rendezvous address), or None:
+    the ranks of one job share its ``output_dir`` lock (:mod:`poros.run_lock`). Torch-free."""
+    if not launched_by_torchrun():
+        return None
+    env = os.environ
+    return f"{env.get('TORCHELASTIC_RUN_ID', 'none')}@{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+
+
 def timeout_seconds() -> float:
     return float(os.environ.get("POROS_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
 

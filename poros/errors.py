@@ -93,5 +93,22 @@ class DistributedError(PorosError, RuntimeError):
     """A data-parallel run is inconsistent: world size vs batch, versions across ranks, a lost rank."""
 
 
+# -- the run's surroundings: output directory, device, installed extras ---------------------------
+class OutputDirError(PorosError):
+    """``output_dir`` cannot take this run: it is a file, is not writable, is full, or holds another run's results."""
+
+
+class RunLockedError(OutputDirError):
+    """Another live run holds ``output_dir`` (its ``.poros.lock`` names the pid and host)."""
+
+
+class DeviceError(PorosError, RuntimeError):
+    """The requested device is not available in this install (e.g. ``--device cuda`` on a CPU-only torch)."""
+
+
+class MissingDependencyError(PorosError, ImportError):
+    """A package of the ``train`` extra is not installed (``pip install 'poros-train[train]'``)."""
+
+
 __all__ = [name for name in dir() if name.endswith("Error")]
 

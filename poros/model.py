@@ -350,7 +350,8 @@ def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module]):
 def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_host: bool | None = None,
             require: str | None = None, resident_blocks: int | Iterable[int] | None = None,
             vram_budget: str | int | None = None,
-            workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None) -> PorosModel:
+            workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None,
+            optimizer_states: str = "auto") -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM, in place; returns ``model``
     itself, its class switched to a same-named subclass with the :class:`PorosModel` mixin.
 
@@ -381,6 +382,11 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             inputs until backward: ``"device"`` (default) or ``"host"`` (pinned host memory, copied on
             a side stream; bitwise the same). With ``vram_budget`` the planner decides (host only
             when the budget needs it) unless this is given.
+        optimizer_states: with ``vram_budget``, where the plan puts AdamW's state: ``"device"``,
+            ``"host"`` or ``"auto"`` (host only when the slot ring does not fit with it on the device). Prepare moves no
+            optimizer: the plan's choice is ``PorosModel.budget_plan.optimizer_states``, which
+            PorosTrainer applies (``poros.stream.host_optimizer.adamw``) and a loop of your own
+            should too (``poros.HostAdamW`` when it says ``"host"``).
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
@@ -438,7 +444,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             causal_lm, layers, host_embedding_tables(causal_lm, descriptor), budget=vram_budget,
             workload=_workload(workload), device=device,
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
-            embeddings_on_host=embeddings_on_host, boundary_states=boundary_states)
+            embeddings_on_host=embeddings_on_host, boundary_states=boundary_states,
+            optimizer_states=optimizer_states)
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         embeddings_on_host = budget_plan.embeddings_on_host

@@ -208,7 +208,8 @@ def plan_run(config: Any) -> Plan:
     value_bytes = torch.empty((), dtype=compute_dtype, device="meta").element_size()
     _, recompute, head = activation_bytes(BlockShapes.of(blocks, text_config), batch_size=config.batch_size,
                                           seq_len=config.seq_len, value_bytes=value_bytes,
-                                          attn_implementation=config.attn_implementation)
+                                          attn_implementation=config.attn_implementation,
+                                          loss_chunks=getattr(config, "loss_chunks", 1))
     return Plan(
         model=config.model, checkpoint=str(directory), found_in=found_in, family=descriptor.name,
         model_type=text_config.model_type,

@@ -46,11 +46,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poros import checkpoint as checkpoints
-from poros import distributed
+from poros import distributed, evaluation, tracking
 from poros.adapters import lora_target_modules
 from poros.devices import resolve_device
 from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
-from poros.training import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, echo, stream_schedule  # noqa: F401 (re-exported)
+from poros.progress import echo
+from poros.training import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
@@ -63,7 +64,7 @@ logger = logging.getLogger("poros")
 FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
-    "device", "num_slots", "deterministic", "require", "embeddings_on_host",
+    "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -83,6 +84,7 @@ class PorosTrainer:
             what :meth:`save` records.
         optimizer, scheduler: those of the last ``train()`` (None before).
         global_step: optimizer steps done by the last ``train()``, resumed steps included.
+        eval_set: the eval batches of the last ``train()`` (``eval_split`` or ``eval_dataset``), or None.
         launch_command: set by the CLI to the ``argv`` it ran; the resume command printed on an
             interrupt is that command with ``--resume_from <checkpoint>``.
     """
@@ -96,6 +98,7 @@ class PorosTrainer:
         self.scheduler = None
         self.global_step = 0
         self.launch_command: list[str] | None = None
+        self.eval_set: evaluation.EvalSet | None = None
 
     # -- creation ------------------------------------------------------------------------------
     @classmethod
@@ -141,7 +144,9 @@ class PorosTrainer:
         from poros.model import prepare
 
         config.validate()
-        device = distributed.join_launched_job(resolve_device(config.device))  # under torchrun: this rank's
+        tracking.check_installed(config.report_to)  # before the model loads
+        # a missing GPU is named before any weight is read; under torchrun: this rank's device
+        device = distributed.join_launched_job(resolve_device(config.device, check=True))
         if config.deterministic and device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -164,9 +169,17 @@ class PorosTrainer:
             from poros.stream.planner import Workload
 
             workload = Workload(config.batch_size, config.seq_len, config.grad_accum,
-                                stream_schedule(config, peft_model))
+                                stream_schedule(config, peft_model), config.loss_chunks)
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
-                        require=config.require, vram_budget=config.vram_budget, workload=workload)
+                        require=config.require, vram_budget=config.vram_budget, workload=workload,
+                        optimizer_states=config.optimizer_states)
+        if config.loss_chunks > 1:
+            from poros.stream.chunked_loss import use_chunked_loss
+
+            use_chunked_loss(model, config.loss_chunks)
+            echo(f"poros: loss_chunks={config.loss_chunks}: the loss is computed over {config.loss_chunks} token "
+                  "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
+                  "default loss")
         if model.budget_plan is not None:
             echo(model.budget_plan.summary())
         if model.detection is not None:
@@ -202,6 +215,9 @@ class PorosTrainer:
             TrainingCheckpointError: ``resume_from`` names a missing or incomplete checkpoint, or one
                 written with settings that change the math (each differing field is named).
             DataError: the dataset yields no trainable tokens, or cannot be read.
+            RunLockedError: another live run holds ``output_dir`` (:mod:`poros.run_lock`).
+            OutputDirError: ``output_dir`` holds another run's results and neither ``overwrite`` nor a
+                checkpoint to resume is given; or it cannot be written (full, read-only).
         """
         data_source = None  # an in-memory dataset (records, datasets object, TokenizedData)
         if dataset is not None and not isinstance(dataset, (str, os.PathLike)):
@@ -222,7 +238,21 @@ class PorosTrainer:
                 + ". Create a new trainer with them: PorosTrainer.from_pretrained(model, " + changes + ", ...)."
             )
         self.run_config = config
-        return TrainingRun(self, config, data_source).execute()
+        from poros import run_lock
+
+        with run_lock.hold(config.output_dir):  # one run per output_dir (re-entrant: the CLI holds it through save)
+            return TrainingRun(self, config, data_source).execute()
+
+    def evaluate(self, dataset: Any = None, *, max_batches: int | None = None) -> dict[str, Any]:
+        """The eval loss of the adapter now, computed as ``train()`` computes it between steps.
+
+        Evaluates ``dataset`` (anything ``poros.data.load_dataset`` takes), else the eval set of the
+        last ``train()``, else the config's ``eval_dataset``; see :func:`poros.evaluation.evaluate_trainer`.
+
+        Returns:
+            The row ``train()`` logs: ``step`` (:attr:`global_step`), ``eval_loss``, ``eval_perplexity``...
+        """
+        return evaluation.evaluate_trainer(self, dataset, max_batches=max_batches)
 
     def generate(self, prompt: str, **options: Any) -> str:
         """The model's continuation of ``prompt`` with the adapter as trained so far; ``options`` as for

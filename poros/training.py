@@ -2,14 +2,16 @@
 its data, optimizer, schedule, counters and logging, runs the optimizer steps (micro-major, or
 layer-major through ``forward_backward``), writes ``metrics.jsonl`` (:data:`METRIC_FIELDS`) and the
 checkpoints, stops on SIGINT/SIGTERM with a checkpoint (:class:`~poros.stop.StopRequest`) and
-returns a :class:`TrainResult`. Data parallel (:class:`poros.distributed.DataParallel`, inactive on
-one process): each rank trains its shard of the global batch, through DDP micro-major, and rank 0
-writes the metrics and checkpoints. The trainer (poros/trainer.py) builds the model and saves the
-adapter; this module never imports it."""
+returns a :class:`TrainResult`. Evaluation (:mod:`poros.evaluation`) runs between steps when the
+run has eval data, every row goes to the ``report_to`` trackers (:mod:`poros.tracking`), and the
+progress bar and user lines are :mod:`poros.progress`'s. Data parallel
+(:class:`poros.distributed.DataParallel`, inactive on one process): each rank trains its shard of
+the global batch, through DDP micro-major, and rank 0 writes the metrics, trackers and
+checkpoints. The trainer (poros/trainer.py) builds the model and saves the adapter; this module
+never imports it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -22,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poros import checkpoint as checkpoints
-from poros import distributed
+from poros import distributed, evaluation, tracking
 from poros.devices import compute_device
 from poros.errors import DataError, TrainingCheckpointError
+from poros.progress import echo, progress_bar, showing
 from poros.stop import StopRequest
 
 if TYPE_CHECKING:
@@ -49,7 +52,9 @@ class TrainResult:
         interrupted: True when SIGINT/SIGTERM stopped the run (a checkpoint was written).
         output_dir: where ``metrics.jsonl`` and the checkpoints are.
         last_checkpoint: the newest checkpoint this run wrote, or None.
-        log_history: the rows written to ``metrics.jsonl`` (see :data:`METRIC_FIELDS`).
+        log_history: the rows written to ``metrics.jsonl`` (see :data:`METRIC_FIELDS`; evaluation rows:
+            :data:`poros.evaluation.EVAL_METRIC_FIELDS`).
+        eval_loss: the last evaluation's ``eval_loss`` (None without eval data).
     """
 
     steps: int
@@ -59,19 +64,7 @@ class TrainResult:
     output_dir: pathlib.Path
     last_checkpoint: pathlib.Path | None
     log_history: list[dict[str, Any]] = field(default_factory=list)
-
-
-_ACTIVE_BAR: list[Any] = []
-
-
-def echo(text: str) -> None:
-    """A line for the user on stdout (through the progress bar when one is drawn)."""
-    if not distributed.world().is_main:  # data parallel: rank 0 speaks for the run
-        return
-    if _ACTIVE_BAR:
-        _ACTIVE_BAR[-1].write(text)
-    else:
-        print(text, flush=True)
+    eval_loss: float | None = None
 
 
 def peak_memory(device: torch.device) -> tuple[float | None, str]:
@@ -106,10 +99,13 @@ class TrainingRun:
         self.last_checkpoint: pathlib.Path | None = None
         #: ranks, shards, DDP and rank-0 writing (inactive on one process); refuses a batch the ranks do not divide
         self.parallel = distributed.DataParallel(self.model, self.device, config.batch_size)
+        self.eval_set: evaluation.EvalSet | None = None  # set with the data
+        self.trackers = tracking.Trackers()  # opened when the loop starts
 
     # -- setup ---------------------------------------------------------------------------------
     def _data(self):
         from poros.data import BatchIterator, load_dataset
+        from poros.data.batches import pad_token_id as padding_id
 
         config, tokenizer = self.config, self.trainer.tokenizer
         if tokenizer is None and not (isinstance(self.data_source, str) and self.data_source == "synthetic"):
@@ -119,11 +115,10 @@ class TrainingRun:
         data = load_dataset(self.data_source, tokenizer, seq_len=config.seq_len, split=config.dataset_split,
                             chat_template=config.chat_template, seed=config.seed,
                             vocab_size=self.model.config.vocab_size)
-        pad_token_id = None
-        if tokenizer is not None:
-            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad_token_id is None:
-            pad_token_id = getattr(self.model.config, "pad_token_id", None) or 0
+        pad_token_id = padding_id(tokenizer, self.model.config)
+        data, self.eval_set = evaluation.eval_set_for_run(config, data, tokenizer, pad_token_id=pad_token_id,
+                                                          vocab_size=self.model.config.vocab_size)
+        self.trainer.eval_set = self.eval_set
         batches = BatchIterator(data, batch_size=config.batch_size, pad_token_id=pad_token_id, seed=config.seed,
                                 shuffle=True)
         return data, batches
@@ -131,9 +126,13 @@ class TrainingRun:
     def _optimizer(self):
         import transformers
 
+        from poros.stream import host_optimizer, optimizer_states
+
         config = self.config
-        optimizer = torch.optim.AdamW(self.model.trainable_parameters(), lr=config.lr,
-                                      weight_decay=config.weight_decay)
+        plan = self.model.budget_plan
+        states = optimizer_states.resolve(config.optimizer_states, plan.optimizer_states if plan else None)
+        optimizer = host_optimizer.adamw(self.model.trainable_parameters(), optimizer_states=states, lr=config.lr,
+                                         weight_decay=config.weight_decay)
         scheduler = transformers.get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup,
                                                num_training_steps=config.steps)
         return optimizer, scheduler
@@ -154,9 +153,12 @@ class TrainingRun:
         return checkpoint
 
     def _resume(self, checkpoint: checkpoints.TrainingCheckpoint, optimizer, scheduler, batches) -> None:
+        from poros.stream.host_optimizer import HostAdamW
+
         self.trainer._restore_adapter(checkpoint.adapter_state_dict(device=self.device), checkpoint.path)
         try:
-            optimizer.load_state_dict(checkpoint.optimizer_state_dict(device=self.device))
+            on_host = isinstance(optimizer, HostAdamW)  # its state goes to host memory, not via the device
+            optimizer.load_state_dict(checkpoint.optimizer_state_dict(device="cpu" if on_host else self.device))
             scheduler.load_state_dict(checkpoint.scheduler_state_dict())
         except (ValueError, KeyError) as error:
             raise TrainingCheckpointError(
@@ -171,7 +173,7 @@ class TrainingRun:
         self.log_history = list(state.get("log_history", []))
         # the logging window in progress at the checkpoint (a resume between two logging steps): its
         # first row must average the same steps as the uninterrupted run's
-        last_logged = self.log_history[-1]["step"] if self.log_history else 0
+        last_logged = next((row["step"] for row in reversed(self.log_history) if "loss" in row), 0)
         self.window_losses = self.losses[last_logged:]
         checkpoints.restore_rng_state(checkpoint.rng_state())
         echo(f"poros: resumed from {checkpoint.path} at step {checkpoint.step}/{self.config.steps}")
@@ -192,11 +194,12 @@ class TrainingRun:
         if checkpoint is not None:
             self._resume(checkpoint, optimizer, scheduler, batches)
         else:
-            existing = checkpoints.list_checkpoints(self.output_dir)
-            if existing:
-                logger.warning("poros: %s already holds %s from an earlier run; this run starts fresh and writes "
-                               "its own (resume_from='auto' continues the earlier one)", self.output_dir,
-                               ", ".join(p.name for p in existing))
+            from poros.run_lock import check_fresh_start
+
+            # never a mix of two runs' results: every rank refuses alike, only rank 0 removes (overwrite)
+            if parallel.is_main or not config.overwrite:
+                check_fresh_start(self.output_dir, overwrite=config.overwrite)
+            parallel.barrier()
             seed_everything(config.seed)
         self.trainer.global_step = self.global_step
         if parallel.is_main:
@@ -205,6 +208,8 @@ class TrainingRun:
         echo(data.summary())
         if parallel.active:
             echo(parallel.describe(config.batch_size, config.grad_accum))
+        if self.eval_set is not None:
+            echo(self.eval_set.summary())
 
         parameters = self.model.trainable_parameters()
         self.model.train()
@@ -215,10 +220,13 @@ class TrainingRun:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # peak_memory_gb: this run's training peak
         interrupted = False
-        bar = progress_bar(config.steps, self.global_step)
+        bar = progress_bar(config.steps, self.global_step, label="train")  # data parallel: silent off rank 0
         window_start, window_first_tokens = time.perf_counter(), self.num_tokens
         window_bytes = self.model.store.stats.bytes_copied if self.model.store is not None else 0
-        with StopRequest() as stop, showing(bar):
+        # report_to (logs the config); data parallel: rank 0's
+        trackers = tracking.open_trackers(config, self.output_dir) if parallel.is_main else tracking.Trackers()
+        with StopRequest() as stop, showing(bar), trackers:
+            self.trackers = trackers
             while self.global_step < config.steps:
                 micro_batches = [{key: value.to(self.device, non_blocking=True)
                                   for key, value in parallel.shard(batches.next_batch()).items()}
@@ -260,6 +268,9 @@ class TrainingRun:
                               bytes_copied - window_bytes, bar)
                     window_start, window_first_tokens, window_bytes = time.perf_counter(), self.num_tokens, bytes_copied
                 last_step = self.global_step == config.steps
+                if self.eval_set is not None and evaluation.evaluation_due(config, self.global_step):
+                    seconds, copied = self._evaluate()  # not counted in the training throughput
+                    window_start, window_bytes = window_start + seconds, window_bytes + copied
                 # a signal on any rank stops every rank after the same step
                 if parallel.any_rank(stop.signal_name is not None, self.device) and not last_step:
                     stop.signal_name = stop.signal_name or "SIGINT"  # (it arrived on another rank)
@@ -274,8 +285,9 @@ class TrainingRun:
         if not interrupted:
             echo(f"poros: trained {self.global_step} steps"
                   + (f", final loss {final:.4f}" if final is not None else ""))
+        eval_loss = next((row["eval_loss"] for row in reversed(self.log_history) if "eval_loss" in row), None)
         return TrainResult(self.global_step, list(self.losses), final, interrupted, self.output_dir,
-                           self.last_checkpoint, list(self.log_history))
+                           self.last_checkpoint, list(self.log_history), eval_loss)
 
     # -- logging -------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -305,18 +317,36 @@ class TrainingRun:
             "peak_memory_kind": peak_kind,
             "h2d_gb_per_s": window_bytes / elapsed / 1e9,
         }
-        if self.parallel.active:
-            row["world_size"] = self.parallel.world.size
-        self.log_history.append(row)
-        if self.parallel.is_main:
-            with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(row) + "\n")
+        self._record(row)
         peak_text = f"{peak:.2f} GB ({peak_kind})" if peak is not None else "n/a"
         echo(f"step {row['step']}/{self.config.steps} | loss {row['loss']:.4f} | lr {row['learning_rate']:.3e} | "
               f"grad_norm {row['grad_norm']:.4f} | {row['tokens_per_second']:.0f} tok/s | peak {peak_text} | "
               f"h2d {row['h2d_gb_per_s']:.2f} GB/s")
         if bar is not None:
             bar.set_postfix(loss=f"{row['loss']:.4f}")
+
+    def _record(self, row: dict[str, Any]) -> None:
+        """A row of ``log_history``, ``metrics.jsonl`` and the trackers (data parallel: written by rank 0)."""
+        if self.parallel.active:
+            row["world_size"] = self.parallel.world.size
+        self.log_history.append(row)
+        if self.parallel.is_main:
+            with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+        self.trackers.log(row)
+
+    def _evaluate(self) -> tuple[float, int]:
+        """Evaluate, log the row; the seconds and host-to-device bytes it took."""
+        store = self.model.store
+        copied_before = store.stats.bytes_copied if store is not None else 0
+        result = evaluation.evaluate(self.model, self.eval_set.batches, device=self.device,
+                                     max_batches=self.config.eval_batches)
+        row = result.row(self.global_step)
+        self._record(row)
+        echo(f"eval step {row['step']}/{self.config.steps} | eval_loss {row['eval_loss']:.4f} | perplexity "
+             f"{row['eval_perplexity']:.2f} | {row['eval_batches']} batches, {row['eval_num_tokens']:,} tokens | "
+             f"{row['eval_runtime']:.1f} s")
+        return result.runtime, (store.stats.bytes_copied if store is not None else 0) - copied_before
 
     def _rewrite_metrics(self) -> None:
         """``metrics.jsonl`` = this run's log history so far (empty on a fresh run)."""
@@ -379,25 +409,5 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA too
 
 
-def progress_bar(total: int, initial: int):
-    if not sys.stdout.isatty():
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stdout)
-
-
-@contextlib.contextmanager
-def showing(bar):
-    if bar is None:
-        yield
-        return
-    _ACTIVE_BAR.append(bar)
-    try:
-        yield
-    finally:
-        _ACTIVE_BAR.remove(bar)
-        bar.close()
-
-
-__all__ = ["METRICS_FILE", "METRIC_FIELDS", "TrainResult", "TrainingRun", "echo", "peak_memory", "progress_bar", "seed_everything", "showing", "stream_schedule"]
+__all__ = ["METRICS_FILE", "METRIC_FIELDS", "TrainResult", "TrainingRun", "peak_memory", "seed_everything",
+           "stream_schedule"]

@@ -4,6 +4,8 @@ and the resume check that refuses a checkpoint of a different run."""
 from __future__ import annotations
 
 import json
+import struct
+import zipfile
 import random
 
 import numpy as np
@@ -16,7 +18,7 @@ from poros.errors import TrainingCheckpointError
 
 
 def _fake_checkpoint(directory, step, *, config=None, skip=()):
-    """A checkpoint directory with every required file (JSON ones real, the others placeholders)."""
+    """A checkpoint directory with every required file (JSON ones real, the tensor files empty but well-formed)."""
     path = directory / f"checkpoint-{step}"
     path.mkdir(parents=True)
     for name in checkpoints.REQUIRED_FILES:
@@ -28,8 +30,12 @@ def _fake_checkpoint(directory, step, *, config=None, skip=()):
             payload = json.dumps({"config": (config or PorosConfig()).to_dict()})
         elif name.endswith(".json"):
             payload = "{}"
-        else:
-            payload = "x"
+        elif name.endswith(".safetensors"):  # an empty but well-formed file: read_checkpoint checks the header
+            (path / name).write_bytes(struct.pack("<Q", 2) + b"{}")
+            continue
+        else:  # torch.save files are zips: an empty well-formed one
+            zipfile.ZipFile(path / name, "w").close()
+            continue
         (path / name).write_text(payload)
     return path
 

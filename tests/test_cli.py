@@ -112,7 +112,7 @@ def test_a_registry_error_exits_1_with_the_message(capsys, family_plugin):
     ), name="clashing-plugin")):
         status, out, err = run_cli(capsys, "list-architectures")
     assert status == 1 and out == ""
-    assert err.startswith("poros list-architectures: error: 'qwen2' is claimed twice")
+    assert err.startswith("poros list-architectures: error: DuplicateArchitectureError: 'qwen2' is claimed twice")
     assert "clashing-plugin" in err
 
 

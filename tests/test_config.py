@@ -22,24 +22,32 @@ CHANGED = dict(
     model="Qwen/Qwen2.5-7B", revision="main", quantization="fp4", double_quant=True, compute_dtype="float16",
     lora_rank=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], use_rslora=True,
     use_dora=True, dataset="data/chat.jsonl", dataset_split="validation", chat_template="{{ messages }}",
+    eval_dataset="data/val.jsonl", eval_dataset_split="test", eval_steps=20, eval_batches=8,
+    report_to=["tensorboard", "wandb"],
     seq_len=1024, batch_size=2, grad_accum=4, steps=50, lr=1e-4, schedule="linear", warmup=5, weight_decay=0.01,
     max_grad_norm=None, seed=7, logging_steps=1, save_steps=25, save_total_limit=2, output_dir="runs/a",
-    resume_from="auto", device="cuda:1", num_slots=3, deterministic=False, require="bitwise",
+    resume_from="auto", overwrite=True, device="cuda:1", num_slots=3, deterministic=False, require="bitwise",
     attn_implementation="eager", embeddings_on_host=False, vram_budget="7GiB", stream_schedule="micro-major",
+    optimizer_states="host", loss_chunks=4,
 )
+
+
+#: eval_split and eval_dataset exclude each other: the split is changed in a second config.
+CHANGED_SPLIT = {**CHANGED, "eval_dataset": None, "eval_split": 0.1}
 
 
 def test_the_changed_config_changes_every_field():
     # Guards the round-trip tests: a field left at its default would not be tested by them.
-    assert sorted(CHANGED) == sorted(FIELD_NAMES)
+    assert sorted({**CHANGED, **CHANGED_SPLIT}) == sorted(FIELD_NAMES)
     defaults = PorosConfig().to_dict()
-    assert [name for name in FIELD_NAMES if CHANGED[name] == defaults[name]] == []
+    assert [name for name in FIELD_NAMES
+            if all(values.get(name, defaults[name]) == defaults[name] for values in (CHANGED, CHANGED_SPLIT))] == []
 
 
 # -- YAML -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("commented", [True, False], ids=["commented", "plain"])
-@pytest.mark.parametrize("values", [{}, CHANGED], ids=["defaults", "every-field-changed"])
+@pytest.mark.parametrize("values", [{}, CHANGED, CHANGED_SPLIT], ids=["defaults", "every-field-changed", "eval-split"])
 def test_yaml_round_trip(tmp_path, values, commented):
     config = PorosConfig(**values)
     path = tmp_path / "poros.yaml"

@@ -419,13 +419,13 @@ def _results_docs():
 
 @cache
 def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
-                 targets: tuple[str, ...], rank: int, attn: str | None) -> run_plan.Plan:
+                 targets: tuple[str, ...], rank: int, attn: str | None, loss_chunks: int = 1) -> run_plan.Plan:
     config, _ = _bench().model_config(model, layers=layers)
     directory = tmp_root / f"{model}-{layers}"
     config.save_pretrained(directory)
     return run_plan.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                         double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
-                                        embeddings_on_host=True, attn_implementation=attn))
+                                        embeddings_on_host=True, attn_implementation=attn, loss_chunks=loss_chunks))
 
 
 def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, float]:
@@ -433,12 +433,14 @@ def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, floa
     setup, measured = record["config"], record["arms"]["poros"]
     plan = _record_plan(tmp_root, setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"],
                         setup["batch"], setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]),
-                        setup["lora"]["rank"], setup.get("attn_implementation"))
-    workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major")
+                        setup["lora"]["rank"], setup.get("attn_implementation"), setup.get("loss_chunks", 1))
+    workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major",
+                        setup.get("loss_chunks", 1))
     chosen = measured.get("budget_plan") or {}  # with --vram-budget the planner chose slots and placement
     peak = planner.predict_peak(plan.footprint(), workload, resident=measured.get("resident_blocks", ()),
                                 num_slots=measured.get("num_slots", setup["num_slots"]),
-                                boundary_on_host=chosen.get("boundary_states") == "host")
+                                boundary_on_host=chosen.get("boundary_states") == "host",
+                                optimizer_on_host=setup.get("optimizer_states") == "host")
     assert plan.host_store_bytes - sum(plan.block_bytes[i] for i in measured.get("resident_blocks", ())) \
         == measured["host_bytes"]
     return peak.total, measured["peak_allocated_gb"] * 1e9
@@ -518,12 +520,14 @@ def test_plan_on_cpu_prints_the_memory_plan(capsys, tiny_checkpoint):
 
 def test_plan_with_given_times_and_json(capsys, tiny_checkpoint):
     base = ["plan", "--model", str(tiny_checkpoint), "--device", "cpu", "--seq-len", "64", "--grad-accum", "2",
-            "--stream-schedule", "layer-major", "--block-ms", "0.3,0.6", "--link-gb-per-s", "0.001"]
+            "--stream-schedule", "layer-major", "--block-ms", "0.3,0.6", "--link-gb-per-s", "0.001",
+            "--optimizer-states", "device"]  # the AdamW state's host fallback: tests/test_host_optimizer.py
     status, out, err = run_cli(capsys, *base, "--vram-budget", "1GiB", "--json")
     assert status == 0, err
     report = json.loads(out)
     plan = report["plan"]
-    assert plan["workload"] == {"batch_size": 1, "seq_len": 64, "grad_accum": 2, "schedule": "layer-major"}
+    assert plan["workload"] == {"batch_size": 1, "seq_len": 64, "grad_accum": 2, "schedule": "layer-major",
+                                "loss_chunks": 1}
     assert plan["step"]["step_s"] > 0 and report["compute"]["source"] == "given: --block-ms 0.3,0.6"
     assert plan["needed_bytes"] <= plan["budget_bytes"] and plan["hide_copy_resident"] is not None
     minimum = plan["boundary_offload_minimum_bytes"]  # layer-major: the states may wait on the host

@@ -20,7 +20,9 @@ import transformers
 from poros import checkpoint as checkpoints
 from poros.assets import asset_path
 from poros.data import BatchIterator, load_dataset
+from poros.errors import OutputDirError
 from poros.testing import TINY_VARIANTS, all_linear_targets, save_tiny_checkpoint
+from poros.stream.chunked_loss import use_chunked_loss
 from poros.trainer import METRIC_FIELDS, PorosTrainer
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
@@ -132,11 +134,18 @@ def test_saved_adapter_loads_in_stock_peft_with_equal_logits(family, tmp_path, t
 # ---------------------------------------------------------------------------------------------
 # Parity: PorosTrainer == a plain HF + bitsandbytes + PEFT loop, grad_accum 2, padded batches
 # ---------------------------------------------------------------------------------------------
-def test_training_is_bitwise_a_plain_peft_loop(qwen3_checkpoint, tokenizer, chat_file, tmp_path):
+@pytest.mark.parametrize(("loss_chunks", "states_on"), [(1, "device"), (3, "host")],
+                         ids=["hf-loss", "chunked-loss-host-adamw"])
+def test_training_is_bitwise_a_plain_peft_loop(qwen3_checkpoint, tokenizer, chat_file, tmp_path, loss_chunks,
+                                               states_on):
+    """loss_chunks > 1: the reference loop uses the same chunked loss (bitwise only against that);
+    optimizer_states='host': the reference keeps torch's AdamW on the device."""
     settings = dict(steps=2, seq_len=SEQ_LEN, batch_size=2, grad_accum=2, lr=2e-2, schedule="linear", warmup=0,
-                    weight_decay=0.01, max_grad_norm=0.5, seed=11)
-    trainer = PorosTrainer.from_pretrained(qwen3_checkpoint, **LORA, seed=11, output_dir=str(tmp_path / "out"))
+                    weight_decay=0.01, max_grad_norm=0.5, seed=11, optimizer_states=states_on)
+    trainer = PorosTrainer.from_pretrained(qwen3_checkpoint, **LORA, seed=11, output_dir=str(tmp_path / "out"),
+                                           loss_chunks=loss_chunks)
     result = trainer.train(chat_file, **settings)
+    assert (type(trainer.optimizer).__name__ == "HostAdamW") == (states_on == "host")
     # layer-major accumulation: block 0 crossed the link once per direction per step, not once per micro-batch
     assert trainer.model.store.stats.fetches[0] == 2 * 2
 
@@ -146,6 +155,7 @@ def test_training_is_bitwise_a_plain_peft_loop(qwen3_checkpoint, tokenizer, chat
                                   task_type="CAUSAL_LM")
     torch.manual_seed(11)
     reference = peft.get_peft_model(model, lora_config)
+    use_chunked_loss(reference, loss_chunks)
     reference.train()
     parameters = list(adapters(reference).values())
     optimizer = torch.optim.AdamW(parameters, lr=2e-2, weight_decay=0.01)
@@ -291,7 +301,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(qwen3_checkpoint, chat_f
         return real_save(obj, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OutputDirError, match="disk full.*earlier saves are intact"):  # the OSError, as a PorosError
         trainer.train(chat_file, **settings)
     monkeypatch.undo()
     assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]

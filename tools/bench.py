@@ -121,6 +121,9 @@ SHAPES: dict[str, Shape] = {
     # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
     "qwen2.5-7b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-7B",
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_sliding_window=False)),
+    # https://huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json
+    "qwen2.5-14b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-14B",
+        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
     # https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
     "qwen2.5-32b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-32B",
         extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
@@ -355,14 +358,19 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
-            forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None) -> ArmResult:
+            forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None,
+            optimizer_states: str = "device") -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
     given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch.
-    ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing."""
+    ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing.
+    ``optimizer_states="host"``: ``poros.HostAdamW`` (the state in pinned host memory) instead of
+    ``torch.optim.AdamW``."""
+    from poros.stream.host_optimizer import adamw
+
     result = ArmResult(name)
     params = [p for _, p in named_params]
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    optimizer = adamw(params, optimizer_states=optimizer_states, lr=lr)
     free_memory(device)
     if device.type == "cuda":
         if vram_limit_gb is not None:
@@ -687,8 +695,13 @@ def restore(named_params, initial: dict[str, torch.Tensor]) -> None:
 def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"), device: torch.device, warmup: int, lr: float = 1e-3,
                  vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
-                 compute=None, link_bytes_per_s: float | None = None, timeline: bool = False) -> dict[str, Any]:
+                 compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
+                 optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
+                 loss_chunks: int = 1) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
+
+    ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
+    ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all).
 
     ``vram_budget`` goes to ``poros.prepare`` (the planner picks slots and resident blocks); the
     poros arm records the planner's prediction for the setup prepare made (``prediction``: peak,
@@ -700,18 +713,23 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
     device = resolve_device(device, with_index=True)
     named = trainable(peft_model)
     initial = snapshot(named)
+
+    def limit(arm: str) -> float | None:
+        return vram_limit_gb if capped_arms is None or arm in capped_arms else None
+
     results: dict[str, ArmResult] = {}
     for name in ("resident", "control"):
         if name in arms:
             restore(named, initial)
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
-                                    vram_limit_gb=vram_limit_gb, grad_accum=grad_accum, profile=profile)
+                                    vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile)
     if "poros" in arms:
         restore(named, initial)
         results["poros"], handle = run_poros_arm(
-            peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=vram_limit_gb,
+            peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit("poros"),
             num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile, vram_budget=vram_budget,
-            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline)
+            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline, optimizer_states=optimizer_states,
+            loss_chunks=loss_chunks)
         if handle is None:
             return {"arms": results, "comparison": None}
     return {"arms": results, "comparison": compare(results, warmup)}
@@ -720,7 +738,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
 def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
                   vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
-                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False):
+                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
+                  optimizer_states: str = "device", loss_chunks: int = 1):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -734,15 +753,18 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
 
     peft_model.get_base_model().activation_checkpointing_disable()
     batch, seq = batches[0]["input_ids"].shape
-    workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule)
+    workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule,
+                                loss_chunks=loss_chunks)
     try:
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
-                                 workload=workload if vram_budget is not None else None)
+                                 workload=workload if vram_budget is not None else None,
+                                 optimizer_states=optimizer_states)
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
     try:  # the planner's prediction for this setup, recorded next to the measurement
-        prediction = predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s)
+        prediction = predict_prepared(streamed, workload, compute=compute, link_bytes_per_s=link_bytes_per_s,
+                                      optimizer_states=optimizer_states)
     except Exception as exc:  # noqa: BLE001 - a planner bug must not cost the measurement
         prediction = {"error": f"{type(exc).__name__}: {exc}"}
     store = streamed.store
@@ -751,7 +773,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                      vram_limit_gb=vram_limit_gb, on_timed_start=store.stats.reset, grad_accum=grad_accum,
                      forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
                      profile=profile, step_hooks=copies.hooks(warmup) if copies else None,
-                     timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)})
+                     timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)},
+                     optimizer_states=optimizer_states)
     if copies is not None:
         copies.detach()
         result.extra["copy_timeline"] = copies.summary()
@@ -1002,6 +1025,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8")
     parser.add_argument("--vram-limit", type=float, metavar="GB",
                         help="cap the process (set_per_process_memory_fraction) during each arm's steps")
+    parser.add_argument("--cap-arms", help="comma list of the arms --vram-limit caps (default: every arm), e.g. "
+                                           "poros: the reference runs uncapped for the parity check")
+    parser.add_argument("--loss-chunks", type=int, default=1, metavar="N",
+                        help="both arms compute the loss over N token chunks (poros.stream.chunked_loss; bitwise "
+                             "between the arms, numerically HF's default loss); 1: HF's loss")
+    parser.add_argument("--optimizer-states", default="device", choices=("device", "host"),
+                        help="Poros arm: AdamW's state on the device (torch.optim.AdamW) or in pinned host memory "
+                             "(poros.HostAdamW, stepped a chunk at a time); the reference keeps torch's AdamW")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
                         help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks")
@@ -1052,7 +1083,7 @@ def main(argv=None) -> int:
         from poros.stream import planner
 
         compute = probe.probe_compute(
-            config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule), device,
+            config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule, args.loss_chunks), device,
             compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
             lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)
             else targets)
@@ -1062,6 +1093,10 @@ def main(argv=None) -> int:
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
                         attn_implementation=args.attn, experts_implementation=args.experts)
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
+    if args.loss_chunks > 1:  # on the model both arms run, so the parity check compares like with like
+        from poros.stream.chunked_loss import use_chunked_loss
+
+        use_chunked_loss(peft_model, args.loss_chunks)
     free_memory(device)
     build_s = time.perf_counter() - start
     allocated = torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else None
@@ -1071,7 +1106,9 @@ def main(argv=None) -> int:
     outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
                            vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
-                           timeline=args.timeline,
+                           timeline=args.timeline, optimizer_states=args.optimizer_states,
+                           capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
+                           loss_chunks=args.loss_chunks,
                            link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
@@ -1080,6 +1117,8 @@ def main(argv=None) -> int:
             "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
+            "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
+            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,

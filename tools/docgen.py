@@ -16,9 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def accum_label(config: dict) -> str:
-    """A run's micro-batches per optimizer step, with the Poros schedule when there are several."""
+    """A run's micro-batches per optimizer step, with the Poros schedule when there are several, and
+    where the Poros arm kept AdamW's state when it was not the device, and a chunked loss."""
     accum = config.get("grad_accum", 1)
-    return str(accum) if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
+    label = str(accum) if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
+    label += ", AdamW state on the host" if config.get("optimizer_states") == "host" else ""
+    return label + (f", loss in {config['loss_chunks']} chunks" if config.get("loss_chunks", 1) > 1 else "")
 
 
 def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:

@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "consumer-gpus.md"
 SHAPES = ("qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-32b", "gemma3-27b", "gemma4-31b", "qwen3.6-27b")
 CARDS_GIB = (8, 12, 16, 24, 32)
+#: The small-card grid: the most common consumer cards x the Qwen2.5 sizes people fine-tune.
+SMALL_CARDS_GIB = (6, 8, 12, 16, 24)
+SMALL_CARD_SHAPES = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b")
 LINKS_GB_PER_S = {"PCIe 4": 25.0, "PCIe 5": 55.0}
 SEQ, BATCH, RANK = 512, 1, 16
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -97,14 +100,18 @@ def derived_compute(name: str):
                                         source="derived from the H200 resident step")
 
 
-def _plan(name: str, budget, link_gb_per_s: float | None = None):
+def _plan(name: str, budget, link_gb_per_s: float | None = None, optimizer_states: str = "device"):
+    """The planner's decision for ``name`` at ``budget``; ``optimizer_states="auto"`` is what
+    ``poros plan`` and ``prepare(vram_budget=...)`` ask (AdamW's state to the host only where nothing
+    fits with it on the device)."""
     from poros.stream import planner
 
     plan = shape_plan(name)
     return planner.plan_budget(
         plan.footprint(), planner.Workload(BATCH, SEQ), budget, embeddings_on_host=True,
         compute=derived_compute(name) if link_gb_per_s else None,
-        link_bytes_per_s=link_gb_per_s * 1e9 if link_gb_per_s else None, context_bytes=planner.CUDA_CONTEXT_BYTES)
+        link_bytes_per_s=link_gb_per_s * 1e9 if link_gb_per_s else None, context_bytes=planner.CUDA_CONTEXT_BYTES,
+        optimizer_states=optimizer_states)
 
 
 def _gb(nbytes: float) -> str:
@@ -150,16 +157,19 @@ def render_capped() -> str:
 
 def render_minimums() -> str:
     rows = ["| shape | blocks | block MB | minimum budget GB (1 slot) | with 2 slots GB | peak allocated GB (2 slots) "
+            "| minimum with AdamW state on the host GB (1 slot / 2 slots) "
             "| budget to hide the copy GB, PCIe 4 (blocks resident) | PCIe 5 | everything resident GB |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name in SHAPES:
         plan = shape_plan(name)
         base = _plan(name, 10**15)  # a budget that holds everything: all blocks resident
         hide = {label: _plan(name, 10**15, link) for label, link in LINKS_GB_PER_S.items()}
         pipelined = _plan(name, base.pipelined_minimum_bytes)
         cells = [f"{_gb(p.hide_copy_bytes)} ({p.hide_copy_resident})" for p in hide.values()]
+        host = _plan(name, 10**15, optimizer_states="host")
         rows.append(f"| {name} | {plan.num_blocks} | {plan.largest_block_bytes / 1e6:.0f} | {_gb(base.minimum_bytes)} | "
-                    f"{_gb(base.pipelined_minimum_bytes)} | {_gb(pipelined.peak.total)} | {' | '.join(cells)} | "
+                    f"{_gb(base.pipelined_minimum_bytes)} | {_gb(pipelined.peak.total)} | "
+                    f"{_gb(host.minimum_bytes)} / {_gb(host.pipelined_minimum_bytes)} | {' | '.join(cells)} | "
                     f"{_gb(base.needed_bytes)} |")
     return "\n".join(rows)
 
@@ -167,21 +177,67 @@ def render_minimums() -> str:
 def render_cards() -> str:
     from poros.errors import ConfigError
 
-    rows = ["| shape | card | fits | slots | resident blocks | peak allocated GB | needed GB | step s, PCIe 4 "
-            "(copy hidden) | step s, PCIe 5 (copy hidden) |", "|---|---|---|---|---|---|---|---|---|"]
+    from poros.stream import planner
+
+    rows = ["| shape | card | fits | AdamW state | slots | resident blocks | peak allocated GB | needed GB | step s, "
+            "PCIe 4 (copy hidden) | step s, PCIe 5 (copy hidden) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in SHAPES:
         for card in CARDS_GIB:
             budget = f"{card}GiB"
             try:
-                plans = [_plan(name, budget, link) for link in LINKS_GB_PER_S.values()]
+                plans = [_plan(name, budget, link, "auto") for link in LINKS_GB_PER_S.values()]
             except ConfigError:
-                minimum = _plan(name, 10**15).minimum_bytes
-                rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - |")
+                minimum = planner.minimum_budget(shape_plan(name).footprint(), planner.Workload(BATCH, SEQ),
+                                                 context_bytes=planner.CUDA_CONTEXT_BYTES, optimizer_states="auto")
+                rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - | - |")
                 continue
             plan = plans[0]
             steps = " | ".join(f"{p.step.step_s:.2f} ({'yes' if p.step.copy_hidden else 'no'})" for p in plans)
-            rows.append(f"| {name} | {card} GiB | yes | {plan.num_slots} | {len(plan.resident_blocks)} of "
+            rows.append(f"| {name} | {card} GiB | yes | {plan.optimizer_states} | {plan.num_slots} | "
+                        f"{len(plan.resident_blocks)} of "
                         f"{plan.num_blocks} | {_gb(plan.peak.total)} | {_gb(plan.needed_bytes)} | {steps} |")
+    return "\n".join(rows)
+
+
+def render_small_cards() -> str:
+    """The small-card grid as ``poros plan --vram-budget`` decides it (AdamW's state to the host where
+    the slot ring does not fit with it on the device); a measured column where a capped H200 record
+    has that shape, cap and AdamW placement."""
+    from poros.errors import ConfigError
+    from poros.stream import planner
+
+    measured = {}
+    for path, record in capped_records():
+        config = record["config"]
+        if config.get("grad_accum", 1) == 1 and config["seq"] == SEQ and not config.get("vram_budget"):
+            key = (config["model"], float(config["vram_limit_gb"]), config.get("optimizer_states", "device"))
+            measured.setdefault(key, (path, record))
+    timed = reference_records()
+    rows = ["| shape | card | fits (predicted) | AdamW state | slots | resident blocks | predicted peak allocated GB "
+            "| predicted step s, PCIe 4 / PCIe 5 | measured under that cap (H200) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in SMALL_CARD_SHAPES:
+        for card in SMALL_CARDS_GIB:
+            try:
+                plan = _plan(name, f"{card}GiB", optimizer_states="auto")
+            except ConfigError:
+                minimum = planner.minimum_budget(shape_plan(name).footprint(), planner.Workload(BATCH, SEQ),
+                                                 context_bytes=planner.CUDA_CONTEXT_BYTES, optimizer_states="auto")
+                rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - |")
+                continue
+            steps = "- (no H200 reference to derive compute from)"
+            if name in timed:
+                steps = " / ".join(f"{_plan(name, f'{card}GiB', link, 'auto').step.step_s:.2f}"
+                                   for link in LINKS_GB_PER_S.values())
+            found = measured.get((name, float(card), plan.optimizer_states))  # a cap of N GB on the N GiB row
+            cell = "not measured"
+            if found:
+                path, record = found
+                poros = record["arms"]["poros"]
+                chunks = record["config"].get("loss_chunks", 1)
+                cell = (f"{poros['peak_allocated_gb']:.2f} GB, {poros['median_step_s']:.3f} s"
+                        + (f", loss in {chunks} chunks" if chunks > 1 else "") + f" ({_link(path)})")
+            rows.append(f"| {name} | {card} GiB | yes | {plan.optimizer_states} | {plan.num_slots} | "
+                        f"{len(plan.resident_blocks)} of {plan.num_blocks} | {_gb(plan.peak.total)} | {steps} | {cell} |")
     return "\n".join(rows)
 
 
@@ -191,6 +247,7 @@ BLOCKS = {
     "capped": render_capped,
     "minimums": render_minimums,
     "cards": render_cards,
+    "small-cards": render_small_cards,
 }
 
 

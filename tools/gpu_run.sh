@@ -5,6 +5,8 @@
 #   tools/gpu_run.sh bench:qwen2.5-72b:layers=20 bench:qwen2.5-32b:seq=2048
 #   tools/gpu_run.sh bench:qwen2.5-32b:arms=poros:vram-limit=8 gate:only=gemma4,gemma4-moe:attn=eager
 #   tools/gpu_run.sh bench:qwen2.5-7b:layers=4:deterministic
+#   tools/gpu_run.sh bench:qwen2.5-72b:deterministic:optimizer-states=host:vram-limit=8:cap-arms=poros   # small cards
+#   tools/gpu_run.sh bench:qwen2.5-32b:deterministic:optimizer-states=host:loss-chunks=8:vram-limit=6:cap-arms=poros
 #   tools/gpu_run.sh doctor doctor:model=qwen2.5-32b
 #   tools/gpu_run.sh merge:qwen2.5-32b:layers=2 merge:qwen2.5-72b:layers=2
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
@@ -12,7 +14,8 @@
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
-# --model SHAPE: poros merge RAM/time and poros generate tokens/s), `load` (tools/load_check.py), `doctor`
+# --model SHAPE: poros merge RAM/time and poros generate tokens/s), `load` (tools/load_check.py), `eval`
+# (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
 # (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
 # `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds) or `ddp`
 # (tools/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`), each
@@ -145,11 +148,14 @@ main() {
       load)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.load_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+      eval)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.eval_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       doctor)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], load[:k=v...], doctor[:k=v...] or ddp[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], load[:k=v...], eval[:k=v...], doctor[:k=v...] or ddp[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

@@ -62,20 +62,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(command: str, error: BaseException) -> str:
+    """``poros train: error: DataError: <message on one line>`` -- the one line a failure prints."""
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"poros {command}: error: {type(error).__name__}: {message}"
+
+
+def _reinstall_hint() -> str:
+    from poros.cli.doctor import INSTALL_HINT
+
+    return f"{INSTALL_HINT}, then `poros doctor` to see what is installed."
+
+
+def _os_error_fix(error: OSError) -> str:
+    import errno
+
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free disk space, or pass an --output-dir on another disk"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "pass paths you can read and write, or fix their permissions"
+    return "check the path in the message"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 a Poros error, 2 a usage error)."""
+    """Run the CLI; returns the exit status (0 ok, 1 a Poros error, 2 a usage error).
+
+    A failure prints one line, ``poros COMMAND: error: ErrorClass: what was found ... Fix: ...``, and
+    no traceback; ``POROS_DEBUG=1`` re-raises it with its traceback instead.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    debug = os.environ.get("POROS_DEBUG", "").strip() not in ("", "0")
     try:
         return args.run(args)
-    except PorosError as exc:
-        print(f"poros {args.command}: error: {exc}", file=sys.stderr)
-        return 1
     except BrokenPipeError:  # `poros ... | head`: the reader left; exit quietly like other Unix tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except PorosError as exc:
+        if debug:
+            raise
+        print(error_line(args.command, exc), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"poros {args.command}: interrupted.", file=sys.stderr)
+        return 130
+    except ImportError as exc:  # a package of the train extra that this install lacks (a core-only install)
+        if debug:
+            raise
+        from poros.validation import RUN_PACKAGES, missing_dependency
+
+        package = (exc.name or "").partition(".")[0]
+        if package not in (*RUN_PACKAGES, "datasets"):
+            print(f"{error_line(args.command, exc)} -- a broken install? Fix: {_reinstall_hint()}", file=sys.stderr)
+            return 1
+        print(error_line(args.command, missing_dependency(f"poros {args.command}", [package])), file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file system error no check foresaw (a disk filled mid-run...)
+        if debug:
+            raise
+        print(f"{error_line(args.command, exc)}. Fix: {_os_error_fix(exc)}.", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug: one line, and how to get the traceback for the report
+        if debug:
+            raise
+        print(f"{error_line(args.command, exc)} -- this is a bug in Poros or a library it calls. Fix: rerun with "
+              "POROS_DEBUG=1 for the traceback and report it with the output of `poros doctor`.", file=sys.stderr)
         return 1
 
 

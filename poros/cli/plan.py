@@ -38,12 +38,12 @@ EPILOG = textwrap.dedent("""\
       $ poros plan --model ./ckpt --vram-budget 12GiB --device cpu --block-ms 6,12 --link-gb-per-s 25
 
       $ poros plan --model Qwen/Qwen2.5-72B --vram-budget 4GiB
-      poros plan: error: VRAM budget 4.29 GB is below the minimum for this run: it needs at least
+      poros plan: error: ConfigError: VRAM budget 4.29 GB is below the minimum for this run: it needs at least
       ... Raise the budget to at least ...
     """)
 
-USAGE = ("poros plan [-h] [CONFIG] [--KEY VALUE ...] [--block-ms FWD,BWD] [--head-ms MS] "
-         "[--link-gb-per-s GB] [--probe | --no-probe] [--json]")
+USAGE = ("poros plan [-h] [CONFIG] [--KEY VALUE ...] [--block-ms FWD,BWD] [--head-ms MS] [--verbose] "
+         "[--link-gb-per-s GB] [--probe | --no-probe] [--nproc-per-node N] [--json]")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -70,6 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="data parallel over N ranks per node: plan each GPU for its share of batch_size, and "
                              "report the host RAM of the node")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the known third-party notices Poros hides (see poros.noise)")
     parser.set_defaults(run=run)
     from poros.cli.arguments import keep_unknown_arguments
 
@@ -99,11 +101,15 @@ def parse_block_ms(text: str) -> tuple[float, float]:
 
 def run(args: argparse.Namespace) -> int:
     import sys
+    from dataclasses import asdict
     from pathlib import Path
 
-    import torch
+    from poros.noise import quiet_known_noise
+    from poros.validation import require_run_packages
 
-    from dataclasses import asdict
+    quiet_known_noise(verbose=args.verbose)
+    require_run_packages("poros plan")
+    import torch
 
     from poros import probe
     from poros.cli.arguments import load_config
@@ -117,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
     from poros.stream.placement import embeddings_on_host
 
     config = load_config(list(getattr(args, "arguments", [])))
-    device = resolve_device(config.device)
+    # the budget, the probe and the link measurement need the GPU itself; all three given, a CUDA run is
+    # planned on any machine
+    given_all = config.vram_budget is not None and args.block_ms is not None and args.link_gb_per_s is not None
+    device = resolve_device(config.device, check=not given_all)
     on_cuda = device.type == "cuda"
     budget = config.vram_budget
     if budget is None:
@@ -128,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(config)
     ranks = args.nproc_per_node
     per_rank_batch = check_batch_divides(config.batch_size, ranks)  # each GPU runs its share of the batch
-    workload = planner.Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule)
+    workload = planner.Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule,
+                                config.loss_chunks)
 
     compute = link = None
     link_source = None
@@ -160,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     on_host = embeddings_on_host(config.embeddings_on_host, device)
     budget_plan = planner.plan_budget(
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
-        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0)
+        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0,
+        optimizer_states=config.optimizer_states)
     node = node_host_ram(plan.footprint(), ranks, on_host)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,

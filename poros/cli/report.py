@@ -101,6 +101,8 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
         ("embedding tables", "host" if bp.embeddings_on_host else "device"),
         ("boundary states", f"{bp.boundary_states} ({gb(bp.boundary_bytes)}"
                             + ("; pinned, in flight on the device" if bp.boundary_states == "host" else "") + ")"),
+        ("AdamW state", bp.optimizer_states + ("; pinned, stepped a chunk at a time" if bp.optimizer_states == "host"
+                                               else "")),
         ("head", "device (head streaming not implemented)"),
     ]
     memory = [(name, n) for name, n in (*bp.peak.persistent, *bp.peak.transient) if n]

@@ -3,8 +3,8 @@
 ``poros train`` alone trains the bundled tiny Qwen3 on the bundled chat data on the CPU, so a
 fresh install can go from nothing to a saved adapter without a download or a GPU.
 Exit status: 0 trained and saved (or ``--dry-run`` printed the plan), 1 a Poros error (a bad
-config value or override, a missing checkpoint...), 2 a usage error, 130 interrupted (the
-checkpoint written on the interrupt is printed with the command that resumes it).
+config value or override, a missing checkpoint, an output_dir in use...), 2 a usage error, 130
+interrupted (the checkpoint written on the interrupt is printed with the command that resumes it).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ EPILOG = textwrap.dedent("""\
       $ poros train --steps 20 --output-dir /tmp/tiny-lora
       $ poros train poros.yaml                       # the file written by `poros init`
       $ poros train poros.yaml --model Qwen/Qwen2.5-7B --dataset data/chat.jsonl --seq-len 1024
+      $ poros train --eval-split 0.1 --eval-steps 50 --report-to tensorboard   # held-out eval_loss
 
       $ poros train --nproc-per-node 2 --batch-size 4   # 2 ranks (torch.distributed.run), 2 rows each
       $ torchrun --nproc-per-node 8 -m poros train poros.yaml    # the same, started by torchrun
@@ -52,11 +53,11 @@ EPILOG = textwrap.dedent("""\
       ...
 
       $ poros train poros.yaml --stpes 10
-      poros train: error: unknown override --stpes: PorosConfig has no field 'stpes'; did you mean
+      poros train: error: ConfigError: unknown override --stpes: PorosConfig has no field 'stpes'; did you mean
       'steps'? ...
     """)
 
-USAGE = "poros train [-h] [--dry-run] [--nproc-per-node N] [CONFIG] [--KEY VALUE ...]"
+USAGE = "poros train [-h] [--dry-run] [--verbose] [--nproc-per-node N] [CONFIG] [--KEY VALUE ...]"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -72,6 +73,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config and print the memory plan (from config.json only) without "
                              "loading weights or training")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the known third-party notices Poros hides (see poros.noise)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="data parallel: start N ranks on this node through torch.distributed.run (the "
                              "launcher torchrun is); each streams its own blocks, rank 0 writes. Multi-node: "
@@ -82,20 +85,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    arguments = list(getattr(args, "arguments", []))
-    config = load_config(arguments)  # a bad config fails here, before any rank starts
-    if args.nproc_per_node is not None and args.nproc_per_node > 1 and not args.dry_run:
-        from poros import distributed
+    import shlex
 
-        if not distributed.launched_by_torchrun():
-            return distributed.launch(args.nproc_per_node, ["train", *arguments])
+    from poros import distributed, run_lock
+    from poros.noise import quiet_known_noise
+    from poros.validation import require_run_packages, validate_run
+
+    quiet_known_noise(verbose=getattr(args, "verbose", False))
+    arguments = list(getattr(args, "arguments", []))
+    config = load_config(arguments)
+    require_run_packages("poros train" + (" --dry-run" if args.dry_run else ""))
+    validate_run(config, dry_run=args.dry_run)  # before any weight is read, and before any rank starts
     if args.dry_run:
         return dry_run(config)
-    from poros.distributed import world
-
-    ranks = world().local_size if world().distributed else 1  # the resume command starts as many ranks
-    return train(config, launch_command=["poros", "train", *(["--nproc-per-node", str(ranks)] if ranks > 1 else []),
-                                         *arguments])
+    if args.nproc_per_node is not None and args.nproc_per_node > 1 and not distributed.launched_by_torchrun():
+        return distributed.launch(args.nproc_per_node, ["train", *(["--verbose"] if args.verbose else []), *arguments])
+    world = distributed.world()
+    if world.distributed:  # every rank refuses a batch the ranks do not divide before anything is written
+        distributed.check_batch_divides(config.batch_size, world.size)
+    ranks = world.local_size if world.distributed else 1  # the resume command starts as many ranks
+    launch_command = ["poros", "train", *(["--nproc-per-node", str(ranks)] if ranks > 1 else []), *arguments]
+    # one run per output_dir, through the final save (data parallel: rank 0 holds it for the job's ranks)
+    with run_lock.hold(config.output_dir, command=shlex.join(launch_command)):
+        return train(config, launch_command=launch_command)
 
 
 def dry_run(config) -> int:

@@ -76,27 +76,16 @@ class BatchIterator:
     def next_batch(self) -> dict[str, Any]:
         """The next batch: ``input_ids``, ``attention_mask`` and ``labels``, int64 tensors ``[batch, longest]``.
 
-        Padding is on the right: ``pad_token_id`` in ``input_ids``, 0 in ``attention_mask``,
-        -100 in ``labels``. After the last full batch of an epoch the next epoch starts.
+        Padding is on the right (see :func:`collate`). After the last full batch of an epoch the
+        next epoch starts.
         """
-        import torch
-
         if self.position + self.batch_size > self.num_examples:
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
         if self._order is None:
             self._order = self.epoch_order(self.epoch)
         rows = [self.examples[i] for i in self._order[self.position: self.position + self.batch_size]]
         self.position += self.batch_size
-        longest = max(len(row["input_ids"]) for row in rows)
-        input_ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.int64)
-        attention_mask = torch.zeros((len(rows), longest), dtype=torch.int64)
-        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64)
-        for row_index, row in enumerate(rows):
-            length = len(row["input_ids"])
-            input_ids[row_index, :length] = torch.tensor(row["input_ids"], dtype=torch.int64)
-            attention_mask[row_index, :length] = 1
-            labels[row_index, :length] = torch.tensor(row["labels"], dtype=torch.int64)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return collate(rows, self.pad_token_id)
 
     def __iter__(self):
         return self
@@ -138,4 +127,33 @@ class BatchIterator:
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
 
 
-__all__ = ["BatchIterator"]
+def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int) -> dict[str, Any]:
+    """One batch of ``rows``: ``input_ids``, ``attention_mask`` and ``labels``, int64 ``[len(rows), longest]``.
+
+    Padding is on the right: ``pad_token_id`` in ``input_ids``, 0 in ``attention_mask``, -100 in
+    ``labels``.
+    """
+    import torch
+
+    longest = max(len(row["input_ids"]) for row in rows)
+    input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(rows), longest), dtype=torch.int64)
+    labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64)
+    for row_index, row in enumerate(rows):
+        length = len(row["input_ids"])
+        input_ids[row_index, :length] = torch.tensor(row["input_ids"], dtype=torch.int64)
+        attention_mask[row_index, :length] = 1
+        labels[row_index, :length] = torch.tensor(row["labels"], dtype=torch.int64)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def pad_token_id(tokenizer: Any, model_config: Any) -> int:
+    """The id padding is written with: the tokenizer's pad (else its eos) token, else the model config's pad, else 0."""
+    if tokenizer is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is not None:
+            return pad
+    return getattr(model_config, "pad_token_id", None) or 0
+
+
+__all__ = ["BatchIterator", "collate", "pad_token_id"]

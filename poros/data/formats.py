@@ -59,6 +59,22 @@ SHAREGPT_ROLES = {
     "system": "system",
     "tool": "tool", "function": "tool", "observation": "tool",
 }
+#: the roles chat templates know; another role in a ``messages`` column is named in errors.
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer", "ipython"})
+
+
+def unknown_roles(examples: Iterable[Example]) -> list[str]:
+    """The message roles of conversation examples that are not :data:`CHAT_ROLES`, sorted."""
+    return sorted({message["role"] for example in examples for message in example.messages} - CHAT_ROLES)
+
+
+def unknown_roles_hint(roles: Sequence[str]) -> str:
+    """The fix for conversations whose roles are not chat roles (e.g. ShareGPT's human/gpt in 'messages')."""
+    return (f"the roles {list(roles)} are not chat roles (expected user, assistant, system, tool); only 'assistant' "
+            "turns are trained. Fix: map them to user/assistant (ShareGPT's human -> user, gpt -> assistant), or "
+            "store ShareGPT data under 'conversations' with 'from'/'value' keys, which Poros maps itself")
+
+
 #: oasst1 ``role`` values -> chat roles.
 OASST1_ROLES = {"prompter": "user", "assistant": "assistant"}
 
@@ -351,4 +367,5 @@ def to_examples(records: Sequence[Mapping[str, Any]], fmt: str) -> list[Example]
     return examples
 
 
-__all__ = ["FORMATS", "FORMAT_HELP", "Example", "detect_format", "to_examples"]
+__all__ = ["CHAT_ROLES", "FORMATS", "FORMAT_HELP", "Example", "detect_format", "to_examples", "unknown_roles",
+           "unknown_roles_hint"]

@@ -38,6 +38,12 @@ def _looks_like_path(name: str) -> bool:
             or name.count("/") > 1 or "\\" in name)
 
 
+def is_hub_id(source: Any) -> bool:
+    """A string :func:`load_records` would load from the Hugging Face hub (not bundled, not a path)."""
+    return (isinstance(source, str) and source not in (TINY_CHAT, SYNTHETIC)
+            and not pathlib.Path(source).expanduser().exists() and not _looks_like_path(source))
+
+
 def _check_records(records: list[Any], origin: str) -> list[dict[str, Any]]:
     if not records:
         raise DataError(f"{origin} has no records; expected at least one. Fix: point at a non-empty file or split")
@@ -81,8 +87,15 @@ def _read_json(text: str, path: pathlib.Path, split: str) -> list[Any]:
 
 
 def _read_csv(path: pathlib.Path) -> list[Any]:
+    csv.field_size_limit(2**31 - 1)  # a long conversation in one cell is data, not an error
     with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: Excel's "CSV UTF-8" starts with a BOM
-        return list(csv.DictReader(handle))
+        records = list(csv.DictReader(handle))
+    for number, record in enumerate(records, start=2):
+        if None in record:  # DictReader keeps a row's extra cells under the key None
+            raise DataError(f"{path}: row {number} has more cells than the header has columns "
+                            f"({sorted(k for k in record if k is not None)}); expected one cell per column. Fix: quote "
+                            "cells that contain commas, or fix that row")
+    return records
 
 
 def read_local_file(path: str | os.PathLike, *, split: str = "train") -> list[dict[str, Any]]:
@@ -111,11 +124,21 @@ def read_local_file(path: str | os.PathLike, *, split: str = "train") -> list[di
         raise DataError(f"cannot read {path}: the suffix {suffix or '(none)'!r} is not one Poros reads; expected "
                         f"{', '.join(LOCAL_SUFFIXES)}. Fix: convert it (pandas: df.to_json('data.jsonl', "
                         "orient='records', lines=True)), or load it with datasets and pass the Dataset")
-    if suffix == ".csv":
-        records = _read_csv(path)
-    else:
-        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (Notepad) is not data
-        records = _read_json_lines(text, path) if suffix == ".jsonl" else _read_json(text, path, split)
+    try:
+        if suffix == ".csv":
+            records = _read_csv(path)
+        else:
+            text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark (Notepad) is not data
+            records = _read_json_lines(text, path) if suffix == ".jsonl" else _read_json(text, path, split)
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not UTF-8 text: byte {error.object[error.start:error.start + 1]!r} at offset "
+                        f"{error.start} ({error.reason}); expected a UTF-8 file. Fix: re-save it as UTF-8 (e.g. "
+                        f"iconv -f latin1 -t utf-8 {path.name} > fixed{suffix})") from None
+    except csv.Error as error:
+        raise DataError(f"{path} is not valid CSV ({error}); expected a header row and one record per row. Fix the "
+                        "file, or save it as JSON lines (.jsonl)") from None
+    except OSError as error:
+        raise DataError(f"cannot read {path}: {error.strerror or error}. Fix: check the file's permissions") from None
     return _check_records(records, str(path))
 
 
@@ -132,6 +155,54 @@ def _from_datasets_object(source: Any, split: str) -> list[dict[str, Any]]:
     return _check_records(records, f"the {type(source).__name__}")
 
 
+def hub_dataset_cached(dataset_id: str) -> bool:
+    """Whether ``dataset_id`` has an entry in the HF hub cache or the ``datasets`` cache (nothing is read)."""
+    from huggingface_hub import constants
+
+    hub = pathlib.Path(constants.HF_HUB_CACHE) / f"datasets--{dataset_id.replace('/', '--')}"
+    datasets_cache = pathlib.Path(os.environ.get("HF_DATASETS_CACHE")
+                                  or pathlib.Path(constants.HF_HOME) / "datasets")
+    return hub.is_dir() or (datasets_cache / dataset_id.replace("/", "___")).is_dir()
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when offline is asked for (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) or the hub's host does
+    not answer one TCP connect within ``timeout`` seconds (no retries)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+           for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((endpoint.hostname or "huggingface.co",
+                                       endpoint.port or (80 if endpoint.scheme == "http" else 443)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def check_hub_dataset(dataset_id: str) -> None:
+    """Fail at once for a hub dataset that is neither cached nor reachable (instead of ~35 s of retries).
+
+    Raises:
+        DataError: not in the cache and the hub is unreachable or offline was asked for; the
+            message also covers a local file named without its suffix.
+    """
+    if hub_dataset_cached(dataset_id) or hub_reachable():
+        return
+    local = [str(p) for p in (pathlib.Path(dataset_id + s) for s in LOCAL_SUFFIXES) if p.is_file()]
+    raise DataError(
+        f"dataset {dataset_id!r} is not a local file and not in the Hugging Face cache, and the hub cannot be reached "
+        "(offline, or HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set). Fix: "
+        + (f"did you mean {local[0]!r}? Give the file with its suffix" if local else
+           f"a local file needs its suffix (e.g. {dataset_id}.jsonl); a hub dataset must be loaded once online "
+           f"(python -c \"import datasets; datasets.load_dataset({dataset_id!r})\"), or give the data as a local "
+           ".jsonl/.json/.csv file")
+    )
+
+
 def _from_hub(dataset_id: str, split: str) -> list[dict[str, Any]]:
     try:
         import datasets
@@ -139,6 +210,7 @@ def _from_hub(dataset_id: str, split: str) -> list[dict[str, Any]]:
         raise DataError(f"{dataset_id!r} is not a local file, so it would be loaded from the Hugging Face hub, but "
                         f"the datasets package is not installed ({error}). Fix: pip install 'poros-train[train]', or "
                         "pass a local .jsonl/.json/.csv file") from None
+    check_hub_dataset(dataset_id)
     try:
         loaded = datasets.load_dataset(dataset_id, split=split)
     except Exception as error:
@@ -184,9 +256,7 @@ def load_records(source: Any, *, split: str = "train") -> list[dict[str, Any]]:
     if isinstance(source, os.PathLike):
         return read_local_file(source, split=split)
     if isinstance(source, str):
-        if pathlib.Path(source).expanduser().exists() or _looks_like_path(source):
-            return read_local_file(source, split=split)
-        return _from_hub(source, split)
+        return _from_hub(source, split) if is_hub_id(source) else read_local_file(source, split=split)
     if _is_datasets_object(source):
         return _from_datasets_object(source, split)
     if isinstance(source, (list, tuple)):
@@ -248,4 +318,5 @@ def load_dataset(
     return data
 
 
-__all__ = ["LOCAL_SUFFIXES", "SYNTHETIC", "load_dataset", "load_records", "read_local_file"]
+__all__ = ["LOCAL_SUFFIXES", "SYNTHETIC", "check_hub_dataset", "hub_dataset_cached", "hub_reachable", "is_hub_id",
+           "load_dataset", "load_records", "read_local_file"]

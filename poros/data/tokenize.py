@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from poros.data.formats import Example
+from poros.data.formats import Example, unknown_roles, unknown_roles_hint
 from poros.errors import DataError
 
 logger = logging.getLogger("poros.data")
@@ -342,15 +342,21 @@ def tokenize_examples(
             "<think> from past assistant turns), so %d multi-turn conversations became one example per assistant "
             "turn. To train them whole, pass chat_template= a template that renders every turn the same way "
             "(for Qwen3: trl/chat_templates/qwen3_training.jinja)", conversations.split)
+    reasons = []
+    if untrainable:
+        reasons.append(f"{untrainable} had nothing to train on (a conversation needs an assistant message "
+                       "after its first message)")
+        roles = unknown_roles(examples)
+        if roles:
+            reasons.append(unknown_roles_hint(roles))
+    if first_trainable:
+        reasons.append(f"{len(first_trainable)} start their first trainable token beyond seq_len={seq_len} (the "
+                       f"shortest context before it is {min(first_trainable)} tokens: raise seq_len above that)")
     if not kept:
-        reasons = []
-        if untrainable:
-            reasons.append(f"{untrainable} had nothing to train on (a conversation needs an assistant message "
-                           "after its first message)")
-        if first_trainable:
-            reasons.append(f"{len(first_trainable)} start their first trainable token beyond seq_len={seq_len} (the "
-                           f"shortest context before it is {min(first_trainable)} tokens: raise seq_len above that)")
         raise DataError(f"no trainable tokens in any of the {len(examples)} examples: {'; '.join(reasons)}")
+    if reasons:
+        logger.warning("poros: dropped %d of %d examples: %s", untrainable + len(first_trainable), len(examples),
+                       "; ".join(reasons))
     return TokenizedData(kept, fmt or _format_of(examples), num_dropped=untrainable + len(first_trainable),
                          num_truncated=num_truncated)
 

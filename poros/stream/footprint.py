@@ -155,7 +155,7 @@ class BlockShapes:
 
 
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
-                     attn_implementation: str | None) -> tuple[int, int, int]:
+                     attn_implementation: str | None, loss_chunks: int = 1) -> tuple[int, int, int]:
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
@@ -166,7 +166,9 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
       dequantized to the compute dtype (bitsandbytes dequantizes one weight at a time, in forward
       and again in backward); plus, for eager attention, scores, probabilities and their gradient.
     * head: the logits in the compute dtype plus the fp32 loss working set
-      (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors.
+      (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
+      ``loss_chunks`` N > 1 (:mod:`poros.stream.chunked_loss`): the logits and their gradient in
+      the compute dtype, and the fp32 working set of one chunk.
     """
     tokens = batch_size * seq_len
     boundary = tokens * shapes.hidden_size * value_bytes
@@ -175,7 +177,9 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
     if attn_implementation == "eager":
         recompute += 3 * batch_size * shapes.num_attention_heads * seq_len * seq_len * value_bytes
     logits = tokens * shapes.vocab_size
-    head = logits * (value_bytes + LOSS_BYTES_PER_LOGIT) + (2 * logits * value_bytes if shapes.logit_softcapping else 0)
+    loss = (logits * LOSS_BYTES_PER_LOGIT if loss_chunks == 1
+            else logits * value_bytes + -(-logits // loss_chunks) * LOSS_BYTES_PER_LOGIT)
+    head = logits * value_bytes + loss + (2 * logits * value_bytes if shapes.logit_softcapping else 0)
     return boundary, recompute, head
 
 
@@ -197,7 +201,7 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
     boundary, recompute, head = activation_bytes(
         BlockShapes.of(layers, config), batch_size=workload.batch_size, seq_len=workload.seq_len,
         value_bytes=torch.empty((), dtype=compute_dtype, device="meta").element_size(),
-        attn_implementation=getattr(config, "_attn_implementation", None))
+        attn_implementation=getattr(config, "_attn_implementation", None), loss_chunks=workload.loss_chunks)
     return Footprint(
         block_bytes=tuple(packed_block_bytes(layers) if block_bytes is None else block_bytes),
         device_non_block_bytes=sum(t.numel() * t.element_size() for k, t in outside.items() if k not in tables),
@@ -208,9 +212,9 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
     )
 
 def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | None = None,
-                     link_bytes_per_s: float | None = None) -> dict[str, Any]:
+                     link_bytes_per_s: float | None = None, optimizer_states: str = "device") -> dict[str, Any]:
     """What the planner predicts for a :class:`~poros.model.PorosModel` as :func:`poros.prepare` set it
-    up (its slots, resident blocks and embedding placement): the peak and its parts, the copy bytes
+    up (its slots, resident blocks and embedding placement; AdamW's state where the run keeps it): the peak and its parts, the copy bytes
     per step, and with compute times and a link the step. ``tools/bench.py`` records it next to
     what it measures."""
     store = model.store
@@ -223,7 +227,8 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
     slots = max(store.num_slots, 1)
     peak = predict_peak(footprint, workload, resident=resident, num_slots=slots,
                         embeddings_on_host=bool(model.host_tables),
-                        boundary_on_host=model.executor.boundary_states == "host")
+                        boundary_on_host=model.executor.boundary_states == "host",
+                        optimizer_on_host=optimizer_states == "host")
     step = None
     if compute is not None and link_bytes_per_s:
         step = predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s, resident=resident,
@@ -238,7 +243,7 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
 def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module], *,
                    budget: str | int, workload: Workload, device: torch.device, compute_dtype: torch.dtype,
                    num_slots: int = 2, embeddings_on_host: bool | None = None,
-                   boundary_states: str | None = None) -> BudgetPlan:
+                   boundary_states: str | None = None, optimizer_states: str = "auto") -> BudgetPlan:
     """:func:`plan_budget` for a loaded model (what ``prepare(vram_budget=...)`` asks); no compute
     times, so the plan fills the budget with resident blocks.
 
@@ -249,7 +254,7 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                                    compute_dtype=compute_dtype)
     return plan_budget(footprint, workload, budget, num_slots=num_slots, embeddings_on_host=embeddings_on_host,
                        context_bytes=CUDA_CONTEXT_BYTES if device.type == "cuda" else 0,
-                       boundary_states=boundary_states)
+                       boundary_states=boundary_states, optimizer_states=optimizer_states)
 
 
 __all__ = ["LOSS_BYTES_PER_LOGIT", "BlockShapes", "activation_bytes", "block_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]

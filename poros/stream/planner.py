@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 from poros.config import parse_budget
 from poros.errors import ConfigError
+from poros.stream import optimizer_states as adamw_states
 from poros.stream.placement import check_boundary_states
 
 #: LoRA tensors are fp32 (PEFT upcasts adapters of a 4-bit base): parameter + gradient + AdamW exp_avg
@@ -79,6 +80,7 @@ class Workload:
             per step) or ``"layer-major"`` (:meth:`~poros.model.PorosModel.forward_backward`: each
             block once per direction for all M micro-batches, whose M x L boundary states stay on
             the device).
+        loss_chunks: the loss over this many token chunks (``PorosConfig.loss_chunks``; 1: HF's).
 
     Raises:
         ConfigError: a size below 1 or an unknown schedule.
@@ -88,9 +90,10 @@ class Workload:
     seq_len: int = 512
     grad_accum: int = 1
     schedule: str = "micro-major"
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "grad_accum"):
+        for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"Workload {name}={getattr(self, name)!r}: expected an integer >= 1.")
         if self.schedule not in SCHEDULES:
@@ -172,7 +175,8 @@ class PeakBreakdown:
 
 
 def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable[int] = (), num_slots: int = 2,
-                 embeddings_on_host: bool = True, boundary_on_host: bool = False) -> PeakBreakdown:
+                 embeddings_on_host: bool = True, boundary_on_host: bool = False,
+                 optimizer_on_host: bool = False) -> PeakBreakdown:
     """The peak allocated device bytes of a step: the largest of its three phases.
 
     Persistent: the slot ring (``min(num_slots, streamed blocks)`` x the largest streamed block),
@@ -187,6 +191,8 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
       (micro-major frees each as its block is done, so the larger of L x B at the first backward
       block and G at the last; layer-major keeps all M x L until the step's backward is over);
     * **optimizer**: G + AdamW's temporary (one more copy of the LoRA parameters).
+
+    ``optimizer_on_host``: AdamW's state in host memory (``HostAdamW``), only chunks in flight on the device.
 
     ``boundary_on_host`` (layer-major): the boundary states wait in host memory; on the device
     only the M prelude outputs (HF's graph holds them) and those in flight: at the turn each
@@ -203,7 +209,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         (f"resident blocks ({len(resident)})", sum(footprint.block_bytes[i] for i in resident)),
         ("modules outside the blocks (head, norms)", footprint.device_non_block_bytes),
         ("embedding tables", 0 if embeddings_on_host else footprint.host_embedding_bytes),
-        ("LoRA parameters + AdamW state", 3 * lora),
+        adamw_states.persistent_bytes(lora, states_on_host=optimizer_on_host),
         ("library workspaces", footprint.workspace_bytes),
     ]
     micro, blocks = workload.grad_accum, footprint.num_blocks
@@ -228,7 +234,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         last_block = 2 * boundary + lora
         backward = [("boundary states and LoRA gradients still held", max(first_block, last_block)),
                     ("one block's recompute working set", footprint.recompute_bytes)]
-    optimizer = [("LoRA gradients", lora), ("AdamW temporary", lora)]
+    optimizer = adamw_states.step_bytes(lora, states_on_host=optimizer_on_host)
     phases = {"head and loss (forward-backward turn)": turn, "block recompute and backward": backward,
               "optimizer step": optimizer}
     phase = max(phases, key=lambda name: sum(n for _, n in phases[name]))
@@ -413,6 +419,7 @@ class BudgetPlan:
         hide_copy_bytes, hide_copy_peak_bytes: the budget that plan needs, and its peak allocated.
         hide_copy_step: that plan's step prediction.
         notes: the decisions, in words.
+        optimizer_states: where AdamW's state lives: ``"device"``, or ``"host"`` (``HostAdamW``; asked, or no ring fit).
     """
 
     budget_bytes: int
@@ -440,6 +447,7 @@ class BudgetPlan:
     hide_copy_peak_bytes: int | None
     hide_copy_step: StepPrediction | None
     notes: tuple[str, ...]
+    optimizer_states: str = "device"
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -448,6 +456,7 @@ class BudgetPlan:
                     else f"no resident block of {self.num_blocks}")
         step = f", predicted step {self.step.step_s:.3f} s" if self.step else ""
         boundary = ", boundary states on the host" if self.boundary_states == "host" else ""
+        boundary += ", AdamW state on the host" if self.optimizer_states == "host" else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
                 f"{'s' if self.num_slots != 1 else ''}, embeddings on the {'host' if self.embeddings_on_host else 'device'}"
                 f"{boundary}"
@@ -465,17 +474,20 @@ class BudgetPlan:
 
 
 def _fits_plan(footprint: Footprint, workload: Workload, resident: int, slots: int, on_host: bool,
-               context_bytes: int, slack: float, boundary_on_host: bool = False) -> tuple[PeakBreakdown, int]:
+               context_bytes: int, slack: float, boundary_on_host: bool = False,
+               optimizer_on_host: bool = False) -> tuple[PeakBreakdown, int]:
     last = footprint.num_blocks
     peak = predict_peak(footprint, workload, resident=range(last - resident, last), num_slots=slots,
-                        embeddings_on_host=on_host, boundary_on_host=boundary_on_host)
+                        embeddings_on_host=on_host, boundary_on_host=boundary_on_host,
+                        optimizer_on_host=optimizer_on_host)
     return peak, budget_for_peak(peak.total, context_bytes=context_bytes, slack=slack)
 
 
 def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, num_slots: int = 2,
                 embeddings_on_host: bool | None = None, compute: ComputeTimes | None = None,
                 link_bytes_per_s: float | None = None, context_bytes: int = 0,
-                slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None) -> BudgetPlan:
+                slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None,
+                optimizer_states: str = "device") -> BudgetPlan:
     """Decide slots, resident blocks, embedding and boundary-state placement for ``budget``;
     predict peak and step.
 
@@ -497,6 +509,8 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         slack: allocator slack, a fraction of the peak.
         boundary_states: ``"device"`` or ``"host"`` to force where layer-major keeps its boundary
             states; None lets the budget decide.
+        optimizer_states: ``"device"`` (torch.optim.AdamW), ``"host"`` (``HostAdamW``) or ``"auto"``
+            (the host only when the ring does not fit with it on the device; ``PorosConfig.optimizer_states``).
 
     Raises:
         ConfigError: an unparsable budget, or a budget below the minimum (the message names the
@@ -506,13 +520,21 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     if num_slots < 1:
         raise ConfigError(f"num_slots={num_slots}: expected an integer >= 1 (2 overlaps copy and compute).")
     check_boundary_states(boundary_states)
+    adamw_states.check(optimizer_states)
     blocks = footprint.num_blocks
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
 
     layer_major = workload.schedule == "layer-major"
+    # 'auto': the host only when the ring asked for does not fit (see adamw_states.choose)
+    boundary_placements = {"device": (False,), "host": (True,)}.get(boundary_states, (False, layer_major))
+    states = adamw_states.choose(optimizer_states, lambda: any(
+        _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, boundary)[1] <= budget_bytes
+        for boundary in boundary_placements))
+    optimizer_on_host = states == "host"
 
     def sized(resident: int, slots: int, host: bool) -> tuple[PeakBreakdown, int]:
-        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host)
+        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host,
+                          optimizer_on_host)
 
     def fits(resident: int, slots: int, host: bool) -> int:
         return sized(resident, slots, host)[1]
@@ -555,8 +577,10 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         )
     # The ring first: a second slot overlaps every copy, a resident block saves one. So resident
     # blocks only with the ring asked for (as many slots as blocks still stream, at most); without
-    # room for it, fewer slots and nothing resident. A bigger budget never means fewer resident blocks.
-    fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes and not (auto_host and k)]
+    # room for it, fewer slots and nothing resident. A bigger budget never means fewer resident blocks
+    # (so an automatic host placement, boundary or AdamW state, keeps none).
+    automatic_host = auto_host or (optimizer_on_host and optimizer_states == "auto")
+    fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes and not (automatic_host and k)]
     slots, most = num_slots, max(fitting, default=0)
     while not fitting and slots > 1 and needs(0, slots)[1] > budget_bytes:
         slots -= 1
@@ -618,6 +642,9 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
                                  slack)
         if hint:
             notes.append(hint)
+    if optimizer_on_host:
+        notes.append(adamw_states.host_note(format_gb(2 * footprint.lora_parameter_bytes),
+                                            asked=optimizer_states == "host", num_slots=num_slots))
     notes.append("the head stays on the device (streaming the head is not implemented)")
     if streamed == 0:
         notes.append("every block is resident: nothing streams")
@@ -631,7 +658,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=accepted_minimum, pipelined_minimum_bytes=pipelined,
         boundary_bytes=boundary_total, boundary_offload_minimum_bytes=offload_minimum,
         hide_copy_resident=hide_resident, hide_copy_bytes=hide_bytes, hide_copy_peak_bytes=hide_peak,
-        hide_copy_step=hide_step, notes=tuple(notes),
+        hide_copy_step=hide_step, notes=tuple(notes), optimizer_states=states,
     )
 
 
@@ -651,13 +678,16 @@ def _layer_major_hint(footprint: Footprint, workload: Workload, compute: Compute
 
 
 def minimum_budget(footprint: Footprint, workload: Workload, *, embeddings_on_host: bool | None = None,
-                   context_bytes: int = 0, slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None) -> int:
+                   context_bytes: int = 0, slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None,
+                   optimizer_states: str = "device") -> int:
     """The smallest budget :func:`plan_budget` accepts for this run with the same options (1 slot,
-    nothing resident; layer-major's boundary states where that is smaller unless forced)."""
+    nothing resident; layer-major's boundary states where that is smaller unless forced; AdamW's state on
+    the device unless ``optimizer_states`` is ``"host"`` or ``"auto"``)."""
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
     layer_major = workload.schedule == "layer-major"
-    device = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, False)[1]
-    host = _fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, True)[1] if layer_major else device
+    optimizer_on_host = optimizer_states != "device"  # 'auto' falls back to the host, which is never larger
+    device, host = (_fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, boundary, optimizer_on_host)[1]
+                    for boundary in (False, layer_major))
     return _accepted_minimum(device, host, layer_major, boundary_states)
 
 
