@@ -111,6 +111,12 @@ class PorosModel:
         with generation_mode(self):
             return super().generate(input_ids=input_ids, **generate_kwargs)  # the model's own class's generate
 
+    @property
+    def device(self) -> torch.device:
+        """The compute device. HF's ``model.device`` reads the first parameter, which with
+        ``embeddings_on_host`` is the input embedding table kept on the host."""
+        return self.store.device
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 

@@ -13,6 +13,7 @@ from poros.testing import TINY_VARIANTS, qlora_model  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
+UNTIED = {"tie_word_embeddings": False}  # a table tied to the head stays on the device
 PROMPT_TOKENS, NEW_TOKENS = 5, 10  # prompt + new > the tiny sliding window (8): sliding masks decode too
 
 
@@ -97,3 +98,43 @@ def test_greedy_with_resident_blocks_or_one_slot(options, tmp_path):
     streamed = prepare(_without_cpu_repacking(qlora_model("gemma3", tmp_path=tmp_path / "streamed")), **options)
     assert torch.equal(streamed.generate(prompt, **generation), expected)
     assert not any(streamed.store.stats.fetches[i] for i in streamed.store.resident_blocks)
+
+
+def test_generate_with_host_embeddings_gives_the_trunk_device_inputs(tmp_path, monkeypatch):
+    """With ``embeddings_on_host`` the first parameter (what HF's ``model.device`` reads) is the host-kept
+    table, so HF's generate moves position ids and the mask to the host; the streamed trunk must hand HF's
+    layers and rotary inputs on the compute device (H200: rotary "cuda:0 and cpu"). "meta" stands in for
+    the GPU: the trunk is stopped at its inputs."""
+
+    class Stop(Exception):
+        pass
+
+    streamed = prepare(qlora_model("qwen2", tmp_path=tmp_path, config_kwargs=UNTIED), embeddings_on_host=True)
+    assert streamed.host_tables and streamed.device == streamed.store.device
+    monkeypatch.setattr(streamed.store, "device", torch.device("meta"))
+    assert streamed.device == torch.device("meta")  # the prepared model reports its compute device
+    seen = []
+
+    def trunk(*args, **kwargs):
+        seen.append({key: value.device.type for key, value in kwargs.items() if isinstance(value, torch.Tensor)})
+        raise Stop
+
+    monkeypatch.setattr(streamed.executor, "_trunk_class_forward", trunk)
+    prompt = _prompt()
+    with pytest.raises(Stop):
+        streamed.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, do_sample=False)
+    assert seen and set(seen[0]) >= {"input_ids", "position_ids"}, seen
+    assert set(seen[0].values()) == {"meta"}, seen
+
+
+def test_greedy_equals_resident_with_host_embeddings(tmp_path):
+    """Generation with the input table on the host: the resident model's tokens."""
+    resident = _without_cpu_repacking(qlora_model("qwen2", tmp_path=tmp_path / "resident", config_kwargs=UNTIED)).eval()
+    prompt = _prompt()
+    options = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    with torch.no_grad():
+        expected = resident.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **options)
+    streamed = prepare(_without_cpu_repacking(qlora_model("qwen2", tmp_path=tmp_path / "streamed", config_kwargs=UNTIED)),
+                       embeddings_on_host=True)
+    assert streamed.host_tables
+    assert torch.equal(streamed.generate(prompt, attention_mask=torch.ones_like(prompt), **options), expected)

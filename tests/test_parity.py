@@ -165,3 +165,31 @@ def test_host_embedding_rows_arrive_as_a_leaf():
     assert torch.equal(table(torch.tensor([[1, 2]])), table.weight[[1, 2]].unsqueeze(0))  # the same rows
     plain = HostEmbedding(torch.nn.Embedding(10, 4).requires_grad_(False), "meta").module(torch.tensor([1]))
     assert plain.is_meta and not plain.requires_grad
+
+
+def _hooks(model: torch.nn.Module) -> dict[str, tuple]:
+    """Every module's hooks of every kind, by module name (what unpatch must leave as prepare found it)."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+             "_load_state_dict_post_hooks")
+    return {name: tuple(tuple(getattr(module, kind)) for kind in kinds) for name, module in model.named_modules()}
+
+
+def test_unpatch_leaves_no_poros_hook_and_every_tensor_home(tmp_path):
+    """After unpatch nothing of Poros stays on a module: no HostEmbedding pre-hook moving token ids to the
+    host (on CUDA the resident model then fails with "index is on cpu" in embed_tokens), no store guard or
+    state-dict hook, no instance forward on the trunk; every tensor back where it was."""
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "gemma4", "e2b", seed=3, tie_word_embeddings=False)
+    model = load_qlora(path, seed=3)
+    model.get_base_model().enable_input_require_grads()  # a hook of transformers' own: it must stay
+    before = _hooks(model)
+    places = {name: (t.device, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
+    streamed = poros.prepare(model, embeddings_on_host=True)
+    assert len(streamed.host_tables) == 2  # the input and the per-layer tables
+    assert _hooks(model) != before  # the check can see Poros' hooks
+    streamed(**make_batch(2, 2, 12, "right")).loss.backward()
+    trunk = streamed.executor.trunk
+    streamed.unpatch()
+    assert _hooks(model) == before
+    assert "forward" not in vars(trunk)
+    assert {name: (t.device, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()} == places

@@ -344,3 +344,31 @@ def test_a_refused_kernel_is_named_and_labels_numerical(monkeypatch):
     record = parity_gate.validation_record(report, env, args)
     assert record["label"] == "numerical" and record["kernel"] == "cumsum_cuda_kernel"
     assert "equal in this run" in record["note"]
+
+
+def test_save_load_check_feeds_the_batch_on_the_compute_device():
+    """The gate's batches are made on the host (``run_arm`` moves each); ``save_load_check``'s forwards must
+    move theirs too, or the resident arm's embedding (on the GPU) gets host token ids (H200: "index is on
+    cpu ... index_select"). "meta" stands in for the GPU: the forward is stopped at its inputs."""
+    import torch
+
+    import poros
+    from tools import bench, parity_gate
+
+    class Stop(Exception):
+        pass
+
+    config, _ = bench.model_config("tiny-qwen2")
+    peft_model = bench.add_lora(bench.build_model(config, "cpu", seed=0), rank=4, alpha=8)
+    batch = bench.make_batches(config, count=1, batch=1, seq=8)[0]
+    poros.prepare(peft_model)
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append({key: value.device.type for key, value in kwargs.items() if isinstance(value, torch.Tensor)})
+        raise Stop
+
+    peft_model.register_forward_pre_hook(record, with_kwargs=True)
+    with pytest.raises(Stop):
+        parity_gate.save_load_check(peft_model, batch, torch.device("meta"))
+    assert seen == [{"input_ids": "meta", "attention_mask": "meta", "labels": "meta"}]

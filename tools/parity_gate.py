@@ -112,7 +112,7 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         warnings.simplefilter("always")
         outcome = bench.compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr)
     checked = getattr(args, "save_load", False) and outcome["comparison"]
-    save_load = save_load_check(peft_model, batches[0]) if checked else None
+    save_load = save_load_check(peft_model, batches[0], device) if checked else None
     kernels = sorted({_kernel_name(str(w.message)) for w in caught if NONDETERMINISTIC_MARK in str(w.message)})
     arms = {name: result.summary(0) for name, result in outcome["arms"].items()}
     for arm in arms.values():
@@ -153,13 +153,18 @@ def _saved(model, directory: Path) -> dict[str, torch.Tensor]:
     return {f"{path.parent.name}/{key}": value for path in files for key, value in load_file(path).items()}
 
 
-def save_load_check(peft_model, batch: dict) -> dict[str, Any]:
+def save_load_check(peft_model, batch: dict, device: torch.device) -> dict[str, Any]:
     """The trained streamed model's state_dict and saved files against the same model resident (unpatched), and
-    a load_state_dict into each (LoRA A doubled, a block norm halved) followed by a no-grad forward."""
+    a load_state_dict into each (LoRA A doubled, a block norm halved) followed by a no-grad forward.
+
+    ``batch`` is one of ``bench.make_batches``'s, on the host: it goes to ``device`` here, as ``run_arm`` moves
+    each batch (the resident arm's embedding table is on the device; only the streamed one may look up on the
+    host)."""
     import tempfile
 
     import poros
 
+    batch = {key: value.to(device) for key, value in batch.items()}
     if not isinstance(peft_model, poros.PorosModel):
         return {"error": "the poros arm did not leave a prepared model"}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():

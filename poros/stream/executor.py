@@ -302,6 +302,12 @@ class StreamingExecutor:
         """
         if kwargs.get("use_cache") is None:
             kwargs["use_cache"] = False  # no cache unless asked for: an evaluation forward keeps none
+        # HF's generate moves the inputs to ``model.device``, the first parameter's device: with
+        # ``embeddings_on_host`` that is the host-kept table's (CPU), so position ids and masks would
+        # reach the rotary and the layers on the host. The layers compute on the store's device.
+        device = self.store.device
+        args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         proxies = nn.ModuleList(_StreamingLayer(self, i) for i in range(len(self.layers)))
         with _swapped(self._layers_parent, self._layers_attr, proxies):
             return self._trunk_class_forward(*args, **kwargs)
