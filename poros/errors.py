@@ -93,6 +93,10 @@ class CacheEntryError(PorosError):
     """An NF4 block cache entry is damaged (truncated, a checksum differs) or does not fit the model loaded."""
 
 
+class DistributedError(PorosError, RuntimeError):
+    """A data-parallel run is inconsistent: world size vs batch, versions across ranks, a lost rank."""
+
+
 # -- the run's surroundings: output directory, device, installed extras ---------------------------
 class OutputDirError(PorosError):
     """``output_dir`` cannot take this run: it is a file, is not writable, is full, or holds another run's results."""
@@ -111,3 +115,4 @@ class MissingDependencyError(PorosError, ImportError):
 
 
 __all__ = [name for name in dir() if name.endswith("Error")]
+

@@ -77,7 +77,7 @@ class PorosModel:
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
                      "host_plan", "_restore_flags", "_poros_class")
 
-    def forward_backward(self, micro_batches: list[dict]) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
         block fetched once per direction (instead of once per micro-batch per direction).
 
@@ -85,13 +85,24 @@ class PorosModel:
         leaves -- bit for bit. Give each micro-batch ``labels`` and, for HF's accumulation
         semantics, ``num_items_in_batch`` (the loss terms of all micro-batches together).
 
+        Under torch.distributed (world size > 1) the gradients are then averaged over the ranks
+        exactly as DDP averages them at the synchronizing micro-batch
+        (:func:`poros.distributed.all_reduce_gradients`); ``sync_gradients=False`` skips that, like
+        DDP's ``no_sync()``, for a step made of several calls. Call it on this model, not through
+        the DDP wrapper (DDP's forward is not involved).
+
         Returns:
             The micro-batches' losses, detached, in order.
 
         Raises:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
-        return self.executor.forward_backward(self.forward, micro_batches)
+        losses = self.executor.forward_backward(self.forward, micro_batches)
+        from poros import distributed
+
+        if sync_gradients is not False and distributed.reducing():
+            distributed.all_reduce_gradients(self.trainable_parameters())
+        return losses
 
     def generate(self, input_ids: torch.Tensor | None = None, **generate_kwargs: Any) -> torch.Tensor:
         """HF ``generate`` with the blocks streamed and a KV cache on the device (see :mod:`poros.generate`)."""

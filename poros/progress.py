@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from poros.distributed import is_main_process
+
 __all__ = ["PlainProgress", "echo", "progress_bar", "showing"]
 
 #: the bars being shown, innermost last: :func:`echo` writes through it.
@@ -32,7 +34,9 @@ _SHOWN: list[Any] = []
 
 
 def echo(text: str) -> None:
-    """A line for the user on stdout (above the progress bar when one is shown)."""
+    """A line for the user on stdout (above the progress bar when one is shown); data parallel: rank 0's."""
+    if not is_main_process():  # rank 0 speaks for the job
+        return
     if _SHOWN:
         _SHOWN[-1].write(text)
     else:
@@ -94,7 +98,8 @@ class PlainProgress:
         pass
 
     def _print(self, text: str) -> None:
-        print(text, file=sys.stdout, flush=True)
+        if is_main_process():  # data parallel: rank 0 speaks for the job
+            print(text, file=sys.stdout, flush=True)
         self.last_line = self.clock()
 
 
@@ -115,7 +120,7 @@ def progress_bar(total: int, initial: int = 0, *, unit: str = "step", label: str
         nested: a bar inside another (evaluation inside training): tqdm's disappears when closed;
             the plain one prints by time only (no first line).
     """
-    if not sys.stdout.isatty():
+    if not sys.stdout.isatty() or not is_main_process():  # data parallel: the plain one, silent off rank 0
         return PlainProgress(total, initial, unit=unit, label=label, first_line=not nested)
     from tqdm.auto import tqdm
 

@@ -16,6 +16,8 @@ Notable choices:
 * **Re-entrant within the process.** ``poros train`` holds the lock around ``train()`` and the final
   ``save()``; ``train()`` takes it too (for Python callers). Nested holds by the same process count
   up and down; the file goes when the outermost hold ends.
+* **One lock per torchrun job.** Under data parallel rank 0 takes the lock and records the job
+  (:func:`poros.distributed.job_id`); the job's other ranks take none and accept that one.
 * **Results are not mixed.** :func:`check_fresh_start` refuses a fresh run into a directory that
   holds another run's adapter, checkpoints or metrics unless ``overwrite`` is set (which removes the
   old checkpoints and metrics first); resuming (``resume_from``) is the other way in.
@@ -35,6 +37,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from poros.distributed import is_main_process, job_id
 from poros.errors import OutputDirError, RunLockedError
 
 logger = logging.getLogger("poros")
@@ -94,7 +97,7 @@ def _describe(owner: dict[str, Any]) -> str:
 def _create(path: pathlib.Path, command: str | None) -> None:
     record = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-              "command": command or " ".join(sys.argv)}
+              "command": command or " ".join(sys.argv), "job": job_id()}
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
@@ -141,6 +144,8 @@ def check_unlocked(output_dir: str | os.PathLike) -> None:
         return
     if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
         return
+    if owner.get("job") is not None and owner.get("job") == job_id():  # rank 0 of this torchrun job holds it
+        return
     raise _locked(directory, owner)
 
 
@@ -169,6 +174,10 @@ def hold(output_dir: str | os.PathLike, *, command: str | None = None) -> Iterat
     except OSError as error:
         raise OutputDirError(f"cannot create output_dir {directory}: {error.strerror or error}. {_fix_for(error)}"
                              ) from None
+    if not is_main_process():  # data parallel: rank 0 holds the lock for the job's ranks
+        check_unlocked(directory)
+        yield directory
+        return
     key = directory.resolve()
     if _HELD.get(key):
         _HELD[key] += 1

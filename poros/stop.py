@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import Any
 
 logger = logging.getLogger("poros")
@@ -18,13 +19,18 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
+    #: a repeat within this many seconds is the same request (torchrun forwards the Ctrl-C its ranks also got)
+    REPEAT_S = 2.0
+
     def _handle(self, signal_number, frame) -> None:
-        if self.signal_name is not None:  # the second one: stop waiting for the step
-            self.restore()
+        if self.signal_name is not None and time.monotonic() - self._first_at > self.REPEAT_S:
+            self.restore()  # the second one: stop waiting for the step
             raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signal_number).name
+        if self.signal_name is None:
+            self.signal_name, self._first_at = signal.Signals(signal_number).name, time.monotonic()
 
     def __enter__(self) -> StopRequest:
         import threading

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poros import checkpoint as checkpoints
-from poros import evaluation, tracking
+from poros import distributed, evaluation, tracking
 from poros.adapters import lora_target_modules
 from poros.devices import resolve_device
 from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
@@ -147,15 +147,17 @@ class PorosTrainer:
 
         config.validate()
         tracking.check_installed(config.report_to)  # before the model loads
-        device = resolve_device(config.device, check=True)  # a missing GPU is named before any weight is read
+        # a missing GPU is named before any weight is read; under torchrun: this rank's device
+        device = distributed.join_launched_job(resolve_device(config.device, check=True))
         if config.deterministic and device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        loaded = load_pretrained(
-            config.model, quantization=config.quantization, compute_dtype=config.compute_dtype,
-            double_quant=config.double_quant, device=device, attn_implementation=config.attn_implementation,
-            revision=config.revision, cache_dir=None if config.no_cache else cache_root(config.cache_dir),
-        )
+        with distributed.shared_host_copy():  # the node's ranks: local rank 0 first (see docs/multi-gpu.md)
+            loaded = load_pretrained(
+                config.model, quantization=config.quantization, compute_dtype=config.compute_dtype,
+                double_quant=config.double_quant, device=device, attn_implementation=config.attn_implementation,
+                revision=config.revision, cache_dir=None if config.no_cache else cache_root(config.cache_dir),
+            )
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(loaded.model, config.target_modules),
@@ -285,6 +287,8 @@ class PorosTrainer:
             TrainingCheckpointError: ``directory`` exists and is a file.
         """
         target = pathlib.Path(directory)
+        if not distributed.world().is_main:  # data parallel: rank 0 writes (the adapters are the same)
+            return target
         previous_files = set(_saved_files(target))
         with checkpoints.atomic_directory(target, merge=True,
                                           written_last=checkpoints.POROS_CONFIG_FILE) as temporary:

@@ -4,8 +4,11 @@ layer-major through ``forward_backward``), writes ``metrics.jsonl`` (:data:`METR
 checkpoints, stops on SIGINT/SIGTERM with a checkpoint (:class:`~poros.stop.StopRequest`) and
 returns a :class:`TrainResult`. Evaluation (:mod:`poros.evaluation`) runs between steps when the
 run has eval data, every row goes to the ``report_to`` trackers (:mod:`poros.tracking`), and the
-progress bar and user lines are :mod:`poros.progress`'s. The trainer (poros/trainer.py) builds the
-model and saves the adapter; this module never imports it."""
+progress bar and user lines are :mod:`poros.progress`'s. Data parallel
+(:class:`poros.distributed.DataParallel`, inactive on one process): each rank trains its shard of
+the global batch, through DDP micro-major, and rank 0 writes the metrics, trackers and
+checkpoints. The trainer (poros/trainer.py) builds the model and saves the adapter; this module
+never imports it."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poros import checkpoint as checkpoints
-from poros import evaluation, tracking
+from poros import distributed, evaluation, tracking
 from poros.devices import compute_device
 from poros.errors import DataError, TrainingCheckpointError
 from poros.progress import echo, progress_bar, showing
@@ -94,6 +97,8 @@ class TrainingRun:
         self.num_tokens = 0
         self.global_step = 0
         self.last_checkpoint: pathlib.Path | None = None
+        #: ranks, shards, DDP and rank-0 writing (inactive on one process); refuses a batch the ranks do not divide
+        self.parallel = distributed.DataParallel(self.model, self.device, config.batch_size)
         self.eval_set: evaluation.EvalSet | None = None  # set with the data
         self.trackers = tracking.Trackers()  # opened when the loop starts
 
@@ -176,8 +181,13 @@ class TrainingRun:
     # -- the loop ------------------------------------------------------------------------------
     def execute(self) -> TrainResult:
         config = self.config
-        checkpoints.remove_partial_saves(self.output_dir)
+        parallel = self.parallel
+        if parallel.is_main:
+            checkpoints.remove_partial_saves(self.output_dir)
+        parallel.barrier()
         checkpoint = self._checkpoint_to_resume()  # refuses a mismatched checkpoint before any work
+        if checkpoint is not None:
+            parallel.check_resume(checkpoint.trainer_state, checkpoint.path)
         data, batches = self._data()
         optimizer, scheduler = self._optimizer()
         self.trainer.optimizer, self.trainer.scheduler = optimizer, scheduler
@@ -186,12 +196,18 @@ class TrainingRun:
         else:
             from poros.run_lock import check_fresh_start
 
-            check_fresh_start(self.output_dir, overwrite=config.overwrite)  # never a mix of two runs' results
+            # never a mix of two runs' results: every rank refuses alike, only rank 0 removes (overwrite)
+            if parallel.is_main or not config.overwrite:
+                check_fresh_start(self.output_dir, overwrite=config.overwrite)
+            parallel.barrier()
             seed_everything(config.seed)
         self.trainer.global_step = self.global_step
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._rewrite_metrics()
+        if parallel.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._rewrite_metrics()
         echo(data.summary())
+        if parallel.active:
+            echo(parallel.describe(config.batch_size, config.grad_accum))
         if self.eval_set is not None:
             echo(self.eval_set.summary())
 
@@ -204,15 +220,16 @@ class TrainingRun:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # peak_memory_gb: this run's training peak
         interrupted = False
-        bar = progress_bar(config.steps, self.global_step, label="train")
+        bar = progress_bar(config.steps, self.global_step, label="train")  # data parallel: silent off rank 0
         window_start, window_first_tokens = time.perf_counter(), self.num_tokens
         window_bytes = self.model.store.stats.bytes_copied if self.model.store is not None else 0
-        trackers = tracking.open_trackers(config, self.output_dir)  # report_to; logs the config
+        # report_to (logs the config); data parallel: rank 0's
+        trackers = tracking.open_trackers(config, self.output_dir) if parallel.is_main else tracking.Trackers()
         with StopRequest() as stop, showing(bar), trackers:
             self.trackers = trackers
             while self.global_step < config.steps:
                 micro_batches = [{key: value.to(self.device, non_blocking=True)
-                                  for key, value in batches.next_batch().items()}
+                                  for key, value in parallel.shard(batches.next_batch()).items()}
                                  for _ in range(config.grad_accum)]
                 num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
                 step_loss = 0
@@ -221,9 +238,11 @@ class TrainingRun:
                             [{**batch, "num_items_in_batch": num_items_in_batch} for batch in micro_batches]):
                         step_loss = step_loss + loss
                 else:
-                    for batch in micro_batches:
-                        loss = self.model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
-                        loss.backward()
+                    for index, batch in enumerate(micro_batches):
+                        model, sync = parallel.forward_model(index, len(micro_batches))  # DDP (no_sync) or not
+                        with sync:
+                            loss = model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+                            loss.backward()
                         step_loss = step_loss + loss.detach()
                 if config.max_grad_norm is None:
                     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
@@ -252,7 +271,9 @@ class TrainingRun:
                 if self.eval_set is not None and evaluation.evaluation_due(config, self.global_step):
                     seconds, copied = self._evaluate()  # not counted in the training throughput
                     window_start, window_bytes = window_start + seconds, window_bytes + copied
-                if stop.signal_name is not None and not last_step:
+                # a signal on any rank stops every rank after the same step
+                if parallel.any_rank(stop.signal_name is not None, self.device) and not last_step:
+                    stop.signal_name = stop.signal_name or "SIGINT"  # (it arrived on another rank)
                     interrupted = True
                     self._save_checkpoint(optimizer, scheduler, batches)
                     self._announce_interrupt(stop.signal_name)
@@ -271,11 +292,14 @@ class TrainingRun:
     # -- logging -------------------------------------------------------------------------------
     def _sync(self) -> None:
         """Move the step losses and token counts kept as tensors since the last sync to Python numbers."""
-        synced = [float(loss) for loss in self.pending_losses]
+        pending = self.pending_losses
+        if pending and self.parallel.active:  # the log shows the mean over ranks
+            pending = list(self.parallel.mean(torch.stack([torch.as_tensor(x) for x in pending])))
+        synced = [float(loss) for loss in pending]
         self.pending_losses.clear()
         self.losses.extend(synced)
         self.window_losses.extend(synced)
-        self.num_tokens += int(self.pending_tokens)
+        self.num_tokens += self.parallel.total(self.pending_tokens, self.device)
         self.pending_tokens = 0
 
     def _log(self, learning_rate: float, grad_norm: torch.Tensor, window_tokens: int, elapsed: float,
@@ -302,10 +326,13 @@ class TrainingRun:
             bar.set_postfix(loss=f"{row['loss']:.4f}")
 
     def _record(self, row: dict[str, Any]) -> None:
-        """A row of ``log_history``, ``metrics.jsonl`` and the trackers."""
+        """A row of ``log_history``, ``metrics.jsonl`` and the trackers (data parallel: written by rank 0)."""
+        if self.parallel.active:
+            row["world_size"] = self.parallel.world.size
         self.log_history.append(row)
-        with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
+        if self.parallel.is_main:
+            with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
         self.trackers.log(row)
 
     def _evaluate(self) -> tuple[float, int]:
@@ -340,15 +367,20 @@ class TrainingRun:
             "train_batch_size": config.batch_size,
             "grad_accum": config.grad_accum,
             "num_tokens": self.num_tokens,
+            "world_size": self.parallel.world.size,
             "losses": self.losses,
             "log_history": self.log_history,
         }
-        self.last_checkpoint = checkpoints.write_checkpoint(
-            self.output_dir, self.global_step, write_adapter=self.trainer._write_adapter, optimizer=optimizer,
-            scheduler=scheduler, trainer_state=trainer_state, data_state=batches.state_dict(),
-            poros_config=self.trainer._poros_config_record(), save_total_limit=config.save_total_limit,
-        )
-        logger.info("poros: wrote %s", self.last_checkpoint)
+        if self.parallel.is_main:  # data parallel: rank 0 writes; the others wait for it
+            self.last_checkpoint = checkpoints.write_checkpoint(
+                self.output_dir, self.global_step, write_adapter=self.trainer._write_adapter, optimizer=optimizer,
+                scheduler=scheduler, trainer_state=trainer_state, data_state=batches.state_dict(),
+                poros_config=self.trainer._poros_config_record(), save_total_limit=config.save_total_limit,
+            )
+            logger.info("poros: wrote %s", self.last_checkpoint)
+        else:
+            self.last_checkpoint = self.output_dir / f"{checkpoints.CHECKPOINT_PREFIX}{self.global_step}"
+        self.parallel.barrier()
 
     def _announce_interrupt(self, signal_name: str) -> None:
         command, python = self.trainer.resume_commands(self.last_checkpoint)

@@ -106,12 +106,13 @@ def test_no_import_circle_in_poros():
 
 #: each layer may import its own and the layers after it in this list, never one before it
 LAYERS = [
-    ("cli", lambda m: m.startswith("poros.cli") or m == "poros.validation"),
+    ("cli", lambda m: m.startswith("poros.cli") or m in {"poros.validation", "poros.__main__"}),  # -m poros: the CLI
     ("trainer", lambda m: m in {"poros.trainer", "poros.training", "poros.run_plan", "poros.bench", "poros.merge",
                                 "poros.gpu_probe", "poros.run_lock"}
      or m.startswith(("poros.bench.", "poros.training."))),
     ("drop-in", lambda m: m in {"poros.model", "poros.probe", "poros.testing", "poros.load", "poros.checkpoint",
-                                "poros.integrations", "poros.cache", "poros.cache_blocks"}
+                                "poros.integrations", "poros.cache", "poros.cache_blocks",
+                                "poros.testing_distributed"}
      or m.startswith("poros.testing.")),
     ("engine", lambda m: m.startswith("poros.stream")),
 ]

@@ -167,8 +167,8 @@ def test_negative_control_dropping_per_layer_input_gradients_is_caught(gemma4_ch
     original = StreamingExecutor._backward_block
 
     def without_input_grads(self, *args, **kwargs):
-        hidden_grad, input_grads = original(self, *args, **kwargs)
-        return hidden_grad, [None for _ in input_grads]
+        hidden_grad, input_grads, parameter_grads = original(self, *args, **kwargs)
+        return hidden_grad, [None for _ in input_grads], parameter_grads
 
     monkeypatch.setattr(StreamingExecutor, "_backward_block", without_input_grads)
     with pytest.raises(AssertionError, match=r"differ|!="):

@@ -17,9 +17,10 @@
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
 # --model SHAPE: poros merge RAM/time and poros generate tokens/s), `cache:SHAPE` (tools/cache_bench.py
 # --model SHAPE: NF4 block cache start times and host tiers), `load` (tools/load_check.py), `eval`
-# (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident) or `doctor`
+# (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
 # (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
-# `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds), each
+# `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds) or `ddp`
+# (tools/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -138,6 +139,9 @@ main() {
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.vram_curve --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
+      ddp)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.ddp_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       merge)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
@@ -158,7 +162,7 @@ main() {
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], cache:SHAPE[:k=v...], load[:k=v...], eval[:k=v...] or doctor[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], cache:SHAPE[:k=v...], load[:k=v...], eval[:k=v...], doctor[:k=v...] or ddp[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

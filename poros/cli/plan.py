@@ -44,7 +44,7 @@ EPILOG = textwrap.dedent("""\
     """)
 
 USAGE = ("poros plan [-h] [CONFIG] [--KEY VALUE ...] [--block-ms FWD,BWD] [--head-ms MS] [--verbose] "
-         "[--link-gb-per-s GB] [--probe | --no-probe] [--json]")
+         "[--link-gb-per-s GB] [--probe | --no-probe] [--nproc-per-node N] [--json]")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -67,6 +67,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
                         help="time one block at the run's shapes on the device (default: on CUDA, unless "
                              "--block-ms is given)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                        help="data parallel over N ranks per node: plan each GPU for its share of batch_size, and "
+                             "report the host RAM of the node")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--verbose", action="store_true",
                         help="also show the known third-party notices Poros hides (see poros.noise)")
@@ -124,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from poros.cli.output import print_json
     from poros.cli.report import format_budget_plan
     from poros.devices import resolve_device
+    from poros.distributed import check_batch_divides
     from poros.errors import ConfigError
     from poros.run_plan import load_text_config, plan_run
     from poros.stream import planner
@@ -142,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
                               "an 8 GiB card); on CUDA it defaults to the device's memory.")
         budget = torch.cuda.get_device_properties(device).total_memory
     plan = plan_run(config)
-    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule,
+    ranks = args.nproc_per_node
+    per_rank_batch = check_batch_divides(config.batch_size, ranks)  # each GPU runs its share of the batch
+    workload = planner.Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule,
                                 config.loss_chunks)
 
     compute = link = None
@@ -178,15 +184,28 @@ def run(args: argparse.Namespace) -> int:
         link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0,
         optimizer_states=config.optimizer_states)
     host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks)
+    node = node_host_ram(plan.footprint(), ranks, on_host)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
                     "device": plan.device, "link_source": link_source,
                     "footprint": asdict(plan.footprint()),
                     "compute": asdict(compute) if compute else None, "plan": budget_plan.to_dict(),
-                    "host": host.to_dict()})
+                    "host": host.to_dict(), "data_parallel": node})
     else:
         print(format_budget_plan(plan, budget_plan, link_source=link_source))
         from poros.host_tiers import size
 
         print(f"host: {host.reason}; {size(host.host_bytes)} of host RAM for the blocks")
+        if ranks > 1:
+            print(f"data parallel: {ranks} ranks per node, batch {config.batch_size} = {per_rank_batch} per GPU; the "
+                  f"peak above is per GPU. Host RAM of the node for the frozen base: "
+                  f"{planner.format_gb(node['host_bytes_per_node_one_copy_per_rank'])} today (one pinned copy per rank), "
+                  f"{planner.format_gb(node['host_bytes_per_node_shared'])} with a shared host copy (docs/multi-gpu.md)")
     return 0
+
+
+def node_host_ram(footprint, ranks: int, embeddings_on_host: bool) -> dict[str, int]:
+    """Host bytes of a node's frozen base: every block (and host embedding tables) once per rank, or once."""
+    one = sum(footprint.block_bytes) + (footprint.host_embedding_bytes if embeddings_on_host else 0)
+    return {"ranks_per_node": ranks, "host_bytes_one_rank": one,
+            "host_bytes_per_node_one_copy_per_rank": one * ranks, "host_bytes_per_node_shared": one}

@@ -39,6 +39,9 @@ EPILOG = textwrap.dedent("""\
       $ poros train poros.yaml --model Qwen/Qwen2.5-7B --dataset data/chat.jsonl --seq-len 1024
       $ poros train --eval-split 0.1 --eval-steps 50 --report-to tensorboard   # held-out eval_loss
 
+      $ poros train --nproc-per-node 2 --batch-size 4   # 2 ranks (torch.distributed.run), 2 rows each
+      $ torchrun --nproc-per-node 8 -m poros train poros.yaml    # the same, started by torchrun
+
       $ poros train --dry-run                        # validate, print the memory plan; nothing loaded
       poros train --dry-run: the configuration is valid (all defaults)
       model       poros-tiny-qwen3 (bundled with poros: .../poros/assets/tiny-qwen3)
@@ -54,7 +57,7 @@ EPILOG = textwrap.dedent("""\
       'steps'? ...
     """)
 
-USAGE = "poros train [-h] [--dry-run] [--verbose] [CONFIG] [--KEY VALUE ...]"
+USAGE = "poros train [-h] [--dry-run] [--verbose] [--nproc-per-node N] [CONFIG] [--KEY VALUE ...]"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -72,6 +75,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "loading weights or training")
     parser.add_argument("--verbose", action="store_true",
                         help="also show the known third-party notices Poros hides (see poros.noise)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="data parallel: start N ranks on this node through torch.distributed.run (the "
+                             "launcher torchrun is); each streams its own blocks, rank 0 writes. Multi-node: "
+                             "torchrun --nnodes ... -m poros train (docs/multi-gpu.md)")
     parser.set_defaults(run=run)
     keep_unknown_arguments(parser)
     return parser
@@ -80,7 +87,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import shlex
 
-    from poros import run_lock
+    from poros import distributed, run_lock
     from poros.noise import quiet_known_noise
     from poros.validation import require_run_packages, validate_run
 
@@ -88,11 +95,18 @@ def run(args: argparse.Namespace) -> int:
     arguments = list(getattr(args, "arguments", []))
     config = load_config(arguments)
     require_run_packages("poros train" + (" --dry-run" if args.dry_run else ""))
-    validate_run(config, dry_run=args.dry_run)  # before any weight is read
+    validate_run(config, dry_run=args.dry_run)  # before any weight is read, and before any rank starts
     if args.dry_run:
         return dry_run(config)
-    launch_command = ["poros", "train", *arguments]
-    with run_lock.hold(config.output_dir, command=shlex.join(launch_command)):  # through the final save
+    if args.nproc_per_node is not None and args.nproc_per_node > 1 and not distributed.launched_by_torchrun():
+        return distributed.launch(args.nproc_per_node, ["train", *(["--verbose"] if args.verbose else []), *arguments])
+    world = distributed.world()
+    if world.distributed:  # every rank refuses a batch the ranks do not divide before anything is written
+        distributed.check_batch_divides(config.batch_size, world.size)
+    ranks = world.local_size if world.distributed else 1  # the resume command starts as many ranks
+    launch_command = ["poros", "train", *(["--nproc-per-node", str(ranks)] if ranks > 1 else []), *arguments]
+    # one run per output_dir, through the final save (data parallel: rank 0 holds it for the job's ranks)
+    with run_lock.hold(config.output_dir, command=shlex.join(launch_command)):
         return train(config, launch_command=launch_command)
 
 
@@ -116,6 +130,7 @@ def train(config, *, launch_command: list[str]) -> int:
     """Load, train, save; the exit status (0, or 130 when interrupted)."""
     import sys
 
+    from poros.distributed import world
     from poros.stop import StopRequest
     from poros.trainer import PorosTrainer
 
@@ -131,8 +146,9 @@ def train(config, *, launch_command: list[str]) -> int:
     # A signal during the final save (a preemption's SIGTERM) waits for the save: with save_steps 0
     # the adapter is the only copy of the run.
     with StopRequest() as stop:
-        output_dir = trainer.save(config.output_dir)
-    print(loading_instructions(config.model, output_dir))
+        output_dir = trainer.save(config.output_dir)  # data parallel: rank 0 writes
+    if world().is_main:
+        print(loading_instructions(config.model, output_dir))
     if stop.signal_name is not None:
         print(f"poros train: {stop.signal_name} arrived during the final save; the adapter was saved first.",
               file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The Poros streaming executor — all of it in this one file (the block store is ``store.py``).
+"""The Poros streaming executor (the block store is ``store.py``; what a recompute replays of its
+forward, RNG and autocast state, ``replay.py``).
 
 ::
 
@@ -25,8 +26,10 @@ Notable features:
   for bit.
 * **One autograd node per block.** ``_StreamedBlock`` runs a block without grad in forward,
   saving only its input; in backward it fetches the block, recomputes it with grad from that
-  input and back-propagates into the LoRA parameters — reentrant recompute, but with every
-  differentiable argument passed explicitly, so nothing reaches autograd through a side door.
+  input and back-propagates — reentrant recompute, but with every differentiable argument passed
+  explicitly, so nothing reaches autograd through a side door. The block's LoRA parameters are
+  inputs of the node too and their gradients its outputs: each parameter's accumulator runs once,
+  from the graph the forward built, in the resident order (what DDP's reducer needs).
 * **Carried state is generic.** A carried *mapping* (descriptor ``CarriedState(kind="mapping")``,
   e.g. K/V one layer stores for later layers) is tracked by identity: entries a block writes are
   versioned with the writer's index; a later block's recompute receives leaf copies; their gradients are summed in
@@ -61,6 +64,7 @@ from torch.utils import _pytree as pytree
 
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
+from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
 from poros.stream.store import BlockStore
 
 
@@ -241,6 +245,7 @@ class StreamingExecutor:
         #: layer-major: where the M x L boundary states wait for backward, "device" or "host" (pinned)
         self.boundary_states = "device"
         self._stash_stream = None  # the host stash's side stream, made once
+        self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
 
     # -- installing ----------------------------------------------------------------------------
     def install(self) -> None:
@@ -273,8 +278,17 @@ class StreamingExecutor:
         for index in range(len(self.layers)):
             self._note_mapping_entry(step, index)
             # The last block stays resident: it is the first one backward needs.
-            hidden = _StreamedBlock.apply(self, step, index, index == last, self._grad_anchor, hidden,
-                                          *step.calls[index].grad_tensors())
+            grad_inputs = step.calls[index].grad_tensors()
+            parameters = self.block_parameters(index)
+            known = self._use_order.get(index)
+            with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
+                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last)
+            self._use_order[index] = used
+            # The block's trainable parameters are inputs of its node, each through a view made in
+            # the order the block used them: the engine runs the later-made view first, so their
+            # accumulators (and DDP's hooks) fire in reverse use order, as in the resident backward.
+            hidden = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
+                                          len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
         return _TrunkOutput(self.final_norm(hidden))
 
     def _trunk_without_grad(self, *args, **kwargs):
@@ -323,8 +337,8 @@ class StreamingExecutor:
         self._prefetch(index + 1)
         call = step.calls[index]
         if recompute_later:
-            step.rng_states[index] = _rng_state(hidden.device)
-            step.autocast_states[index] = _autocast_state(hidden.device)
+            step.rng_states[index] = rng_state(hidden.device)
+            step.autocast_states[index] = autocast_state(hidden.device)
         mappings = call.mappings()
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         args, kwargs = call.build(hidden, grad_tensors)
@@ -342,17 +356,27 @@ class StreamingExecutor:
             self.store.release(index)
         return output
 
+    def block_parameters(self, index: int) -> list[nn.Parameter]:
+        """The trainable parameters of block ``index`` (its adapters), in registration order."""
+        return [p for p in self.layers[index].parameters() if p.requires_grad]
+
     def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
-                        hidden_needs_grad: bool, keep: bool = False):
-        """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release."""
+                        hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False):
+        """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release.
+
+        With ``return_parameter_grads`` the block's parameter gradients are returned (third value)
+        instead of accumulated into ``.grad`` here (else that list is empty): the caller's autograd node hands them to the
+        parameters' own accumulators, so hooks on those (DDP's reducer) fire once, from the graph
+        the forward built.
+        """
         self._make_resident(index)
         self._prefetch(index - 1)
         call = step.calls[index]
         leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
         leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
-        with torch.enable_grad(), _restored_rng(step.rng_states.get(index), hidden.device), \
-                _replayed_autocast(step.autocast_states.get(index), hidden.device):
+        with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
+                replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
             output = self.layers[index](*args, **kwargs)
         roots, root_grads = [output], [grad_output]
@@ -365,10 +389,24 @@ class StreamingExecutor:
                     roots.append(tensor)
                     root_grads.append(grad)
         live = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
-        if live:
+        parameters = self.block_parameters(index) if return_parameter_grads else []
+        # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
+        # sums inside the block are the engine's either way, so the values are backward's.
+        targets = [leaf_hidden] if hidden_needs_grad else []
+        targets += [t for t in leaf_inputs]
+        targets += [t for leaves in readers.values() for t in leaves
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+        targets += parameters
+        captured: dict[int, torch.Tensor | None] = {}
+        if live and targets and return_parameter_grads:
+            grads = torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live], allow_unused=True)
+            captured = {id(t): g for t, g in zip(targets, grads)}
+        elif live:
             torch.autograd.backward([r for r, _ in live], [g for _, g in live])
+        if not return_parameter_grads:
+            captured = {id(t): t.grad for t in targets}
         for (name, key, writer), leaves in readers.items():
-            grads = [t.grad if isinstance(t, torch.Tensor) else None for t in leaves]
+            grads = [captured.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves]
             if any(g is not None for g in grads):
                 earlier = step.pending.get((name, key, writer))
                 step.pending[(name, key, writer)] = grads if earlier is None else [
@@ -376,7 +414,9 @@ class StreamingExecutor:
                 ]
         if not keep:
             self.store.release(index)
-        return leaf_hidden.grad if hidden_needs_grad else None, [t.grad for t in leaf_inputs]
+        hidden_grad = captured.get(id(leaf_hidden)) if hidden_needs_grad else None
+        input_grads = [captured.get(id(t)) for t in leaf_inputs]
+        return hidden_grad, input_grads, [captured.get(id(p)) for p in parameters]
 
     # -- layer-major accumulation -------------------------------------------------------------
     def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict]) -> list[torch.Tensor]:
@@ -453,7 +493,7 @@ class StreamingExecutor:
                 needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
                 keep = m < len(steps) - 1
                 block_input = stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
-                grad_hidden[m], input_grads[m][index] = self._backward_block(
+                grad_hidden[m], input_grads[m][index], _ = self._backward_block(
                     step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
                     keep=keep)
                 del block_input
@@ -576,22 +616,61 @@ class _HostStash:
 
 
 class _StreamedBlock(torch.autograd.Function):
-    """One decoder block as one autograd node: saves its input, recomputes in backward."""
+    """One decoder block as one autograd node: saves its input, recomputes in backward.
+
+    The block's trainable parameters are inputs of the node and their gradients its outputs, so
+    the graph the forward built reaches each parameter's accumulator exactly once, as in the
+    resident graph: DDP's reducer (``find_unused_parameters`` searches that graph; its hooks sit
+    on the accumulators) sees every adapter used, and ready once per backward.
+    """
 
     @staticmethod
-    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, keep: bool, anchor, hidden,
-                *grad_inputs):
-        ctx.executor, ctx.step, ctx.index = executor, step, index
+    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, used: list, anchor, hidden, output,
+                input_count: int, *inputs_and_parameters):
+        # ``output`` was computed (without grad) by the caller: it had to see the use order first.
+        grad_inputs = inputs_and_parameters[:input_count]
+        ctx.executor, ctx.step, ctx.index, ctx.used = executor, step, index, used
         ctx.save_for_backward(hidden, *grad_inputs)
-        return executor._run_block(step, index, hidden, grad_inputs, keep=keep)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
         hidden, *grad_inputs = ctx.saved_tensors
-        hidden_grad, input_grads = ctx.executor._backward_block(
-            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5]
+        hidden_grad, input_grads, parameter_grads = ctx.executor._backward_block(
+            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5],
+            return_parameter_grads=True,
         )
-        return (None, None, None, None, None, hidden_grad, *input_grads)
+        by_parameter = dict(zip(map(id, ctx.executor.block_parameters(ctx.index)), parameter_grads))
+        in_use_order = [by_parameter[id(p)] for p in ctx.used]
+        return (None, None, None, None, None, hidden_grad, None, None, *input_grads, *in_use_order)
+
+
+@contextlib.contextmanager
+def _recording_use(layer: nn.Module, parameters: list[nn.Parameter], known: list[nn.Parameter] | None):
+    """Yields ``parameters`` in the order ``layer``'s forward uses them (forward pre-hooks on their
+    owning modules; parameters no hook saw follow in registration order). Once ``known`` holds the
+    same parameters, it is yielded as it is and nothing is hooked."""
+    if known is not None and {id(p) for p in known} == {id(p) for p in parameters}:
+        yield known
+        return
+    wanted = {id(p) for p in parameters}
+    order: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def note(module, _args):
+        for parameter in module.parameters(recurse=False):
+            if id(parameter) in wanted and id(parameter) not in seen:
+                seen.add(id(parameter))
+                order.append(parameter)
+
+    handles = [module.register_forward_pre_hook(note) for module in layer.modules()
+               if any(id(p) in wanted for p in module.parameters(recurse=False))]
+    try:
+        yield order
+    finally:
+        for handle in handles:
+            handle.remove()
+        order.extend(p for p in parameters if id(p) not in seen)
 
 
 def dropout_modules(model: nn.Module) -> list[str]:
@@ -608,45 +687,3 @@ def _check_no_dropout(model: nn.Module) -> None:
             "order than in ordinary accumulation. Set lora_dropout=0 (and attention dropout 0), or use the "
             "micro-major schedule."
         )
-
-
-def _rng_state(device: torch.device):
-    cpu = torch.get_rng_state()
-    accel = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return cpu, accel
-
-
-def _autocast_state(device: torch.device):
-    """The thread-local autocast state a block's forward runs under, as ``torch.utils.checkpoint`` records
-    it (``_get_autocast_kwargs``): the compute device's and the CPU's, and the cache flag."""
-    cache = torch.is_autocast_cache_enabled()
-    kinds = [device.type] if device.type != "cpu" and torch.amp.is_autocast_available(device.type) else []
-    return [(kind, {"enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind),
-                    "cache_enabled": cache}) for kind in [*kinds, "cpu"]]
-
-
-@contextlib.contextmanager
-def _replayed_autocast(state, device: torch.device):
-    """Recompute under the forward's autocast state (mixed precision: the same ops in the same dtypes),
-    whatever the state of the thread that runs backward (CUDA runs it on an engine thread, autocast off)."""
-    if state is None:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for kind, kwargs in state:
-            stack.enter_context(torch.amp.autocast(kind, **kwargs))
-        yield
-
-
-@contextlib.contextmanager
-def _restored_rng(state, device: torch.device):
-    """Replay the forward's RNG state during recompute (dropout), leaving the caller's RNG untouched."""
-    if state is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield

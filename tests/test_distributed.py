@@ -1,0 +1,149 @@
+"""Data parallel: two gloo ranks started through ``torch.distributed.run``, Poros under DDP bitwise equal
+to the resident model under DDP (every loss on each rank, every LoRA tensor, every AdamW state tensor).
+
+Each test starts one torchrun job (``poros.testing_distributed`` or ``python -m poros train``) in a
+subprocess with a timeout, so a hang fails the test instead of the CI run; ``--standalone`` picks a
+free port. Ranks write JSON; the test reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+from poros.testing import TINY_VARIANTS
+
+CASES = [f"{family}:{variant}" for family, variants in TINY_VARIANTS.items() for variant in variants]
+TIMEOUT_S = 420
+
+
+def torchrun(child_env, *arguments: str, ranks: int = 2, timeout: int = TIMEOUT_S, **env: str):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               *arguments]
+    return subprocess.run(command, env=child_env(OMP_NUM_THREADS="1", POROS_DIST_TIMEOUT="60", **env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rank_reports(out, ranks: int = 2) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def parity_job(child_env, out, cases: list[str], modes: str, *extra: str):
+    done = torchrun(child_env, "-m", "poros.testing_distributed", "--out", str(out), "--cases", ",".join(cases),
+                    "--modes", modes, *extra)
+    reports = rank_reports(out)
+    return done, reports
+
+
+def test_every_family_under_ddp_is_bitwise_resident_ddp(child_env, tmp_path):
+    """Micro-major (DDP with and without find_unused_parameters), no_sync accumulation and layer-major
+    accumulation (reduced by poros.distributed.all_reduce_gradients), every family, two ranks."""
+    done, reports = parity_job(child_env, tmp_path, CASES, "micro,accum", "--steps", "1")
+    for report in reports:
+        assert report["world_size"] == 2 and report["backend"] == "gloo"
+        failed = {k: v for k, v in report["results"].items() if not v["equal"]}
+        assert not failed, (failed, done.stderr[-3000:])
+        assert len(report["results"]) == 2 * len(CASES)
+    # the ranks trained on different shards: their losses differ, their adapters (compared above) agree
+    first = "qwen3:default/micro"
+    assert reports[0]["results"][first]["find_unused=True"]["losses"] != \
+        reports[1]["results"][first]["find_unused=True"]["losses"]
+    assert done.returncode == 0
+
+
+def test_hf_trainer_drop_in_under_ddp_and_a_negative_control(child_env, tmp_path):
+    """HF Trainer makes the DDP wrapper around the model given ``prepare`` / ``patch_hf_model``: bitwise.
+    And the parity check can fail: layer-major without the all-reduce (each rank keeps its own
+    gradients) differs."""
+    done, reports = parity_job(child_env, tmp_path, ["qwen3:default"], "hf_prepare,hf_patch,accum", "--control",
+                               "--steps", "1")
+    for report in reports:
+        for mode in ("hf_prepare", "hf_patch"):
+            assert report["results"][f"qwen3:default/{mode}"]["equal"], (report, done.stderr[-3000:])
+        control = report["results"]["qwen3:default/accum"]
+        assert control["micro_major"]["equal"] and not control["layer_major"]["equal"]
+
+
+def test_ranks_with_different_versions_fail_on_every_rank(child_env, tmp_path):
+    done = torchrun(child_env, "-m", "poros.testing_distributed", "--out", str(tmp_path), "--handshake-only",
+                    timeout=120, POROS_TEST_FAKE_VERSION_RANK="1")
+    assert done.returncode != 0
+    for report in rank_reports(tmp_path):
+        assert report["error_type"] == "DistributedError"
+        assert "torch" in report["error"] and "0.0.0-fake" in report["error"] and "rank 1" in report["error"]
+
+
+def test_a_rank_that_dies_stops_the_job_without_a_hang(child_env, tmp_path):
+    """torchrun stops the other ranks; the collective they wait in fails (gloo: the peer's connection
+    closes; NCCL: the process group's timeout, POROS_DIST_TIMEOUT) -- the subprocess timeout is the hang check."""
+    done = torchrun(child_env, "-m", "poros.testing_distributed", "--out", str(tmp_path), "--die-rank", "1",
+                    timeout=120)
+    assert done.returncode != 0
+    assert "exitcode  : 7" in done.stderr or "exit code 7" in done.stderr or "exitcode: 7" in done.stderr, \
+        done.stderr[-2000:]
+
+
+def poros_train(child_env, *arguments: str, timeout: int = TIMEOUT_S):
+    return subprocess.run([sys.executable, "-m", "poros", "train", *arguments],
+                          env=child_env(OMP_NUM_THREADS="1", POROS_DIST_TIMEOUT="60"), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_poros_train_nproc_per_node_2_trains_saves_once_and_resumes_only_with_two(child_env, tmp_path):
+    out = tmp_path / "run"
+    common = ["--steps", "3", "--save-steps", "2", "--batch-size", "2", "--grad-accum", "2", "--seq-len", "48",
+              "--logging-steps", "1", "--output-dir", str(out)]
+    done = poros_train(child_env, "--nproc-per-node", "2", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "data parallel over 2 ranks (gloo): global batch 2 = 1 per rank x 2 ranks, x 2 accumulation" in done.stdout
+    assert done.stdout.count("poros: saved the adapter to") == 1  # rank 0 writes, once
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3] and all(row["world_size"] == 2 for row in rows)
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["world_size"] == 2
+    uninterrupted = (out / "checkpoint-3" / "adapter_model.safetensors").read_bytes()
+
+    # as if stopped after step 2: one rank may not resume it (nothing written), two ranks finish it
+    # with the adapter the uninterrupted run had, byte for byte
+    shutil.rmtree(out / "checkpoint-3")
+    before = sorted(p.name for p in out.iterdir())
+    refused = poros_train(child_env, "--resume-from", "auto", *common)
+    assert refused.returncode == 1
+    assert "written by a run over 2 rank(s); this run has 1" in refused.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
+    resumed = poros_train(child_env, "--nproc-per-node", "2", "--resume-from", "auto", *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert (out / "checkpoint-3" / "adapter_model.safetensors").read_bytes() == uninterrupted
+
+    # layer-major (above: each rank accumulates block by block, then all_reduce_gradients) and
+    # micro-major (DDP with no_sync) train the same adapter, byte for byte
+    micro = tmp_path / "micro"
+    other = poros_train(child_env, "--nproc-per-node", "2", "--stream-schedule", "micro-major",
+                        *common[:-1], str(micro))
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert (micro / "checkpoint-3" / "adapter_model.safetensors").read_bytes() == uninterrupted
+
+
+def test_poros_train_refuses_a_batch_the_ranks_do_not_divide(child_env, tmp_path):
+    out = tmp_path / "run"
+    done = poros_train(child_env, "--nproc-per-node", "2", "--steps", "1", "--batch-size", "3", "--output-dir",
+                       str(out))
+    assert done.returncode == 1
+    assert done.stderr.count("a global batch of 3 sequences cannot be split over 2 ranks") == 2  # every rank
+    assert not out.exists()
+
+
+def test_plan_per_gpu_and_host_ram_per_node(capsys):
+    from poros.cli.main import main
+
+    assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--json", "--batch-size", "4",
+                 "--nproc-per-node", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    node = report["data_parallel"]
+    assert report["plan"]["workload"]["batch_size"] == 2  # each GPU plans for its share
+    assert node["ranks_per_node"] == 2
+    assert node["host_bytes_per_node_one_copy_per_rank"] == 2 * node["host_bytes_per_node_shared"] > 0
+    assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--batch-size", "4", "--nproc-per-node", "3"]) == 1
+    assert "cannot be split over 3 ranks" in capsys.readouterr().err
