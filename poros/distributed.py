@@ -362,6 +362,21 @@ class DataParallel:
                 "same torchrun flags), or start a fresh run in another output_dir.")
 
 
+#: DDP's own opt-out list, read by ``DistributedDataParallel.__init__`` from the module it wraps (what
+#: ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` writes)
+DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
+
+
+def host_parameter_names(model: Any, host_modules: Iterable[Any]) -> list[str]:
+    """Names (as ``model.named_parameters()`` gives them) of the parameters of ``host_modules``: the frozen
+    embedding tables Poros keeps in host memory. DDP refuses a module whose parameters sit on two device
+    types ("input module parameters locate in {'cuda', 'cpu'}"); these tables are frozen (nothing to
+    all-reduce) and equal on every rank, so a prepared model names them in DDP's opt-out list, and the
+    trainable parameters DDP reduces stay exactly the resident run's."""
+    held = {id(p) for module in host_modules for p in module.parameters()}
+    return [name for name, p in model.named_parameters() if id(p) in held]
+
+
 def dist_backend() -> str:
     import torch.distributed as dist
 

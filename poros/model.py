@@ -22,6 +22,7 @@ from poros import records, registry
 from poros.adapters import causal_lm_of
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.devices import compute_device
+from poros.distributed import DDP_IGNORE_ATTRIBUTE, host_parameter_names
 from poros.errors import (
     AlreadyPreparedError,
     BaseNotFrozenError,
@@ -75,7 +76,8 @@ class PorosModel:
     """
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
-                     "host_plan", "_restore_flags", "_poros_class")
+                     "host_plan", "_restore_flags", "_poros_class",
+                     "_ddp_ignored")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
@@ -136,6 +138,10 @@ class PorosModel:
             layer.gradient_checkpointing = flag
         for table in self.host_tables:
             table.restore()
+        if self._ddp_ignored is None:
+            self.__dict__.pop(DDP_IGNORE_ATTRIBUTE, None)
+        else:
+            setattr(self, DDP_IGNORE_ATTRIBUTE, self._ddp_ignored)
         original = self._poros_class
         for name in self._POROS_FIELDS:
             self.__dict__.pop(name, None)
@@ -479,6 +485,10 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     store = BlockStore(layers, device, num_slots=num_slots, resident=resident, host_tier=tier)
     host_tables = [HostEmbedding(table, device) for table in host_embedding_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
+    ddp_ignored = getattr(model, DDP_IGNORE_ATTRIBUTE, None)  # restored by unpatch
+    if host_tables:  # frozen tables on the host: out of DDP's sight (see host_parameter_names)
+        setattr(model, DDP_IGNORE_ATTRIBUTE, sorted({*(ddp_ignored or ()),
+                                                     *host_parameter_names(model, [t.module for t in host_tables])}))
     executor = StreamingExecutor(causal_lm, descriptor, store)
     executor.boundary_states = boundary_states or "device"
     executor.before_forward = _runtime_gates(causal_lm, layers)
@@ -488,7 +498,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     prepared = _become_streamed(model, {
         "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "detection": detection, "budget_plan": budget_plan, "host_plan": host_plan,
-        "_restore_flags": restore_flags})
+        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     return prepared
 

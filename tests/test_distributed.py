@@ -13,7 +13,8 @@ import shutil
 import subprocess
 import sys
 
-from poros.testing import TINY_VARIANTS
+import poros
+from poros.testing import TINY_VARIANTS, qlora_model
 
 CASES = [f"{family}:{variant}" for family, variants in TINY_VARIANTS.items() for variant in variants]
 TIMEOUT_S = 420
@@ -147,3 +148,33 @@ def test_plan_per_gpu_and_host_ram_per_node(capsys):
     assert node["host_bytes_per_node_one_copy_per_rank"] == 2 * node["host_bytes_per_node_shared"] > 0
     assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--batch-size", "4", "--nproc-per-node", "3"]) == 1
     assert "cannot be split over 3 ranks" in capsys.readouterr().err
+
+
+def test_host_tables_are_out_of_ddps_sight_and_unpatch_restores(tmp_path):
+    """DDP refuses a module whose parameters sit on two device types (seen on the H200: with the embedding
+    tables on the host, DDP(model) raised "input module parameters locate in {'cuda', 'cpu'}"). A prepared
+    model names exactly its host-kept frozen tables in DDP's opt-out list, so DDP sees only device
+    parameters and reduces exactly the trainable ones; unpatch puts the list back as it was."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from poros.distributed import DDP_IGNORE_ATTRIBUTE
+
+    model = qlora_model("qwen3", tmp_path=tmp_path, config_kwargs={"tie_word_embeddings": False})
+    before = {name for name, p in model.named_parameters() if p.requires_grad}
+    prepared = poros.prepare(model, embeddings_on_host=True)
+    ignored = getattr(prepared, DDP_IGNORE_ATTRIBUTE)
+    tables = {id(p) for table in prepared.host_tables for p in table.module.parameters()}
+    assert ignored and {name for name, p in prepared.named_parameters() if id(p) in tables} == set(ignored)
+    assert all(name.endswith("embed_tokens.weight") for name in ignored)
+    store = dist.FileStore(str(tmp_path / "ddp-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(prepared)
+        assert set(ignored) <= ddp.parameters_to_ignore
+        seen = {id(p) for p in ddp._module_parameters}
+        assert not seen & tables and {n for n, p in prepared.named_parameters() if p.requires_grad} == before
+    finally:
+        dist.destroy_process_group()
+    prepared.unpatch()
+    assert not hasattr(model, DDP_IGNORE_ATTRIBUTE)
