@@ -375,6 +375,19 @@ def qlora_model(
     return load_qlora(path, seed=seed, **lora_kwargs)
 
 
+class Rows(torch.utils.data.Dataset):
+    """A list of ready-made rows (dicts of tensors) as the ``train_dataset`` HF ``Trainer`` and TRL take."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
 # -- parity: a resident reference against the streamed run ---------------------------------------
 
 def train_adamw(model, parameters, batches, lr=1e-2):

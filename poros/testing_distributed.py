@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import poros
 from poros import distributed
-from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
+from poros.testing import TINY_VARIANTS, Rows, load_qlora, save_tiny_checkpoint
 
 MODES = ("micro", "accum", "hf_prepare", "hf_patch")
 
@@ -136,16 +136,6 @@ def run_arm(checkpoint, device, *, mode: str, streamed: bool, seed: int, steps: 
     return _state(peft_model, optimizer, losses)
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return self.rows[index]
-
 
 def run_hf_trainer(checkpoint, device, *, streamed: str | None, seed: int, out: pathlib.Path) -> dict[str, Any]:
     """HF Trainer under torchrun (it makes the DDP wrapper and shards the data): ``streamed`` is
@@ -161,7 +151,7 @@ def run_hf_trainer(checkpoint, device, *, streamed: str | None, seed: int, out: 
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=device.type == "cpu", seed=11, data_seed=11,
         dataloader_num_workers=0, disable_tqdm=True, ddp_backend=_backend(),
     )
-    trainer = transformers.Trainer(model=target, args=args, train_dataset=_Rows(rows))
+    trainer = transformers.Trainer(model=target, args=args, train_dataset=Rows(rows))
     trainer.train()
     losses = [torch.tensor(e["loss"]) for e in trainer.state.log_history if "loss" in e]
     return _state(peft_model, trainer.optimizer, losses)

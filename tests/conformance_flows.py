@@ -20,7 +20,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from poros.testing import all_linear_targets
+from poros.testing import Rows, all_linear_targets
 from test_parity import make_batch
 
 #: one tiny variant per family (the conformance suite runs every family once per flow)
@@ -79,16 +79,6 @@ def lora_config(model, *, modules_to_save=None, dropout: float = 0.0) -> peft.Lo
     return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=all_linear_targets(model),
                            modules_to_save=modules_to_save, task_type="CAUSAL_LM")
 
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return self.rows[index]
 
 
 def rows(count: int, seq: int, *, seed: int = 0) -> Rows:

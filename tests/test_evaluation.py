@@ -19,7 +19,8 @@ from poros.assets import asset_path
 from poros.config import PorosConfig
 from poros.data import BatchIterator, load_dataset
 from poros.errors import ConfigError, DataError
-from poros.testing import TINY_VARIANTS, all_linear_targets, save_tiny_checkpoint
+from poros.testing import TINY_VARIANTS, all_linear_targets
+from test_trainer import make_checkpoint  # the tiny checkpoint with the bundled tokenizer beside it
 from poros.trainer import METRIC_FIELDS, PorosTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -52,12 +53,6 @@ def chat_file(tmp_path_factory):
 def eval_file(tmp_path_factory):
     """5 other conversations: batches of 2, 2 and 1 (a short last batch), with right padding."""
     return write_chat(tmp_path_factory.mktemp("eval") / "eval.jsonl", 5, offset=100)
-
-
-def make_checkpoint(directory, family, tokenizer):
-    path = save_tiny_checkpoint(directory, family, seed=5, vocab_size=len(tokenizer))
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

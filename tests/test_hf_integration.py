@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import poros
-from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
+from poros.testing import TINY_VARIANTS, Rows, load_qlora, save_tiny_checkpoint
 from test_parity import assert_bitwise, make_batch, train, trainable
 
 
@@ -37,16 +37,6 @@ def test_patched_model_is_the_same_object_and_trains_bitwise(checkpoint):
         assert torch.equal(reference(**batch, use_cache=False).logits, model(**batch, use_cache=False).logits)
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return self.rows[index]
-
 
 def _trainer_run(model, output_dir):
     rows = []
@@ -58,7 +48,7 @@ def _trainer_run(model, output_dir):
         learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, seed=11, data_seed=11, dataloader_num_workers=0, disable_tqdm=True,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(rows))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(rows))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return losses, trainer.optimizer

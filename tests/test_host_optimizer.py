@@ -273,7 +273,7 @@ def test_hf_trainer_with_host_adamw_is_bitwise_its_own_adamw(qwen3, optim, tmp_p
     resume) with ``trainer.optimizer = HostAdamW.from_optimizer(trainer.create_optimizer())``."""
     import transformers
 
-    from test_hf_integration import _Rows
+    from poros.testing import Rows
 
     rows = []
     for seed in range(12):
@@ -288,7 +288,7 @@ def test_hf_trainer_with_host_adamw_is_bitwise_its_own_adamw(qwen3, optim, tmp_p
             gradient_accumulation_steps=2, learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear",
             optim=optim, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=11,
             data_seed=11, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(rows))
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(rows))
         if host:
             trainer.optimizer = HostAdamW.from_optimizer(trainer.create_optimizer(), chunk_bytes=4096)
         trainer.train(resume_from_checkpoint=resume)
