@@ -93,7 +93,8 @@ RULES: dict[str, Rule] = {
         "in the HF cache (hf download ID config.json); the planner needs the training packages"),
     "host_ram_short": Rule(
         "{model}: the NF4 base needs {needed} of host memory; {available} is available ({total} total)",
-        "free host memory, or use a machine with at least {needed} (a cache/disk tier for the blocks: once it exists)"),
+        "free host memory, or keep the blocks in the NF4 block cache on disk: --host-tier disk, or --host-budget X and the "
+        "planner picks the tier (docs/cache-and-host-memory.md)"),
     "card_too_small": Rule(
         "{model} needs a VRAM budget of at least {minimum}; cuda:{index} has {total}",
         "a card with at least {minimum}, or a shorter --seq-len / smaller --batch-size"),
@@ -343,7 +344,7 @@ def format_model_rows(model: dict[str, Any] | None) -> list[tuple[str, str]]:
                       f"seq_len {model['seq_len']}, batch {model['batch_size']}, NF4"
                       f"{' + double quant' if model['double_quant'] else ''}, LoRA r{model['lora_rank']}"),
             ("host", f"{binary_size(model['host_bytes'])} for the NF4 base on the host "
-                     f"({binary_size(model['available_host_bytes'])} available); cache/disk tier: once it exists")]
+                     f"({binary_size(model['available_host_bytes'])} available); less RAM: --host-tier disk / --host-budget")]
     vram = f"minimum budget {binary_size(model['minimum_budget_bytes'])} ({budget_flag(model['minimum_budget_bytes'])})"
     plan = model.get("plan")
     if model.get("budget_bytes") is not None:
