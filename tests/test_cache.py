@@ -310,6 +310,20 @@ def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_
         choose_host_tier(blocks, requested="swap")
 
 
+def test_host_plan_shares_the_cache_entry_between_the_ranks_of_a_node():
+    from poros.host_tiers import choose_host_tier
+
+    blocks = [100 << 20] * 10
+    plan = choose_host_tier(blocks, ranks_per_node=4, shared_file=True)
+    assert (plan.tier, plan.host_bytes_per_node) == ("mapped", 1000 << 20)  # once per node
+    alone = choose_host_tier(blocks, ranks_per_node=4, shared_file=False)  # --no-cache: nothing to map
+    assert (alone.tier, alone.host_bytes_per_node) == ("pinned", 4 * (1000 << 20))
+    assert "each of the node's 4 ranks holds its own copy" in alone.reason and "--no-cache" in alone.reason
+    assert choose_host_tier(blocks, shared_file=True).tier == "pinned"  # one rank: pinned stays the default
+    assert choose_host_tier(blocks, ranks_per_node=4, shared_file=True, requested="pinned").tier == "pinned"
+    assert choose_host_tier(blocks, 500 << 20, ranks_per_node=4, shared_file=True).tier == "disk"  # the budget rules
+
+
 def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, child_env):
     _, root, entry = tiny_entry
     scratch = tmp_path / "cache"
