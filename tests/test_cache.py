@@ -26,7 +26,7 @@ import poros
 import poros.stream.store
 from poros import cache
 from poros.errors import CacheEntryError
-from poros.testing import TINY_VARIANTS, save_tiny_checkpoint
+from poros.testing import TINY_VARIANTS, mapping_memory, save_tiny_checkpoint
 from test_parity import BASE_SETUP, assert_bitwise, make_batch, parity_setups, run_parity, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -236,20 +236,6 @@ sys.stdin.read()
 """
 
 
-def _mapping_memory(pid: int, path: pathlib.Path) -> tuple[int, int]:
-    """(Rss, Pss) in kB of the process's mappings of ``path`` (from /proc/<pid>/smaps)."""
-    rss = pss = 0
-    inside = False
-    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        if "-" in line.split(" ", 1)[0] and not line.split(" ", 1)[0].endswith(":"):
-            inside = line.rstrip().endswith(str(path))
-        elif inside and line.startswith("Rss:"):
-            rss += int(line.split()[1])
-        elif inside and line.startswith("Pss:"):
-            pss += int(line.split()[1])
-    return rss, pss
-
-
 @pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux /proc/<pid>/smaps")
 def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
     _, root, entry = tiny_entry
@@ -258,7 +244,7 @@ def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
     try:
         sums = [child.stdout.readline().strip() for child in children]
         assert sums[0] == sums[1] and sums[0]
-        memory = [_mapping_memory(child.pid, entry / cache.BLOCKS) for child in children]
+        memory = [mapping_memory(child.pid, entry / cache.BLOCKS) for child in children]
     finally:
         for child in children:
             child.communicate("")

@@ -141,6 +141,7 @@ SHARED_HOST_COPY_RANK = """
 import json, os, pathlib, sys
 import torch.distributed as dist
 from poros import PorosConfig, PorosTrainer
+from poros.testing import mapping_memory
 out, tier, cache_dir = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 config = PorosConfig(steps=2, save_steps=2, batch_size=2, seq_len=32, logging_steps=1, output_dir=str(out / "run"),
                      cache_dir=cache_dir, host_tier=None if tier == "auto" else tier)
@@ -148,19 +149,12 @@ trainer = PorosTrainer.from_config(config)
 trainer.train()
 store = trainer.model.store
 entry = str(store.host_tier.file.path) if store.host_tier is not None else None
-memory = {"Rss": 0, "Pss": 0}
 dist.barrier()  # both ranks alive and mapped: each one's Pss counts the other's share
-inside = False
-for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
-    head = line.split(" ", 1)[0]
-    if "-" in head and not head.endswith(":"):
-        inside = entry is not None and line.rstrip().endswith(entry)
-    elif inside and line.split(":")[0] in memory:
-        memory[line.split(":")[0]] += int(line.split()[1])
+rss, pss = mapping_memory("self", entry) if entry else (0, 0)
 dist.barrier()
 rank = dist.get_rank()
 (out / f"rank{rank}.json").write_text(json.dumps({"tier": trainer.model.host_plan.tier, "entry": entry,
-    "ranks_per_node": trainer.model.host_plan.ranks_per_node, "rss_kb": memory["Rss"], "pss_kb": memory["Pss"]}))
+    "ranks_per_node": trainer.model.host_plan.ranks_per_node, "rss_kb": rss, "pss_kb": pss}))
 """
 
 
