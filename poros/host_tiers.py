@@ -7,7 +7,8 @@ themselves are in ``poros/stream/tiers.py``; ``docs/cache-and-host-memory.md`` s
   The default whenever the budget holds it.
 * ``mapped`` -- the NF4 block cache file mapped and registered for DMA: the OS page cache holds it,
   shared by every process of the node (data parallel ranks). Needs the same RAM as ``pinned`` once
-  per node instead of once per process.
+  per node instead of once per process. The default when several ranks of a node (data parallel,
+  ``LOCAL_WORLD_SIZE`` > 1) load through the block cache: they map the one entry local rank 0 built.
 * ``disk`` -- a ring of ``read_ahead`` pinned block buffers filled from the cache file ahead of use:
   host RAM of a few blocks, at the drive's read rate.
 """
@@ -40,6 +41,7 @@ class HostPlan:
             ``mapped`` the page cache's share, once per node).
         block_bytes: the streamed blocks' bytes together.
         reason: one line, why.
+        ranks_per_node: the processes of the node that each stream the model (``LOCAL_WORLD_SIZE``).
     """
 
     tier: str
@@ -47,9 +49,15 @@ class HostPlan:
     host_bytes: int
     block_bytes: int
     reason: str
+    ranks_per_node: int = 1
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host RAM of the node for the blocks: once for ``mapped`` (the page cache's one copy), once per rank else."""
+        return self.host_bytes if self.tier == "mapped" else self.host_bytes * self.ranks_per_node
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "host_bytes_per_node": self.host_bytes_per_node}
 
 
 def size(nbytes: float) -> str:
@@ -58,12 +66,15 @@ def size(nbytes: float) -> str:
 
 
 def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, requested: str | None = None,
-                     read_ahead: int | None = None) -> HostPlan:
+                     read_ahead: int | None = None, ranks_per_node: int = 1, shared_file: bool = False) -> HostPlan:
     """Pick the host tier and the disk tier's read-ahead depth for the streamed blocks' ``block_bytes``.
 
-    ``requested`` (a tier name) is taken as given; otherwise ``pinned`` when no budget is set or the
-    budget holds every streamed block, else ``disk`` with as many ring buffers as the budget holds
-    (``read_ahead`` at most, default :data:`DEFAULT_READ_AHEAD`; at least 2).
+    ``requested`` (a tier name) is taken as given; otherwise ``disk`` when a budget is set and below the
+    streamed blocks, with as many ring buffers as the budget holds (``read_ahead`` at most, default
+    :data:`DEFAULT_READ_AHEAD`; at least 2); else ``mapped`` when ``ranks_per_node`` > 1 processes of the
+    node stream the model and ``shared_file`` (their blocks are views of one NF4 block cache entry, which
+    the page cache then holds once for all of them); else ``pinned`` (with several ranks and no shared
+    file, each rank holds its own copy, and the reason says so).
 
     Raises:
         ConfigError: an unknown tier; a budget below two of the largest blocks (the disk tier's minimum).
@@ -85,13 +96,21 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
             depth = min(depth if read_ahead else MAX_READ_AHEAD, fits)
         why = ("asked for" if requested else
                f"the streamed blocks ({size(total)}) exceed the host budget ({size(host_budget)})")
-        return HostPlan("disk", depth, depth * largest, total, f"disk tier, {depth} ring buffers: {why}")
-    if requested == "mapped":
-        return HostPlan("mapped", 0, total, total, "mapped tier, asked for: the page cache holds the blocks, "
-                        "shared by every process of the node")
+        return HostPlan("disk", depth, depth * largest, total, f"disk tier, {depth} ring buffers: {why}",
+                        ranks_per_node)
+    shared = requested is None and ranks_per_node > 1 and shared_file
+    if requested == "mapped" or shared:
+        why = (f"{ranks_per_node} ranks on this node map the one NF4 block cache entry local rank 0 built"
+               if shared else "asked for")
+        return HostPlan("mapped", 0, total, total, f"mapped tier, {why}: the page cache holds the blocks "
+                        f"({size(total)}) once, shared by every process of the node", ranks_per_node)
     why = "asked for" if requested else ("no host budget given" if host_budget is None else
                                          f"the host budget holds every streamed block ({size(total)})")
-    return HostPlan("pinned", 0, total, total, f"pinned tier: {why}")
+    if ranks_per_node > 1:
+        why += (f"; each of the node's {ranks_per_node} ranks holds its own copy ({size(total)} each, "
+                f"{size(total * ranks_per_node)} per node)" + ("" if shared_file or requested else
+                                                               ": no block cache entry to share (--no-cache)"))
+    return HostPlan("pinned", 0, total, total, f"pinned tier: {why}", ranks_per_node)
 
 
 def measure_disk_read(directory: str | os.PathLike, size: int = DISK_PROBE_BYTES) -> dict:

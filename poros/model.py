@@ -22,7 +22,7 @@ from poros import records, registry
 from poros.adapters import causal_lm_of
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.devices import compute_device
-from poros.distributed import DDP_IGNORE_ATTRIBUTE, host_parameter_names
+from poros.distributed import DDP_IGNORE_ATTRIBUTE, host_parameter_names, world
 from poros.errors import (
     AlreadyPreparedError,
     BaseNotFrozenError,
@@ -403,7 +403,9 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             should too (``poros.HostAdamW`` when it says ``"host"``).
         host_tier: where the streamed blocks live on the host: ``"pinned"`` (default), ``"mapped"``
             or ``"disk"`` (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block
-            cache is served from its entry; any other model is first written to a spill file.
+            cache is served from its entry; any other model is first written to a spill file. Unset,
+            with several ranks on the node (``LOCAL_WORLD_SIZE`` > 1) and a model loaded through the
+            cache: ``"mapped"``, so the node's ranks share the one entry's pages.
         host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
             planner (``poros.host_tiers.choose_host_tier``) keeps them pinned when they fit and
             streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
@@ -515,10 +517,13 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
     resident = set(resident)
     budget = parse_budget(host_budget, "host_budget") if host_budget is not None else None
     streamed = [n for i, n in enumerate(packed_block_bytes(layers)) if i not in resident]
-    plan = choose_host_tier(streamed, budget, requested=host_tier, read_ahead=read_ahead)
-    if host_tier is not None or budget is not None:
+    block_file = getattr(causal_lm, "poros_block_file", None)  # the NF4 block cache entry the blocks view
+    # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy)
+    plan = choose_host_tier(streamed, budget, requested=host_tier, read_ahead=read_ahead,
+                            ranks_per_node=world().local_size, shared_file=block_file is not None)
+    if host_tier is not None or budget is not None or plan.ranks_per_node > 1:
         logger.info("poros: %s", plan.reason)
-    tier = make_host_tier(plan.tier, getattr(causal_lm, "poros_block_file", None),
+    tier = make_host_tier(plan.tier, block_file,
                           read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
                           spill_dir=cache.cache_root(cache_dir) / "spill")
     return plan, tier

@@ -52,6 +52,7 @@ __all__ = [
     "assert_descriptor_matches",
     "check_descriptor",
     "load_qlora",
+    "mapping_memory",
     "qlora_model",
     "registered_plugin",
     "save_tiny_checkpoint",
@@ -424,3 +425,19 @@ def assert_bitwise_training(reference, streamed, ref_losses, poros_losses, ref_o
         assert ref_state.keys() == poros_state.keys()
         for key in ref_state:
             assert torch.equal(ref_state[key], poros_state[key]), f"AdamW {key} of {name} differs"
+
+
+def mapping_memory(pid: int | str, path: str | pathlib.Path) -> tuple[int, int]:
+    """(Rss, Pss) in kB of process ``pid``'s mappings of ``path`` (``"self"``: this process), from
+    ``/proc/<pid>/smaps`` (Linux): pages another process maps too count in part in Pss."""
+    rss = pss = 0
+    inside = False
+    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1])
+        elif inside and line.startswith("Pss:"):
+            pss += int(line.split()[1])
+    return rss, pss

@@ -26,7 +26,7 @@ import poros
 import poros.stream.store
 from poros import cache
 from poros.errors import CacheEntryError
-from poros.testing import TINY_VARIANTS, save_tiny_checkpoint
+from poros.testing import TINY_VARIANTS, mapping_memory, save_tiny_checkpoint
 from test_parity import BASE_SETUP, assert_bitwise, make_batch, parity_setups, run_parity, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -236,20 +236,6 @@ sys.stdin.read()
 """
 
 
-def _mapping_memory(pid: int, path: pathlib.Path) -> tuple[int, int]:
-    """(Rss, Pss) in kB of the process's mappings of ``path`` (from /proc/<pid>/smaps)."""
-    rss = pss = 0
-    inside = False
-    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        if "-" in line.split(" ", 1)[0] and not line.split(" ", 1)[0].endswith(":"):
-            inside = line.rstrip().endswith(str(path))
-        elif inside and line.startswith("Rss:"):
-            rss += int(line.split()[1])
-        elif inside and line.startswith("Pss:"):
-            pss += int(line.split()[1])
-    return rss, pss
-
-
 @pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux /proc/<pid>/smaps")
 def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
     _, root, entry = tiny_entry
@@ -258,7 +244,7 @@ def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
     try:
         sums = [child.stdout.readline().strip() for child in children]
         assert sums[0] == sums[1] and sums[0]
-        memory = [_mapping_memory(child.pid, entry / cache.BLOCKS) for child in children]
+        memory = [mapping_memory(child.pid, entry / cache.BLOCKS) for child in children]
     finally:
         for child in children:
             child.communicate("")
@@ -308,6 +294,20 @@ def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_
         choose_host_tier(blocks, 150 << 20)
     with pytest.raises(ConfigError, match="host_tier"):
         choose_host_tier(blocks, requested="swap")
+
+
+def test_host_plan_shares_the_cache_entry_between_the_ranks_of_a_node():
+    from poros.host_tiers import choose_host_tier
+
+    blocks = [100 << 20] * 10
+    plan = choose_host_tier(blocks, ranks_per_node=4, shared_file=True)
+    assert (plan.tier, plan.host_bytes_per_node) == ("mapped", 1000 << 20)  # once per node
+    alone = choose_host_tier(blocks, ranks_per_node=4, shared_file=False)  # --no-cache: nothing to map
+    assert (alone.tier, alone.host_bytes_per_node) == ("pinned", 4 * (1000 << 20))
+    assert "each of the node's 4 ranks holds its own copy" in alone.reason and "--no-cache" in alone.reason
+    assert choose_host_tier(blocks, shared_file=True).tier == "pinned"  # one rank: pinned stays the default
+    assert choose_host_tier(blocks, ranks_per_node=4, shared_file=True, requested="pinned").tier == "pinned"
+    assert choose_host_tier(blocks, 500 << 20, ranks_per_node=4, shared_file=True).tier == "disk"  # the budget rules
 
 
 def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, child_env):

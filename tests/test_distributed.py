@@ -9,6 +9,7 @@ free port. Ranks write JSON; the test reads it.
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -136,16 +137,76 @@ def test_poros_train_refuses_a_batch_the_ranks_do_not_divide(child_env, tmp_path
     assert not out.exists()
 
 
+SHARED_HOST_COPY_RANK = """
+import json, os, pathlib, sys
+import torch.distributed as dist
+from poros import PorosConfig, PorosTrainer
+from poros.testing import mapping_memory
+out, tier, cache_dir = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+config = PorosConfig(steps=2, save_steps=2, batch_size=2, seq_len=32, logging_steps=1, output_dir=str(out / "run"),
+                     cache_dir=cache_dir, host_tier=None if tier == "auto" else tier)
+trainer = PorosTrainer.from_config(config)
+trainer.train()
+store = trainer.model.store
+entry = str(store.host_tier.file.path) if store.host_tier is not None else None
+dist.barrier()  # both ranks alive and mapped: each one's Pss counts the other's share
+rss, pss = mapping_memory("self", entry) if entry else (0, 0)
+dist.barrier()
+rank = dist.get_rank()
+(out / f"rank{rank}.json").write_text(json.dumps({"tier": trainer.model.host_plan.tier, "entry": entry,
+    "ranks_per_node": trainer.model.host_plan.ranks_per_node, "rss_kb": rss, "pss_kb": pss}))
+"""
+
+
+def test_ranks_of_a_node_share_the_cache_entry_local_rank_0_built(child_env, tmp_path):
+    """Two ranks of one node with the block cache on take the mapped tier of the one entry: the entry's pages
+    are resident in both and counted once between them (Pss), and the adapter is byte-equal to the same
+    two-rank run with a pinned copy per rank."""
+    script, cache_dir = tmp_path / "rank.py", tmp_path / "cache"
+    script.write_text(SHARED_HOST_COPY_RANK)
+    reports, adapters = {}, {}
+    for tier in ("auto", "pinned"):
+        out = tmp_path / tier
+        out.mkdir()
+        done = torchrun(child_env, str(script), str(out), tier, str(cache_dir), timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reports[tier] = rank_reports(out)
+        adapters[tier] = (out / "run" / "checkpoint-2" / "adapter_model.safetensors").read_bytes()
+    shared, pinned = reports["auto"], reports["pinned"]
+    assert [r["tier"] for r in shared] == ["mapped", "mapped"] and [r["ranks_per_node"] for r in shared] == [2, 2]
+    assert [r["tier"] for r in pinned] == ["pinned", "pinned"]  # host_tier given: taken as given
+    assert shared[0]["entry"] == shared[1]["entry"] and shared[0]["entry"].startswith(str(cache_dir))
+    rss, pss = [r["rss_kb"] for r in shared], [r["pss_kb"] for r in shared]
+    size_kb = pathlib.Path(shared[0]["entry"]).stat().st_size // 1024
+    assert rss[0] == rss[1] >= size_kb, (rss, size_kb)  # every page of the entry is resident in both ranks
+    assert sum(pss) <= max(rss) + 8, f"Rss {rss} kB, Pss {pss} kB: each rank holds its own copy of the pages"
+    assert adapters["auto"] == adapters["pinned"]  # the shared copy changes no bit
+
+
 def test_plan_per_gpu_and_host_ram_per_node(capsys):
     from poros.cli.main import main
 
-    assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--json", "--batch-size", "4",
+    assert main(["plan", "--vram-budget", "76MB", "--no-probe", "--json", "--batch-size", "4",
                  "--nproc-per-node", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     node = report["data_parallel"]
+    assert report["plan"]["resident_blocks"] == []  # 76 MB: every block streams through the host tier
     assert report["plan"]["workload"]["batch_size"] == 2  # each GPU plans for its share
     assert node["ranks_per_node"] == 2
     assert node["host_bytes_per_node_one_copy_per_rank"] == 2 * node["host_bytes_per_node_shared"] > 0
+    # the block cache is on: the ranks map its one entry, and the node holds the blocks once
+    assert (report["host"]["tier"], node["host_tier"]) == ("mapped", "mapped")
+    assert node["host_bytes_per_node"] == node["host_bytes_per_node_shared"]
+    assert main(["plan", "--vram-budget", "76MB", "--no-probe", "--batch-size", "4", "--nproc-per-node", "2"]) == 0
+    assert "one copy shared by the ranks (mapped tier)" in capsys.readouterr().out
+    # --no-cache: nothing to share, one pinned copy per rank
+    assert main(["plan", "--vram-budget", "76MB", "--no-probe", "--json", "--batch-size", "4", "--nproc-per-node", "2",
+                 "--no-cache"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    node = report["data_parallel"]
+    assert (report["host"]["tier"], node["host_tier"]) == ("pinned", "pinned")
+    assert node["host_bytes_per_node"] == node["host_bytes_per_node_one_copy_per_rank"]
+    assert "each of the node's 2 ranks holds its own copy" in report["host"]["reason"]
     assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--batch-size", "4", "--nproc-per-node", "3"]) == 1
     assert "cannot be split over 3 ranks" in capsys.readouterr().err
 

@@ -3,6 +3,9 @@
     # one H200 (issue 20): two gloo ranks share the device
     python -m tools.ddp_check --parity --backend gloo --share-device --json parity-gloo.json
     python -m tools.ddp_check --scale qwen2.5-32b --layers 8 --share-device --json scale-32b.json
+    # the node's host copy through the block cache: mapped (shared, the default) vs pinned (one per rank)
+    python -m tools.ddp_check --scale qwen2.5-32b --layers 4 --share-device --cache --json scale-32b-mapped.json
+    python -m tools.ddp_check --scale qwen2.5-32b --layers 4 --share-device --cache --host-tier pinned --json x.json
     # two GPUs (issue 21): NCCL, one GPU per rank
     python -m tools.ddp_check --parity --backend nccl --deterministic --json parity-nccl.json
     python -m tools.ddp_check --scale qwen2.5-72b --layers 8 --json scale-72b.json
@@ -16,10 +19,16 @@ rank's verdict. ``--scale SHAPE`` runs this module as a torchrun worker on 1 ran
 ``--ranks`` ranks: random NF4 weights at the real widths (``tools/bench.py`` shapes, ``--layers``
 decoder layers), ``prepare``, layer-major accumulation (``--accum``) of micro-batch 1 at ``--seq``,
 and reports per rank the median step, tokens/s, peak allocated memory, H2D GB/s while streaming,
-the host RSS (the node's sum is the host RAM of the node: one pinned copy of the base per rank
-today), and a pinned 1 GiB copy's GB/s with each rank alone and all together (a shared PCIe switch
+the host RSS and PSS (the node's PSS sum is the host RAM of the node: pages the ranks share, like the
+mapped tier's cache entry, count once), and a pinned 1 GiB copy's GB/s with each rank alone and all together (a shared PCIe switch
 shows as a lower "together" rate). ``--train-cli`` runs ``poros train --nproc-per-node N`` on the
 bundled tiny model and keeps its metrics rows.
+
+``--cache`` writes a random bf16 checkpoint of the shape (``tools/cache_bench.py``) and the ranks load it
+through the NF4 block cache inside ``shared_host_copy`` as ``PorosTrainer`` does: local rank 0 builds the
+entry, the others map it, and with several ranks the host tier is ``mapped`` unless ``--host-tier`` names
+one (``pinned``: one copy per rank, the comparison). Without ``--cache`` the random model is built in
+memory and each rank pins its own copy (no entry to share).
 """
 
 from __future__ import annotations
@@ -99,7 +108,14 @@ def host_memory() -> dict[str, float]:
                 fields[name] = int(value.split()[0]) * 1024 / 1e9
     except OSError:
         pass
-    return {"rss_gb": fields.get("VmRSS"), "peak_rss_gb": fields.get("VmHWM")}
+    pss = None
+    try:  # proportional set size: pages shared with other processes (a mapped cache entry) count in part
+        for line in pathlib.Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                pss = int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return {"rss_gb": fields.get("VmRSS"), "peak_rss_gb": fields.get("VmHWM"), "pss_gb": pss}
 
 
 def copy_rates(device: torch.device, world: int, rank: int, nbytes: int = GIB, repeats: int = 3) -> dict[str, Any]:
@@ -148,10 +164,18 @@ def scale_worker(args) -> int:
         torch.cuda.set_device(device)
     here = distributed.init_process_group(device, backend=args.backend)
     config, info = bench.model_config(args.scale, layers=args.layers)
-    with distributed.shared_host_copy():
-        model = bench.build_model(config, device, seed=args.seed)
-        peft_model = bench.add_lora(model, gradient_checkpointing=False)
-        streamed = poros.prepare(peft_model)
+    with distributed.shared_host_copy():  # local rank 0 first: with --cache it builds the entry the others map
+        if args.checkpoint:
+            from poros.load import adapters_to_device, load_pretrained
+
+            model = load_pretrained(args.checkpoint, device=device, load_tokenizer=False, cache_dir=args.cache_dir,
+                                    double_quant=True, attn_implementation="sdpa").model
+        else:
+            model = bench.build_model(config, device, seed=args.seed)
+    peft_model = bench.add_lora(model, gradient_checkpointing=False)
+    if args.checkpoint:
+        adapters_to_device(peft_model, device)
+    streamed = poros.prepare(peft_model, host_tier=args.host_tier)
     host_after_load = host_memory()
     optimizer = torch.optim.AdamW(streamed.trainable_parameters(), lr=1e-4)
     batches = bench.make_batches(config, count=(args.warmup + args.steps) * args.accum, batch=1, seq=args.seq,
@@ -179,6 +203,7 @@ def scale_worker(args) -> int:
         "tokens_per_s": round(args.accum * args.seq / median, 1),
         "stream_h2d_gb_per_s": round(statistics.median(copied) / median / 1e9, 2),
         "peak_allocated_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 3) if device.type == "cuda" else None,
+        "host_tier": streamed.host_plan.tier, "host_reason": streamed.host_plan.reason,
         "host_after_load": host_after_load, "host_end": host_memory(),
         **copy_rates(device, here.size, here.rank),
     }
@@ -190,12 +215,26 @@ def scale_worker(args) -> int:
             "accum": args.accum, "per_rank": gathered,
             "tokens_per_s_total": round(sum(r["tokens_per_s"] for r in gathered), 1),
             "host_rss_node_gb": round(sum(r["host_end"]["rss_gb"] or 0 for r in gathered), 3),
+            "host_pss_node_gb": round(sum(r["host_end"]["pss_gb"] or 0 for r in gathered), 3),
         }, indent=1))
     dist.destroy_process_group()
     return 0
 
 
 def scale(args) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(dir=args.cache_work) as work:
+        cached = {}
+        if args.cache:  # a checkpoint on disk, loaded through the block cache by every run
+            from tools.cache_bench import write_checkpoint
+
+            config, _ = bench.model_config(args.scale, layers=args.layers)
+            checkpoint = pathlib.Path(work) / "checkpoint"
+            cached["checkpoint_bytes"] = write_checkpoint(config, checkpoint, torch.device(args.device))
+            cached["forwarded"] = ["--checkpoint", str(checkpoint), "--cache-dir", str(pathlib.Path(work) / "cache")]
+        return _scale_runs(args, cached)
+
+
+def _scale_runs(args, cached: dict[str, Any]) -> dict[str, Any]:
     runs = {}
     for nproc in [int(n) for n in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as out:
@@ -206,6 +245,7 @@ def scale(args) -> dict[str, Any]:
             forwarded += ["--layers", str(args.layers)] if args.layers else []
             forwarded += ["--share-device"] if args.share_device else []
             forwarded += ["--deterministic"] if args.deterministic else []
+            forwarded += cached.get("forwarded", []) + (["--host-tier", args.host_tier] if args.host_tier else [])
             done, seconds = torchrun(nproc, ["-m", "tools.ddp_check", "--worker", *forwarded], timeout=args.timeout)
             run = json.loads(worker_out.read_text()) if worker_out.exists() else {}
             run.update(returncode=done.returncode, seconds=round(seconds, 1),
@@ -213,7 +253,7 @@ def scale(args) -> dict[str, Any]:
             runs[str(nproc)] = run
             if run.get("per_rank"):
                 print(f"  {nproc} rank(s): {run['tokens_per_s_total']} tok/s, node host RSS {run['host_rss_node_gb']} "
-                      f"GB, per rank: " + "; ".join(
+                      f"GB, PSS {run['host_pss_node_gb']} GB, tier {run['per_rank'][0]['host_tier']}, per rank: " + "; ".join(
                           f"r{r['rank']} {r['median_step_s']} s peak {r['peak_allocated_gb']} GB "
                           f"h2d {r.get('h2d_alone_gb_per_s')}/{r.get('h2d_together_gb_per_s')} GB/s"
                           for r in run["per_rank"]))
@@ -222,9 +262,12 @@ def scale(args) -> dict[str, Any]:
     if one.get("tokens_per_s_total") and many.get("tokens_per_s_total"):
         summary = {"speedup": round(many["tokens_per_s_total"] / one["tokens_per_s_total"], 3),
                    "host_rss_ratio": round(many["host_rss_node_gb"] / one["host_rss_node_gb"], 3)
-                   if one.get("host_rss_node_gb") else None}
+                   if one.get("host_rss_node_gb") else None,
+                   "host_pss_ratio": round(many["host_pss_node_gb"] / one["host_pss_node_gb"], 3)
+                   if one.get("host_pss_node_gb") else None}
     return {"shape": args.scale, "share_device": args.share_device, "backend": args.backend, "runs": runs,
-            "summary": summary}
+            "cache": bool(cached), "host_tier_requested": args.host_tier,
+            "checkpoint_bytes": cached.get("checkpoint_bytes"), "summary": summary}
 
 
 def train_cli(args) -> dict[str, Any]:
@@ -261,6 +304,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", action="store_true", help="--scale: load a written checkpoint through the block "
+                        "cache (the node's ranks share its entry: the mapped tier)")
+    parser.add_argument("--host-tier", default=None, choices=("pinned", "mapped", "disk"),
+                        help="--scale: the host tier (default: the chooser's; mapped for several ranks with --cache)")
+    parser.add_argument("--cache-work", default=None, help="--cache: directory for the checkpoint and the cache")
+    parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--train-cli", action="store_true")
     parser.add_argument("--timeout", type=int, default=540, help="seconds per torchrun job")
     parser.add_argument("--json", default=None)

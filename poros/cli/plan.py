@@ -100,14 +100,16 @@ def parse_block_ms(text: str) -> tuple[float, float]:
     return values[0] / 1000, values[1] / 1000
 
 
-def host_tier_plan(config, block_bytes, resident_blocks):
-    """The host tier for ``--host-tier`` / ``--host-budget`` (``poros.host_tiers``; torch-free)."""
+def host_tier_plan(config, block_bytes, resident_blocks, ranks_per_node: int = 1):
+    """The host tier for ``--host-tier`` / ``--host-budget`` and the node's ranks (``poros.host_tiers``; torch-free):
+    the tier the run will take, ``mapped`` when several ranks load through the block cache."""
     from poros.config import parse_budget
     from poros.host_tiers import choose_host_tier
 
     budget = parse_budget(config.host_budget, "host_budget") if config.host_budget is not None else None
     streamed = [n for i, n in enumerate(block_bytes) if i not in set(resident_blocks)]
-    return choose_host_tier(streamed, budget, requested=config.host_tier, read_ahead=config.read_ahead)
+    return choose_host_tier(streamed, budget, requested=config.host_tier, read_ahead=config.read_ahead,
+                            ranks_per_node=ranks_per_node, shared_file=not config.no_cache)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
         link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0,
         optimizer_states=config.optimizer_states)
-    host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks)
-    node = node_host_ram(plan.footprint(), ranks, on_host)
+    host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks, ranks)
+    node = node_host_ram(plan.footprint(), host, on_host)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
                     "device": plan.device, "link_source": link_source,
@@ -197,15 +199,22 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"host: {host.reason}; {size(host.host_bytes)} of host RAM for the blocks")
         if ranks > 1:
+            how = ("one copy shared by the ranks (mapped tier)" if host.tier == "mapped" else
+                   f"one {host.tier} copy per rank" + ("" if host.tier != "pinned" or config.host_tier else
+                                                       "; with the block cache on they would share one"))
             print(f"data parallel: {ranks} ranks per node, batch {config.batch_size} = {per_rank_batch} per GPU; the "
                   f"peak above is per GPU. Host RAM of the node for the frozen base: "
-                  f"{planner.format_gb(node['host_bytes_per_node_one_copy_per_rank'])} today (one pinned copy per rank), "
-                  f"{planner.format_gb(node['host_bytes_per_node_shared'])} with a shared host copy (docs/multi-gpu.md)")
+                  f"{planner.format_gb(node['host_bytes_per_node'])}, {how} (docs/multi-gpu.md)")
     return 0
 
 
-def node_host_ram(footprint, ranks: int, embeddings_on_host: bool) -> dict[str, int]:
-    """Host bytes of a node's frozen base: every block (and host embedding tables) once per rank, or once."""
+def node_host_ram(footprint, host, embeddings_on_host: bool) -> dict:
+    """Host bytes of a node's frozen base: the host tier's blocks (once for ``mapped``, once per rank else)
+    and each rank's host embedding tables; beside them the two bounds, one copy per rank and one shared copy.
+    ``host_bytes_per_node`` is what the run will use."""
+    ranks = host.ranks_per_node
     one = sum(footprint.block_bytes) + (footprint.host_embedding_bytes if embeddings_on_host else 0)
-    return {"ranks_per_node": ranks, "host_bytes_one_rank": one,
+    tables = footprint.host_embedding_bytes if embeddings_on_host else 0
+    return {"ranks_per_node": ranks, "host_tier": host.tier, "host_bytes_one_rank": one,
+            "host_bytes_per_node": host.host_bytes_per_node + tables * ranks,
             "host_bytes_per_node_one_copy_per_rank": one * ranks, "host_bytes_per_node_shared": one}
