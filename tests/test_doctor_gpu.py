@@ -288,7 +288,8 @@ def test_gpu_run_doctor_step_writes_text_and_json(tmp_path, repo_root, monkeypat
     assert record["text"] == out.with_suffix(".txt").read_text().rstrip("\n")
     model = record["report"]["model"]
     assert model["family"] == "qwen3" and model["found_in"].startswith("config.json from tools/bench.py")
-    assert model["suggested_flags"][3] == model["model"] == "tiny-qwen3" and "/tmp" not in record["text"]
+    assert model["suggested_flags"][3] == model["model"] == "tiny-qwen3"
+    assert doctor_run.SCRATCH_PREFIX not in record["text"] and doctor_run.SCRATCH_PREFIX not in json.dumps(model)
 
 
 def test_installation_page_lists_every_rule(repo_root):

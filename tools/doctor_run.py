@@ -23,6 +23,10 @@ from pathlib import Path
 
 
 
+#: the scratch directory a bench shape's config.json is written to; the report names the model, never it
+SCRATCH_PREFIX = "poros-doctor-shape-"
+
+
 def relabel(data: dict, directory: str, shape_info: dict) -> None:
     """Name a shape's model by its HF id, not by the temporary directory its config was written to,
     in the model's record, the suggested flags and the problems (rendered again)."""
@@ -32,6 +36,7 @@ def relabel(data: dict, directory: str, shape_info: dict) -> None:
     record = data["model"]
     record["model"] = name
     record["found_in"] = f"config.json from {shape_info['facts_from']} (tools/bench.py shape {shape_info['shape']})"
+    record["checkpoint"] = None  # the scratch directory held only that config.json
     record["suggested_flags"] = [name if flag == directory else flag for flag in record["suggested_flags"]]
     data["problems"] = diagnostics.problems(data)
 
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from poros.cli import doctor
 
     shape_info = None
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as scratch:
         model = args.model
         if model in bench.SHAPES:
             config, shape_info = bench.model_config(model)
