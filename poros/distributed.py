@@ -204,8 +204,10 @@ def all_reduce_gradients(parameters: Iterable["torch.Tensor"], group=None, *, bu
 
     Per bucket (:func:`ddp_buckets`): each gradient is multiplied by ``1/world_size`` into its slot of
     a flat bucket (DDP's ``mul_out`` with a wrapped double scalar), the bucket is all-reduced with SUM,
-    and each slot is copied back into ``.grad``. A parameter without a gradient contributes zeros and
-    keeps no gradient, as in DDP with ``find_unused_parameters``.
+    and each slot is copied back into ``.grad``. As in DDP with ``find_unused_parameters``, a parameter
+    without a gradient here contributes zeros; it receives the reduced gradient when another rank used it
+    (its use is all-reduced first, like DDP's used map), and keeps none when no rank did — so every rank
+    steps the same parameters (an MoE expert's adapter that one rank's batch never reached, say).
     """
     import torch
     import torch.distributed as dist
@@ -214,6 +216,9 @@ def all_reduce_gradients(parameters: Iterable["torch.Tensor"], group=None, *, bu
     size = dist.get_world_size(group)
     if size == 1 or not parameters:
         return
+    used = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32, device=parameters[0].device)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+    used_anywhere = used.tolist()
     for bucket in ddp_buckets(parameters, bucket_cap_mb, first_bucket_bytes):
         members = [parameters[i] for i in bucket]
         flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
@@ -226,9 +231,11 @@ def all_reduce_gradients(parameters: Iterable["torch.Tensor"], group=None, *, bu
             views.append(view)
             offset += parameter.numel()
         dist.all_reduce(flat, group=group)
-        for parameter, view in zip(members, views):
+        for index, parameter, view in zip(bucket, members, views):
             if parameter.grad is not None:
                 parameter.grad.copy_(view)
+            elif used_anywhere[index]:
+                parameter.grad = view.clone()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def generate_text(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_toke
         torch.manual_seed(seed)
     _synchronize(device)
     start = time.perf_counter()
-    output = model.generate(input_ids, **options)
+    output = generate(model, input_ids, **options)  # eval mode, no grad, a KV cache: for any model
     _synchronize(device)
     seconds = time.perf_counter() - start
     new_ids = output[0, input_ids.shape[1]:].tolist()

@@ -239,3 +239,39 @@ def test_host_tables_are_out_of_ddps_sight_and_unpatch_restores(tmp_path):
         dist.destroy_process_group()
     prepared.unpatch()
     assert not hasattr(model, DDP_IGNORE_ATTRIBUTE)
+
+
+def _reduce_with_one_unused(rank: int, store_path: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from poros.distributed import all_reduce_gradients
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+        x = torch.full((1, 3), float(rank + 1))
+        loss = a(x).sum() + (b(x).sum() if rank == 1 else 0)  # rank 0 never reaches b
+        loss.backward()
+        params = [*a.parameters(), *b.parameters()]
+        all_reduce_gradients(params)
+        torch.save([p.grad for p in params], f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layer_major_reduce_gives_every_rank_the_gradient_another_rank_made(tmp_path):
+    """DDP with find_unused_parameters writes the reduced gradient into every rank's .grad of a parameter
+    that any rank used; a rank whose batch never reached it must not keep grad=None (it would skip the
+    step the other ranks take, and the adapters drift apart)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_reduce_with_one_unused, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    grads = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert all(g is not None for g in grads[0]) and all(g is not None for g in grads[1])
+    for g0, g1 in zip(*grads):
+        assert torch.equal(g0, g1)
+    assert torch.equal(grads[0][2], torch.full((2, 3), 1.0))  # b.weight: rank 1's (2.0) halved, rank 0's zeros
