@@ -272,7 +272,7 @@ class PorosConfig:
         names = report_to_names(self.report_to)
         choices = _metadata("report_to")["choices"]
         need(bool(names) and all(name in choices for name in names), "report_to",
-             f"one or more of {_choice_list(choices)}", "e.g. report_to: tensorboard, or [tensorboard, wandb]")
+             f"one or more of {_choice_list(choices)}", "e.g. report_to: tensorboard, or tensorboard,wandb (--report-to tensorboard,wandb)")
         need(len(names) == 1 or not {"none", "all"} & set(names), "report_to", "'none' and 'all' alone",
              "list the trackers, or write report_to: all")
 

@@ -209,6 +209,8 @@ def validate_run(config: Any, *, dry_run: bool = False) -> None:
     check_resume(config)
     check_model(config.model, revision=config.revision, download_allowed=not dry_run)
     check_dataset(config.dataset, split=config.dataset_split)
+    if config.eval_dataset:
+        check_dataset(config.eval_dataset, split=config.eval_dataset_split)
 
 
 __all__ = ["RUN_PACKAGES", "check_dataset", "check_device", "check_model", "check_output_dir", "check_resume",

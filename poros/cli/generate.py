@@ -59,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
 
     from poros.generate import generate_text
     from poros.load import load_with_adapter
+    from poros.noise import quiet_known_noise
 
+    quiet_known_noise(verbose=getattr(args, "verbose", False))  # third-party notices, as in poros train
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     device = None if args.device == "auto" else args.device
     model, tokenizer = load_with_adapter(args.adapter, model=args.model, device=device,

@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
     from poros.cli.output import print_json
     from poros.merge import merge_adapter
+    from poros.noise import quiet_known_noise
 
+    quiet_known_noise(verbose=getattr(args, "verbose", False))  # third-party notices, as in poros train
     result = merge_adapter(args.adapter, args.output, model=args.model, dtype=args.dtype, device=args.device,
                            overwrite=args.overwrite, progress=sys.stderr)
     if args.json:
