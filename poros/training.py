@@ -196,10 +196,8 @@ class TrainingRun:
         else:
             from poros.run_lock import check_fresh_start
 
-            # never a mix of two runs' results: every rank refuses alike, only rank 0 removes (overwrite);
-            # a later train() of the same trainer continues its own results (api-reference: the adapter carries over)
-            continuing = getattr(self.trainer, "global_step", 0) > 0
-            if not continuing and (parallel.is_main or not config.overwrite):
+            # never a mix of two runs' results: every rank refuses alike, only rank 0 removes (overwrite)
+            if parallel.is_main or not config.overwrite:
                 check_fresh_start(self.output_dir, overwrite=config.overwrite)
             parallel.barrier()
             seed_everything(config.seed)

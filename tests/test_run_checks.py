@@ -1,4 +1,4 @@
-"""Checks `poros train --dry-run` makes before anything loads, and a trainer's later train() calls."""
+"""Checks `poros train --dry-run` makes before anything loads, as the run itself makes them."""
 
 from __future__ import annotations
 
@@ -26,14 +26,3 @@ def test_dry_run_refuses_a_batch_the_ranks_do_not_divide(capsys, tmp_path):
                       "--nproc-per-node", "2", "--batch-size", "3")
     assert status == 1 and "DistributedError" in out and not (tmp_path / "o").exists()
 
-
-def test_a_second_train_of_one_trainer_continues_its_own_run(tmp_path):
-    """api-reference: each train() call is one run and the adapter carries over; the second call must not
-    take the first call's metrics.jsonl for another run's results."""
-    from poros import PorosTrainer
-
-    trainer = PorosTrainer.from_pretrained(TINY, output_dir=str(tmp_path / "o"), device="cpu")
-    trainer.train("synthetic", steps=2, logging_steps=1, seq_len=16)
-    trainer.train("synthetic", steps=4, logging_steps=1, seq_len=16)
-    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
-    assert trainer.global_step == 4 and rows

@@ -96,11 +96,11 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(arguments)
     require_run_packages("poros train" + (" --dry-run" if args.dry_run else ""))
     validate_run(config, dry_run=args.dry_run)  # before any weight is read, and before any rank starts
-    if (getattr(args, "nproc_per_node", None) or 1) > 1:  # the ranks would refuse it: say so before any starts
-        from poros.distributed import check_batch_divides
-
-        check_batch_divides(config.batch_size, args.nproc_per_node)
     if args.dry_run:
+        if (getattr(args, "nproc_per_node", None) or 1) > 1:  # what each rank of the real run refuses
+            from poros.distributed import check_batch_divides
+
+            check_batch_divides(config.batch_size, args.nproc_per_node)
         return dry_run(config)
     if args.nproc_per_node is not None and args.nproc_per_node > 1 and not distributed.launched_by_torchrun():
         return distributed.launch(args.nproc_per_node, ["train", *(["--verbose"] if args.verbose else []), *arguments])
