@@ -54,6 +54,7 @@ Notable features:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -248,6 +249,11 @@ class StreamingExecutor:
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
 
     # -- installing ----------------------------------------------------------------------------
+    @functools.cached_property
+    def _layer_proxies(self) -> nn.ModuleList:
+        """One :class:`_StreamingLayer` per decoder layer, made once (generation runs a forward per token)."""
+        return nn.ModuleList(_StreamingLayer(self, i) for i in range(len(self.layers)))
+
     def install(self) -> None:
         """Stream this model in place: the trunk instance's ``forward`` becomes :meth:`trunk_forward`."""
         self.trunk.forward = self.trunk_forward
@@ -308,8 +314,7 @@ class StreamingExecutor:
         device = self.store.device
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        proxies = nn.ModuleList(_StreamingLayer(self, i) for i in range(len(self.layers)))
-        with _swapped(self._layers_parent, self._layers_attr, proxies):
+        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies):
             return self._trunk_class_forward(*args, **kwargs)
 
     # -- prelude: HF's own code ----------------------------------------------------------------
