@@ -76,8 +76,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 GB = 1e9
 SEVEN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: ``control`` is the resident arm again from the same initial state: the reference against itself.
-ARMS = ("resident", "control", "poros")
+#: ``control`` is the resident arm again from the same initial state: the reference against itself;
+#: ``poros-device`` is Poros with torch's AdamW on the device and no cap (today's step, the small-card
+#: arm's yardstick: ``--optimizer-states host`` applies to ``poros`` only).
+ARMS = ("resident", "control", "poros-device", "poros")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -723,6 +725,17 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             restore(named, initial)
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
                                     vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile)
+    if "poros-device" in arms:
+        restore(named, initial)
+        results["poros-device"], handle = run_poros_arm(
+            peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit("poros-device"),
+            num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile, vram_budget=vram_budget,
+            compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline, optimizer_states="device",
+            loss_chunks=loss_chunks)
+        if handle is not None:
+            handle.unpatch()
+        del handle
+        results["poros-device"].name = "poros-device"
     if "poros" in arms:
         restore(named, initial)
         results["poros"], handle = run_poros_arm(
@@ -848,6 +861,14 @@ def compare(results: dict[str, ArmResult], warmup: int = 0) -> dict[str, Any] | 
     if resident is not None and "control" in finished:
         out = out or {}
         out["control"] = parity(resident, finished["control"])
+    if "poros-device" in finished and "poros" in finished:  # the small-card arm against today's step
+        out = out or {}
+        base, small = finished["poros-device"], finished["poros"]
+        out["poros_device"] = {"parity": parity(base, small) if resident is None else parity(resident, base)}
+        for key in ("median_step_s", "peak_allocated_gb"):
+            a, b = base.summary(warmup).get(key), small.summary(warmup).get(key)
+            if a and b is not None:
+                out["poros_device"][f"ratio_{key}"] = round(b / a, 4)
     return out
 
 

@@ -179,11 +179,23 @@ def main(argv=None) -> int:
     report: dict[str, Any] = {"tool": "cache_bench", "environment": env, "model": info, "seq": args.seq,
                               "grad_accum": args.grad_accum, "steps": args.steps}
     micro_batches = bench.make_batches(config, count=args.grad_accum, batch=1, seq=args.seq)
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:
+        """A line per phase on stderr and the report so far on disk: a run stopped at its limit still
+        says where its time went and keeps what it measured."""
+        print(f"cache_bench: {time.perf_counter() - t0:7.1f} s  {what}", file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({**report, "partial": True}, indent=1, default=str) + "\n")
+
     try:
         began = time.perf_counter()
         report["checkpoint_bytes"] = write_checkpoint(config, checkpoint, device)
         report["checkpoint_write_s"] = time.perf_counter() - began
+        progress(f"checkpoint written ({report['checkpoint_bytes'] / 1e9:.1f} GB)")
         report["drive"] = measure_disk_read(work)
+        progress(f"drive read rate measured ({report['drive'].get('gb_per_s')} GB/s)")
         starts = {}
         for name, cache_dir in (("nocache", None), ("cold", root), ("cached", root)):
             drop_from_page_cache(checkpoint, *([root] if root.exists() else []))
@@ -194,6 +206,8 @@ def main(argv=None) -> int:
             close_tier(streamed)
             del streamed, optimizer
             forget(root)
+            report["start"] = starts
+            progress(f"start {name}: {starts[name]['to_first_step_s']:.1f} s to the first step")
         report["start"] = starts
         report["cached_start_speedup"] = starts["nocache"]["to_first_step_s"] / starts["cached"]["to_first_step_s"]
         [entry] = cache.list_entries(root)
@@ -224,6 +238,8 @@ def main(argv=None) -> int:
             close_tier(streamed)
             del streamed, optimizer, store
             forget(root)
+            report["tiers"] = tiers
+            progress(f"tier {tier}: {row['step_s']:.3f} s/step")
         if "pinned" in tiers:
             for tier, row in tiers.items():
                 row["vs_pinned"] = row["step_s"] / tiers["pinned"]["step_s"]
