@@ -78,7 +78,7 @@ GB = 1e9
 SEVEN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: ``control`` is the resident arm again from the same initial state: the reference against itself;
 #: ``poros-device`` is Poros with torch's AdamW on the device and no cap (today's step, the small-card
-#: arm's yardstick: ``--optimizer-states host`` applies to ``poros`` only).
+#: arm's yardstick: ``--optimizer-states host`` and ``--vram-budget`` apply to ``poros`` only).
 ARMS = ("resident", "control", "poros-device", "poros")
 
 
@@ -729,7 +729,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         restore(named, initial)
         results["poros-device"], handle = run_poros_arm(
             peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit("poros-device"),
-            num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile, vram_budget=vram_budget,
+            num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile, vram_budget=None,
             compute=compute, link_bytes_per_s=link_bytes_per_s, timeline=timeline, optimizer_states="device",
             loss_chunks=loss_chunks)
         if handle is not None:
