@@ -39,7 +39,7 @@ import torch
 
 from tools import bench  # shapes, environment, batches
 
-TIERS = ("pinned", "mapped", "disk")
+TIERS = ("pinned", "disk", "mapped")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -169,6 +169,11 @@ def forget(root: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import faulthandler
+
+    # A step that hangs (the mapped tier did on the H200, inside a 290 s step limit) prints every
+    # thread's stack once a minute: the log then says where, not only that it stopped.
+    faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
     from poros import cache
     from poros.host_tiers import measure_disk_read
 
