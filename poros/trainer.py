@@ -175,7 +175,8 @@ class PorosTrainer:
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
                         require=config.require, vram_budget=config.vram_budget, workload=workload,
                         optimizer_states=config.optimizer_states, host_tier=config.host_tier,
-                        host_budget=config.host_budget, read_ahead=config.read_ahead, cache_dir=config.cache_dir)
+                        host_budget=config.host_budget, read_ahead=config.read_ahead, cache_dir=config.cache_dir,
+                        cuda_graphs=config.cuda_graphs)
         if config.loss_chunks > 1:
             from poros.stream.chunked_loss import use_chunked_loss
 
