@@ -111,7 +111,9 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
     with warnings.catch_warnings(record=True) as caught, mixed:
         warnings.simplefilter("always")
         outcome = bench.compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr,
-                                     cuda_graphs=getattr(args, "cuda_graphs", False))
+                                     cuda_graphs=getattr(args, "cuda_graphs", False),
+                                     grad_accum=getattr(args, "grad_accum", 1),
+                                     schedule=getattr(args, "schedule", "micro-major"))
     checked = getattr(args, "save_load", False) and outcome["comparison"]
     save_load = save_load_check(peft_model, batches[0], device) if checked else None
     kernels = sorted({_kernel_name(str(w.message)) for w in caught if NONDETERMINISTIC_MARK in str(w.message)})
@@ -377,6 +379,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                         help="leave deterministic algorithms off (the result can then only be 'numerical' evidence)")
     parser.add_argument("--no-diagnose", action="store_true", help="skip the kernel-swap reruns")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--schedule", default="micro-major", choices=("micro-major", "layer-major"))
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the streamed arm replays its block phases from CUDA graphs (issue 18's gate)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with --tiny on CPU)")

@@ -297,9 +297,9 @@ class StreamingExecutor:
             parameters = self.block_parameters(index)
             known = self._use_order.get(index)
             with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
-                # known use order: no hook needs to see the modules run, a graph may replay them
-                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last,
-                                         graphable=known is not None)
+                # graphs replay layer-major's phases only (see graphs.py: micro-major's backward runs inside
+                # the autograd engine, where a capture is not safe)
+                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last, graphable=False)
             self._use_order[index] = used
             # The block's trainable parameters are inputs of its node, each through a view made in
             # the order the block used them: the engine runs the later-made view first, so their
@@ -360,7 +360,9 @@ class StreamingExecutor:
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         leaves = call.leaves_with(hidden, grad_tensors)
         output = None
-        if self.graphs is not None and graphable:
+        if self.graphs is not None and not graphable:
+            self.graphs.note_eager("micro-major")
+        elif self.graphs is not None:
             output = self.graphs.forward(index, leaves, call.unflatten, bool(call.mapping_at))
         if output is None:
             args, kwargs = call.unflatten(leaves)
@@ -397,7 +399,9 @@ class StreamingExecutor:
         leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
         leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
-        if self.graphs is not None:
+        if self.graphs is not None and return_parameter_grads:
+            self.graphs.note_eager("micro-major")
+        elif self.graphs is not None:
             replayed = self.graphs.backward(
                 index, call.leaves_with(hidden, grad_inputs), call.unflatten, grad_output, hidden_needs_grad,
                 call.grad_at, step.autocast_states.get(index), not return_parameter_grads,

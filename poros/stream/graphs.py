@@ -22,6 +22,11 @@ cost of queueing ~500 kernels per block disappears.
   executor's accumulation (``p.grad`` set, then ``add_``) is the one autograd's accumulator does.
 * **The copy stream stays outside**: the store's events order the replay after the block's copy,
   exactly as they order eager compute.
+* **Layer-major only**: graphs replay the phases :meth:`StreamingExecutor.forward_backward` drives
+  (layer-major accumulation, ``PorosTrainer``'s default). Micro-major's backward runs inside the
+  autograd engine, where a capture can be invalidated by the engine's other work (seen on the
+  H200: the gate's first micro-major capture failed); its blocks run eagerly, counted as
+  ``micro-major``.
 * **Fallback, per call, named**: carried mappings (KV sharing), an active dropout (its RNG draws),
   autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values,
@@ -262,10 +267,15 @@ class BlockGraphs:
             self.seen[key] += 1
             self.note_eager("warm-up")
             return None
+        generator = torch.cuda.default_generators[self.store.device.index or 0]
+        backup = generator.clone_state()
         try:
             graph = capture()
             self.report.captured += 1
         except Exception as exc:  # noqa: BLE001 - a block that cannot be captured runs eagerly, and says why
+            # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"
+            # and refuse every later random draw. Give it back its state from before (nothing was drawn).
+            generator.graphsafe_set_state(backup)
             torch.cuda.synchronize(self.store.device)
             graph = None
             failure = f"{key[0]} of block {index}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
