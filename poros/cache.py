@@ -265,10 +265,24 @@ def clear(root: Path, model: str | None = None) -> list[str]:
             remove_entry(Path(root) / summary.name)
             removed.append(summary.name)
     if model is None and Path(root).is_dir():
-        for stray in Path(root).iterdir():  # locks and half-written temporaries
-            if stray.name.endswith(".lock") or stray.name.startswith((".tmp-", ".removing-")):
+        # Leftovers: entries renamed aside, and temporaries of builds whose process is gone. Lock files
+        # stay (empty, and a build may hold one now: a new file in its place would let a second build
+        # in), and so does the temporary of a build that is still running.
+        for stray in Path(root).iterdir():
+            if stray.name.startswith(".removing-") or (stray.name.startswith(".tmp-") and not _alive(stray)):
                 (shutil.rmtree if stray.is_dir() else os.remove)(stray)
     return removed
+
+
+def _alive(temporary: Path) -> bool:
+    """Whether the process that names ``.tmp-<entry>-<pid>`` still runs on this host."""
+    try:
+        os.kill(int(temporary.name.rsplit("-", 1)[1]), 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 __all__ = ["CacheEntry", "CacheEntryError", "EntrySummary", "FORMAT_VERSION", "build_lock", "cache_root",

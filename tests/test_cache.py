@@ -355,6 +355,22 @@ def test_clear_with_a_model_removes_that_models_entries_only(tmp_path):
     assert [e.name for e in cache.list_entries(tmp_path)] == [names["Qwen/Qwen2.5-7B-Instruct"]]
 
 
+def test_clear_leaves_a_held_lock_and_a_running_build_alone(tmp_path):
+    """`poros cache clear` during another process's build: the lock file it holds stays (a new file in its
+    place would let a second build in), so does its temporary; a dead build's leftovers go."""
+    name = cache.entry_name("m", cache.entry_key({"model": "m"}))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    running, finished = tmp_path / f".tmp-{name}-{os.getpid()}", tmp_path / f".tmp-{name}-{dead}"
+    aside = tmp_path / f".removing-{name}-{dead}"
+    for directory in (running, finished, aside):
+        directory.mkdir(parents=True)
+    with cache.build_lock(tmp_path, name):
+        assert cache.clear(tmp_path) == []
+        assert (tmp_path / f"{name}.lock").exists() and running.is_dir()
+        assert not finished.exists() and not aside.exists()
+
+
 def test_an_unwritable_cache_root_loads_without_the_cache(tmp_path, caplog):
     from poros.load import load_pretrained
 
