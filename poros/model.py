@@ -10,6 +10,7 @@ every check that can refuse the model runs before any weight moves, and raises a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform as _platform
 from dataclasses import asdict, dataclass
@@ -38,6 +39,8 @@ from poros.errors import (
     UnsupportedModelError,
 )
 from poros.stream.executor import StreamingExecutor
+from poros.stream.lora_placement import LoraPlacement
+from poros.stream.lora_placement import check as lora_placement_check
 from poros.stream.placement import check_boundary_states, host_embedding_tables
 from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
 from poros.stream.store import BlockStore, HostEmbedding
@@ -73,10 +76,12 @@ class PorosModel:
         detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
         host_plan: the host tier decision (``poros.host_tiers.HostPlan``: tier, read-ahead, why).
+        lora_placement: the :class:`~poros.stream.lora_placement.LoraPlacement` keeping the streamed
+            blocks' adapters on the host (``lora_placement="host"``), else None.
     """
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
-                     "host_plan", "_restore_flags", "_poros_class",
+                     "host_plan", "lora_placement", "_restore_flags", "_poros_class",
                      "_ddp_ignored")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
@@ -99,7 +104,8 @@ class PorosModel:
         Raises:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
-        losses = self.executor.forward_backward(self.forward, micro_batches)
+        with self.lora_placement.accumulation() if self.lora_placement else contextlib.nullcontext():
+            losses = self.executor.forward_backward(self.forward, micro_batches)
         from poros import distributed
 
         if sync_gradients is not False and distributed.reducing():
@@ -133,6 +139,8 @@ class PorosModel:
         class back, and return it (the same object)."""
         self.executor.uninstall()
         self.causal_lm.__dict__.pop("_poros_handle", None)
+        if self.lora_placement is not None:
+            self.lora_placement.restore()
         self.store.restore()
         for layer, flag in self._restore_flags:
             layer.gradient_checkpointing = flag
@@ -341,10 +349,12 @@ def _check_checkpointing(layers: list[nn.Module]) -> None:
             )
 
 
-def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module]):
+def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module], placement: LoraPlacement | None = None):
     """Checks run before every streamed forward (they see what HF passes the trunk)."""
 
     def check(kwargs: dict) -> None:
+        if placement is not None:
+            placement.check_forward()
         if kwargs.get("use_cache") and torch.is_grad_enabled() and causal_lm.training:
             raise CacheDuringTrainingError(
                 "use_cache=True in a training forward: a KV cache only costs memory when training and Poros "
@@ -365,7 +375,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             vram_budget: str | int | None = None,
             workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None,
             optimizer_states: str = "auto", host_tier: str | None = None, host_budget: str | int | None = None,
-            read_ahead: int | None = None, cache_dir: str | None = None) -> PorosModel:
+            read_ahead: int | None = None, cache_dir: str | None = None,
+            lora_placement: str | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM, in place; returns ``model``
     itself, its class switched to a same-named subclass with the :class:`PorosModel` mixin.
 
@@ -401,6 +412,11 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             optimizer: the plan's choice is ``PorosModel.budget_plan.optimizer_states``, which
             PorosTrainer applies (``poros.stream.host_optimizer.adamw``) and a loop of your own
             should too (``poros.HostAdamW`` when it says ``"host"``).
+        lora_placement: where the streamed blocks' LoRA parameters and gradients live between uses:
+            ``"device"`` (default) or ``"host"`` (pinned; they come in with their block and the gradients
+            go back after its last backward; layer-major ``forward_backward`` and ``poros.HostAdamW``
+            with ``placement=model.lora_placement`` only; bitwise the same). ``"auto"``: device (the
+            budget planner does not price this placement yet).
         host_tier: where the streamed blocks live on the host: ``"pinned"`` (default), ``"mapped"``
             or ``"disk"`` (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block
             cache is served from its entry; any other model is first written to a spill file. Unset,
@@ -425,6 +441,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     """
     _check_budget_options(resident_blocks, vram_budget, workload)
     check_boundary_states(boundary_states)
+    lora_placement_check(lora_placement)
     _check_not_compiled(model)
     causal_lm = causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
@@ -493,13 +510,15 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
                                                      *host_parameter_names(model, [t.module for t in host_tables])}))
     executor = StreamingExecutor(causal_lm, descriptor, store)
     executor.boundary_states = boundary_states or "device"
-    executor.before_forward = _runtime_gates(causal_lm, layers)
+    placement = LoraPlacement(store) if lora_placement == "host" else None  # None / "auto" without a budget: device
+    executor.before_forward = _runtime_gates(causal_lm, layers, placement)
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
     prepared = _become_streamed(model, {
         "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "detection": detection, "budget_plan": budget_plan, "host_plan": host_plan,
+        "lora_placement": placement,
         "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     return prepared
