@@ -131,6 +131,8 @@ class TrainingRun:
         config = self.config
         plan = self.model.budget_plan
         states = optimizer_states.resolve(config.optimizer_states, plan.optimizer_states if plan else None)
+        if self.model.lora_placement is not None and config.optimizer_states == "auto":
+            states = "host"  # the LoRA tensors on the host: HostAdamW brings them in to step
         optimizer = host_optimizer.adamw(self.model.trainable_parameters(), optimizer_states=states, lr=config.lr,
                                          weight_decay=config.weight_decay, placement=self.model.lora_placement)
         scheduler = transformers.get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup,
