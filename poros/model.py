@@ -40,7 +40,7 @@ from poros.errors import (
 )
 from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
-from poros.stream.lora_placement import check as lora_placement_check
+from poros.stream.optimizer_states import check_lora as lora_placement_check
 from poros.stream.placement import check_boundary_states, host_embedding_tables
 from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
 from poros.stream.store import BlockStore, HostEmbedding
@@ -415,8 +415,9 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         lora_placement: where the streamed blocks' LoRA parameters and gradients live between uses:
             ``"device"`` (default) or ``"host"`` (pinned; they come in with their block and the gradients
             go back after its last backward; layer-major ``forward_backward`` and ``poros.HostAdamW``
-            with ``placement=model.lora_placement`` only; bitwise the same). ``"auto"``: device (the
-            budget planner does not price this placement yet).
+            with ``placement=model.lora_placement`` only; bitwise the same). With ``vram_budget`` and
+            ``"auto"`` the planner decides (host only when the budget needs it: the plan's
+            ``lora_placement``); ``"auto"`` without a budget is ``"device"``.
         host_tier: where the streamed blocks live on the host: ``"pinned"`` (default), ``"mapped"``
             or ``"disk"`` (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block
             cache is served from its entry; any other model is first written to a spill file. Unset,
@@ -486,11 +487,12 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             workload=_workload(workload), device=device,
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
             embeddings_on_host=embeddings_on_host, boundary_states=boundary_states,
-            optimizer_states=optimizer_states)
+            optimizer_states=optimizer_states, lora_placement=lora_placement or "device")
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         embeddings_on_host = budget_plan.embeddings_on_host
         boundary_states = boundary_states or budget_plan.boundary_states  # an explicit choice stands
+        lora_placement = budget_plan.lora_placement
     else:
         resident, num_slots = _resident_indices(resident_blocks, len(layers)), num_slots or 2
 

@@ -261,3 +261,101 @@ def test_trainer_with_lora_on_the_host_is_bitwise_and_resumes_bitwise(tmp_path):
     assert again.losses == expected.losses
     assert_same_training_state(named, expected_states, resumed.model, resumed.optimizer)
     assert_at_home(resumed.model)
+
+
+# -- the planner ---------------------------------------------------------------------------------------
+def test_the_planner_moves_the_lora_tensors_to_the_host_only_when_the_ring_does_not_fit_with_them():
+    from poros.stream import planner
+    from poros.stream.planner import Footprint, Workload
+
+    mib = 2**20  # the LoRA tensors larger than a block's share, as r16 all-linear at 72B against small cards
+    fp = Footprint(block_bytes=(100 * mib,) * 8, device_non_block_bytes=500 * mib, host_embedding_bytes=0,
+                   lora_parameter_bytes=800 * mib, boundary_bytes=10 * mib, recompute_bytes=50 * mib,
+                   head_bytes=200 * mib)
+    workload = Workload(grad_accum=2, schedule="layer-major")
+    states_host = planner.minimum_budget(fp, workload, optimizer_states="host")
+    lora_host = planner.minimum_budget(fp, workload, optimizer_states="host", lora_placement="auto")
+    assert lora_host < states_host
+    on_host = planner.predict_peak(fp, workload, optimizer_on_host=True, lora_on_host=True)
+    on_device = planner.predict_peak(fp, workload, optimizer_on_host=True)
+    persistent = dict(on_host.persistent)
+    assert persistent["LoRA parameters + gradients of the blocks in the 2 slots (the rest on the host)"] == 2 * 2 * 100 * mib
+    assert persistent["LoRA parameters (AdamW state on the host)"] == 0  # every adapter is in a streamed block
+    assert on_host.total < on_device.total
+    # 'auto': on the device while the two-slot ring fits with them there; below that, on the host
+    # (the boundary states go to the host first: the ring is priced with them there)
+    ring = planner.plan_budget(fp, workload, 10**12, optimizer_states="host",
+                               boundary_states="host").pipelined_minimum_bytes
+    roomy = planner.plan_budget(fp, workload, ring, optimizer_states="host", lora_placement="auto")
+    assert roomy.lora_placement == "device"
+    tight = planner.plan_budget(fp, workload, ring - 1, optimizer_states="host", lora_placement="auto")
+    assert tight.lora_placement == "host" and tight.num_slots == 2 and tight.resident_blocks == ()
+    assert "LoRA parameters and gradients on the host" in " ".join(tight.notes)
+    assert "LoRA tensors on the host" in tight.summary() and tight.to_dict()["lora_placement"] == "host"
+    # never with AdamW's state on the device or micro-major; 'host' there is refused
+    micro_major = Workload(grad_accum=2)  # at its minimum the ring does not fit, yet the LoRA tensors stay
+    least = planner.minimum_budget(fp, micro_major, optimizer_states="host", lora_placement="auto")
+    assert least == planner.minimum_budget(fp, micro_major, optimizer_states="host")
+    assert planner.plan_budget(fp, micro_major, least, optimizer_states="host",
+                               lora_placement="auto").lora_placement == "device"
+    assert planner.plan_budget(fp, workload, ring - 1, optimizer_states="auto",
+                               lora_placement="auto").lora_placement == "host"
+    with pytest.raises(ConfigError, match="lora_placement='host' needs"):
+        planner.plan_budget(fp, Workload(), 10**12, optimizer_states="host", lora_placement="host")
+    with pytest.raises(ConfigError, match="lora_placement='elsewhere'"):
+        planner.plan_budget(fp, workload, 10**12, optimizer_states="host", lora_placement="elsewhere")
+
+
+def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applies_it(tmp_path, capsys):
+    """``poros plan`` plans from config.json alone: a Qwen3 shape whose r128 adapters (~0.5 GB) outweigh
+    HostAdamW's chunks in flight, as at 72B on a small card."""
+    import json
+
+    from poros.cli.main import main
+    from poros.stream import planner
+
+    directory = tmp_path / "shape"
+    directory.mkdir()
+    config = json.loads((save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=1) / "config.json").read_text())
+    config.update(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=128, layer_types=["full_attention"] * 24)
+    (directory / "config.json").write_text(json.dumps(config))
+    base = ["plan", "--model", str(directory), "--device", "cpu", "--seq-len", "64", "--grad-accum", "2",
+            "--lora-rank", "128", "--optimizer-states", "host"]
+
+    def plan(*argv):
+        assert main([*base, "--json", *argv]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["plan"], out["footprint"]
+
+    roomy, footprint = plan("--vram-budget", "64GiB")
+    assert roomy["lora_placement"] == "device"
+    footprint = planner.Footprint(**{**footprint, "block_bytes": tuple(footprint["block_bytes"])})
+    ring = planner.plan_budget(footprint, planner.Workload(1, 64, 2, "layer-major"), 10**12, optimizer_states="host",
+                               boundary_states="host").pipelined_minimum_bytes  # the boundary states go first
+    tight, _ = plan("--vram-budget", str(ring - 1))
+    assert tight["lora_placement"] == "host" and tight["num_slots"] == 2
+    assert plan("--vram-budget", str(ring - 1), "--lora-placement", "device")[0]["num_slots"] == 1
+    assert main([*base, "--vram-budget", str(ring - 1)]) == 0
+    table = capsys.readouterr().out
+    assert "LoRA tensors" in table and "host; pinned, each block's with its block" in table
+
+    # prepare(vram_budget=...) applies the plan's placement (asked for here: at a tiny shape the chunks
+    # in flight outweigh the adapters, so 'auto' keeps them on the device), and training stays bitwise
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny", "qwen3", seed=1, num_layers=3)
+    workload = {"batch_size": 2, "seq_len": 12, "grad_accum": 2, "schedule": "layer-major"}
+    roomy = poros.prepare(load_qlora(checkpoint, seed=1), vram_budget="1GiB", workload=workload,
+                          optimizer_states="host", lora_placement="host").budget_plan
+    assert roomy.lora_placement == "host" and len(roomy.resident_blocks) == 3  # all resident: nothing travels
+    streamed = poros.prepare(load_qlora(checkpoint, seed=1), vram_budget=roomy.pipelined_minimum_bytes,
+                             workload=workload, optimizer_states="host", lora_placement="host")
+    assert streamed.budget_plan.lora_placement == "host" and streamed.budget_plan.resident_blocks == ()
+    assert sorted(streamed.lora_placement.parameters) == [0, 1, 2]
+    kept = poros.prepare(load_qlora(checkpoint, seed=1), vram_budget="1GiB", workload=workload,
+                         optimizer_states="host", lora_placement="auto")
+    assert kept.budget_plan.lora_placement == "device" and kept.lora_placement is None
+    steps = steps_of(2)
+    reference = load_qlora(checkpoint, seed=1)
+    ref_losses, ref_opt = resident_run(reference, steps)
+    losses, opt = placed_run(streamed, steps, between=assert_at_home)
+    assert_same(reference, ref_opt, streamed, opt, ref_losses, losses)

@@ -38,44 +38,6 @@ from torch import nn
 
 from poros.errors import ConfigError
 
-#: Where the streamed blocks' LoRA parameters and gradients live between uses.
-LORA_PLACEMENTS = ("device", "host")
-
-
-def check(value: str | None) -> None:
-    """Raise unless ``value`` is None, ``"device"``, ``"host"`` or ``"auto"`` (the budget planner decides).
-
-    Raises:
-        ConfigError: anything else.
-    """
-    if value is not None and value not in ("auto", *LORA_PLACEMENTS):
-        raise ConfigError(f"lora_placement={value!r}: expected 'device', 'host' or 'auto' (the budget decides).")
-
-
-def check_combination(placement: str, optimizer_states: str, schedule: str) -> None:
-    """Refuse what ``lora_placement="host"`` does not support yet.
-
-    Raises:
-        ConfigError: host placement with AdamW's state on the device, or with the micro-major schedule.
-    """
-    if placement != "host":
-        return
-    if optimizer_states == "device":
-        raise ConfigError("lora_placement='host' with optimizer_states='device': the LoRA parameters live on the "
-                          "host, so the optimizer must bring them in to step. Set optimizer_states: host "
-                          "(poros.HostAdamW steps parameters, gradients and state a chunk at a time).")
-    if schedule != "layer-major":
-        raise ConfigError(f"lora_placement='host' with stream_schedule={schedule!r}: the LoRA tensors travel with "
-                          "their block only in layer-major accumulation. Set stream_schedule: layer-major "
-                          "(and lora_dropout: 0), or lora_placement: device.")
-
-
-def resolve(configured: str, planned: str | None) -> str:
-    """``PorosConfig.lora_placement`` for a run: ``"auto"`` takes the budget plan's choice (device without one)."""
-    if configured != "auto":
-        return configured
-    return planned or "device"
-
 
 class LoraPlacement:
     """Keeps the trainable parameters of a store's streamed blocks on the host between their uses.
