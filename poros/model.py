@@ -487,7 +487,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             workload=_workload(workload), device=device,
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
             embeddings_on_host=embeddings_on_host, boundary_states=boundary_states,
-            optimizer_states=optimizer_states, lora_placement=lora_placement or "device")
+            optimizer_states=optimizer_states,  # data parallel: never chosen (see the refusal below)
+            lora_placement="device" if lora_placement == "auto" and world().size > 1 else lora_placement or "device")
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         embeddings_on_host = budget_plan.embeddings_on_host
@@ -496,6 +497,10 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     else:
         resident, num_slots = _resident_indices(resident_blocks, len(layers)), num_slots or 2
 
+    if lora_placement == "host" and world().size > 1:
+        raise ConfigError(f"lora_placement='host' with {world().size} data-parallel ranks: the gradients are "
+                          "averaged over the ranks on the device, and host-kept LoRA gradients are not supported "
+                          "there yet. Use lora_placement='device' (or 'auto') for data parallel runs.")
     # -- past the gates: now weights move --------------------------------------------------
     restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
     for layer in layers:

@@ -206,6 +206,12 @@ def test_a_forward_with_grad_outside_layer_major_is_refused(qwen3):
         poros.prepare(load_qlora(qwen3, seed=9), lora_placement="sideways")
 
 
+def test_data_parallel_is_refused(qwen3, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="data-parallel"):
+        poros.prepare(load_qlora(qwen3, seed=9), lora_placement="host")
+
+
 def test_the_config_refuses_what_the_placement_does_not_support():
     with pytest.raises(ConfigError, match="optimizer_states"):
         poros.PorosConfig(lora_placement="host", optimizer_states="device")
