@@ -352,7 +352,7 @@ def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applie
     workload = {"batch_size": 2, "seq_len": 12, "grad_accum": 2, "schedule": "layer-major"}
     roomy = poros.prepare(load_qlora(checkpoint, seed=1), vram_budget="1GiB", workload=workload,
                           optimizer_states="host", lora_placement="host").budget_plan
-    assert roomy.lora_placement == "host" and len(roomy.resident_blocks) == 3  # all resident: nothing travels
+    assert roomy.lora_placement == "device" and len(roomy.resident_blocks) == 3  # all resident: nothing travels
     streamed = poros.prepare(load_qlora(checkpoint, seed=1), vram_budget=roomy.pipelined_minimum_bytes,
                              workload=workload, optimizer_states="host", lora_placement="host")
     assert streamed.budget_plan.lora_placement == "host" and streamed.budget_plan.resident_blocks == ()

@@ -639,7 +639,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     if optimizer_on_host:
         notes.append(adamw_states.host_note(format_gb(2 * footprint.lora_parameter_bytes),
                                             asked=optimizer_states == "host", num_slots=num_slots))
-    if lora_on_host:
+    if lora_on_host and streamed:  # nothing streams: nothing travels
         notes.append(adamw_states.lora_note(format_gb(footprint.lora_parameter_bytes // blocks * streamed),
                                             asked=lora_placement == "host"))
     notes.append("the head stays on the device (streaming the head is not implemented)")
@@ -656,7 +656,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         boundary_bytes=boundary_total, boundary_offload_minimum_bytes=offload_minimum,
         hide_copy_resident=hide_resident, hide_copy_bytes=hide_bytes, hide_copy_peak_bytes=hide_peak,
         hide_copy_step=hide_step, notes=tuple(notes), optimizer_states=states,
-        lora_placement="host" if lora_on_host else "device")
+        lora_placement="host" if lora_on_host and streamed else "device")
 
 
 def _layer_major_hint(footprint: Footprint, workload: Workload, compute: ComputeTimes, link_bytes_per_s: float,
