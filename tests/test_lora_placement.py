@@ -365,3 +365,27 @@ def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applie
     ref_losses, ref_opt = resident_run(reference, steps)
     losses, opt = placed_run(streamed, steps, between=assert_at_home)
     assert_same(reference, ref_opt, streamed, opt, ref_losses, losses)
+
+
+# -- tools/bench.py --------------------------------------------------------------------------------------
+def test_bench_runs_the_poros_arm_with_the_lora_tensors_on_the_host(tmp_path, child_env):
+    """The bench's CPU dry run of the small-card setup: layer-major, HostAdamW, LoRA on the host; bitwise."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    report_path = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "tools.bench", "--model", "tiny", "--steps", "2", "--warmup", "1", "--arms",
+               "resident,poros", "--optimizer-states", "host", "--lora-placement", "host", "--grad-accum", "2",
+               "--schedule", "layer-major", "--deterministic", "--device", "cpu", "--json", str(report_path)]
+    done = subprocess.run(command, cwd=pathlib.Path(__file__).resolve().parents[1],
+                          env=child_env(POROS_COMMIT="test", OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["config"]["lora_placement"] == "host" and report["arms"]["poros"]["status"] == "ok"
+    assert report["arms"]["poros"]["lora_placement"] == "host"  # prepare applied it
+    comparison = report["comparison"]
+    assert comparison["bitwise"] is True and comparison["adapter_tensors"] == 2 * 7 * 2
+    assert "(bitwise, 28 LoRA tensors, 84 AdamW state tensors)" in done.stdout

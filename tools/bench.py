@@ -797,6 +797,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                                                          "fetches": sum(store.stats.fetches)}
     copied = counted["bytes"]
     result.extra.update({
+        "lora_placement": "host" if streamed.lora_placement is not None else "device",  # what prepare applied
         "host_bytes": store.host_bytes,
         "slot_bytes": store.slot_bytes,
         "num_slots": store.num_slots,
