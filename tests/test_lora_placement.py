@@ -9,9 +9,12 @@ during steps (a placement that kept them on the device fails), resume through Po
 
 from __future__ import annotations
 
+import pathlib
+import tempfile
+
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import poros
@@ -20,7 +23,7 @@ from poros.stream import lora_placement
 from poros.stream.host_optimizer import HostAdamW, adamw
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_host_optimizer import FAMILIES, FLAGS
-from test_layer_major import with_item_counts
+from test_layer_major import CASES, setups, with_item_counts
 from test_parity import make_batch, trainable
 
 
@@ -101,6 +104,35 @@ def test_lora_on_the_host_is_bitwise_resident_with_clipping_and_accumulation(fam
     # each block's adapters came in for its forward and its backward, and their gradients went back once a step
     placement = streamed.lora_placement
     assert placement.stats["grads_out"] == len(steps) * sum(len(ps) for ps in placement.parameters.values())
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
+def test_drawn_setups_of_every_variant_are_bitwise(family, variant):
+    """Hypothesis draws the model config, M micro-batches, padding, rank, steps, the boundary states'
+    placement and the clipping threshold, per family and variant."""
+    @settings(max_examples=2, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(setup=setups(family, variant), boundary=st.sampled_from(["device", "host"]),
+           max_grad_norm=st.sampled_from([None, 0.05]))
+    def check(setup, boundary, max_grad_norm):
+        with tempfile.TemporaryDirectory() as directory:
+            try:
+                path = save_tiny_checkpoint(pathlib.Path(directory) / "ckpt", family, variant, seed=setup["seed"],
+                                            **setup["config"])
+            except ValueError:
+                assume(False)
+            lora = {"lora_rank": setup["lora_rank"], "lora_alpha": 16, "seed": setup["seed"]}
+            steps = [with_item_counts([make_batch(setup["seed"] + 10 * s + m, setup["batch"], setup["seq"],
+                                                 setup["padding"]) for m in range(setup["micro_batches"])])
+                     for s in range(setup["steps"])]
+            reference = load_qlora(path, **lora)
+            ref_losses, ref_opt = resident_run(reference, steps, max_grad_norm=max_grad_norm)
+            model = load_qlora(path, **lora)
+            streamed = poros.prepare(model, lora_placement="host", boundary_states=boundary)
+            losses, opt = placed_run(streamed, steps, max_grad_norm=max_grad_norm, between=assert_at_home)
+            assert_same(reference, ref_opt, model, opt, ref_losses, losses)
+
+    check()
 
 
 @pytest.fixture(scope="module")
