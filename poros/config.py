@@ -163,6 +163,11 @@ class PorosConfig:
                               "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
                               "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
                               "only numerically HF's default loss (another summation order).")
+    cuda_graphs: bool | str = _field(False, "Replay each streamed block's forward and recompute+backward from a CUDA "
+                                     "graph captured once per device slot and block kind: the eager kernels, bit for "
+                                     "bit, without their host cost. true, false or 'auto' (on when the device is "
+                                     "CUDA); off on CPU. Blocks that cannot be captured run eagerly and the run "
+                                     "summary says why (docs/parity-modes.md).")
 
     host_tier: str | None = _field(None, "Where the streamed NF4 blocks live on the host: 'pinned' (page-locked RAM, "
                                    "one copy per process), 'mapped' (the NF4 block cache file mapped and registered "
@@ -215,6 +220,8 @@ class PorosConfig:
                  f"pick one of {_choice_list(choices)}")
         need(bool(DEVICE_PATTERN.fullmatch(self.device)), "device", "'auto', 'cpu', 'cuda' or 'cuda:N'",
              "e.g. device: cuda:0")
+        need(self.cuda_graphs in (True, False) or self.cuda_graphs == "auto", "cuda_graphs", "true, false or 'auto'",
+             "e.g. cuda_graphs: true")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "a float in [0, 1)", "e.g. lora_dropout: 0.05")
         need(self.lr > 0, "lr", "a float > 0", "e.g. lr: 2.0e-4")
         need(self.weight_decay >= 0, "weight_decay", "a float >= 0", "e.g. weight_decay: 0.0")
@@ -591,7 +598,7 @@ def _normalize_targets(value: str | list[str]) -> str | list[str]:
 def _example(name: str) -> str:
     default = _fields_by_name()[name].default
     examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
-                "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main",
+                "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main", "cuda_graphs": "true",
                 "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
                 "eval_dataset": "data/val.jsonl", "eval_batches": "20", "report_to": "tensorboard"}
     if name in examples:

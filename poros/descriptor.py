@@ -139,6 +139,9 @@ class ArchitectureDescriptor:
     never_quantized: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     model_level_linears: tuple[str, ...] = ()
     optional_features: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: (config attribute, reason): with ``cuda_graphs`` on, a truthy attribute keeps the blocks eager
+    #: (e.g. MoE routing: data-dependent shapes, host syncs); ``poros.stream.graphs`` reports the reason
+    graph_unsafe: tuple[tuple[str, str], ...] = ()
     # documentation
     notes: tuple[str, ...] = ()
     config_class: str = ""
@@ -163,6 +166,10 @@ class ArchitectureDescriptor:
             name for attribute, names in self.optional_features
             if not getattr(config, attribute, None) for name in names
         )
+
+    def graph_unsafe_reason(self, config: Any) -> str | None:
+        """Why this model's blocks cannot be captured in CUDA graphs (:attr:`graph_unsafe`), or None."""
+        return next((reason for attribute, reason in self.graph_unsafe if getattr(config, attribute, None)), None)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``--json`` listings and docs)."""

@@ -38,6 +38,7 @@ from poros.errors import (
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
+from poros.stream import graphs
 from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
 from poros.stream.optimizer_states import check_lora as lora_placement_check
@@ -376,6 +377,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None,
             optimizer_states: str = "auto", host_tier: str | None = None, host_budget: str | int | None = None,
             read_ahead: int | None = None, cache_dir: str | None = None,
+            cuda_graphs: bool | str = False,
             lora_placement: str | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM, in place; returns ``model``
     itself, its class switched to a same-named subclass with the :class:`PorosModel` mixin.
@@ -428,6 +430,10 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
         read_ahead: ring buffers of the disk tier (default 3; with ``host_budget``, at most what fits).
         cache_dir: cache root whose ``spill/`` directory takes spill files (default: as for the cache).
+        cuda_graphs: ``True`` / ``"auto"``: on CUDA, replay each block phase from a captured CUDA graph
+            (``poros.stream.graphs``; bitwise the eager kernels, without their host cost); blocks
+            that cannot be captured run eagerly and ``PorosModel.executor.graphs.report`` says why.
+            Off on CPU whatever the setting. Default ``False``.
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
@@ -443,6 +449,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     _check_budget_options(resident_blocks, vram_budget, workload)
     check_boundary_states(boundary_states)
     lora_placement_check(lora_placement)
+    graphs.check(cuda_graphs)
     _check_not_compiled(model)
     causal_lm = causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
@@ -519,6 +526,12 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     executor.boundary_states = boundary_states or "device"
     placement = LoraPlacement(store) if lora_placement == "host" else None  # None / "auto" without a budget: device
     executor.before_forward = _runtime_gates(causal_lm, layers, placement)
+    if graphs.enabled(cuda_graphs, device):
+        executor.graphs = graphs.BlockGraphs(
+            store, executor.layers, unsafe=descriptor.graph_unsafe_reason(causal_lm.config.get_text_config()))
+    elif cuda_graphs is not False:
+        logger.info("cuda_graphs: off on %s (CUDA graphs exist on CUDA devices only); every block runs eagerly",
+                    device)
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back

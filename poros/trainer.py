@@ -176,7 +176,8 @@ class PorosTrainer:
                         require=config.require, vram_budget=config.vram_budget, workload=workload,
                         optimizer_states=config.optimizer_states, lora_placement=config.lora_placement,
                         host_tier=config.host_tier,
-                        host_budget=config.host_budget, read_ahead=config.read_ahead, cache_dir=config.cache_dir)
+                        host_budget=config.host_budget, read_ahead=config.read_ahead, cache_dir=config.cache_dir,
+                        cuda_graphs=config.cuda_graphs)
         if config.loss_chunks > 1:
             from poros.stream.chunked_loss import use_chunked_loss
 

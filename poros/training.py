@@ -294,6 +294,9 @@ class TrainingRun:
         if not interrupted:
             echo(f"poros: trained {self.global_step} steps"
                   + (f", final loss {final:.4f}" if final is not None else ""))
+        graphs = getattr(getattr(self.model, "executor", None), "graphs", None)
+        if graphs is not None:  # cuda_graphs: what was replayed, what ran eagerly and why
+            echo(f"poros: {graphs.report.summary()}")
         eval_loss = next((row["eval_loss"] for row in reversed(self.log_history) if "eval_loss" in row), None)
         return TrainResult(self.global_step, list(self.losses), final, interrupted, self.output_dir,
                            self.last_checkpoint, list(self.log_history), eval_loss)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import poros
 from poros.errors import StreamingError
+from poros.stream.stash import HostStash
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 from test_parity import MIN_LAYERS, make_batch, trainable, assert_bitwise
 
@@ -118,8 +119,8 @@ def test_boundary_states_on_the_host_are_bitwise_too(family, variant, tmp_path, 
     from poros.stream import executor
 
     taken = []
-    original = executor._HostStash.take
-    monkeypatch.setattr(executor._HostStash, "take", lambda self, key: taken.append(key) or original(self, key))
+    original = HostStash.take
+    monkeypatch.setattr(HostStash, "take", lambda self, key: taken.append(key) or original(self, key))
     setup = {**FIXED_SETUP, "config": {**FIXED_SETUP["config"],
                                        "num_layers": max(3, MIN_LAYERS.get((family, variant), 1))}}
     streamed = run(family, variant, setup, tmp_path, boundary_states="host")
@@ -145,13 +146,13 @@ def test_boundary_states_held_in_backward_are_what_the_planner_counts(placement,
     streamed = poros.prepare(load_qlora(path, seed=5), boundary_states=placement)
     hidden_size = streamed.config.hidden_size
     stashes, log, alive = [], [], []
-    original_init, original_fetch, original_take = (executor._HostStash.__init__, executor._HostStash.fetch,
-                                                     executor._HostStash.take)
-    monkeypatch.setattr(executor._HostStash, "__init__",
+    original_init, original_fetch, original_take = (HostStash.__init__, HostStash.fetch,
+                                                     HostStash.take)
+    monkeypatch.setattr(HostStash, "__init__",
                         lambda self, *a: (original_init(self, *a), stashes.append(self))[0])
-    monkeypatch.setattr(executor._HostStash, "fetch",
+    monkeypatch.setattr(HostStash, "fetch",
                         lambda self, key: (log.append(("fetch", key)), original_fetch(self, key))[1])
-    monkeypatch.setattr(executor._HostStash, "take",
+    monkeypatch.setattr(HostStash, "take",
                         lambda self, key: (log.append(("take", key)), original_take(self, key))[1])
 
     def count() -> int:

@@ -700,7 +700,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                  optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
-                 loss_chunks: int = 1, lora_placement: str = "device") -> dict[str, Any]:
+                 loss_chunks: int = 1, cuda_graphs: bool = False, lora_placement: str = "device") -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
@@ -737,6 +737,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             vram_budget=vram_budget if name == "poros" else None, compute=compute,
             link_bytes_per_s=link_bytes_per_s, timeline=timeline,
             optimizer_states=optimizer_states if name == "poros" else "device", loss_chunks=loss_chunks,
+            cuda_graphs=cuda_graphs and name == "poros",
             lora_placement=lora_placement if name == "poros" else "device")
         results[name].name = name
         if handle is not None and name != order[-1]:
@@ -752,7 +753,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                   vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                   compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
-                  optimizer_states: str = "device", loss_chunks: int = 1, lora_placement: str = "device"):
+                  optimizer_states: str = "device", loss_chunks: int = 1, cuda_graphs: bool = False,
+                  lora_placement: str = "device"):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -771,7 +773,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     try:
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
                                  workload=workload if vram_budget is not None else None,
-                                 optimizer_states=optimizer_states, lora_placement=lora_placement)
+                                 optimizer_states=optimizer_states, cuda_graphs=cuda_graphs,
+                                 lora_placement=lora_placement)
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
@@ -809,6 +812,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
         "h2d_gb_per_s": round(copied / timed_time / GB, 3) if timed_time else None,
         "prediction": prediction,
         "budget_plan": streamed.budget_plan.to_dict() if streamed.budget_plan is not None else None,
+        "cuda_graphs": streamed.executor.graphs.report.to_dict() if streamed.executor.graphs is not None else None,
     })
     return result, streamed
 
@@ -1060,6 +1064,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "pinned host memory travelling with their block (poros.prepare(lora_placement=...); "
                              "needs --optimizer-states host and --schedule layer-major); auto: the --vram-budget "
                              "planner decides")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the poros arm replays its block phases from CUDA graphs (prepare(cuda_graphs=True))")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
                         help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks")
@@ -1135,7 +1141,7 @@ def main(argv=None) -> int:
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
                            timeline=args.timeline, optimizer_states=args.optimizer_states,
                            capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
-                           loss_chunks=args.loss_chunks, lora_placement=args.lora_placement,
+                           loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs, lora_placement=args.lora_placement,
                            link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
@@ -1145,7 +1151,7 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
             "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
-            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks,
+            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,

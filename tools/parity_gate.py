@@ -110,7 +110,8 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[autocast])
     with warnings.catch_warnings(record=True) as caught, mixed:
         warnings.simplefilter("always")
-        outcome = bench.compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr)
+        outcome = bench.compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr,
+                                     cuda_graphs=getattr(args, "cuda_graphs", False))
     checked = getattr(args, "save_load", False) and outcome["comparison"]
     save_load = save_load_check(peft_model, batches[0], device) if checked else None
     kernels = sorted({_kernel_name(str(w.message)) for w in caught if NONDETERMINISTIC_MARK in str(w.message)})
@@ -127,6 +128,7 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         "target_parameters": list(variant.target_parameters),
         "arms": arms, "comparison": outcome["comparison"], "nondeterministic_kernels": kernels,
         "model_info": info, "autocast": autocast, "save_load": save_load,
+        "cuda_graphs": (outcome["arms"]["poros"].extra.get("cuda_graphs") if "poros" in outcome["arms"] else None),
     }
     del outcome, peft_model, model
     bench.free_memory(device)
@@ -375,6 +377,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-deterministic", dest="deterministic", action="store_false",
                         help="leave deterministic algorithms off (the result can then only be 'numerical' evidence)")
     parser.add_argument("--no-diagnose", action="store_true", help="skip the kernel-swap reruns")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the streamed arm replays its block phases from CUDA graphs (issue 18's gate)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with --tiny on CPU)")
     parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
     parser.add_argument("--json", type=Path, help="write the report here")

@@ -68,6 +68,7 @@ DESCRIPTOR = decoder_family(
         "experts.gate_up_proj", "experts.down_proj",
     ),
     model_level_linears=("model.per_layer_model_projection",),
+    graph_unsafe=(("enable_moe_block", "MoE routing"),),
     optional_features=(
         # per-layer inputs (the E-models); absent when hidden_size_per_layer_input is 0/None
         ("hidden_size_per_layer_input", (

@@ -66,6 +66,7 @@ from torch.utils import _pytree as pytree
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
 from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
+from poros.stream.stash import HostStash
 from poros.stream.store import BlockStore
 
 
@@ -183,6 +184,9 @@ class _LayerCall:
         return cls(leaves, spec, mapping_at, grad_at)
 
     def build(self, hidden: torch.Tensor, grad_tensors=(), mappings: dict[str, Any] | None = None):
+        return self.unflatten(self.leaves_with(hidden, grad_tensors, mappings))
+
+    def leaves_with(self, hidden: torch.Tensor, grad_tensors=(), mappings: dict[str, Any] | None = None) -> list:
         leaves = list(self.leaves)
         leaves[0] = hidden
         for position, tensor in zip(self.grad_at, grad_tensors):
@@ -190,6 +194,9 @@ class _LayerCall:
         for position, name in self.mapping_at.items():
             if mappings is not None:
                 leaves[position] = mappings[name]
+        return leaves
+
+    def unflatten(self, leaves: list):
         args, kwargs, mapping_values = pytree.tree_unflatten(leaves, self.spec)
         return args, {**kwargs, **mapping_values}
 
@@ -247,6 +254,8 @@ class StreamingExecutor:
         self.boundary_states = "device"
         self._stash_stream = None  # the host stash's side stream, made once
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
+        #: the block phases' CUDA graphs (``graphs.py``), None: every block runs eagerly (CPU, the default)
+        self.graphs = None
 
     # -- installing ----------------------------------------------------------------------------
     @functools.cached_property
@@ -288,7 +297,9 @@ class StreamingExecutor:
             parameters = self.block_parameters(index)
             known = self._use_order.get(index)
             with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
-                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last)
+                # known use order: no hook needs to see the modules run, a graph may replay them
+                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last,
+                                         graphable=known is not None)
             self._use_order[index] = used
             # The block's trainable parameters are inputs of its node, each through a view made in
             # the order the block used them: the engine runs the later-made view first, so their
@@ -336,8 +347,9 @@ class StreamingExecutor:
 
     # -- one block ---------------------------------------------------------------------------
     def _run_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors=(),
-                   recompute_later: bool = True, keep: bool = False) -> torch.Tensor:
-        """Forward of block ``index`` (no grad inside the autograd node): fetch, run, release unless ``keep``."""
+                   recompute_later: bool = True, keep: bool = False, graphable: bool = True) -> torch.Tensor:
+        """Forward of block ``index`` (no grad inside the autograd node): fetch, run (a graph replay
+        where ``self.graphs`` and ``graphable`` allow), release unless ``keep``."""
         self._make_resident(index)
         self._prefetch(index + 1)
         call = step.calls[index]
@@ -346,8 +358,13 @@ class StreamingExecutor:
             step.autocast_states[index] = autocast_state(hidden.device)
         mappings = call.mappings()
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
-        args, kwargs = call.build(hidden, grad_tensors)
-        output = self.layers[index](*args, **kwargs)
+        leaves = call.leaves_with(hidden, grad_tensors)
+        output = None
+        if self.graphs is not None and graphable:
+            output = self.graphs.forward(index, leaves, call.unflatten, bool(call.mapping_at))
+        if output is None:
+            args, kwargs = call.unflatten(leaves)
+            output = self.layers[index](*args, **kwargs)
         if not isinstance(output, torch.Tensor):
             raise StreamingError(
                 f"decoder layer {index} returned {type(output).__name__}; Poros expects the new hidden states "
@@ -380,6 +397,15 @@ class StreamingExecutor:
         leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
         leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
+        if self.graphs is not None:
+            replayed = self.graphs.backward(
+                index, call.leaves_with(hidden, grad_inputs), call.unflatten, grad_output, hidden_needs_grad,
+                call.grad_at, step.autocast_states.get(index), not return_parameter_grads,
+                bool(call.mapping_at or readers or step.written_by.get(index)))
+            if replayed is not None:
+                if not keep:
+                    self.store.release(index)
+                return replayed
         with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
                 replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
@@ -460,7 +486,7 @@ class StreamingExecutor:
             device = self.store.device
             if device.type == "cuda" and self._stash_stream is None:
                 self._stash_stream = torch.cuda.Stream(device)
-            stash = _HostStash(device, self._stash_stream)
+            stash = HostStash(device, self._stash_stream)
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
         with torch.no_grad():
             for index in range(count):
@@ -565,59 +591,6 @@ class StreamingExecutor:
         """Start bringing block ``index`` in if a slot is free (it is needed next)."""
         if 0 <= index < len(self.layers) and None in self.store.slot_owner:
             self.store.fetch(index)
-
-
-class _HostStash:
-    """Layer-major boundary states in host memory (pinned on CUDA), moved on their own stream.
-
-    ``put`` starts copying a state to the host right after the compute stream made it (the device
-    memory is reused only once the copy is done: ``record_stream``); ``fetch`` starts bringing one
-    back into a tensor allocated on the compute stream; ``take`` makes the compute stream wait for
-    it. Copies are exact: what comes back is bit for bit what went out. On CPU the "host" is the
-    device: the same bookkeeping, plain copies (what the tests exercise).
-    """
-
-    def __init__(self, device: torch.device, stream=None) -> None:
-        self.device = device
-        self.on_cuda = device.type == "cuda"
-        self.stream = stream
-        self.host: dict[Any, torch.Tensor] = {}
-        self.back: dict[Any, tuple[torch.Tensor, Any]] = {}
-
-    def put(self, key, tensor: torch.Tensor) -> None:
-        if not self.on_cuda:
-            self.host[key] = tensor.clone()
-            return
-        host = torch.empty_like(tensor, device="cpu", pin_memory=True)  # same strides: bitwise-same layout back
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(self.stream)
-        self.host[key] = host
-
-    def fetch(self, key) -> None:
-        if key in self.back:
-            return
-        host = self.host.pop(key)
-        if not self.on_cuda:
-            self.back[key] = (host, None)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        tensor = torch.empty_like(host, device=self.device)
-        self.stream.wait_stream(compute)  # the memory's earlier readers are done
-        with torch.cuda.stream(self.stream):
-            tensor.copy_(host, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(self.stream)
-        tensor.record_stream(self.stream)  # freed untaken (an exception): not reused under the copy
-        self.back[key] = (tensor, arrived)
-
-    def take(self, key) -> torch.Tensor:
-        self.fetch(key)
-        tensor, arrived = self.back.pop(key)
-        if arrived is not None:
-            torch.cuda.current_stream(self.device).wait_event(arrived)
-        return tensor
 
 
 class _StreamedBlock(torch.autograd.Function):

@@ -1,0 +1,368 @@
+"""CUDA graphs per block phase: the streamed step without the host in it (``cuda_graphs=True``).
+
+Every streamed block computes in the same device slot, with the same shapes, in the same order,
+so one captured graph per (phase, slot, block structure, argument shapes) replays the very
+kernels eager mode would launch, with the same arguments — the bits stay the same and the host
+cost of queueing ~500 kernels per block disappears.
+
+::
+
+    eager, first time a key is seen ─▶ capture on a side stream (one shared memory pool)
+    every later time:  copy the block's arguments and LoRA tensors into the graph's static
+                       buffers ─▶ replay on the compute stream ─▶ clone the outputs
+
+* **Keys.** ``forward`` / ``backward`` × where the block's frozen bytes are bound (its device slot,
+  or its own buffer when resident) × the block's structure (module types and plain attributes,
+  the store layout of its frozen tensors, addresses of tensors the store does not stream) × each
+  argument's shape, strides and dtype (plain arguments by value) × training mode, adapter state
+  (enabled, active, merged) and the autocast state. Blocks of one kind in one slot share a graph.
+* **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
+  capture points the block's trainable parameters at static buffers (``.data``), each replay
+  copies the running block's values in. Backward returns their gradients from static buffers; the
+  executor's accumulation (``p.grad`` set, then ``add_``) is the one autograd's accumulator does.
+* **The copy stream stays outside**: the store's events order the replay after the block's copy,
+  exactly as they order eager compute.
+* **Fallback, per call, named**: carried mappings (KV sharing), an active dropout (its RNG draws),
+  autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
+  the block's modules (a replay runs no Python), arguments that are not tensors or plain values,
+  and a family's ``graph_unsafe`` features (e.g. MoE routing) run eagerly; a capture that fails
+  (a host sync inside third-party code) marks its key eager for the run. :attr:`BlockGraphs.report`
+  counts replays, captures and every eager run by reason (``poros doctor`` / the run summary).
+
+CUDA only: :func:`enabled` says whether ``cuda_graphs`` applies to a device; on CPU the executor
+has no ``BlockGraphs`` and runs as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from poros.errors import ConfigError
+from poros.stream.replay import autocast_state, replayed_autocast
+
+#: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
+#: autotuning caches — happens in eager mode first, never inside a capture)
+WARMUP = 1
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def check(value: Any) -> None:
+    """Raise unless ``value`` is a ``cuda_graphs`` setting (True, False or ``"auto"``)."""
+    if not (value is True or value is False or value == "auto"):
+        raise ConfigError(f"cuda_graphs={value!r}: expected true, false or 'auto' (graphs on when the device is CUDA).")
+
+
+def enabled(value: Any, device: torch.device) -> bool:
+    """Whether ``cuda_graphs=value`` applies on ``device``: graphs exist on CUDA only (off on CPU)."""
+    check(value)
+    return value is not False and device.type == "cuda"
+
+
+@dataclass
+class GraphReport:
+    """What the graphed path did: captures, replays, eager runs by reason, failed captures."""
+
+    captured: int = 0
+    replays: int = 0
+    eager: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"captured": self.captured, "replays": self.replays, "eager": dict(self.eager),
+                "failures": list(self.failures)}
+
+    def summary(self) -> str:
+        eager = ", ".join(f"{n} {reason}" for reason, n in self.eager.most_common()) or "none"
+        text = f"cuda graphs: {self.captured} captured, {self.replays} replays; eager runs: {eager}"
+        return text + (f"; {len(self.failures)} capture(s) failed: {self.failures[0]}" if self.failures else "")
+
+
+@dataclass
+class _Graph:
+    graph: Any
+    statics: list[Any]  # per argument leaf: its static tensor, or the plain value
+    params: list[torch.Tensor]  # static LoRA values
+    outputs: list[torch.Tensor | None]
+    last: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # leaf -> (source, version) copied
+
+    def load(self, leaves: list[Any], params: list[nn.Parameter], extra: list[torch.Tensor] = ()) -> None:
+        """Copy the running block's arguments (leaf 0, the hidden states, always; the others — masks,
+        rotary — only when they are not the tensor copied last time), its LoRA values and ``extra``
+        (the output gradient) into the static buffers."""
+        targets, sources = [], []
+        for position, (static, leaf) in enumerate(zip(self.statics, leaves)):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            seen = self.last.get(position)
+            if position and seen is not None and seen[0] is leaf and seen[1] == leaf._version:
+                continue
+            if position:
+                self.last[position] = (leaf, leaf._version)  # held: its id cannot be reused meanwhile
+            targets.append(static)
+            sources.append(leaf.detach())
+        targets += self.params
+        sources += [p.detach() for p in params]
+        targets += self.statics[len(leaves):]
+        sources += [t.detach() for t in extra]
+        with torch.no_grad():  # the backward graph's static inputs are leaves that require grad
+            torch._foreach_copy_(targets, sources)
+
+
+class BlockGraphs:
+    """Captured graphs of the executor's block phases (see the module docstring).
+
+    Args:
+        store: the executor's block store (where each block's frozen bytes are bound).
+        layers: the decoder layers.
+        unsafe: a reason when the family's config enables a feature that cannot be captured
+            (``ArchitectureDescriptor.graph_unsafe``), else None.
+        warmup: eager runs of a key before its capture.
+    """
+
+    def __init__(self, store: Any, layers: nn.ModuleList, *, unsafe: str | None = None, warmup: int = WARMUP) -> None:
+        self.store, self.layers, self.unsafe, self.warmup = store, layers, unsafe, warmup
+        self.pool = None  # the graphs' one memory pool, made at the first capture
+        self.graphs: dict[tuple, _Graph | None] = {}
+        self.seen: Counter = Counter()
+        self.report = GraphReport()
+        self._structure: dict[int, tuple] = {}
+        self._adapters: dict[int, list[nn.Module]] = {}
+        self._own_hooks = {handle.id for handle in getattr(store, "_hooks", ())}
+
+    # -- the two phases -------------------------------------------------------------------------
+    def forward(self, index: int, leaves: list[Any], unflatten: Callable, has_mappings: bool) -> torch.Tensor | None:
+        """Block ``index``'s forward without grad, replayed; None when it must run eagerly."""
+        reason = self.eager_reason(index, leaves, has_mappings)
+        if reason is not None:
+            self.note_eager(reason)
+            return None
+        layer = self.layers[index]
+        key = self._key("forward", index, layer, leaves, (_hashable_autocast(autocast_state(self.store.device)),))
+        graph = self._graph(key, index, lambda: self._capture_forward(layer, leaves, unflatten))
+        if graph is None:
+            return None
+        graph.load(leaves, self._parameters(layer))
+        graph.graph.replay()
+        self.report.replays += 1
+        return graph.outputs[0].clone()
+
+    def backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
+                 hidden_needs_grad: bool, grad_at: list[int], autocast: Any, accumulate: bool, has_mappings: bool):
+        """Block ``index``'s recompute and backward, replayed: ``(hidden grad, input grads, parameter
+        grads)`` as the executor's eager path returns them (with ``accumulate`` the parameter grads go
+        into ``.grad`` here and the list is empty), or None when it must run eagerly."""
+        reason = self.eager_reason(index, leaves, has_mappings)
+        if reason is not None:
+            self.note_eager(reason)
+            return None
+        layer = self.layers[index]
+        extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output))
+        key = self._key("backward", index, layer, leaves, extra)
+        graph = self._graph(key, index, lambda: self._capture_backward(
+            layer, leaves, unflatten, grad_output, hidden_needs_grad, grad_at, autocast))
+        if graph is None:
+            return None
+        parameters = self._parameters(layer)
+        graph.load(leaves, parameters, [grad_output])
+        graph.graph.replay()
+        self.report.replays += 1
+        outputs = graph.outputs
+        hidden_grad = _clone(outputs[0]) if hidden_needs_grad else None
+        inputs = [_clone(g) for g in outputs[1:1 + len(grad_at)]]
+        grads = outputs[1 + len(grad_at):]
+        if not accumulate:
+            return hidden_grad, inputs, [_clone(g) for g in grads]
+        with torch.no_grad():
+            for parameter, grad in zip(parameters, grads):
+                if grad is None:
+                    continue
+                if parameter.grad is None:  # autograd's accumulator: take the first, add in place after
+                    parameter.grad = torch.empty_like(parameter).copy_(grad)
+                else:
+                    parameter.grad.add_(grad)
+        return hidden_grad, inputs, []
+
+    # -- keys and fallbacks ---------------------------------------------------------------------
+    def eager_reason(self, index: int, leaves: list[Any], has_mappings: bool) -> str | None:
+        """Why block ``index`` must run eagerly now (None: it may be graphed)."""
+        layer = self.layers[index]
+        if self.unsafe:
+            return self.unsafe
+        if has_mappings:
+            return "carried state"
+        if layer.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()):
+            return "dropout"
+        if torch.is_autocast_enabled(self.store.device.type) and torch.is_autocast_cache_enabled():
+            return "autocast cache"
+        if _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
+                                  or m._backward_hooks or m._backward_pre_hooks for m in layer.modules()):
+            return "module hooks"
+        if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in leaves):
+            return "argument"
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if any(t.device != self.store.device for t in tensors):
+            return "argument off the device"
+        if not all(_dense(t) for t in tensors):
+            return "argument layout"  # an expanded view: its static copy would change the strides
+        return None
+
+    def note_eager(self, reason: str) -> None:
+        self.report.eager[reason] += 1
+
+    def _key(self, phase: str, index: int, layer: nn.Module, leaves: list[Any], extra: tuple = ()) -> tuple:
+        block = self.store.blocks[index]
+        where = ("resident", index) if block.resident else ("slot", block.slot)
+        adapters = tuple((m._disable_adapters, str(m.active_adapters), len(m.merged_adapters))
+                         for m in self._adapter_layers(index))
+        return (phase, where, self._structure_of(index), tuple(_signature(leaf) for leaf in leaves),
+                layer.training, adapters, extra)
+
+    def _structure_of(self, index: int) -> tuple:
+        """What makes two blocks run the same code on the same bytes: module types and plain attributes
+        (but the layer index), the store layout, and the addresses of tensors the store does not
+        stream (a per-block tensor outside the store makes the block's key its own)."""
+        if index not in self._structure:
+            layer, record = self.layers[index], self.store.blocks[index]
+            modules = tuple((name, type(m).__qualname__, tuple(sorted(
+                (k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN) and k not in ("layer_idx", "training"))))
+                for name, m in layer.named_modules())
+            layout = tuple((e.name, e.kind, e.offset, e.dtype, e.shape, e.stride) for e in record.entries)
+            streamed = {id(e.owner) for e in record.entries}
+            outside = tuple(t.data_ptr() for m in layer.modules()
+                            for t in [*m._parameters.values(), *m._buffers.values(),
+                                      *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+                            if t is not None and not t.requires_grad and id(t) not in streamed and id(m) not in streamed)
+            self._structure[index] = (modules, layout, outside)
+        return self._structure[index]
+
+    def _adapter_layers(self, index: int) -> list[nn.Module]:
+        if index not in self._adapters:
+            self._adapters[index] = [m for m in self.layers[index].modules()
+                                     if hasattr(m, "_disable_adapters") and hasattr(m, "merged_adapters")]
+        return self._adapters[index]
+
+    @staticmethod
+    def _parameters(layer: nn.Module) -> list[nn.Parameter]:
+        return [p for p in layer.parameters() if p.requires_grad]
+
+    def _graph(self, key: tuple, index: int, capture: Callable[[], _Graph]) -> _Graph | None:
+        if key in self.graphs:
+            graph = self.graphs[key]
+            if graph is None:
+                self.note_eager("capture failed")
+            return graph
+        if self.seen[key] < self.warmup:
+            self.seen[key] += 1
+            self.note_eager("warm-up")
+            return None
+        try:
+            graph = capture()
+            self.report.captured += 1
+        except Exception as exc:  # noqa: BLE001 - a block that cannot be captured runs eagerly, and says why
+            torch.cuda.synchronize(self.store.device)
+            graph = None
+            failure = f"{key[0]} of block {index}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            self.report.failures.append(failure)
+            self.note_eager("capture failed")
+            warnings.warn(f"poros: cuda graph capture failed, the block runs eagerly ({failure})", stacklevel=4)
+        self.graphs[key] = graph
+        return graph
+
+    # -- capture --------------------------------------------------------------------------------
+    def _capture_forward(self, layer: nn.Module, leaves: list[Any], unflatten: Callable) -> _Graph:
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        statics = [_static(leaf) for leaf in leaves]
+        parameters = self._parameters(layer)
+        params = [p.detach().clone() for p in parameters]
+        graph = torch.cuda.CUDAGraph()
+        with _pointed_at(parameters, params), torch.no_grad(), \
+                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            args, kwargs = unflatten(statics)
+            output = layer(*args, **kwargs)
+        return _Graph(graph, statics, params, [output])
+
+    def _capture_backward(self, layer: nn.Module, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
+                          hidden_needs_grad: bool, grad_at: list[int], autocast: Any) -> _Graph:
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        statics = [_static(leaf) for leaf in leaves]
+        statics[0].requires_grad_(hidden_needs_grad)
+        for position in grad_at:
+            statics[position].requires_grad_(True)
+        parameters = self._parameters(layer)
+        params = [p.detach().clone() for p in parameters]
+        static_grad = _static(grad_output)
+        graph = torch.cuda.CUDAGraph()
+        with _pointed_at(parameters, params), torch.cuda.graph(graph, pool=self.pool,
+                                                               capture_error_mode="thread_local"):
+            with torch.enable_grad(), replayed_autocast(autocast, self.store.device):
+                args, kwargs = unflatten(statics)
+                output = layer(*args, **kwargs)
+            targets = ([statics[0]] if hidden_needs_grad else []) + [statics[p] for p in grad_at] + parameters
+            grads = list(torch.autograd.grad([output], targets, [static_grad], allow_unused=True))
+        if not hidden_needs_grad:
+            grads.insert(0, None)
+        return _Graph(graph, [*statics, static_grad], params, grads)
+
+
+def _static(leaf: Any) -> Any:
+    """A buffer of ``leaf``'s shape, strides and dtype holding its values (plain values as they are)."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    static = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
+    return static.copy_(leaf.detach())
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its memory once each, in some order (no expanded view)."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()
+
+
+def _signature(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
+    return ("value", type(leaf).__name__, leaf)
+
+
+def _hashable_autocast(state: Any) -> Any:
+    if state is None:
+        return None
+    return tuple((kind, tuple(sorted(kwargs.items(), key=lambda item: item[0]))) for kind, kwargs in state)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
+                or module._global_backward_hooks or module._global_backward_pre_hooks)
+
+
+@contextlib.contextmanager
+def _pointed_at(parameters: list[nn.Parameter], statics: list[torch.Tensor]):
+    """Point each parameter at its static buffer for the capture (the graph records those addresses)."""
+    originals = [p.data for p in parameters]
+    try:
+        for parameter, static in zip(parameters, statics):
+            parameter.data = static
+        yield
+    finally:
+        for parameter, original in zip(parameters, originals):
+            parameter.data = original
+
+
+__all__ = ["WARMUP", "BlockGraphs", "GraphReport", "check", "enabled"]

@@ -1,0 +1,113 @@
+"""``cuda_graphs`` (issue 18): off on CPU, validated as a setting, and — the part a CPU can check —
+graph keys that tell block kinds apart and the per-call fallbacks. Capture and replay need CUDA:
+their parity is the H200 gate's (``tools/gpu_run.sh gate:cuda-graphs``, docs/parity-modes.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import poros
+from poros.errors import ConfigError
+from poros.stream import graphs
+from poros.stream.graphs import BlockGraphs
+from poros.testing import load_qlora, save_tiny_checkpoint
+from test_parity import BASE_SETUP, run_parity
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    return {name: save_tiny_checkpoint(root / f"{family}-{variant}", family, variant)
+            for name, (family, variant) in {"qwen3": ("qwen3", "default"), "gemma3": ("gemma3", "default"),
+                                            "qwen3_5": ("qwen3_5", "default"),
+                                            "gemma4-moe": ("gemma4", "moe")}.items()}
+
+
+def prepared(path, **options):
+    model = load_qlora(path, lora_rank=4, lora_alpha=8)
+    return poros.prepare(model, **options)
+
+
+@pytest.mark.parametrize("setting", [True, "auto"])
+def test_graphs_are_off_on_cpu_and_training_is_unchanged(tmp_path, setting):
+    """On CPU, prepare(cuda_graphs=...) makes no graphs and the run is the resident one, bit for bit."""
+    streamed = run_parity("qwen3", "default", BASE_SETUP, tmp_path, cuda_graphs=setting)
+    assert streamed.executor.graphs is None
+    assert not graphs.enabled(setting, torch.device("cpu"))
+    assert graphs.enabled(setting, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("value", ["yes", "on", 1, None])
+def test_a_setting_that_is_not_true_false_or_auto_is_refused(checkpoints, value):
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        graphs.check(value)
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        prepared(checkpoints["qwen3"], cuda_graphs=value)
+
+
+def test_the_config_field_takes_true_false_and_auto():
+    from poros.config import PorosConfig
+
+    assert PorosConfig(cuda_graphs="auto").cuda_graphs == "auto"
+    assert PorosConfig(cuda_graphs=True).cuda_graphs is True
+    assert PorosConfig().cuda_graphs is False
+    assert PorosConfig().apply_overrides(["--cuda-graphs", "true"]).cuda_graphs is True
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        PorosConfig(cuda_graphs="sometimes")
+
+
+@pytest.mark.parametrize(("name", "same", "different"), [
+    ("gemma3", [(0, 1), (1, 2)], [(2, 3)]),  # sliding, sliding, sliding, full
+    ("qwen3_5", [(0, 1), (1, 2)], [(2, 3)]),  # Gated DeltaNet x 3, then gated attention
+    ("qwen3", [(0, 1)], []),
+])
+def test_blocks_share_a_graph_only_when_they_run_the_same_code(checkpoints, name, same, different):
+    """The key's structure part: equal for blocks of one kind, different across kinds — a replay
+    of another kind's graph would compute the wrong block."""
+    streamed = prepared(checkpoints[name])
+    block_graphs = BlockGraphs(streamed.store, streamed.executor.layers)
+    for a, b in same:
+        assert block_graphs._structure_of(a) == block_graphs._structure_of(b), (a, b)
+    for a, b in different:
+        assert block_graphs._structure_of(a) != block_graphs._structure_of(b), (a, b)
+
+
+def test_fallbacks_are_named(checkpoints):
+    """What cannot be replayed runs eagerly, for a stated reason."""
+    streamed = prepared(checkpoints["qwen3"])
+    block_graphs = BlockGraphs(streamed.store, streamed.executor.layers)
+    hidden = torch.zeros(1, 4, streamed.config.get_text_config().hidden_size)
+    assert block_graphs.eager_reason(0, [hidden, 3, None], has_mappings=False) is None
+    assert block_graphs.eager_reason(0, [hidden], has_mappings=True) == "carried state"
+    assert block_graphs.eager_reason(0, [hidden, object()], has_mappings=False) == "argument"
+    assert block_graphs.eager_reason(0, [hidden[:, :1].expand(1, 4, -1)], has_mappings=False) == "argument layout"
+    layer = streamed.executor.layers[0]
+    handle = layer.mlp.register_forward_hook(lambda *_: None)
+    try:
+        assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "module hooks"
+    finally:
+        handle.remove()
+    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) is None  # the store's own guard hooks are not
+    layer.mlp.added_dropout = torch.nn.Dropout(0.1)  # as a LoRA dropout > 0 would be
+    streamed.train()
+    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "dropout"
+
+
+def test_a_family_feature_that_cannot_be_captured_keeps_its_blocks_eager(checkpoints):
+    streamed = prepared(checkpoints["gemma4-moe"])
+    reason = streamed.descriptor.graph_unsafe_reason(streamed.config.get_text_config())
+    assert reason == "MoE routing"
+    block_graphs = BlockGraphs(streamed.store, streamed.executor.layers, unsafe=reason)
+    hidden = torch.zeros(1, 4, streamed.config.get_text_config().hidden_size)
+    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "MoE routing"
+    dense = prepared(checkpoints["gemma3"])
+    assert dense.descriptor.graph_unsafe_reason(dense.config.get_text_config()) is None
+
+
+def test_the_report_counts_what_ran_eagerly():
+    report = graphs.GraphReport()
+    report.eager["warm-up"] += 2
+    report.captured, report.replays = 2, 6
+    assert report.summary() == "cuda graphs: 2 captured, 6 replays; eager runs: 2 warm-up"
+    assert report.to_dict()["eager"] == {"warm-up": 2}

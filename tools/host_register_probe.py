@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Can this host page-lock a mapped block file for DMA, and how fast? (the mapped tier's question)
+
+The mapped host tier (``poros/stream/tiers.py``) maps the NF4 block cache entry copy-on-write and
+``cudaHostRegister``-s the mapping read-only. On the H200 host a run with the mapped tier stopped
+answering; this probe takes the steps one at a time, each in a child process with its own time
+limit, so a step that hangs is named instead of eating the run:
+
+1. write a ``--mib`` file, map it as ``BlockFile.mapping`` does (MAP_PRIVATE, read/write);
+2. ``cudaHostRegister`` read-only, then (new child) with flags 0, then (new child) a MAP_SHARED
+   read-only mapping registered read-only; each: seconds, error code, a copy to the device and
+   its GB/s.
+
+    python -m tools.host_register_probe --mib 512 --json out/host-register.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = {
+    "private_readonly_flag": ("private", 8),  # cudaHostRegisterReadOnly
+    "private_default_flag": ("private", 0),
+    "shared_readonly_flag": ("shared", 8),
+}
+
+
+def child(path: str, kind: str, flags: int) -> dict:
+    import warnings
+
+    import numpy
+    import torch
+
+    with open(path, "rb") as handle:
+        if kind == "shared":
+            mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        else:
+            mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    array = numpy.frombuffer(mapped, dtype=numpy.uint8)
+    pointer, size = array.ctypes.data, array.size
+    cudart = torch.cuda.cudart()
+    torch.cuda.init()
+    began = time.perf_counter()
+    error = int(cudart.cudaHostRegister(pointer, size, flags))
+    out = {"register_error": error, "register_s": round(time.perf_counter() - began, 3)}
+    if error == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only mapping: torch warns, and copies it fine
+            host = torch.from_numpy(array)
+        device = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        out["h2d_gb_per_s"] = round(size / (time.perf_counter() - began) / 1e9, 2)
+        out["unregister_error"] = int(cudart.cudaHostUnregister(pointer))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--dir", default=None, help="where the file goes (default: $TMPDIR or /tmp)")
+    parser.add_argument("--timeout", type=float, default=40.0, help="seconds per case")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", nargs=3, metavar=("PATH", "KIND", "FLAGS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]))))
+        return 0
+    directory = args.dir or os.environ.get("TMPDIR", "/tmp")
+    report = {"tool": "host_register_probe", "mib": args.mib, "dir": directory,
+              "filesystem": _filesystem(directory), "cases": {}}
+    with tempfile.NamedTemporaryFile(dir=directory, suffix=".bin") as handle:
+        chunk = os.urandom(1 << 20)
+        for _ in range(args.mib):
+            handle.write(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+        for name, (kind, flags) in CASES.items():
+            began = time.perf_counter()
+            try:
+                done = subprocess.run([sys.executable, "-m", "tools.host_register_probe", "--child", handle.name, kind,
+                                       str(flags)], capture_output=True, text=True, timeout=args.timeout)
+                lines = done.stdout.strip().splitlines()
+                result = json.loads(lines[-1]) if done.returncode == 0 and lines else \
+                    {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:300], "returncode": done.returncode}
+            except subprocess.TimeoutExpired:
+                result = {"error": f"no answer within {args.timeout:.0f} s (hung)"}
+            result["wall_s"] = round(time.perf_counter() - began, 2)
+            report["cases"][name] = result
+            print(f"host_register_probe: {name}: {result}", file=sys.stderr, flush=True)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _filesystem(directory: str) -> str | None:
+    try:
+        found = subprocess.run(["df", "-T", directory], capture_output=True, text=True, timeout=5).stdout.splitlines()
+        return found[-1].split()[1] if len(found) > 1 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
