@@ -153,6 +153,12 @@ class PorosConfig:
                                    "torch's AdamW, 8 bytes per LoRA value off the device) or 'auto' (on the host "
                                    "only when vram_budget cannot hold them beside the num_slots slot ring).",
                                    choices=("auto", "device", "host"))
+    lora_placement: str = _field("auto", "Where the streamed blocks' LoRA parameters and gradients live between "
+                                 "uses: 'device', 'host' (pinned host memory: they come in with their block, the "
+                                 "gradients go back after its last backward, poros.HostAdamW steps them a chunk at "
+                                 "a time; bitwise the same; layer-major only, with optimizer_states auto or host) "
+                                 "or 'auto' (on the host only when vram_budget cannot hold them on the device).",
+                                 choices=("auto", "device", "host"))
     loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set "
                               "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
                               "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
@@ -208,7 +214,7 @@ class PorosConfig:
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
         for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule",
-                     "optimizer_states", "host_tier"):
+                     "optimizer_states", "lora_placement", "host_tier"):
             choices = _metadata(name)["choices"]
             need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
                  f"pick one of {_choice_list(choices)}")
@@ -243,6 +249,13 @@ class PorosConfig:
                 need(False, "vram_budget", "a size such as '7GiB', '24GB', '7000MiB' or '7.5G', or null",
                      "e.g. vram_budget: 7GiB")
         need(self.read_ahead >= 2, "read_ahead", "an integer >= 2", "e.g. read_ahead: 3")
+        if self.lora_placement == "host":
+            need(self.optimizer_states != "device", "optimizer_states", "'auto' or 'host' with lora_placement: host "
+                 "(poros.HostAdamW steps the host-kept LoRA tensors)", "set optimizer_states: host")
+            need(self.stream_schedule == "layer-major" and self.lora_dropout == 0, "lora_placement",
+                 "'device' or 'auto' unless stream_schedule is layer-major and lora_dropout 0 (the LoRA tensors "
+                 "travel with their block only in layer-major accumulation)",
+                 "set stream_schedule: layer-major and lora_dropout: 0, or lora_placement: device")
         if self.host_budget is not None:
             try:
                 parse_budget(self.host_budget, "host_budget")

@@ -10,6 +10,7 @@ every check that can refuse the model runs before any weight moves, and raises a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform as _platform
 from dataclasses import asdict, dataclass
@@ -39,6 +40,8 @@ from poros.errors import (
 )
 from poros.stream import graphs
 from poros.stream.executor import StreamingExecutor
+from poros.stream.lora_placement import LoraPlacement
+from poros.stream.optimizer_states import check_lora as lora_placement_check
 from poros.stream.placement import check_boundary_states, host_embedding_tables
 from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
 from poros.stream.store import BlockStore, HostEmbedding
@@ -74,10 +77,12 @@ class PorosModel:
         detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
         host_plan: the host tier decision (``poros.host_tiers.HostPlan``: tier, read-ahead, why).
+        lora_placement: the :class:`~poros.stream.lora_placement.LoraPlacement` keeping the streamed
+            blocks' adapters on the host (``lora_placement="host"``), else None.
     """
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
-                     "host_plan", "_restore_flags", "_poros_class",
+                     "host_plan", "lora_placement", "_restore_flags", "_poros_class",
                      "_ddp_ignored")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
@@ -100,7 +105,8 @@ class PorosModel:
         Raises:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
-        losses = self.executor.forward_backward(self.forward, micro_batches)
+        with self.lora_placement.accumulation() if self.lora_placement else contextlib.nullcontext():
+            losses = self.executor.forward_backward(self.forward, micro_batches)
         from poros import distributed
 
         if sync_gradients is not False and distributed.reducing():
@@ -134,6 +140,8 @@ class PorosModel:
         class back, and return it (the same object)."""
         self.executor.uninstall()
         self.causal_lm.__dict__.pop("_poros_handle", None)
+        if self.lora_placement is not None:
+            self.lora_placement.restore()
         self.store.restore()
         for layer, flag in self._restore_flags:
             layer.gradient_checkpointing = flag
@@ -342,10 +350,12 @@ def _check_checkpointing(layers: list[nn.Module]) -> None:
             )
 
 
-def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module]):
+def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module], placement: LoraPlacement | None = None):
     """Checks run before every streamed forward (they see what HF passes the trunk)."""
 
     def check(kwargs: dict) -> None:
+        if placement is not None:
+            placement.check_forward()
         if kwargs.get("use_cache") and torch.is_grad_enabled() and causal_lm.training:
             raise CacheDuringTrainingError(
                 "use_cache=True in a training forward: a KV cache only costs memory when training and Poros "
@@ -367,7 +377,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None,
             optimizer_states: str = "auto", host_tier: str | None = None, host_budget: str | int | None = None,
             read_ahead: int | None = None, cache_dir: str | None = None,
-            cuda_graphs: bool | str = False) -> PorosModel:
+            cuda_graphs: bool | str = False,
+            lora_placement: str | None = None) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM, in place; returns ``model``
     itself, its class switched to a same-named subclass with the :class:`PorosModel` mixin.
 
@@ -403,6 +414,12 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             optimizer: the plan's choice is ``PorosModel.budget_plan.optimizer_states``, which
             PorosTrainer applies (``poros.stream.host_optimizer.adamw``) and a loop of your own
             should too (``poros.HostAdamW`` when it says ``"host"``).
+        lora_placement: where the streamed blocks' LoRA parameters and gradients live between uses:
+            ``"device"`` (default) or ``"host"`` (pinned; they come in with their block and the gradients
+            go back after its last backward; layer-major ``forward_backward`` and ``poros.HostAdamW``
+            with ``placement=model.lora_placement`` only; bitwise the same). With ``vram_budget`` and
+            ``"auto"`` the planner decides (host only when the budget needs it: the plan's
+            ``lora_placement``); ``"auto"`` without a budget is ``"device"``.
         host_tier: where the streamed blocks live on the host: ``"pinned"`` (default), ``"mapped"``
             or ``"disk"`` (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block
             cache is served from its entry; any other model is first written to a spill file. Unset,
@@ -431,6 +448,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     """
     _check_budget_options(resident_blocks, vram_budget, workload)
     check_boundary_states(boundary_states)
+    lora_placement_check(lora_placement)
     graphs.check(cuda_graphs)
     _check_not_compiled(model)
     causal_lm = causal_lm_of(model)
@@ -476,14 +494,20 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             workload=_workload(workload), device=device,
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
             embeddings_on_host=embeddings_on_host, boundary_states=boundary_states,
-            optimizer_states=optimizer_states)
+            optimizer_states=optimizer_states,  # data parallel: never chosen (see the refusal below)
+            lora_placement="device" if lora_placement == "auto" and world().size > 1 else lora_placement or "device")
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         embeddings_on_host = budget_plan.embeddings_on_host
         boundary_states = boundary_states or budget_plan.boundary_states  # an explicit choice stands
+        lora_placement = budget_plan.lora_placement
     else:
         resident, num_slots = _resident_indices(resident_blocks, len(layers)), num_slots or 2
 
+    if lora_placement == "host" and world().size > 1:
+        raise ConfigError(f"lora_placement='host' with {world().size} data-parallel ranks: the gradients are "
+                          "averaged over the ranks on the device, and host-kept LoRA gradients are not supported "
+                          "there yet. Use lora_placement='device' (or 'auto') for data parallel runs.")
     # -- past the gates: now weights move --------------------------------------------------
     restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
     for layer in layers:
@@ -500,7 +524,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
                                                      *host_parameter_names(model, [t.module for t in host_tables])}))
     executor = StreamingExecutor(causal_lm, descriptor, store)
     executor.boundary_states = boundary_states or "device"
-    executor.before_forward = _runtime_gates(causal_lm, layers)
+    placement = LoraPlacement(store) if lora_placement == "host" else None  # None / "auto" without a budget: device
+    executor.before_forward = _runtime_gates(causal_lm, layers, placement)
     if graphs.enabled(cuda_graphs, device):
         executor.graphs = graphs.BlockGraphs(
             store, executor.layers, unsafe=descriptor.graph_unsafe_reason(causal_lm.config.get_text_config()))
@@ -513,6 +538,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     prepared = _become_streamed(model, {
         "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "detection": detection, "budget_plan": budget_plan, "host_plan": host_plan,
+        "lora_placement": placement,
         "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     return prepared

@@ -65,7 +65,7 @@ FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
     "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks",
-    "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache",
+    "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -174,7 +174,8 @@ class PorosTrainer:
                                 stream_schedule(config, peft_model), config.loss_chunks)
         model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
                         require=config.require, vram_budget=config.vram_budget, workload=workload,
-                        optimizer_states=config.optimizer_states, host_tier=config.host_tier,
+                        optimizer_states=config.optimizer_states, lora_placement=config.lora_placement,
+                        host_tier=config.host_tier,
                         host_budget=config.host_budget, read_ahead=config.read_ahead, cache_dir=config.cache_dir,
                         cuda_graphs=config.cuda_graphs)
         if config.loss_chunks > 1:

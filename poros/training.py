@@ -131,8 +131,10 @@ class TrainingRun:
         config = self.config
         plan = self.model.budget_plan
         states = optimizer_states.resolve(config.optimizer_states, plan.optimizer_states if plan else None)
+        if self.model.lora_placement is not None and config.optimizer_states == "auto":
+            states = "host"  # the LoRA tensors on the host: HostAdamW brings them in to step
         optimizer = host_optimizer.adamw(self.model.trainable_parameters(), optimizer_states=states, lr=config.lr,
-                                         weight_decay=config.weight_decay)
+                                         weight_decay=config.weight_decay, placement=self.model.lora_placement)
         scheduler = transformers.get_scheduler(config.schedule, optimizer, num_warmup_steps=config.warmup,
                                                num_training_steps=config.steps)
         return optimizer, scheduler
@@ -213,7 +215,11 @@ class TrainingRun:
 
         parameters = self.model.trainable_parameters()
         self.model.train()
-        layer_major = config.grad_accum > 1 and stream_schedule(config, self.model) == "layer-major"
+        from poros.stream import lora_placement
+
+        placement = self.model.lora_placement  # LoRA tensors on the host: always through forward_backward
+        layer_major = ((config.grad_accum > 1 or placement is not None)
+                       and stream_schedule(config, self.model) == "layer-major")
         if config.grad_accum > 1 and config.stream_schedule == "layer-major" and not layer_major:
             echo("poros: dropout is active, so gradient accumulation runs micro-major (layer-major would "
                   "draw the dropout masks in another order); set lora_dropout 0 for layer-major")
@@ -244,7 +250,10 @@ class TrainingRun:
                             loss = model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
                             loss.backward()
                         step_loss = step_loss + loss.detach()
-                if config.max_grad_norm is None:
+                if placement is not None:  # gradients on the host: norms on the device, as resident
+                    grad_norm = (lora_placement.grad_norm(parameters, self.device) if config.max_grad_norm is None
+                                 else lora_placement.clip_grad_norm_(parameters, config.max_grad_norm, self.device))
+                elif config.max_grad_norm is None:
                     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
                 else:
                     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)

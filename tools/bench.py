@@ -361,18 +361,19 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
             forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None,
-            optimizer_states: str = "device") -> ArmResult:
+            optimizer_states: str = "device", placement=None) -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
     given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch.
     ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing.
     ``optimizer_states="host"``: ``poros.HostAdamW`` (the state in pinned host memory) instead of
-    ``torch.optim.AdamW``."""
+    ``torch.optim.AdamW``; ``placement``: the model's ``LoraPlacement`` (``lora_placement="host"``), which
+    HostAdamW steps with the LoRA tensors."""
     from poros.stream.host_optimizer import adamw
 
     result = ArmResult(name)
     params = [p for _, p in named_params]
-    optimizer = adamw(params, optimizer_states=optimizer_states, lr=lr)
+    optimizer = adamw(params, optimizer_states=optimizer_states, lr=lr, placement=placement)
     free_memory(device)
     if device.type == "cuda":
         if vram_limit_gb is not None:
@@ -699,7 +700,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                  optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
-                 loss_chunks: int = 1, cuda_graphs: bool = False) -> dict[str, Any]:
+                 loss_chunks: int = 1, cuda_graphs: bool = False, lora_placement: str = "device") -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
@@ -736,7 +737,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             vram_budget=vram_budget if name == "poros" else None, compute=compute,
             link_bytes_per_s=link_bytes_per_s, timeline=timeline,
             optimizer_states=optimizer_states if name == "poros" else "device", loss_chunks=loss_chunks,
-            cuda_graphs=cuda_graphs and name == "poros")
+            cuda_graphs=cuda_graphs and name == "poros",
+            lora_placement=lora_placement if name == "poros" else "device")
         results[name].name = name
         if handle is not None and name != order[-1]:
             handle.unpatch()  # the next arm runs the model as it was
@@ -751,7 +753,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                   vram_limit_gb: float | None = None, num_slots: int = 2, grad_accum: int = 1,
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                   compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
-                  optimizer_states: str = "device", loss_chunks: int = 1, cuda_graphs: bool = False):
+                  optimizer_states: str = "device", loss_chunks: int = 1, cuda_graphs: bool = False,
+                  lora_placement: str = "device"):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -770,7 +773,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     try:
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
                                  workload=workload if vram_budget is not None else None,
-                                 optimizer_states=optimizer_states, cuda_graphs=cuda_graphs)
+                                 optimizer_states=optimizer_states, cuda_graphs=cuda_graphs,
+                                 lora_placement=lora_placement)
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
@@ -786,7 +790,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                      forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
                      profile=profile, step_hooks=copies.hooks(warmup) if copies else None,
                      timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)},
-                     optimizer_states=optimizer_states)
+                     optimizer_states=optimizer_states, placement=streamed.lora_placement)
     if copies is not None:
         copies.detach()
         result.extra["copy_timeline"] = copies.summary()
@@ -796,6 +800,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                                                          "fetches": sum(store.stats.fetches)}
     copied = counted["bytes"]
     result.extra.update({
+        "lora_placement": "host" if streamed.lora_placement is not None else "device",  # what prepare applied
         "host_bytes": store.host_bytes,
         "slot_bytes": store.slot_bytes,
         "num_slots": store.num_slots,
@@ -1054,6 +1059,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--optimizer-states", default="device", choices=("device", "host"),
                         help="Poros arm: AdamW's state on the device (torch.optim.AdamW) or in pinned host memory "
                              "(poros.HostAdamW, stepped a chunk at a time); the reference keeps torch's AdamW")
+    parser.add_argument("--lora-placement", default="device", choices=("device", "host", "auto"),
+                        help="Poros arm: the streamed blocks' LoRA parameters and gradients on the device, or in "
+                             "pinned host memory travelling with their block (poros.prepare(lora_placement=...); "
+                             "needs --optimizer-states host and --schedule layer-major); auto: the --vram-budget "
+                             "planner decides")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the poros arm replays its block phases from CUDA graphs (prepare(cuda_graphs=True))")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
@@ -1131,7 +1141,7 @@ def main(argv=None) -> int:
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
                            timeline=args.timeline, optimizer_states=args.optimizer_states,
                            capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
-                           loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs,
+                           loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs, lora_placement=args.lora_placement,
                            link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
@@ -1142,6 +1152,7 @@ def main(argv=None) -> int:
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
             "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
             "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
+            "lora_placement": args.lora_placement,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,

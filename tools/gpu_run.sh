@@ -7,6 +7,7 @@
 #   tools/gpu_run.sh bench:qwen2.5-7b:layers=4:deterministic
 #   tools/gpu_run.sh bench:qwen2.5-72b:deterministic:optimizer-states=host:vram-limit=8:cap-arms=poros   # small cards
 #   tools/gpu_run.sh bench:qwen2.5-32b:deterministic:optimizer-states=host:loss-chunks=8:vram-limit=6:cap-arms=poros
+#   tools/gpu_run.sh bench:qwen2.5-72b:deterministic:schedule=layer-major:optimizer-states=host:lora-placement=host:vram-limit=8:cap-arms=poros
 #   tools/gpu_run.sh doctor doctor:model=qwen2.5-32b
 #   tools/gpu_run.sh merge:qwen2.5-32b:layers=2 merge:qwen2.5-72b:layers=2
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU

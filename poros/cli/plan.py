@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     budget_plan = planner.plan_budget(
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
         link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0,
-        optimizer_states=config.optimizer_states)
+        optimizer_states=config.optimizer_states, lora_placement=config.lora_placement)
     host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks, ranks)
     node = node_host_ram(plan.footprint(), host, on_host)
     if args.json:

@@ -103,6 +103,8 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
                             + ("; pinned, in flight on the device" if bp.boundary_states == "host" else "") + ")"),
         ("AdamW state", bp.optimizer_states + ("; pinned, stepped a chunk at a time" if bp.optimizer_states == "host"
                                                else "")),
+        ("LoRA tensors", bp.lora_placement + ("; pinned, each block's with its block" if bp.lora_placement == "host"
+                                             else "")),
         ("head", "device (head streaming not implemented)"),
     ]
     memory = [(name, n) for name, n in (*bp.peak.persistent, *bp.peak.transient) if n]

@@ -228,7 +228,8 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
     peak = predict_peak(footprint, workload, resident=resident, num_slots=slots,
                         embeddings_on_host=bool(model.host_tables),
                         boundary_on_host=model.executor.boundary_states == "host",
-                        optimizer_on_host=optimizer_states == "host")
+                        optimizer_on_host=optimizer_states == "host",
+                        lora_on_host=getattr(model, "lora_placement", None) is not None)
     step = None
     if compute is not None and link_bytes_per_s:
         step = predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s, resident=resident,
@@ -243,7 +244,8 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
 def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module], *,
                    budget: str | int, workload: Workload, device: torch.device, compute_dtype: torch.dtype,
                    num_slots: int = 2, embeddings_on_host: bool | None = None,
-                   boundary_states: str | None = None, optimizer_states: str = "auto") -> BudgetPlan:
+                   boundary_states: str | None = None, optimizer_states: str = "auto",
+                   lora_placement: str = "device") -> BudgetPlan:
     """:func:`plan_budget` for a loaded model (what ``prepare(vram_budget=...)`` asks); no compute
     times, so the plan fills the budget with resident blocks.
 
@@ -254,7 +256,8 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                                    compute_dtype=compute_dtype)
     return plan_budget(footprint, workload, budget, num_slots=num_slots, embeddings_on_host=embeddings_on_host,
                        context_bytes=CUDA_CONTEXT_BYTES if device.type == "cuda" else 0,
-                       boundary_states=boundary_states, optimizer_states=optimizer_states)
+                       boundary_states=boundary_states, optimizer_states=optimizer_states,
+                       lora_placement=lora_placement)
 
 
 __all__ = ["LOSS_BYTES_PER_LOGIT", "BlockShapes", "activation_bytes", "block_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]

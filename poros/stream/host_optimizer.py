@@ -24,7 +24,10 @@ Notable features:
   to wherever the loading optimizer keeps them). ``load_state_dict`` puts the state straight into
   host memory, never the whole state on the device.
 * **Gradients, parameters and clipping do not move**: ``clip_grad_norm_`` runs on the device
-  gradients before ``step()``, exactly as with the resident optimizer.
+  gradients before ``step()``, exactly as with the resident optimizer. With ``placement`` (a
+  :class:`~poros.stream.lora_placement.LoraPlacement`, ``lora_placement="host"``) the parameters
+  whose home is the host travel with their state instead: parameter, gradient and state of a chunk
+  come in on the copy stream, are stepped on the device, and parameter and state go back.
 * On CPU (tests, CI) the same code runs with a real copy per fetch and per write-back.
 """
 
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
+from poros.errors import ConfigError
 from poros.stream.optimizer_states import DEFAULT_CHUNK_BYTES
 
 
@@ -48,6 +52,8 @@ class HostAdamW(torch.optim.AdamW):
             ``torch.optim.AdamW`` (same defaults, same meaning, same choice of kernels).
         chunk_bytes: device state bytes stepped at a time (rounded up to whole parameters).
         pin_memory: pin the host state (default: when a parameter is on CUDA).
+        placement: the :class:`~poros.stream.lora_placement.LoraPlacement` of a ``lora_placement="host"``
+            model: the parameters it keeps on the host are stepped on its device, a chunk at a time.
 
     Note:
         Between steps ``optimizer.state[p]`` holds host tensors; :meth:`state_dict` waits for the
@@ -58,11 +64,13 @@ class HostAdamW(torch.optim.AdamW):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, fused: bool | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin_memory: bool | None = None) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin_memory: bool | None = None,
+                 placement: Any = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
                          capturable=capturable, differentiable=False, fused=fused)
         self.chunk_bytes = int(chunk_bytes)
         self.pin_memory = pin_memory
+        self.placement = placement
         self._copy_streams: dict[torch.device, Any] = {}  # one side stream per CUDA device
 
     # -- construction from what HF Trainer builds ---------------------------------------------------
@@ -97,7 +105,16 @@ class HostAdamW(torch.optim.AdamW):
         return key != "step" or bool(group["fused"] or group["capturable"])
 
     def _pin(self, param: torch.Tensor) -> bool:
-        return param.device.type == "cuda" if self.pin_memory is None else self.pin_memory
+        if self.pin_memory is not None:
+            return self.pin_memory
+        return self._device(param).type == "cuda"
+
+    def _travels(self, param: torch.Tensor) -> bool:
+        return self.placement is not None and self.placement.travels(param)
+
+    def _device(self, param: torch.Tensor) -> torch.device:
+        """Where ``param`` is stepped: the placement's device for a parameter whose home is the host."""
+        return self.placement.device if self._travels(param) else param.device
 
     def _host_copy(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """An empty host tensor shaped like ``value`` (pinned when the parameter is on CUDA)."""
@@ -129,18 +146,25 @@ class HostAdamW(torch.optim.AdamW):
         if chunk:
             yield chunk
 
-    def _fetch(self, group: dict, chunk: list[torch.Tensor]) -> tuple[dict, Any]:
-        """Device copies of the chunk's host state, enqueued on the copy stream (or copied now on CPU)."""
-        device = chunk[0].device
+    def _fetch(self, group: dict, chunk: list[torch.Tensor]) -> tuple[dict, dict, Any]:
+        """Device copies of the chunk's host state (and of travelling parameters and gradients), enqueued
+        on the copy stream (or copied now on CPU)."""
+        device = self._device(chunk[0])
         stream = self._copy_stream(device)
-        fetched = {}
+        fetched, travelling = {}, {}
+        if stream is not None and any(self._travels(param) for param in chunk):
+            stream.wait_stream(torch.cuda.current_stream(device))  # gradients sent back by the compute stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for param in chunk:
+                if self._travels(param):
+                    travelling[param] = (torch.empty_like(param, device=device).copy_(param, non_blocking=True),
+                                         torch.empty_like(param.grad, device=device).copy_(param.grad,
+                                                                                           non_blocking=True))
                 host_state = self.state.get(param)
                 if not host_state:
                     continue
                 fetched[param] = {
-                    key: (torch.empty_like(value, device=param.device).copy_(value, non_blocking=True)
+                    key: (torch.empty_like(value, device=device).copy_(value, non_blocking=True)
                           if isinstance(value, torch.Tensor) and self._on_device(group, key) else value)
                     for key, value in host_state.items()
                 }
@@ -148,11 +172,12 @@ class HostAdamW(torch.optim.AdamW):
         if stream is not None:
             ready = torch.cuda.Event()
             ready.record(stream)
-        return fetched, ready
+        return fetched, travelling, ready
 
-    def _write_back(self, group: dict, chunk: list[torch.Tensor], host_states: dict) -> None:
-        """Copy the chunk's stepped device state into its host tensors; ``self.state`` points at the host again."""
-        device = chunk[0].device
+    def _write_back(self, group: dict, chunk: list[torch.Tensor], host_states: dict, homes: dict) -> None:
+        """Copy the chunk's stepped device state (and travelling parameters) into their host tensors;
+        ``self.state`` and the parameters point at the host again."""
+        device = self._device(chunk[0])
         stream = self._copy_stream(device)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -170,6 +195,13 @@ class HostAdamW(torch.optim.AdamW):
                     if stream is not None:
                         value.record_stream(stream)
                 self.state[param] = host_state
+                if param in homes:
+                    stepped = param.data
+                    home, host_grad = homes[param]
+                    home.copy_(stepped, non_blocking=True)
+                    if stream is not None:
+                        stepped.record_stream(stream)
+                    self.placement.bind(param, home, host_grad)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -182,11 +214,18 @@ class HostAdamW(torch.optim.AdamW):
             chunks = list(self._chunks(group))
             pending = self._fetch(group, chunks[0]) if chunks else None
             for index, chunk in enumerate(chunks):
-                fetched, ready = pending
+                fetched, travelling, ready = pending
                 pending = self._fetch(group, chunks[index + 1]) if index + 1 < len(chunks) else None
-                device = chunk[0].device
+                device = self._device(chunk[0])
                 if ready is not None:
                     torch.cuda.current_stream(device).wait_event(ready)
+                homes = {}
+                for param, (data, grad) in travelling.items():  # step the device copies
+                    if device.type == "cuda":
+                        data.record_stream(torch.cuda.current_stream(device))
+                        grad.record_stream(torch.cuda.current_stream(device))
+                    homes[param] = (param.data, param.grad)
+                    self.placement.bind(param, data, grad)
                 host_states = {}
                 for param, device_state in fetched.items():
                     if device.type == "cuda":  # allocated on the copy stream, used on the compute stream
@@ -196,7 +235,9 @@ class HostAdamW(torch.optim.AdamW):
                     host_states[param] = self.state[param]
                     self.state[param] = device_state
                 self._step_chunk({**group, "params": chunk})
-                self._write_back(group, chunk, host_states)
+                self._write_back(group, chunk, host_states, homes)
+        if self.placement is not None:  # the next forward (and a save) reads the parameters' host copies
+            self.wait_for_write_back()
         return loss
 
     def _step_chunk(self, group: dict) -> None:
@@ -248,4 +289,7 @@ def adamw(parameters, *, optimizer_states: str = "device", **options: Any) -> to
     parameters = list(parameters)
     if optimizer_states == "host":
         return HostAdamW(parameters, **options)
+    if options.pop("placement", None) is not None:
+        raise ConfigError("lora_placement='host' needs optimizer_states='host': the LoRA parameters live on the host "
+                          "and poros.HostAdamW brings them in to step. Set optimizer_states: host.")
     return torch.optim.AdamW(parameters, **options)

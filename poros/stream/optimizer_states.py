@@ -1,8 +1,10 @@
-"""Where AdamW's state lives, in device bytes: beside the LoRA parameters, or in host memory (``HostAdamW``).
+"""Where AdamW's state (and the streamed blocks' LoRA tensors) live, in device bytes.
 
-Torch-free arithmetic for the planner (``poros plan``, ``prepare(vram_budget=...)``) and the name
-of the choice (``PorosConfig.optimizer_states``). The optimizer itself is
-:class:`poros.stream.host_optimizer.HostAdamW`.
+AdamW's state: beside the LoRA parameters, or in host memory (``HostAdamW``). The LoRA parameters and
+gradients of the streamed blocks: on the device all step, or on the host, travelling with their block
+(``lora_placement="host"``, :mod:`poros.stream.lora_placement`). Torch-free arithmetic for the planner
+(``poros plan``, ``prepare(vram_budget=...)``) and the names of the choices
+(``PorosConfig.optimizer_states``, ``PorosConfig.lora_placement``).
 """
 
 from __future__ import annotations
@@ -26,14 +28,37 @@ def persistent_bytes(lora_parameter_bytes: int, *, states_on_host: bool) -> tupl
     return ("LoRA parameters + AdamW state", 3 * lora_parameter_bytes)
 
 
-def step_bytes(lora_parameter_bytes: int, *, states_on_host: bool,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, int]]:
+def lora_parts(lora_parameter_bytes: int, num_blocks: int, streamed: int, slots: int, *, states_on_host: bool,
+               lora_on_host: bool) -> tuple[int, list[tuple[str, int]]]:
+    """``(LoRA bytes that stay on the device, the persistent parts)``.
+
+    With the LoRA tensors on the host only the adapters outside the streamed blocks stay (the
+    streamed blocks' share is taken as uniform: ``lora / num_blocks`` each); the blocks in the
+    slots hold their parameters and gradients.
+    """
+    if not lora_on_host:
+        return lora_parameter_bytes, [persistent_bytes(lora_parameter_bytes, states_on_host=states_on_host)]
+    per_block = lora_parameter_bytes // max(num_blocks, 1)
+    staying = lora_parameter_bytes - per_block * streamed
+    return staying, [persistent_bytes(staying, states_on_host=states_on_host),
+                     (f"LoRA parameters + gradients of the blocks in the {slots} slots (the rest on the host)",
+                      2 * slots * per_block)]
+
+
+def step_bytes(lora_parameter_bytes: int, *, states_on_host: bool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               staying: int | None = None) -> list[tuple[str, int]]:
     """The optimizer step's transient device bytes: the gradients and AdamW's working copies.
 
     Resident: torch's foreach AdamW makes one more full copy (``exp_avg_sq``'s square root).
-    On the host: the chunks in flight (both states) and that copy of one chunk.
+    On the host: the chunks in flight (both states) and that copy of one chunk. ``staying``: the
+    LoRA bytes left on the device with the LoRA tensors on the host (their chunks carry parameters
+    and gradients too, twice the state bytes).
     """
     lora = lora_parameter_bytes
+    if staying is not None:
+        in_flight = min(4 * lora, 2 * CHUNKS_IN_FLIGHT * chunk_bytes) + min(lora, chunk_bytes // 2)
+        return [("LoRA gradients (adapters outside the streamed blocks)", staying),
+                (f"LoRA + AdamW state chunks in flight ({CHUNKS_IN_FLIGHT}) + temporary", in_flight)]
     if not states_on_host:
         return [("LoRA gradients", lora), ("AdamW temporary", lora)]
     in_flight = min(2 * lora, CHUNKS_IN_FLIGHT * chunk_bytes) + min(lora, chunk_bytes // 2)
@@ -74,3 +99,42 @@ def resolve(configured: str, planned: str | None) -> str:
     if configured != "auto":
         return configured
     return planned or "device"
+
+
+#: Where the streamed blocks' LoRA parameters and gradients live: ``"device"``, or ``"host"`` (with their block).
+LORA_PLACEMENTS = ("device", "host")
+
+
+def check_lora(value: str | None) -> None:
+    """Raise unless ``value`` is None, ``"device"``, ``"host"`` or ``"auto"`` (the budget planner decides).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is not None and value not in ("auto", *LORA_PLACEMENTS):
+        raise ConfigError(f"lora_placement={value!r}: expected 'device', 'host' or 'auto' (the budget decides).")
+
+
+def choose_lora(requested: str, states: str, layer_major: bool, fits_on_device: Callable[[], bool]) -> str:
+    """``lora_placement`` for a plan: ``"host"`` as asked (layer-major with AdamW's state on the host
+    only), ``"auto"`` the host only when those hold and the plan does not fit with the LoRA tensors
+    on the device.
+
+    Raises:
+        ConfigError: an unknown value, or ``"host"`` with the state on the device or micro-major.
+    """
+    check_lora(requested)
+    if requested == "host" and (states != "host" or not layer_major):
+        raise ConfigError(f"lora_placement='host' needs AdamW's state on the host (planned: {states!r}) and the "
+                          "layer-major schedule. Set optimizer_states: host and stream_schedule: layer-major, or "
+                          "lora_placement: auto.")
+    if requested != "auto":
+        return requested
+    return "host" if states == "host" and layer_major and not fits_on_device() else "device"
+
+
+def lora_note(lora_size: str, *, asked: bool) -> str:
+    """The budget plan's note for the LoRA tensors on the host (``lora_size``: the streamed blocks' share)."""
+    return (f"LoRA parameters and gradients on the host ({lora_size} of the streamed blocks in pinned memory; each "
+            "block's come in with it and its gradients go back after its last backward; bitwise the same) "
+            + ("as asked" if asked else "because the plan does not fit with them on the device"))

@@ -32,6 +32,7 @@ from poros.config import parse_budget
 from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
 from poros.stream.placement import check_boundary_states
+from poros.stream.units import format_gb, human_bytes
 
 #: LoRA tensors are fp32 (PEFT upcasts adapters of a 4-bit base): parameter + gradient + AdamW exp_avg
 #: and exp_avg_sq, 4 bytes each.
@@ -46,26 +47,7 @@ CUDA_CONTEXT_BYTES = 512 * 2**20
 #: 8 GB cap) and 18 % (72B, 12 GB cap) on the H200 with expandable_segments (docs/results-h200.md).
 ALLOCATOR_SLACK = 0.20
 
-
-def human_bytes(nbytes: int) -> str:
-    """``1536`` -> ``"1.5 KiB"`` (binary units)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
 SCHEDULES = ("micro-major", "layer-major")
-
-
-def format_gb(nbytes: float) -> str:
-    """``5_195_600_000`` -> ``"5.20 GB"`` (decimal units, as the bench and the results pages write
-    them); below 0.1 GB in MB or kB."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= size * (0.1 if unit == "GB" else 1):
-            return f"{nbytes / size:.2f} {unit}" if unit == "GB" else f"{nbytes / size:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 @dataclass(frozen=True)
@@ -176,7 +158,7 @@ class PeakBreakdown:
 
 def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable[int] = (), num_slots: int = 2,
                  embeddings_on_host: bool = True, boundary_on_host: bool = False,
-                 optimizer_on_host: bool = False) -> PeakBreakdown:
+                 optimizer_on_host: bool = False, lora_on_host: bool = False) -> PeakBreakdown:
     """The peak allocated device bytes of a step: the largest of its three phases.
 
     Persistent: the slot ring (``min(num_slots, streamed blocks)`` x the largest streamed block),
@@ -193,6 +175,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
     * **optimizer**: G + AdamW's temporary (one more copy of the LoRA parameters).
 
     ``optimizer_on_host``: AdamW's state in host memory (``HostAdamW``), only chunks in flight on the device.
+    ``lora_on_host`` (with it): the streamed blocks' LoRA tensors on the host, those of the slots' blocks on the device.
 
     ``boundary_on_host`` (layer-major): the boundary states wait in host memory; on the device
     only the M prelude outputs (HF's graph holds them) and those in flight: at the turn each
@@ -204,12 +187,14 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
     streamed = [n for i, n in enumerate(footprint.block_bytes) if i not in resident]
     slots = min(num_slots, len(streamed))
     lora = footprint.lora_parameter_bytes
+    staying, lora_persistent = adamw_states.lora_parts(lora, footprint.num_blocks, len(streamed), slots,
+                                                       states_on_host=optimizer_on_host, lora_on_host=lora_on_host)
     persistent = [
         (f"device slots ({slots} x largest streamed block)", slots * max(streamed, default=0)),
         (f"resident blocks ({len(resident)})", sum(footprint.block_bytes[i] for i in resident)),
         ("modules outside the blocks (head, norms)", footprint.device_non_block_bytes),
         ("embedding tables", 0 if embeddings_on_host else footprint.host_embedding_bytes),
-        adamw_states.persistent_bytes(lora, states_on_host=optimizer_on_host),
+        *lora_persistent,
         ("library workspaces", footprint.workspace_bytes),
     ]
     micro, blocks = workload.grad_accum, footprint.num_blocks
@@ -220,12 +205,12 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
                 ("head and loss working set", footprint.head_bytes)]
         backward = [("boundary states on the device (M prelude outputs, this block's M inputs, the next block's, "
                      "M gradients)", 4 * micro * boundary),
-                    ("LoRA gradients", lora), ("one block's recompute working set", footprint.recompute_bytes)]
+                    ("LoRA gradients", staying), ("one block's recompute working set", footprint.recompute_bytes)]
     elif workload.schedule == "layer-major":
         turn = [("boundary states (M x L) + outputs and their gradients", micro * (blocks + 2) * boundary),
                 ("head and loss working set", footprint.head_bytes)]
         backward = [("boundary states (M x L, kept until backward ends)", micro * (blocks + 1) * boundary),
-                    ("LoRA gradients", lora), ("one block's recompute working set", footprint.recompute_bytes)]
+                    ("LoRA gradients", staying), ("one block's recompute working set", footprint.recompute_bytes)]
     else:
         accumulated = lora if micro > 1 else 0  # gradients of the earlier micro-batches
         turn = [("boundary states (L)", blocks * boundary), ("head and loss working set", footprint.head_bytes),
@@ -234,7 +219,8 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         last_block = 2 * boundary + lora
         backward = [("boundary states and LoRA gradients still held", max(first_block, last_block)),
                     ("one block's recompute working set", footprint.recompute_bytes)]
-    optimizer = adamw_states.step_bytes(lora, states_on_host=optimizer_on_host)
+    optimizer = adamw_states.step_bytes(lora, states_on_host=optimizer_on_host,
+                                        staying=staying if lora_on_host else None)
     phases = {"head and loss (forward-backward turn)": turn, "block recompute and backward": backward,
               "optimizer step": optimizer}
     phase = max(phases, key=lambda name: sum(n for _, n in phases[name]))
@@ -448,6 +434,7 @@ class BudgetPlan:
     hide_copy_step: StepPrediction | None
     notes: tuple[str, ...]
     optimizer_states: str = "device"
+    lora_placement: str = "device"
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -457,6 +444,7 @@ class BudgetPlan:
         step = f", predicted step {self.step.step_s:.3f} s" if self.step else ""
         boundary = ", boundary states on the host" if self.boundary_states == "host" else ""
         boundary += ", AdamW state on the host" if self.optimizer_states == "host" else ""
+        boundary += ", LoRA tensors on the host" if self.lora_placement == "host" else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
                 f"{'s' if self.num_slots != 1 else ''}, embeddings on the {'host' if self.embeddings_on_host else 'device'}"
                 f"{boundary}"
@@ -475,11 +463,11 @@ class BudgetPlan:
 
 def _fits_plan(footprint: Footprint, workload: Workload, resident: int, slots: int, on_host: bool,
                context_bytes: int, slack: float, boundary_on_host: bool = False,
-               optimizer_on_host: bool = False) -> tuple[PeakBreakdown, int]:
+               optimizer_on_host: bool = False, lora_on_host: bool = False) -> tuple[PeakBreakdown, int]:
     last = footprint.num_blocks
     peak = predict_peak(footprint, workload, resident=range(last - resident, last), num_slots=slots,
                         embeddings_on_host=on_host, boundary_on_host=boundary_on_host,
-                        optimizer_on_host=optimizer_on_host)
+                        optimizer_on_host=optimizer_on_host, lora_on_host=lora_on_host)
     return peak, budget_for_peak(peak.total, context_bytes=context_bytes, slack=slack)
 
 
@@ -487,7 +475,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
                 embeddings_on_host: bool | None = None, compute: ComputeTimes | None = None,
                 link_bytes_per_s: float | None = None, context_bytes: int = 0,
                 slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None,
-                optimizer_states: str = "device") -> BudgetPlan:
+                optimizer_states: str = "device", lora_placement: str = "device") -> BudgetPlan:
     """Decide slots, resident blocks, embedding and boundary-state placement for ``budget``;
     predict peak and step.
 
@@ -511,6 +499,8 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
             states; None lets the budget decide.
         optimizer_states: ``"device"`` (torch.optim.AdamW), ``"host"`` (``HostAdamW``) or ``"auto"``
             (the host only when the ring does not fit with it on the device; ``PorosConfig.optimizer_states``).
+        lora_placement: ``"device"``, ``"host"`` or ``"auto"`` (with the state on the host and layer-major,
+            the host only when the ring does not fit with them on the device; ``PorosConfig.lora_placement``).
 
     Raises:
         ConfigError: an unparsable budget, or a budget below the minimum (the message names the
@@ -531,10 +521,13 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, boundary)[1] <= budget_bytes
         for boundary in boundary_placements))
     optimizer_on_host = states == "host"
+    lora_on_host = adamw_states.choose_lora(lora_placement, states, layer_major, lambda: any(
+        _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, boundary, optimizer_on_host)[1]
+        <= budget_bytes for boundary in boundary_placements)) == "host"
 
     def sized(resident: int, slots: int, host: bool) -> tuple[PeakBreakdown, int]:
         return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host,
-                          optimizer_on_host)
+                          optimizer_on_host, lora_on_host)
 
     def fits(resident: int, slots: int, host: bool) -> int:
         return sized(resident, slots, host)[1]
@@ -579,7 +572,8 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     # blocks only with the ring asked for (as many slots as blocks still stream, at most); without
     # room for it, fewer slots and nothing resident. A bigger budget never means fewer resident blocks
     # (so an automatic host placement, boundary or AdamW state, keeps none).
-    automatic_host = auto_host or (optimizer_on_host and optimizer_states == "auto")
+    automatic_host = auto_host or (optimizer_on_host and optimizer_states == "auto") or (
+        lora_on_host and lora_placement == "auto")
     fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes and not (automatic_host and k)]
     slots, most = num_slots, max(fitting, default=0)
     while not fitting and slots > 1 and needs(0, slots)[1] > budget_bytes:
@@ -645,6 +639,9 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
     if optimizer_on_host:
         notes.append(adamw_states.host_note(format_gb(2 * footprint.lora_parameter_bytes),
                                             asked=optimizer_states == "host", num_slots=num_slots))
+    if lora_on_host and streamed:  # nothing streams: nothing travels
+        notes.append(adamw_states.lora_note(format_gb(footprint.lora_parameter_bytes // blocks * streamed),
+                                            asked=lora_placement == "host"))
     notes.append("the head stays on the device (streaming the head is not implemented)")
     if streamed == 0:
         notes.append("every block is resident: nothing streams")
@@ -659,7 +656,7 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
         boundary_bytes=boundary_total, boundary_offload_minimum_bytes=offload_minimum,
         hide_copy_resident=hide_resident, hide_copy_bytes=hide_bytes, hide_copy_peak_bytes=hide_peak,
         hide_copy_step=hide_step, notes=tuple(notes), optimizer_states=states,
-    )
+        lora_placement="host" if lora_on_host and streamed else "device")
 
 
 def _layer_major_hint(footprint: Footprint, workload: Workload, compute: ComputeTimes, link_bytes_per_s: float,
@@ -679,15 +676,16 @@ def _layer_major_hint(footprint: Footprint, workload: Workload, compute: Compute
 
 def minimum_budget(footprint: Footprint, workload: Workload, *, embeddings_on_host: bool | None = None,
                    context_bytes: int = 0, slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None,
-                   optimizer_states: str = "device") -> int:
+                   optimizer_states: str = "device", lora_placement: str = "device") -> int:
     """The smallest budget :func:`plan_budget` accepts for this run with the same options (1 slot,
     nothing resident; layer-major's boundary states where that is smaller unless forced; AdamW's state on
     the device unless ``optimizer_states`` is ``"host"`` or ``"auto"``)."""
     on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
     layer_major = workload.schedule == "layer-major"
     optimizer_on_host = optimizer_states != "device"  # 'auto' falls back to the host, which is never larger
-    device, host = (_fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, boundary, optimizer_on_host)[1]
-                    for boundary in (False, layer_major))
+    lora_on_host = optimizer_on_host and layer_major and lora_placement != "device"  # as is the LoRA's
+    device, host = (_fits_plan(footprint, workload, 0, 1, on_host, context_bytes, slack, boundary, optimizer_on_host,
+                               lora_on_host)[1] for boundary in (False, layer_major))
     return _accepted_minimum(device, host, layer_major, boundary_states)
 
 

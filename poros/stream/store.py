@@ -275,7 +275,9 @@ class BlockStore:
         self.stats = StoreStats(fetches=[0] * len(self.blocks), releases=[0] * len(self.blocks))
         #: objects told of each copy and wait (tracing, e.g. the bench's copy timeline):
         #: ``on_fetch(index)`` after a block's copy is issued, ``on_wait(index)`` before the compute
-        #: stream is ordered after a streamed block's copy. Empty: nothing is called.
+        #: stream is ordered after a streamed block's copy, ``on_release(index)`` (where defined) when a
+        #: streamed block is evicted (``lora_placement.LoraPlacement`` moves the block's adapters with
+        #: these). Empty: nothing is called.
         self.observers: list[Any] = []
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         # Guard the block and every module in it that owns a streamed tensor: calling any of
@@ -396,6 +398,9 @@ class BlockStore:
         self._bind_placeholders(block)
         self.slot_owner[block.slot] = None
         block.slot = None
+        for observer in self.observers:
+            if hasattr(observer, "on_release"):
+                observer.on_release(index)
         self.stats.releases[index] += 1
         self.stats.resident.discard(index)
         self.stats.log.append(("release", index))
