@@ -218,7 +218,8 @@ class TrainingRun:
         from poros.stream import lora_placement
 
         placement = self.model.lora_placement  # LoRA tensors on the host: always through forward_backward
-        layer_major = ((config.grad_accum > 1 or placement is not None)
+        graphs = getattr(self.model.executor, "graphs", None) is not None  # CUDA graphs replay layer-major only
+        layer_major = ((config.grad_accum > 1 or placement is not None or graphs)
                        and stream_schedule(config, self.model) == "layer-major")
         if config.grad_accum > 1 and config.stream_schedule == "layer-major" and not layer_major:
             echo("poros: dropout is active, so gradient accumulation runs micro-major (layer-major would "
