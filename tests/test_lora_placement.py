@@ -22,7 +22,7 @@ from poros.errors import ConfigError
 from poros.stream import lora_placement
 from poros.stream.host_optimizer import HostAdamW, adamw
 from poros.testing import load_qlora, save_tiny_checkpoint
-from test_host_optimizer import FAMILIES, FLAGS
+from test_host_optimizer import FAMILIES, FLAGS, assert_same
 from test_layer_major import CASES, setups, with_item_counts
 from test_parity import make_batch, trainable
 
@@ -62,21 +62,6 @@ def placed_run(streamed, steps, *, max_grad_norm=0.5, chunk_bytes=4096, between=
         if between is not None:
             between(streamed)
     return losses, optimizer
-
-
-def assert_same(reference, ref_opt, model, opt, ref_losses, losses):
-    assert len(ref_losses) == len(losses)
-    for a, b in zip(ref_losses, losses):
-        assert torch.equal(a, b)
-    ref_params, params = trainable(reference), trainable(model)
-    assert ref_params.keys() == params.keys() and ref_params
-    for name in ref_params:
-        assert torch.equal(ref_params[name], params[name]), name
-        ref_state, state = ref_opt.state[ref_params[name]], opt.state[params[name]]
-        assert ref_state.keys() == state.keys() and {"step", "exp_avg", "exp_avg_sq"} <= state.keys()
-        for key in ref_state:
-            assert ref_state[key].dtype == state[key].dtype, (name, key)
-            assert torch.equal(ref_state[key], state[key]), (name, key)
 
 
 def assert_at_home(streamed):
