@@ -73,6 +73,17 @@ def test_blocks_share_a_graph_only_when_they_run_the_same_code(checkpoints, name
         assert block_graphs._structure_of(a) != block_graphs._structure_of(b), (a, b)
 
 
+def test_a_lora_scaling_of_its_own_gives_a_block_its_own_graph(checkpoints):
+    """PEFT's per-adapter scaling is a dict attribute (alpha_pattern / rank_pattern make it differ by
+    layer): a graph captured with one scaling must not replay for a block with another."""
+    streamed = prepared(checkpoints["gemma3"])
+    layers = streamed.executor.layers
+    assert BlockGraphs(streamed.store, layers)._structure_of(0) == BlockGraphs(streamed.store, layers)._structure_of(1)
+    lora = next(m for m in layers[1].modules() if hasattr(m, "scaling") and isinstance(m.scaling, dict))
+    lora.scaling = {name: value * 3 for name, value in lora.scaling.items()}
+    assert BlockGraphs(streamed.store, layers)._structure_of(0) != BlockGraphs(streamed.store, layers)._structure_of(1)
+
+
 def test_fallbacks_are_named(checkpoints):
     """What cannot be replayed runs eagerly, for a stated reason."""
     streamed = prepared(checkpoints["qwen3"])

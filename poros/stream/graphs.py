@@ -12,7 +12,8 @@ cost of queueing ~500 kernels per block disappears.
                        buffers ─▶ replay on the compute stream ─▶ clone the outputs
 
 * **Keys.** ``forward`` / ``backward`` × where the block's frozen bytes are bound (its device slot,
-  or its own buffer when resident) × the block's structure (module types and plain attributes,
+  or its own buffer when resident) × the block's structure (module types and plain attributes —
+  numbers, strings, and dicts / lists of them such as PEFT's per-adapter ``scaling`` —
   the store layout of its frozen tensors, addresses of tensors the store does not stream) × each
   argument's shape, strides and dtype (plain arguments by value) × training mode, adapter state
   (enabled, active, merged) and the autocast state. Blocks of one kind in one slot share a graph.
@@ -236,7 +237,8 @@ class BlockGraphs:
         if index not in self._structure:
             layer, record = self.layers[index], self.store.blocks[index]
             modules = tuple((name, type(m).__qualname__, tuple(sorted(
-                (k, v) for k, v in vars(m).items() if isinstance(v, _PLAIN) and k not in ("layer_idx", "training"))))
+                (k, _plain(v)) for k, v in vars(m).items()
+                if k not in ("layer_idx", "training") and _plain(v) is not _NOT_PLAIN)))
                 for name, m in layer.named_modules())
             layout = tuple((e.name, e.kind, e.offset, e.dtype, e.shape, e.stride) for e in record.entries)
             streamed = {id(e.owner) for e in record.entries}
@@ -319,6 +321,26 @@ class BlockGraphs:
         if not hidden_needs_grad:
             grads.insert(0, None)
         return _Graph(graph, [*statics, static_grad], params, grads)
+
+
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a hashable key when it is a plain value or a dict / list / tuple of them (PEFT's
+    per-adapter ``scaling``, ``r``, ``use_dora``...), else ``_NOT_PLAIN``."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, dict):
+        items = [(k, _plain(v)) for k, v in value.items()]
+        if all(isinstance(k, _PLAIN) and v is not _NOT_PLAIN for k, v in items):
+            return ("dict", tuple(sorted(items, key=lambda item: str(item[0]))))
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = [_plain(v) for v in value]
+        if all(v is not _NOT_PLAIN for v in items):
+            return (type(value).__name__, tuple(sorted(items, key=str) if isinstance(value, (set, frozenset))
+                                                else items))
+    return _NOT_PLAIN
 
 
 def _static(leaf: Any) -> Any:
