@@ -295,9 +295,6 @@ def format_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                       f"{'yes' if torch_info['cuda_available'] else 'no'}")]
     if not torch_info["cuda_available"]:
         rows.append(("gpu", "no CUDA device"))
-    rows.append(("cuda graphs", "available: cuda_graphs: true replays layer-major's block phases (a run's summary "
-                                "counts what ran eagerly and why)" if torch_info["cuda_available"]
-                 else "off without a CUDA device (cuda_graphs has no effect; every block runs eagerly)"))
     for device in report.get("devices") or []:
         major, minor = device["capability"]
         peers = device.get("peers") or {}
@@ -305,6 +302,9 @@ def format_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"cuda:{device['index']}", f"{device['name']}, sm_{major}{minor}, {binary_size(device['total_bytes'])} "
                                                 f"total, {binary_size(device['free_bytes'])} free; "
                                                 f"{pcie_text(device.get('pcie') or {})}; peers: {peer_text}"))
+    rows.append(("graphs", "CUDA graphs available: cuda_graphs: true replays layer-major's block phases (a run's "
+                           "summary counts what ran eagerly and why)" if torch_info["cuda_available"]
+                 else "off without a CUDA device (cuda_graphs has no effect; every block runs eagerly)"))
     bnb = report.get("bitsandbytes")
     if bnb:
         if bnb.get("import_error"):

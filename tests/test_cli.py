@@ -160,7 +160,7 @@ def test_doctor_text_is_a_paste_ready_block(capsys):
     if torch.cuda.is_available():
         assert labels[:10] == [*host, "torch", "cuda:0"] and labels[-1] == "problems"
     else:
-        assert labels == [*host, "torch", "gpu", "bitsandbytes", "pinned", "link", "notes", "problems"]
+        assert labels == [*host, "torch", "gpu", "graphs", "bitsandbytes", "pinned", "link", "notes", "problems"]
 
 
 def test_doctor_reports_missing_training_packages_with_the_install_hint(capsys, monkeypatch):
