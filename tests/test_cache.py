@@ -308,6 +308,10 @@ def test_host_plan_shares_the_cache_entry_between_the_ranks_of_a_node():
     assert choose_host_tier(blocks, shared_file=True).tier == "pinned"  # one rank: pinned stays the default
     assert choose_host_tier(blocks, ranks_per_node=4, shared_file=True, requested="pinned").tier == "pinned"
     assert choose_host_tier(blocks, 500 << 20, ranks_per_node=4, shared_file=True).tier == "disk"  # the budget rules
+    # On CUDA the mapped tier is taken only when asked for (it hung on the H200; docs/limitations.md).
+    cuda = choose_host_tier(blocks, ranks_per_node=4, shared_file=True, on_cuda=True)
+    assert cuda.tier == "pinned" and "not the default on CUDA" in cuda.reason
+    assert choose_host_tier(blocks, ranks_per_node=4, shared_file=True, on_cuda=True, requested="mapped").tier == "mapped"
 
 
 def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, child_env):
