@@ -1106,6 +1106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.vram_limit and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        # Under a cap the allocator's reserved bytes count: without expandable segments, segments left
+        # partly used by building the model stay reserved (20 GB of them OOM-ed a 72B run at 4 GB
+        # allocated under 8 GB). Set before the first CUDA allocation; recorded in the environment.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     device, env = start_tool(args)
     targets = "all-linear" if args.targets == "all-linear" else tuple(args.targets.split(","))
     config, info = model_config(args.model, layers=args.layers)
