@@ -100,9 +100,38 @@ def test_fallbacks_are_named(checkpoints):
     finally:
         handle.remove()
     assert block_graphs.eager_reason(0, [hidden], has_mappings=False) is None  # the store's own guard hooks are not
-    layer.mlp.added_dropout = torch.nn.Dropout(0.1)  # as a LoRA dropout > 0 would be
+    parameter = next(p for p in layer.parameters() if p.requires_grad)
+    handle = parameter.register_post_accumulate_grad_hook(lambda p: None)
+    try:  # a replay sets .grad itself: no accumulator, so no hook of the parameter would run
+        assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "parameter hooks"
+    finally:
+        handle.remove()
     streamed.train()
+    attention = layer.self_attn
+    attention.attention_dropout = 0.1  # HF passes it to the attention kernel: no nn.Dropout module
     assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "dropout"
+    attention.attention_dropout = 0.0
+    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) is None
+    layer.mlp.added_dropout = torch.nn.Dropout(0.1)  # as a LoRA dropout > 0 would be
+    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "dropout"
+
+
+def test_attention_dropout_keeps_layer_major_off(checkpoints):
+    """An attention's attention_dropout draws random numbers like a dropout module: layer-major, whose
+    draws would come in another order, refuses it, and the trainer's schedule falls back to micro-major."""
+    from poros.config import PorosConfig
+    from poros.errors import StreamingError
+    from poros.training import stream_schedule
+
+    streamed = prepared(checkpoints["qwen3"])
+    streamed.train()
+    config = PorosConfig(stream_schedule="layer-major")
+    assert stream_schedule(config, streamed) == "layer-major"
+    streamed.executor.layers[0].self_attn.attention_dropout = 0.2
+    assert stream_schedule(config, streamed) == "micro-major"
+    ids = torch.randint(3, 200, (1, 8))
+    with pytest.raises(StreamingError, match="attention_dropout=0|dropout active"):
+        streamed.forward_backward([{"input_ids": ids, "labels": ids}])
 
 
 def test_a_family_feature_that_cannot_be_captured_keeps_its_blocks_eager(checkpoints):

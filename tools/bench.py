@@ -866,10 +866,10 @@ def compare(results: dict[str, ArmResult], warmup: int = 0) -> dict[str, Any] | 
     if resident is not None and "control" in finished:
         out = out or {}
         out["control"] = parity(resident, finished["control"])
-    if "poros-device" in finished and "poros" in finished:  # the small-card arm against today's step
+    if "poros-device" in finished and "poros" in finished:  # the poros arm against today's step (poros-device)
         out = out or {}
         base, small = finished["poros-device"], finished["poros"]
-        out["poros_device"] = {"parity": parity(base, small) if resident is None else parity(resident, base)}
+        out["poros_device"] = {"parity": parity(base, small)}  # poros-device vs poros (resident vs poros: above)
         for key in ("median_step_s", "peak_allocated_gb"):
             a, b = base.summary(warmup).get(key), small.summary(warmup).get(key)
             if a and b is not None:

@@ -87,14 +87,22 @@ def main(argv=None) -> int:
         os.fsync(handle.fileno())
         for name, (kind, flags) in CASES.items():
             began = time.perf_counter()
+            child_process = subprocess.Popen([sys.executable, "-m", "tools.host_register_probe", "--child",
+                                              handle.name, kind, str(flags)],
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
-                done = subprocess.run([sys.executable, "-m", "tools.host_register_probe", "--child", handle.name, kind,
-                                       str(flags)], capture_output=True, text=True, timeout=args.timeout)
-                lines = done.stdout.strip().splitlines()
-                result = json.loads(lines[-1]) if done.returncode == 0 and lines else \
-                    {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:300], "returncode": done.returncode}
+                stdout, stderr = child_process.communicate(timeout=args.timeout)
+                lines = stdout.strip().splitlines()
+                result = json.loads(lines[-1]) if child_process.returncode == 0 and lines else \
+                    {"error": (stderr.strip().splitlines() or ["?"])[-1][:300], "returncode": child_process.returncode}
             except subprocess.TimeoutExpired:
-                result = {"error": f"no answer within {args.timeout:.0f} s (hung)"}
+                # A child stuck in the driver (pinning pages) may not die at once: never wait on it unbounded.
+                child_process.kill()
+                try:
+                    child_process.wait(timeout=5)
+                    result = {"error": f"no answer within {args.timeout:.0f} s (hung; killed)"}
+                except subprocess.TimeoutExpired:
+                    result = {"error": f"no answer within {args.timeout:.0f} s (hung; could not be killed)"}
             result["wall_s"] = round(time.perf_counter() - began, 2)
             report["cases"][name] = result
             print(f"host_register_probe: {name}: {result}", file=sys.stderr, flush=True)

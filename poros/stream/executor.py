@@ -656,15 +656,24 @@ def _recording_use(layer: nn.Module, parameters: list[nn.Parameter], known: list
 
 
 def dropout_modules(model: nn.Module) -> list[str]:
-    """Names of the dropouts with p > 0 in ``model`` (active in training mode)."""
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Dropout) and module.p > 0]
+    """Names of the dropouts with p > 0 in ``model`` (active in training mode): ``nn.Dropout`` modules,
+    and attention modules whose float ``attention_dropout`` HF passes to the attention kernel."""
+    return [name for name, module in model.named_modules() if dropout_p(module) > 0]
+
+
+def dropout_p(module: nn.Module) -> float:
+    """The drop probability ``module`` applies itself: ``nn.Dropout.p``, an attention's ``attention_dropout``."""
+    if isinstance(module, nn.Dropout):
+        return module.p
+    p = getattr(module, "attention_dropout", 0.0)
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
 
 
 def _check_no_dropout(model: nn.Module) -> None:
     active = dropout_modules(model) if model.training else []
     if active:
         raise StreamingError(
-            f"layer-major accumulation with dropout active ({active[0]} p={model.get_submodule(active[0]).p}"
+            f"layer-major accumulation with dropout active ({active[0]} p={dropout_p(model.get_submodule(active[0]))}"
             f"{f' and {len(active) - 1} more' if len(active) > 1 else ''}): the random draws would come in another "
             "order than in ordinary accumulation. Set lora_dropout=0 (and attention dropout 0), or use the "
             "micro-major schedule."

@@ -28,7 +28,8 @@ cost of queueing ~500 kernels per block disappears.
   autograd engine, where a capture can be invalidated by the engine's other work (seen on the
   H200: the gate's first micro-major capture failed); its blocks run eagerly, counted as
   ``micro-major``.
-* **Fallback, per call, named**: carried mappings (KV sharing), an active dropout (its RNG draws),
+* **Fallback, per call, named**: carried mappings (KV sharing), an active dropout (its RNG draws;
+  ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on the trainable parameters,
   autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values,
   and a family's ``graph_unsafe`` features (e.g. MoE routing) run eagerly; a capture that fails
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 
 from poros.errors import ConfigError
+from poros.stream.executor import dropout_modules
 from poros.stream.replay import autocast_state, replayed_autocast
 
 #: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
@@ -203,13 +205,16 @@ class BlockGraphs:
             return self.unsafe
         if has_mappings:
             return "carried state"
-        if layer.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()):
+        if layer.training and dropout_modules(layer):  # nn.Dropout, or an attention's attention_dropout
             return "dropout"
         if torch.is_autocast_enabled(self.store.device.type) and torch.is_autocast_cache_enabled():
             return "autocast cache"
         if _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
                                   or m._backward_hooks or m._backward_pre_hooks for m in layer.modules()):
             return "module hooks"
+        if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+               for p in self._parameters(layer)):  # a replay's .grad bookkeeping runs no tensor hook
+            return "parameter hooks"
         if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in leaves):
             return "argument"
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -227,8 +232,9 @@ class BlockGraphs:
         where = ("resident", index) if block.resident else ("slot", block.slot)
         adapters = tuple((m._disable_adapters, str(m.active_adapters), len(m.merged_adapters))
                          for m in self._adapter_layers(index))
+        parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(layer))  # the static LoRA copies
         return (phase, where, self._structure_of(index), tuple(_signature(leaf) for leaf in leaves),
-                layer.training, adapters, extra)
+                layer.training, adapters, parameters, extra)
 
     def _structure_of(self, index: int) -> tuple:
         """What makes two blocks run the same code on the same bytes: module types and plain attributes
@@ -269,15 +275,19 @@ class BlockGraphs:
             self.seen[key] += 1
             self.note_eager("warm-up")
             return None
-        generator = torch.cuda.default_generators[self.store.device.index or 0]
-        backup = generator.clone_state()
+        device = self.store.device
+        generator = torch.cuda.default_generators[device.index if device.index is not None
+                                                  else torch.cuda.current_device()]
+        backup, stream = generator.clone_state(), torch.cuda.current_stream(device)
         try:
             graph = capture()
             self.report.captured += 1
         except Exception as exc:  # noqa: BLE001 - a block that cannot be captured runs eagerly, and says why
             # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"
-            # and refuse every later random draw. Give it back its state from before (nothing was drawn).
+            # and refuse every later random draw, and torch.cuda.graph's exit raises before it gives the
+            # compute stream back. Restore both (nothing was drawn; nothing ran on the capture stream).
             generator.graphsafe_set_state(backup)
+            torch.cuda.set_stream(stream)
             torch.cuda.synchronize(self.store.device)
             graph = None
             failure = f"{key[0]} of block {index}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -210,6 +210,11 @@ class HostAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.placement is not None and self.placement.on_device:
+            # A block still on the device (a forward_backward that stopped half-way): send it home first,
+            # or the step would update its device copies and the release after it would bind the stale
+            # host tensors back (the update lost).
+            self.placement.store.release_all()
         for group in self.param_groups:
             chunks = list(self._chunks(group))
             pending = self._fetch(group, chunks[0]) if chunks else None
