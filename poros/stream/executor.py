@@ -48,6 +48,10 @@ Notable features:
   recomputed: the trunk's class ``forward`` runs with each layer a ``_StreamingLayer`` proxy
   (fetch, run with HF's arguments, release), so HF's KV cache and whatever the trunk does
   between layers work as in the resident model.
+* **CUDA graphs, optionally.** With ``self.graphs`` (``graphs.py``, ``cuda_graphs=True``), the block
+  phases :meth:`StreamingExecutor.forward_backward` drives replay graphs captured once per slot and
+  block kind instead of launching each kernel from Python; a block that cannot be replayed runs the
+  eager code below, unchanged.
 * **Nothing is family-specific here.** Paths and carried-state kwargs come from the descriptor.
 """
 
