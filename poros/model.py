@@ -496,7 +496,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
             embeddings_on_host=embeddings_on_host, boundary_states=boundary_states,
             optimizer_states=optimizer_states,  # data parallel: never chosen (see the refusal below)
-            lora_placement="device" if lora_placement == "auto" and world().size > 1 else lora_placement or "device")
+            lora_placement="device" if lora_placement == "auto" and world().size > 1 else lora_placement or "device",
+            cuda_graphs=graphs.enabled(cuda_graphs, device))
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         embeddings_on_host = budget_plan.embeddings_on_host

@@ -151,3 +151,23 @@ def test_the_report_counts_what_ran_eagerly():
     report.captured, report.replays = 2, 6
     assert report.summary() == "cuda graphs: 2 captured, 6 replays; eager runs: 2 warm-up"
     assert report.to_dict()["eager"] == {"warm-up": 2}
+
+
+def test_the_planner_counts_the_graphs_memory(checkpoints):
+    """prepare(vram_budget=..., cuda_graphs=True) plans with the graphs' pool and static buffers held
+    beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes)."""
+    from poros.stream.footprint import footprint_of_model, plan_for_model
+    from poros.stream.placement import graph_reserve_bytes
+    from poros.stream.planner import Workload
+
+    model = load_qlora(checkpoints["qwen3"], lora_rank=4, lora_alpha=8)
+    causal = model.get_base_model()
+    layers = list(causal.model.layers)
+    options = dict(workload=Workload(1, 16), device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    plain = plan_for_model(causal, layers, [], budget="1GiB", **options)
+    graphed = plan_for_model(causal, layers, [], budget="1GiB", cuda_graphs=True, **options)
+    footprint = footprint_of_model(causal, layers, [], **options)
+    reserve = graph_reserve_bytes(footprint, 2)
+    assert reserve > footprint.recompute_bytes > 0
+    assert graphed.context_bytes == plain.context_bytes + reserve
+    assert graphed.needed_bytes >= plain.needed_bytes

@@ -181,9 +181,14 @@ def run(args: argparse.Namespace) -> int:
         link = probe.measure_link(device)
         link_source = "measured: one pinned 256 MiB copy" if on_cuda else "measured: a 256 MiB host memcpy (cpu)"
     on_host = embeddings_on_host(config.embeddings_on_host, device)
+    from poros.stream.placement import graph_reserve_bytes
+
+    context = planner.CUDA_CONTEXT_BYTES if on_cuda else 0
+    if on_cuda and config.cuda_graphs is not False:  # the graphs' pool and static buffers (an estimate)
+        context += graph_reserve_bytes(plan.footprint(), config.num_slots)
     budget_plan = planner.plan_budget(
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
-        link_bytes_per_s=link, context_bytes=planner.CUDA_CONTEXT_BYTES if on_cuda else 0,
+        link_bytes_per_s=link, context_bytes=context,
         optimizer_states=config.optimizer_states, lora_placement=config.lora_placement)
     host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks, ranks, on_cuda)
     node = node_host_ram(plan.footprint(), host, on_host)

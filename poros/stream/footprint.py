@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from poros.stream.placement import graph_reserve_bytes
 from poros.stream.planner import (
     CUDA_CONTEXT_BYTES,
     CUDA_WORKSPACE_BYTES,
@@ -245,18 +246,21 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                    budget: str | int, workload: Workload, device: torch.device, compute_dtype: torch.dtype,
                    num_slots: int = 2, embeddings_on_host: bool | None = None,
                    boundary_states: str | None = None, optimizer_states: str = "auto",
-                   lora_placement: str = "device") -> BudgetPlan:
+                   lora_placement: str = "device", cuda_graphs: bool = False) -> BudgetPlan:
     """:func:`plan_budget` for a loaded model (what ``prepare(vram_budget=...)`` asks); no compute
-    times, so the plan fills the budget with resident blocks.
+    times, so the plan fills the budget with resident blocks. With ``cuda_graphs`` the budget also
+    holds the graphs' pool and static buffers (``placement.graph_reserve_bytes``), beside the context.
 
     Raises:
         ConfigError: an unparsable budget, or one below the minimum.
     """
     footprint = footprint_of_model(causal_lm, layers, host_tables, workload, device=device,
                                    compute_dtype=compute_dtype)
+    context = CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
+    if cuda_graphs:
+        context += graph_reserve_bytes(footprint, num_slots)
     return plan_budget(footprint, workload, budget, num_slots=num_slots, embeddings_on_host=embeddings_on_host,
-                       context_bytes=CUDA_CONTEXT_BYTES if device.type == "cuda" else 0,
-                       boundary_states=boundary_states, optimizer_states=optimizer_states,
+                       context_bytes=context, boundary_states=boundary_states, optimizer_states=optimizer_states,
                        lora_placement=lora_placement)
 
 

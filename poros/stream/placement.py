@@ -1,7 +1,7 @@
 """Where the parts of a streamed model live besides the block ring: which embedding tables may be
 looked up on the host (:func:`host_embedding_tables`), whether they are by default
-(:func:`embeddings_on_host`), and where layer-major keeps its boundary states
-(:func:`check_boundary_states`). The one home of these rules: ``prepare``, the planner's footprint,
+(:func:`embeddings_on_host`), where layer-major keeps its boundary states
+(:func:`check_boundary_states`), and what CUDA graphs hold beside the peak (:func:`graph_reserve_bytes`). The one home of these rules: ``prepare``, the planner's footprint,
 the dry-run plan and ``poros plan`` ask here. Torch-free at import."""
 
 from __future__ import annotations
@@ -60,4 +60,17 @@ def host_embedding_tables(model: Any, descriptor: ArchitectureDescriptor) -> lis
     return tables
 
 
-__all__ = ["BOUNDARY_STATES", "check_boundary_states", "embeddings_on_host", "host_embedding_tables"]
+def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
+    """Device memory ``cuda_graphs`` holds beside the allocated peak — an estimate, counted by the
+    planner like the CUDA context: the graphs' shared pool (one block's recompute-and-backward working
+    set; the forward's fits inside it) and, per graph (forward and backward for each slot, and block
+    0's backward, whose input needs no gradient), static inputs and outputs (the boundary states in and
+    out and the output gradient) and the block's LoRA values and gradients. ``footprint`` is a
+    ``poros.stream.planner.Footprint``; activations per micro-batch."""
+    lora_per_block = footprint.lora_parameter_bytes // max(len(footprint.block_bytes), 1)
+    graphs = 2 * max(num_slots, 1) + 1
+    return footprint.recompute_bytes + graphs * (3 * footprint.boundary_bytes + 2 * lora_per_block)
+
+
+__all__ = ["BOUNDARY_STATES", "check_boundary_states", "embeddings_on_host", "graph_reserve_bytes",
+           "host_embedding_tables"]
