@@ -437,7 +437,8 @@ class PorosConfig:
             if not has_value:
                 following = arguments[index] if index < len(arguments) else None
                 takes_following = following is not None and (following.lower() in BOOL_WORDS or (
-                    type(None) in allowed and following.lower() in NULL_WORDS))
+                    type(None) in allowed and following.lower() in NULL_WORDS) or (
+                    str in allowed and not following.startswith("--")))  # a bool-or-word field: --cuda-graphs auto
                 if bool in allowed and not takes_following:
                     changes[key] = True  # a bare --flag
                     continue

@@ -53,6 +53,9 @@ def test_the_config_field_takes_true_false_and_auto():
     assert PorosConfig(cuda_graphs=True).cuda_graphs is True
     assert PorosConfig().cuda_graphs is False
     assert PorosConfig().apply_overrides(["--cuda-graphs", "true"]).cuda_graphs is True
+    assert PorosConfig().apply_overrides(["--cuda-graphs"]).cuda_graphs is True
+    assert PorosConfig().apply_overrides(["--cuda-graphs", "auto", "--steps", "3"]).cuda_graphs == "auto"
+    assert PorosConfig(cuda_graphs=True).apply_overrides(["--no-cuda-graphs"]).cuda_graphs is False
     with pytest.raises(ConfigError, match="cuda_graphs"):
         PorosConfig(cuda_graphs="sometimes")
 
