@@ -325,6 +325,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
+        import faulthandler
+
+        # Each rank prints every thread's stack once a minute: a rank that stops answering (the mapped
+        # host tier did, on the H200) says where.
+        faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
         return scale_worker(args)
     report: dict[str, Any] = {"tool": "ddp_check", "environment": bench.environment(
         torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"), args.commit),
