@@ -163,6 +163,11 @@ class PorosConfig:
                               "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
                               "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
                               "only numerically HF's default loss (another summation order).")
+    pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
+                                            "DataCollatorWithPadding option); null: to its longest row. A few "
+                                            "lengths instead of many: what cuda_graphs replays (each length is "
+                                            "graphs of its own). Padding changes the shapes the kernels see, so a "
+                                            "run is bitwise a resident run with the same padding.")
     cuda_graphs: bool | str = _field(False, "Replay each streamed block's forward and recompute+backward from a CUDA "
                                      "graph captured once per device slot and block kind: the eager kernels, bit for "
                                      "bit, without their host cost. true, false or 'auto' (on when the device is "
@@ -223,6 +228,8 @@ class PorosConfig:
              "e.g. device: cuda:0")
         need(self.cuda_graphs in (True, False) or self.cuda_graphs == "auto", "cuda_graphs", "true, false or 'auto'",
              "e.g. cuda_graphs: true")
+        need(self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1, "pad_to_multiple_of",
+             "an integer >= 1 or null", "e.g. pad_to_multiple_of: 64")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "a float in [0, 1)", "e.g. lora_dropout: 0.05")
         need(self.lr > 0, "lr", "a float > 0", "e.g. lr: 2.0e-4")
         need(self.weight_decay >= 0, "weight_decay", "a float >= 0", "e.g. weight_decay: 0.0")
@@ -601,6 +608,7 @@ def _example(name: str) -> str:
     default = _fields_by_name()[name].default
     examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
                 "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main", "cuda_graphs": "true",
+                "pad_to_multiple_of": "64",
                 "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
                 "eval_dataset": "data/val.jsonl", "eval_batches": "20", "report_to": "tensorboard"}
     if name in examples:

@@ -120,7 +120,7 @@ class TrainingRun:
                                                           vocab_size=self.model.config.vocab_size)
         self.trainer.eval_set = self.eval_set
         batches = BatchIterator(data, batch_size=config.batch_size, pad_token_id=pad_token_id, seed=config.seed,
-                                shuffle=True)
+                                shuffle=True, pad_to_multiple_of=config.pad_to_multiple_of)
         return data, batches
 
     def _optimizer(self):

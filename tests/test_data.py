@@ -564,6 +564,20 @@ def test_batches_are_right_padded_int64():
     assert batch["labels"].tolist() == [[-100, -100, -100], [-100, 11, -100], [-100, 12, 12]]
 
 
+def test_pad_to_multiple_of_pads_every_batch_to_a_few_lengths():
+    """HF's DataCollatorWithPadding(pad_to_multiple_of=...): the same rows, the same values, more padding."""
+    examples = _toy_examples(6)
+    plain = BatchIterator(examples, batch_size=3, pad_token_id=0, shuffle=False).next_batch()
+    padded = BatchIterator(examples, batch_size=3, pad_token_id=0, shuffle=False, pad_to_multiple_of=4).next_batch()
+    assert padded["input_ids"].shape == (3, 4)
+    for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+        assert torch.equal(padded[key][:, :3], plain[key]) and (padded[key][:, 3:] == pad).all()
+    assert BatchIterator(examples, batch_size=3, pad_token_id=0, shuffle=False,
+                         pad_to_multiple_of=3).next_batch()["input_ids"].shape == (3, 3)  # already a multiple
+    with pytest.raises(DataError, match="pad_to_multiple_of"):
+        BatchIterator(examples, batch_size=3, pad_token_id=0, pad_to_multiple_of=0)
+
+
 def test_epochs_are_seeded_permutations_and_drop_the_partial_batch():
     examples = _toy_examples(10)
     rng_state = torch.get_rng_state()

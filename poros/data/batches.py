@@ -28,6 +28,8 @@ class BatchIterator:
         pad_token_id: the id written into padding positions of ``input_ids``.
         seed: epoch ``e`` is shuffled with ``torch.Generator().manual_seed(seed + e)``.
         shuffle: False keeps the dataset order in every epoch.
+        pad_to_multiple_of: pad each batch to a multiple of this many tokens (None: to its longest
+            row), as HF's ``DataCollatorWithPadding`` does; a few lengths instead of many.
 
     Raises:
         DataError: ``batch_size`` < 1; fewer examples than ``batch_size`` (not even one batch);
@@ -35,7 +37,7 @@ class BatchIterator:
     """
 
     def __init__(self, data: TokenizedData | Sequence[Mapping[str, Sequence[int]]], *, batch_size: int,
-                 pad_token_id: int, seed: int = 0, shuffle: bool = True) -> None:
+                 pad_token_id: int, seed: int = 0, shuffle: bool = True, pad_to_multiple_of: int | None = None) -> None:
         examples = data.examples if isinstance(data, TokenizedData) else list(data)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise DataError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -49,7 +51,10 @@ class BatchIterator:
                                 f"{len(example['labels'])} labels; expected one label per token")
         self.examples = examples
         self.batch_size = batch_size
+        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+            raise DataError(f"pad_to_multiple_of must be an integer >= 1 or None, got {pad_to_multiple_of!r}")
         self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -85,7 +90,7 @@ class BatchIterator:
             self._order = self.epoch_order(self.epoch)
         rows = [self.examples[i] for i in self._order[self.position: self.position + self.batch_size]]
         self.position += self.batch_size
-        return collate(rows, self.pad_token_id)
+        return collate(rows, self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of)
 
     def __iter__(self):
         return self
@@ -127,8 +132,10 @@ class BatchIterator:
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
 
 
-def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int) -> dict[str, Any]:
-    """One batch of ``rows``: ``input_ids``, ``attention_mask`` and ``labels``, int64 ``[len(rows), longest]``.
+def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, *,
+            pad_to_multiple_of: int | None = None) -> dict[str, Any]:
+    """One batch of ``rows``: ``input_ids``, ``attention_mask`` and ``labels``, int64 ``[len(rows), longest]``
+    (``longest`` rounded up to a multiple of ``pad_to_multiple_of`` when given).
 
     Padding is on the right: ``pad_token_id`` in ``input_ids``, 0 in ``attention_mask``, -100 in
     ``labels``.
@@ -136,6 +143,8 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int) -> d
     import torch
 
     longest = max(len(row["input_ids"]) for row in rows)
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(rows), longest), dtype=torch.int64)
     labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64)

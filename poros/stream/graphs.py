@@ -33,8 +33,10 @@ cost of queueing ~500 kernels per block disappears.
   autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values,
   and a family's ``graph_unsafe`` features (e.g. MoE routing) run eagerly; a capture that fails
-  (a host sync inside third-party code) marks its key eager for the run. :attr:`BlockGraphs.report`
-  counts replays, captures and every eager run by reason (``poros doctor`` / the run summary).
+  (a host sync inside third-party code) marks its key eager for the run. Past :data:`MAX_GRAPHS`
+  keys (batches padded to many lengths: each length is new keys), new keys run eagerly — pad to a
+  few lengths (``pad_to_multiple_of``) to replay them. :attr:`BlockGraphs.report` counts replays,
+  captures and every eager run by reason (``poros doctor`` / the run summary).
 
 CUDA only: :func:`enabled` says whether ``cuda_graphs`` applies to a device; on CPU the executor
 has no ``BlockGraphs`` and runs as before.
@@ -58,6 +60,9 @@ from poros.stream.replay import autocast_state, replayed_autocast
 #: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
 #: autotuning caches — happens in eager mode first, never inside a capture)
 WARMUP = 1
+#: graphs one run may capture: every new argument shape (a batch padded to another length) is new
+#: keys, each with static buffers of its own; past this, new keys run eagerly ("graph limit")
+MAX_GRAPHS = 24
 _PLAIN = (int, float, str, bool, type(None))
 
 
@@ -132,10 +137,12 @@ class BlockGraphs:
         unsafe: a reason when the family's config enables a feature that cannot be captured
             (``ArchitectureDescriptor.graph_unsafe``), else None.
         warmup: eager runs of a key before its capture.
+        max_graphs: keys captured at most (failed captures included); later keys run eagerly.
     """
 
-    def __init__(self, store: Any, layers: nn.ModuleList, *, unsafe: str | None = None, warmup: int = WARMUP) -> None:
-        self.store, self.layers, self.unsafe, self.warmup = store, layers, unsafe, warmup
+    def __init__(self, store: Any, layers: nn.ModuleList, *, unsafe: str | None = None, warmup: int = WARMUP,
+                 max_graphs: int = MAX_GRAPHS) -> None:
+        self.store, self.layers, self.unsafe, self.warmup, self.max_graphs = store, layers, unsafe, warmup, max_graphs
         self.pool = None  # the graphs' one memory pool, made at the first capture
         self.graphs: dict[tuple, _Graph | None] = {}
         self.seen: Counter = Counter()
@@ -275,6 +282,9 @@ class BlockGraphs:
             self.seen[key] += 1
             self.note_eager("warm-up")
             return None
+        if len(self.graphs) >= self.max_graphs:  # bounded memory: new shapes run eagerly from here on
+            self.note_eager("graph limit")
+            return None
         device = self.store.device
         generator = torch.cuda.default_generators[device.index if device.index is not None
                                                   else torch.cuda.current_device()]
@@ -407,4 +417,4 @@ def _pointed_at(parameters: list[nn.Parameter], statics: list[torch.Tensor]):
             parameter.data = original
 
 
-__all__ = ["WARMUP", "BlockGraphs", "GraphReport", "check", "enabled"]
+__all__ = ["MAX_GRAPHS", "WARMUP", "BlockGraphs", "GraphReport", "check", "enabled"]
