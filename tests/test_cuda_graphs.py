@@ -174,3 +174,15 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     assert reserve > footprint.recompute_bytes > 0
     assert graphed.context_bytes == plain.context_bytes + reserve
     assert graphed.needed_bytes >= plain.needed_bytes
+
+
+def test_past_the_graph_limit_new_shapes_run_eagerly(checkpoints):
+    """Batches padded to many lengths are keys of their own: past max_graphs nothing more is captured
+    (each graph holds static buffers), and the run says so."""
+    streamed = prepared(checkpoints["qwen3"])
+    block_graphs = BlockGraphs(streamed.store, streamed.executor.layers, warmup=1, max_graphs=0)
+    never = lambda: pytest.fail("captured past the limit")  # noqa: E731
+    assert block_graphs._graph(("forward", 512), 0, never) is None  # the warm-up run, eager as always
+    assert block_graphs._graph(("forward", 512), 0, never) is None
+    assert dict(block_graphs.report.eager) == {"warm-up": 1, "graph limit": 1}
+    assert graphs.MAX_GRAPHS >= 8  # room for a few lengths x (forward, backward) x 2 slots
