@@ -365,8 +365,9 @@ class DataParallel:
         if saved != self.world.size:
             raise DistributedError(
                 f"{path} was written by a run over {saved} rank(s); this run has {self.world.size}. The data shards "
-                f"and the global batch depend on it. Resume with {saved} rank(s) (--nproc-per-node {saved}, or the "
-                "same torchrun flags), or start a fresh run in another output_dir.")
+                f"and the global batch depend on it. Resume with {saved} rank(s) in all (on one node `poros train "
+                f"--nproc-per-node {saved}`; over several, the saved run's torchrun --nnodes and --nproc-per-node), "
+                "or start a fresh run in another output_dir.")
 
 
 #: DDP's own opt-out list, read by ``DistributedDataParallel.__init__`` from the module it wraps (what

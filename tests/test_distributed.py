@@ -113,6 +113,7 @@ def test_poros_train_nproc_per_node_2_trains_saves_once_and_resumes_only_with_tw
     refused = poros_train(child_env, "--resume-from", "auto", *common)
     assert refused.returncode == 1
     assert "written by a run over 2 rank(s); this run has 1" in refused.stderr
+    assert "--nproc-per-node 2" in refused.stderr and "--nnodes" in refused.stderr  # one node, or several
     assert sorted(p.name for p in out.iterdir()) == before
     resumed = poros_train(child_env, "--nproc-per-node", "2", "--resume-from", "auto", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
