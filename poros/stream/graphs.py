@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from poros.errors import ConfigError
-from poros.stream.executor import dropout_modules
+from poros.stream.executor import dropout_p
 from poros.stream.replay import autocast_state, replayed_autocast
 
 #: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
@@ -148,6 +148,10 @@ class BlockGraphs:
         self.seen: Counter = Counter()
         self.report = GraphReport()
         self._structure: dict[int, tuple] = {}
+        # per block, found once (the modules of a block do not change): its modules in named_modules order,
+        # those that may drop out (nn.Dropout, an attention's attention_dropout), its PEFT adapter layers
+        self._modules: dict[int, list[tuple[str, nn.Module]]] = {}
+        self._dropouts: dict[int, list[nn.Module]] = {}
         self._adapters: dict[int, list[nn.Module]] = {}
         self._own_hooks = {handle.id for handle in getattr(store, "_hooks", ())}
 
@@ -160,10 +164,10 @@ class BlockGraphs:
             return None
         layer = self.layers[index]
         key = self._key("forward", index, layer, leaves, (_hashable_autocast(autocast_state(self.store.device)),))
-        graph = self._graph(key, index, lambda: self._capture_forward(layer, leaves, unflatten))
+        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten))
         if graph is None:
             return None
-        graph.load(leaves, self._parameters(layer))
+        graph.load(leaves, self._parameters(index))
         graph.graph.replay()
         self.report.replays += 1
         return graph.outputs[0].clone()
@@ -181,10 +185,10 @@ class BlockGraphs:
         extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output))
         key = self._key("backward", index, layer, leaves, extra)
         graph = self._graph(key, index, lambda: self._capture_backward(
-            layer, leaves, unflatten, grad_output, hidden_needs_grad, grad_at, autocast))
+            index, leaves, unflatten, grad_output, hidden_needs_grad, grad_at, autocast))
         if graph is None:
             return None
-        parameters = self._parameters(layer)
+        parameters = self._parameters(index)
         graph.load(leaves, parameters, [grad_output])
         graph.graph.replay()
         self.report.replays += 1
@@ -212,15 +216,15 @@ class BlockGraphs:
             return self.unsafe
         if has_mappings:
             return "carried state"
-        if layer.training and dropout_modules(layer):  # nn.Dropout, or an attention's attention_dropout
+        if layer.training and any(dropout_p(m) > 0 for m in self._dropouts_of(index)):
             return "dropout"
         if torch.is_autocast_enabled(self.store.device.type) and torch.is_autocast_cache_enabled():
             return "autocast cache"
         if _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
-                                  or m._backward_hooks or m._backward_pre_hooks for m in layer.modules()):
+                                  or m._backward_hooks or m._backward_pre_hooks for _, m in self._modules_of(index)):
             return "module hooks"
         if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
-               for p in self._parameters(layer)):  # a replay's .grad bookkeeping runs no tensor hook
+               for p in self._parameters(index)):  # a replay's .grad bookkeeping runs no tensor hook
             return "parameter hooks"
         if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in leaves):
             return "argument"
@@ -239,7 +243,7 @@ class BlockGraphs:
         where = ("resident", index) if block.resident else ("slot", block.slot)
         adapters = tuple((m._disable_adapters, str(m.active_adapters), len(m.merged_adapters))
                          for m in self._adapter_layers(index))
-        parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(layer))  # the static LoRA copies
+        parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(index))  # the static LoRA copies
         return (phase, where, self._structure_of(index), tuple(_signature(leaf) for leaf in leaves),
                 layer.training, adapters, parameters, extra)
 
@@ -252,25 +256,37 @@ class BlockGraphs:
             modules = tuple((name, type(m).__qualname__, tuple(sorted(
                 (k, _plain(v)) for k, v in vars(m).items()
                 if k not in ("layer_idx", "training") and _plain(v) is not _NOT_PLAIN)))
-                for name, m in layer.named_modules())
+                for name, m in self._modules_of(index))
             layout = tuple((e.name, e.kind, e.offset, e.dtype, e.shape, e.stride) for e in record.entries)
             streamed = {id(e.owner) for e in record.entries}
-            outside = tuple(t.data_ptr() for m in layer.modules()
+            outside = tuple(t.data_ptr() for _, m in self._modules_of(index)
                             for t in [*m._parameters.values(), *m._buffers.values(),
                                       *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
                             if t is not None and not t.requires_grad and id(t) not in streamed and id(m) not in streamed)
             self._structure[index] = (modules, layout, outside)
         return self._structure[index]
 
+    def _modules_of(self, index: int) -> list[tuple[str, nn.Module]]:
+        if index not in self._modules:
+            self._modules[index] = list(self.layers[index].named_modules())
+        return self._modules[index]
+
+    def _dropouts_of(self, index: int) -> list[nn.Module]:
+        if index not in self._dropouts:
+            self._dropouts[index] = [m for _, m in self._modules_of(index)
+                                     if isinstance(m, nn.Dropout) or hasattr(m, "attention_dropout")]
+        return self._dropouts[index]
+
     def _adapter_layers(self, index: int) -> list[nn.Module]:
         if index not in self._adapters:
-            self._adapters[index] = [m for m in self.layers[index].modules()
+            self._adapters[index] = [m for _, m in self._modules_of(index)
                                      if hasattr(m, "_disable_adapters") and hasattr(m, "merged_adapters")]
         return self._adapters[index]
 
-    @staticmethod
-    def _parameters(layer: nn.Module) -> list[nn.Parameter]:
-        return [p for p in layer.parameters() if p.requires_grad]
+    def _parameters(self, index: int) -> list[nn.Parameter]:
+        """Block ``index``'s trainable parameters in ``parameters()`` order (``requires_grad`` read now)."""
+        return list(dict.fromkeys(p for _, m in self._modules_of(index) for p in m._parameters.values()
+                                  if p is not None and p.requires_grad))
 
     def _graph(self, key: tuple, index: int, capture: Callable[[], _Graph]) -> _Graph | None:
         if key in self.graphs:
@@ -308,10 +324,11 @@ class BlockGraphs:
         return graph
 
     # -- capture --------------------------------------------------------------------------------
-    def _capture_forward(self, layer: nn.Module, leaves: list[Any], unflatten: Callable) -> _Graph:
+    def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable) -> _Graph:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
+        layer = self.layers[index]
         statics = [_static(leaf) for leaf in leaves]
-        parameters = self._parameters(layer)
+        parameters = self._parameters(index)
         params = [p.detach().clone() for p in parameters]
         graph = torch.cuda.CUDAGraph()
         with _pointed_at(parameters, params), torch.no_grad(), \
@@ -320,14 +337,15 @@ class BlockGraphs:
             output = layer(*args, **kwargs)
         return _Graph(graph, statics, params, [output])
 
-    def _capture_backward(self, layer: nn.Module, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
+    def _capture_backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
                           hidden_needs_grad: bool, grad_at: list[int], autocast: Any) -> _Graph:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
+        layer = self.layers[index]
         statics = [_static(leaf) for leaf in leaves]
         statics[0].requires_grad_(hidden_needs_grad)
         for position in grad_at:
             statics[position].requires_grad_(True)
-        parameters = self._parameters(layer)
+        parameters = self._parameters(index)
         params = [p.detach().clone() for p in parameters]
         static_grad = _static(grad_output)
         graph = torch.cuda.CUDAGraph()
