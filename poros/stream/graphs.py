@@ -148,8 +148,10 @@ class BlockGraphs:
         self.seen: Counter = Counter()
         self.report = GraphReport()
         self._structure: dict[int, tuple] = {}
-        # per block, found once (the modules of a block do not change): its modules in named_modules order,
-        # those that may drop out (nn.Dropout, an attention's attention_dropout), its PEFT adapter layers
+        # per block, found once and again only when its module tree changed (``_refresh``): its modules in
+        # named_modules order, those that may drop out (nn.Dropout, an attention's attention_dropout), its
+        # PEFT adapter layers, and the tree's fingerprint (the ids of every module's children)
+        self._tree: dict[int, tuple[int, ...]] = {}
         self._modules: dict[int, list[tuple[str, nn.Module]]] = {}
         self._dropouts: dict[int, list[nn.Module]] = {}
         self._adapters: dict[int, list[nn.Module]] = {}
@@ -211,6 +213,7 @@ class BlockGraphs:
     # -- keys and fallbacks ---------------------------------------------------------------------
     def eager_reason(self, index: int, leaves: list[Any], has_mappings: bool) -> str | None:
         """Why block ``index`` must run eagerly now (None: it may be graphed)."""
+        self._refresh(index)
         layer = self.layers[index]
         if self.unsafe:
             return self.unsafe
@@ -265,6 +268,16 @@ class BlockGraphs:
                             if t is not None and not t.requires_grad and id(t) not in streamed and id(m) not in streamed)
             self._structure[index] = (modules, layout, outside)
         return self._structure[index]
+
+    def _refresh(self, index: int) -> None:
+        """Forget what was found of block ``index`` if a module was added, removed or replaced in it since
+        (a dropout swapped in, an adapter added): a cheap walk over the cached modules' children."""
+        if index not in self._modules:
+            return
+        tree = tuple(id(child) for _, m in self._modules[index] for child in m._modules.values())
+        if self._tree.setdefault(index, tree) != tree:
+            for cache in (self._tree, self._modules, self._dropouts, self._adapters, self._structure):
+                cache.pop(index, None)
 
     def _modules_of(self, index: int) -> list[tuple[str, nn.Module]]:
         if index not in self._modules:
