@@ -124,11 +124,6 @@ class LoraPlacement:
             self.bind(parameter, self.host[id(parameter)], host_grad)
         self.on_device.discard(index)
 
-    def synchronize(self) -> None:
-        """Block the host until the gradients sent back so far have landed (CUDA; nothing on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
     # -- the schedule ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def accumulation(self) -> Iterator[None]:
