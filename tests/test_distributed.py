@@ -276,3 +276,31 @@ def test_layer_major_reduce_gives_every_rank_the_gradient_another_rank_made(tmp_
     for g0, g1 in zip(*grads):
         assert torch.equal(g0, g1)
     assert torch.equal(grads[0][2], torch.full((2, 3), 1.0))  # b.weight: rank 1's (2.0) halved, rank 0's zeros
+
+
+LEAVES_AT_EXIT = """
+import atexit, torch.distributed as dist
+from poros import distributed
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs last (LIFO)
+distributed.init_process_group()
+print("joined:", dist.is_initialized(), flush=True)
+distributed.leave_process_group() if {leave} else None
+distributed.leave_process_group() if {leave} else None  # twice: a no-op
+"""
+
+
+def test_a_group_poros_made_is_destroyed_before_the_interpreter_exits(child_env):
+    """gloo's worker threads abort the process ("terminate called without an active exception", SIGABRT)
+    when the interpreter tears down a live group: ~40 % of 2-rank exits, the CI failure of stop 24. The
+    group Poros made is destroyed at exit, after an explicit leave (poros train) as well."""
+    import socket
+
+    for leave in (False, True):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        done = subprocess.run([sys.executable, "-c", LEAVES_AT_EXIT.format(leave=leave)], capture_output=True,
+                              text=True, timeout=120, env=child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                                                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "joined: True" in done.stdout and "initialized at exit: False" in done.stdout, done.stdout
