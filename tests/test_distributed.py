@@ -9,10 +9,13 @@ free port. Ranks write JSON; the test reads it.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
+
+import torch
 
 import poros
 from poros.testing import TINY_VARIANTS, qlora_model
@@ -293,14 +296,53 @@ def test_a_group_poros_made_is_destroyed_before_the_interpreter_exits(child_env)
     """gloo's worker threads abort the process ("terminate called without an active exception", SIGABRT)
     when the interpreter tears down a live group: ~40 % of 2-rank exits, the CI failure of stop 24. The
     group Poros made is destroyed at exit, after an explicit leave (poros train) as well."""
-    import socket
-
     for leave in (False, True):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         done = subprocess.run([sys.executable, "-c", LEAVES_AT_EXIT.format(leave=leave)], capture_output=True,
                               text=True, timeout=120, env=child_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                                                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                                                                    MASTER_ADDR="127.0.0.1",
+                                                                    MASTER_PORT=str(free_port())))
         assert done.returncode == 0, done.stderr[-2000:]
         assert "joined: True" in done.stdout and "initialized at exit: False" in done.stdout, done.stdout
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trl_sft_script_under_accelerate_launch_is_bitwise_with_the_one_line(child_env, tmp_path):
+    """A user's TRL SFT script (tests/ddp_sft_script.py: NF4 base + peft_config, packing, eval, saves, TRL's
+    bf16 and gradient checkpointing) launched by ``accelerate launch`` on 2 gloo ranks: plain, with
+    ``prepare_trainer`` and with ``PorosCallback``. Accelerate wraps the streamed model in DDP itself; the
+    logged losses, eval loss, every LoRA tensor and AdamW state tensor of each rank and the saved adapter and
+    optimizer.pt are the plain run's, bit for bit."""
+    from conformance_flows import assert_same_files, assert_same_outcome
+    from poros.testing import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    script = pathlib.Path(__file__).with_name("ddp_sft_script.py")
+    tests = str(script.parent)
+    runs = {}
+    for line in ("none", "prepare_trainer", "callback"):
+        out = tmp_path / line
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", str(free_port()), str(script), str(checkpoint), str(out), line]
+        env = child_env(OMP_NUM_THREADS="1", POROS_DIST_TIMEOUT="60")
+        env["PYTHONPATH"] = os.pathsep.join([tests, env["PYTHONPATH"]])
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[line] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for rank, plain in enumerate(runs["none"]):
+        assert (plain["world_size"], plain["backend"], plain["fetches"]) == (2, "gloo", 0)
+        assert len(plain["loss"]) == 2 and len(plain["eval_loss"]) == 1
+        for line in ("prepare_trainer", "callback"):
+            streamed = runs[line][rank]
+            assert streamed["fetches"] > 0, line  # it really streamed, on every rank
+            assert_same_outcome(plain, streamed)
+    for line in ("prepare_trainer", "callback"):
+        assert_same_files(tmp_path / "none" / "checkpoint-2", tmp_path / line / "checkpoint-2",
+                          ("adapter_model.safetensors", "optimizer.pt"))
