@@ -188,3 +188,34 @@ def texts(count: int, *, seed: int, low: int = 8, high: int = 24) -> list[str]:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (count,), generator=generator).tolist()
     return [" ".join(f"t{int(t)}" for t in torch.randint(4, 256, (n,), generator=generator)) for n in lengths]
+
+
+def sft_dataset(seed: int):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"text": text} for text in texts(12, seed=seed)])
+
+
+def run_sft(checkpoint, output_dir, line: str | None) -> dict:
+    """TRL's SFT flow; ``line``: None (plain), ``"prepare_trainer"`` (after construction) or ``"callback"``
+    (PorosCallback)."""
+    import trl
+
+    import poros
+
+    model = load(checkpoint, peft_wrap=False)
+    args = trl.SFTConfig(
+        output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=2, learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
+        seed=11, data_seed=11, disable_tqdm=True, max_length=24, packing=True, dataloader_num_workers=0,
+    )  # bf16 and gradient_checkpointing: TRL's defaults (on)
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=sft_dataset(1), eval_dataset=sft_dataset(2),
+        processing_class=word_tokenizer(), peft_config=lora_config(model), callbacks=[poros.PorosCallback()] if line == "callback" else None)
+    if line == "prepare_trainer":
+        poros.prepare_trainer(trainer)  # the one line: after construction, before train()
+    if line is not None:
+        assert isinstance(trainer.model, poros.PorosModel)
+    trainer.train()
+    return outcome(trainer)
