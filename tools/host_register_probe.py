@@ -10,6 +10,11 @@ limit, so a step that hangs is named instead of eating the run:
 2. ``cudaHostRegister`` read-only, then (new child) with flags 0, then (new child) a MAP_SHARED
    read-only mapping registered read-only; each: seconds, error code, a copy to the device and
    its GB/s.
+3. the mapped tier's own sequence, which the three cases above do not repeat (they passed on the
+   H200 while the tier hung): CUDA and torch's pinned host allocator in use first, the mapping as a
+   torch tensor (``torch.frombuffer``), registered read-only, then block-sized views copied on a side
+   stream with ``non_blocking`` and an event per copy, as the block store fetches; once with the
+   file's pages in the page cache and once dropped from it (``posix_fadvise(DONTNEED)``).
 
     python -m tools.host_register_probe --mib 512 --json out/host-register.json
 """
@@ -26,14 +31,60 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = {
-    "private_readonly_flag": ("private", 8),  # cudaHostRegisterReadOnly
-    "private_default_flag": ("private", 0),
-    "shared_readonly_flag": ("shared", 8),
+CASES = {  # name -> (mapping kind, cudaHostRegister flags, how)
+    "private_readonly_flag": ("private", 8, "plain"),  # cudaHostRegisterReadOnly
+    "private_default_flag": ("private", 0, "plain"),
+    "shared_readonly_flag": ("shared", 8, "plain"),
+    "tier_sequence_cached": ("private", 8, "tier"),
+    "tier_sequence_cold": ("private", 8, "tier-cold"),
 }
+BLOCK_MIB = 64  # the size of the views the tier sequence copies, one after another
 
 
-def child(path: str, kind: str, flags: int) -> dict:
+def tier_sequence(path: str, flags: int, cold: bool) -> dict:
+    """What MappedTier.attach and BlockStore.fetch do, in that order, timed step by step."""
+    import torch
+
+    steps: dict[str, float] = {}
+    began = time.perf_counter()
+    torch.cuda.init()
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)  # the caching host allocator in use
+    slot = torch.empty(BLOCK_MIB << 20, dtype=torch.uint8, device="cuda")
+    slot.copy_(scratch[: slot.numel()], non_blocking=True)
+    torch.cuda.synchronize()
+    steps["torch_ready_s"] = time.perf_counter() - began
+    if cold:
+        with open(path, "rb") as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    host = torch.frombuffer(mapped, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    began = time.perf_counter()
+    error = int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), flags))
+    steps["register_s"] = time.perf_counter() - began
+    out: dict = {"register_error": error, "pinned_per_torch": bool(host.is_pinned()) if error == 0 else None}
+    stream, block = torch.cuda.Stream(), BLOCK_MIB << 20
+    began = time.perf_counter()
+    copied = 0
+    for offset in range(0, host.numel() - block + 1, block):
+        with torch.cuda.stream(stream):
+            slot.copy_(host[offset: offset + block], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        copied += block
+    steps["copies_s"] = time.perf_counter() - began
+    out["h2d_gb_per_s"] = round(copied / steps["copies_s"] / 1e9, 2) if copied else None
+    if error == 0:
+        out["unregister_error"] = int(cudart.cudaHostUnregister(host.data_ptr()))
+    out.update({name: round(value, 3) for name, value in steps.items()})
+    return out
+
+
+def child(path: str, kind: str, flags: int, how: str = "plain") -> dict:
+    if how != "plain":
+        return tier_sequence(path, flags, cold=how == "tier-cold")
     import warnings
 
     import numpy
@@ -71,10 +122,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", default=None, help="where the file goes (default: $TMPDIR or /tmp)")
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds per case")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", nargs=3, metavar=("PATH", "KIND", "FLAGS"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("PATH", "KIND", "FLAGS", "HOW"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]))))
+        print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]), args.child[3])))
         return 0
     directory = args.dir or os.environ.get("TMPDIR", "/tmp")
     report = {"tool": "host_register_probe", "mib": args.mib, "dir": directory,
@@ -85,10 +136,10 @@ def main(argv=None) -> int:
             handle.write(chunk)
         handle.flush()
         os.fsync(handle.fileno())
-        for name, (kind, flags) in CASES.items():
+        for name, (kind, flags, how) in CASES.items():
             began = time.perf_counter()
             child_process = subprocess.Popen([sys.executable, "-m", "tools.host_register_probe", "--child",
-                                              handle.name, kind, str(flags)],
+                                              handle.name, kind, str(flags), how],
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
                 stdout, stderr = child_process.communicate(timeout=args.timeout)
