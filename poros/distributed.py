@@ -123,17 +123,19 @@ def init_process_group(device: "torch.device | str | None" = None, backend: str 
         if backend == "nccl" and device is not None:
             options["device_id"] = torch.device(device)
         dist.init_process_group(**options)
-        # a process that exits with gloo's group alive may abort in its worker threads' teardown
-        # ("terminate called without an active exception", SIGABRT: ~40 % of 2-rank jobs here), so
-        # the group Poros made is left while the interpreter is still whole
-        atexit.register(leave_process_group)
+        if backend == "gloo":
+            # a process that exits with gloo's group alive may abort in its worker threads' teardown
+            # ("terminate called without an active exception", SIGABRT: 8 of 20 two-rank jobs here), so
+            # the group Poros made is left while the interpreter is still whole. (Not NCCL's: after a
+            # failed collective its destroy may wait on the stuck communicator; torch only warns there.)
+            atexit.register(leave_process_group)
     check_same_versions()
     return world()
 
 
 def leave_process_group() -> None:
     """Destroy the default process group if one is initialized (a no-op otherwise, and on a second
-    call). Poros calls it when ``poros train`` ends and at exit for a group it created."""
+    call). Poros calls it when ``poros train`` has finished, and at exit for a gloo group it created."""
     with contextlib.suppress(ImportError):
         import torch.distributed as dist
 

@@ -40,6 +40,16 @@ def block_cache_in_a_temporary_directory(tmp_path_factory):
         os.environ["POROS_CACHE_DIR"] = previous
 
 
+@pytest.fixture(autouse=True)
+def nothing_written_into_the_working_directory():
+    """A test that trains with the default ``output_dir`` would leave ``poros_output/`` in the checkout."""
+    default = Path.cwd() / "poros_output"
+    existed = default.exists()
+    yield
+    if not existed and default.exists():
+        raise AssertionError(f"the test wrote {default} (the default output_dir); give it a tmp_path")
+
+
 @pytest.fixture(scope="session")
 def family_plugin():
     """The :class:`FamilyPlugin` class: ``family_plugin(descriptor, ..., name=...)`` builds a plugin."""

@@ -67,7 +67,7 @@ def test_trainer_generate_uses_the_adapter_as_trained(tmp_path):
     from poros.generate import generate_text
     from poros.load import load_with_adapter
 
-    trainer = PorosTrainer.from_pretrained("poros-tiny-qwen3", device="cpu", lr=1e-2)
+    trainer = PorosTrainer.from_pretrained("poros-tiny-qwen3", device="cpu", lr=1e-2, output_dir=str(tmp_path / "run"))
     trainer.train(steps=2, seq_len=32)
     text = trainer.generate("Hello", max_new_tokens=6)
     assert trainer.model.training  # back in training mode for the next steps

@@ -244,10 +244,10 @@ def test_interrupted_run_exits_130_and_hands_the_command_to_the_trainer(capsys, 
     seen = []
     monkeypatch.setattr(PorosTrainer, "from_config", classmethod(lambda cls, config: seen.append(config) or trainer))
     config = tmp_path / "poros.yaml"
-    PorosConfig(steps=7).to_yaml(config)
+    PorosConfig(steps=7, output_dir=str(tmp_path / "run")).to_yaml(config)
     status, _, _ = run_cli(capsys, "train", str(config), "--seq-len", "64")
     assert status == 130
-    assert seen[0] == PorosConfig(steps=7, seq_len=64)
+    assert seen[0] == PorosConfig(steps=7, seq_len=64, output_dir=str(tmp_path / "run"))
     assert trainer.launch_command == ["poros", "train", str(config), "--seq-len", "64"]
 
 

@@ -110,11 +110,10 @@ def run(args: argparse.Namespace) -> int:
     ranks = world.local_size if world.distributed else 1  # the resume command starts as many ranks
     launch_command = ["poros", "train", *(["--nproc-per-node", str(ranks)] if ranks > 1 else []), *arguments]
     # one run per output_dir, through the final save (data parallel: rank 0 holds it for the job's ranks)
-    try:
-        with run_lock.hold(config.output_dir, command=shlex.join(launch_command)):
-            return train(config, launch_command=launch_command)
-    finally:
-        distributed.leave_process_group()  # every rank, once its part is done (no-op without one)
+    with run_lock.hold(config.output_dir, command=shlex.join(launch_command)):
+        status = train(config, launch_command=launch_command)
+    distributed.leave_process_group()  # every rank, its collectives done (a no-op without a group)
+    return status
 
 
 def dry_run(config) -> int:
