@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -39,6 +40,8 @@ DEFAULT_TIMEOUT_S = 600.0
 #: DDP's defaults (torch.nn.parallel.distributed): 25 MiB buckets, a 1 MiB first bucket
 DDP_BUCKET_CAP_MB = 25
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+#: seconds :func:`leave_process_group` waits (GIL released) for gloo's workers to drop their last work
+DRAIN_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -128,18 +131,30 @@ def init_process_group(device: "torch.device | str | None" = None, backend: str 
             # ("terminate called without an active exception", SIGABRT: 8 of 20 two-rank jobs here), so
             # the group Poros made is left while the interpreter is still whole. (Not NCCL's: after a
             # failed collective its destroy may wait on the stuck communicator; torch only warns there.)
-            atexit.register(leave_process_group)
+            atexit.register(leave_process_group, barrier=False)
     check_same_versions()
     return world()
 
 
-def leave_process_group() -> None:
-    """Destroy the default process group if one is initialized (a no-op otherwise, and on a second
-    call). Poros calls it when ``poros train`` has finished, and at exit for a gloo group it created."""
+def leave_process_group(*, barrier: bool = True) -> None:
+    """Leave the job: destroy the default process group (a no-op without one, and on a second call).
+
+    With ``barrier`` every rank first waits until all ranks got here (call it where every rank
+    arrives: ``poros train`` does once training finished; at the end of your own script, before
+    ``trainer.end()``). Then a pause of :data:`DRAIN_SECONDS` with the GIL released lets gloo's
+    worker threads finish destroying their last work objects, which takes the GIL: a group dropped
+    while one of them waits for it deadlocks (seen here: ``~ProcessGroupGloo`` joining a worker stuck
+    in ``~AsyncAllgatherWork``, when a DDP wrapper dropped the last reference) or, at interpreter exit,
+    aborts the process ("terminate called without an active exception"). At exit Poros calls it
+    without the barrier (a rank that failed must not wait for the others).
+    """
     with contextlib.suppress(ImportError):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            if barrier and dist.get_world_size() > 1:
+                dist.barrier()
+            time.sleep(DRAIN_SECONDS)  # releases the GIL
             dist.destroy_process_group()
 
 

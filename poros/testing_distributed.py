@@ -241,7 +241,7 @@ def main(argv=None) -> int:
                                                        "error_type": type(error).__name__}
             dist.barrier()
     (out / f"rank{here.rank}.json").write_text(json.dumps(report, indent=1) + "\n")
-    dist.destroy_process_group()
+    distributed.leave_process_group()  # drains gloo's workers first (see there)
     return 0 if all(r.get("equal") for r in report["results"].values()) else 1
 
 
@@ -264,7 +264,7 @@ def handshake(device, args) -> int:
     except DistributedError as error:
         seen = {"error": str(error), "error_type": type(error).__name__}
     (out / f"rank{rank}.json").write_text(json.dumps(seen) + "\n")
-    dist.destroy_process_group()
+    distributed.leave_process_group()  # drains gloo's workers first (see there)
     return 1 if seen["error"] else 0
 
 

@@ -217,7 +217,7 @@ def scale_worker(args) -> int:
             "host_rss_node_gb": round(sum(r["host_end"]["rss_gb"] or 0 for r in gathered), 3),
             "host_pss_node_gb": round(sum(r["host_end"]["pss_gb"] or 0 for r in gathered), 3),
         }, indent=1))
-    dist.destroy_process_group()
+    distributed.leave_process_group()  # drains gloo's workers first (see there)
     return 0
 
 
