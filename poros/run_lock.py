@@ -7,9 +7,11 @@
 
 Notable choices:
 
-* **Created with O_EXCL.** Two runs racing into one directory cannot both create the lock file; the
-  second fails at once with :class:`~poros.errors.RunLockedError` naming the pid, host, start time
-  and command of the first.
+* **Created whole and exclusively.** The record is written to a private file and hard-linked to
+  ``.poros.lock`` (O_EXCL where the file system has no hard links): two runs racing into one
+  directory cannot both create it, and a reader never sees it half written. The second run fails at
+  once with :class:`~poros.errors.RunLockedError` naming the pid, host, start time and command of
+  the first.
 * **Stale locks are taken over.** A lock whose pid is not alive on this host (a ``kill -9``, a
   power cut) is stale: it is replaced, and a WARNING says so. A lock from another host is never
   judged stale (its pid means nothing here); the message says to delete it if that run is over.
@@ -98,9 +100,28 @@ def _create(path: pathlib.Path, command: str | None) -> None:
     record = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "command": command or " ".join(sys.argv), "job": job_id()}
+    text = json.dumps(record) + "\n"
+    # The lock appears with its whole record: written to a private file, then hard-linked to its name
+    # (link, like O_EXCL, fails when the name exists). Created empty and written after, a reader racing
+    # the writer (a data-parallel job's other ranks, check_unlocked) saw "an unreadable lock" and refused.
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        try:
+            os.link(temporary, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: O_EXCL, then the record
+            pass
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
+        handle.write(text)
 
 
 def _acquire(directory: pathlib.Path, command: str | None) -> None:

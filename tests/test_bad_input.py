@@ -831,3 +831,23 @@ def test_docs_follow_the_suite():
 
 def test_the_suite_has_at_least_40_cases():
     assert len(CLI_CASES) + len(API_CASES) >= 40
+
+
+def test_the_lock_appears_whole_never_half_written(tmp_path, monkeypatch):
+    """A data-parallel job's other ranks read rank 0's lock (``check_unlocked``) while rank 0 creates it.
+    Created empty and written after, it was read as "an unreadable lock" and the rank refused the run
+    (2 of 30 `poros train --nproc-per-node 2` runs here); it now appears with its whole record."""
+    from poros import run_lock
+
+    seen, real_fdopen = [], os.fdopen
+
+    def watching(descriptor, *args, **kwargs):  # the moment the record is being written
+        seen.append(run_lock.read_lock(tmp_path))
+        return real_fdopen(descriptor, *args, **kwargs)
+
+    monkeypatch.setattr(run_lock.os, "fdopen", watching)
+    with run_lock.hold(tmp_path, command="poros train --steps 3"):
+        owner = run_lock.read_lock(tmp_path)
+    assert seen == [None]  # nothing under the lock's name until it is complete
+    assert owner["pid"] == os.getpid() and owner["command"] == "poros train --steps 3"
+    assert not list(tmp_path.iterdir())  # the lock and its private file are gone
