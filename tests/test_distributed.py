@@ -145,6 +145,7 @@ SHARED_HOST_COPY_RANK = """
 import json, os, pathlib, sys
 import torch.distributed as dist
 from poros import PorosConfig, PorosTrainer
+from poros.distributed import leave_process_group
 from poros.testing import mapping_memory
 out, tier, cache_dir = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 config = PorosConfig(steps=2, save_steps=2, batch_size=2, seq_len=32, logging_steps=1, output_dir=str(out / "run"),
@@ -159,6 +160,8 @@ dist.barrier()
 rank = dist.get_rank()
 (out / f"rank{rank}.json").write_text(json.dumps({"tier": trainer.model.host_plan.tier, "entry": entry,
     "ranks_per_node": trainer.model.host_plan.ranks_per_node, "rss_kb": rss, "pss_kb": pss}))
+del trainer, store
+leave_process_group()  # every rank, at the end of the script (docs/multi-gpu.md, "Exit")
 """
 
 
