@@ -104,7 +104,7 @@ def _create(path: pathlib.Path, command: str | None) -> None:
     # The lock appears with its whole record: written to a private file, then hard-linked to its name
     # (link, like O_EXCL, fails when the name exists). Created empty and written after, a reader racing
     # the writer (a data-parallel job's other ranks, check_unlocked) saw "an unreadable lock" and refused.
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temporary = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # hosts may share the dir
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
