@@ -13,8 +13,9 @@ limit, so a step that hangs is named instead of eating the run:
 3. the mapped tier's own sequence, which the three cases above do not repeat (they passed on the
    H200 while the tier hung): CUDA and torch's pinned host allocator in use first, the mapping as a
    torch tensor (``torch.frombuffer``), registered read-only, then block-sized views copied on a side
-   stream with ``non_blocking`` and an event per copy, as the block store fetches; once with the
-   file's pages in the page cache and once dropped from it (``posix_fadvise(DONTNEED)``).
+   stream with ``non_blocking`` and an event per copy, as the block store fetches; with the tier's
+   shared read-only mapping, its pages in the page cache and dropped from it
+   (``posix_fadvise(DONTNEED)``), and with the copy-on-write mapping the tier used when it hung.
 
     python -m tools.host_register_probe --mib 512 --json out/host-register.json
 """
@@ -35,14 +36,17 @@ CASES = {  # name -> (mapping kind, cudaHostRegister flags, how)
     "private_readonly_flag": ("private", 8, "plain"),  # cudaHostRegisterReadOnly
     "private_default_flag": ("private", 0, "plain"),
     "shared_readonly_flag": ("shared", 8, "plain"),
-    "tier_sequence_cached": ("private", 8, "tier"),
-    "tier_sequence_cold": ("private", 8, "tier-cold"),
+    "tier_sequence_cached": ("shared", 8, "tier"),  # the mapped tier since a8d71c3+1: shared, read-only
+    "tier_sequence_cold": ("shared", 8, "tier-cold"),
+    "private_tier_sequence_cold": ("private", 8, "tier-cold"),  # the tier that hung (copy-on-write mapping)
 }
 BLOCK_MIB = 64  # the size of the views the tier sequence copies, one after another
 
 
-def tier_sequence(path: str, flags: int, cold: bool) -> dict:
+def tier_sequence(path: str, kind: str, flags: int, cold: bool) -> dict:
     """What MappedTier.attach and BlockStore.fetch do, in that order, timed step by step."""
+    import warnings
+
     import torch
 
     steps: dict[str, float] = {}
@@ -57,8 +61,13 @@ def tier_sequence(path: str, flags: int, cold: bool) -> dict:
         with open(path, "rb") as handle:
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     with open(path, "rb") as handle:
-        mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    host = torch.frombuffer(mapped, dtype=torch.uint8)
+        if kind == "shared":
+            mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        else:
+            mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: torch warns, and copies from it fine
+        host = torch.frombuffer(mapped, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
     began = time.perf_counter()
     error = int(cudart.cudaHostRegister(host.data_ptr(), host.numel(), flags))
@@ -84,7 +93,7 @@ def tier_sequence(path: str, flags: int, cold: bool) -> dict:
 
 def child(path: str, kind: str, flags: int, how: str = "plain") -> dict:
     if how != "plain":
-        return tier_sequence(path, flags, cold=how == "tier-cold")
+        return tier_sequence(path, kind, flags, cold=how == "tier-cold")
     import warnings
 
     import numpy

@@ -442,7 +442,9 @@ class BlockStore:
         too)."""
         block = self.blocks[index]
         if block.slot is None and index not in self._lent and (block.buffer is not None or block.from_tier):
-            source = block.buffer if block.buffer is not None else self.host_tier.lend(index)
+            # a tier-served block lends the tier's writable bytes (the mapped tier streams from a
+            # read-only mapping: a load_state_dict writing into block.buffer would fault)
+            source = self.host_tier.lend(index) if block.from_tier else block.buffer
             self._lent[index] = source
             self._bind_all(block, source)
 

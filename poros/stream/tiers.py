@@ -5,10 +5,12 @@ A *block file* holds those buffers back to back, each at a 4 KiB-aligned offset,
 the store streams. Two tiers serve a store from such a file; the executor does not change (it asks
 the store for block i and waits):
 
-* :class:`MappedTier` -- the file mapped copy-on-write (the file itself is opened read-only and never
-  written): the OS page cache holds one copy that every process of the node maps and shares. On CUDA
-  the mapping is registered for DMA (``cudaHostRegister``, read-only), so copies run as from pinned
-  memory. Each block's host buffer is a view of the mapping.
+* :class:`MappedTier` -- the file mapped shared and read-only: the OS page cache holds one copy that
+  every process of the node maps and shares. On CUDA the mapping is registered for DMA
+  (``cudaHostRegister``, read-only), so copies run as from pinned memory. Each block's host buffer
+  is a view of that mapping. A ``load_state_dict`` into an evicted block writes into the file's
+  copy-on-write mapping instead (``lend``; the file itself is never written), and the store gives
+  the loaded bytes a buffer of their own.
 * :class:`DiskTier` -- for host RAM smaller than the model: no host buffer per block; a reader
   thread reads the next blocks (in the order the passes visit them: up in forward, down in
   backward, turning at the ends) into a small ring of pinned buffers ahead of use, with
@@ -43,7 +45,8 @@ from poros.stream.store import Entry, entry_view
 FILE_ALIGN = 4096  # every block starts on a 4 KiB boundary of the file (O_DIRECT, page mapping)
 READ_CHUNK = 1 << 30  # bytes per read call (Linux caps one read near 2 GiB)
 CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: pin a mapping without write access
-_MAPPINGS: dict[tuple[str, int, int, int], torch.Tensor] = {}  # (path, inode, size, mtime) -> the process's one mapping
+#: (path, inode, size, mtime, kind) -> this process's one mapping of that kind ("private", "shared")
+_MAPPINGS: dict[tuple[str, int, int, int, str], torch.Tensor] = {}
 
 
 def padded(nbytes: int) -> int:
@@ -67,26 +70,45 @@ class BlockFile:
     def size(self) -> int:
         return max((o + padded(n) for o, n in zip(self.offsets, self.nbytes) if o >= 0), default=0)
 
+    shared: torch.Tensor | None = field(default=None, repr=False, compare=False)  # set by shared_mapping()
+
     def mapping(self) -> torch.Tensor:
-        """The whole file as a uint8 CPU tensor, mapped copy-on-write: one mapping per process and file."""
-        if self.mapped is not None:
-            return self.mapped
-        stat = os.stat(self.path)
-        key = (str(self.path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-        if key not in _MAPPINGS:
-            with open(self.path, "rb") as handle:
-                mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            _MAPPINGS[key] = torch.frombuffer(mapped, dtype=torch.uint8)
-        self.mapped = _MAPPINGS[key]
+        """The whole file as a uint8 CPU tensor, mapped copy-on-write (writable; the file is never
+        written): one mapping per process and file. Module tensors loaded from the cache view it."""
+        if self.mapped is None:
+            self.mapped = self._map("private")
         return self.mapped
 
-    def block_view(self, index: int) -> torch.Tensor:
+    def shared_mapping(self) -> torch.Tensor:
+        """The whole file mapped shared and read-only (writing to it would fault): what the mapped tier
+        streams from and registers for DMA, the page cache's own pages in every process."""
+        if self.shared is None:
+            self.shared = self._map("shared")
+        return self.shared
+
+    def _map(self, kind: str) -> torch.Tensor:
+        stat = os.stat(self.path)
+        key = (str(self.path), stat.st_ino, stat.st_size, stat.st_mtime_ns, kind)
+        if key not in _MAPPINGS:
+            with open(self.path, "rb") as handle:
+                if kind == "shared":
+                    mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                else:
+                    mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                _MAPPINGS[key] = torch.frombuffer(mapped, dtype=torch.uint8)
+        return _MAPPINGS[key]
+
+    def block_view(self, index: int, *, shared: bool = False) -> torch.Tensor:
+        """Block ``index``'s bytes: a view of :meth:`mapping`, or of :meth:`shared_mapping`."""
         offset = self.offsets[index]
         if offset < 0:
             raise StreamingError(f"block {index} is not in {self.path}; the file holds blocks "
                                  f"{[i for i, o in enumerate(self.offsets) if o >= 0]}.")
-        return self.mapping()[offset: offset + self.nbytes[index]]
+        whole = self.shared_mapping() if shared else self.mapping()
+        return whole[offset: offset + self.nbytes[index]]
 
     def holds(self, index: int, layout: tuple[list[Entry], list[torch.Tensor], int]) -> bool:
         """Whether the module tensors of block ``index`` are views of this file at the layout's offsets."""
@@ -173,21 +195,24 @@ class MappedTier:
         if not layouts:  # every block is resident: nothing to serve
             return
         self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
-        mapping = self.file.mapping()
+        mapping = self.file.shared_mapping()
+        self.file.mapping()  # for lend, before a spill file's name goes
         if spilled:
-            os.unlink(self.file.path)  # the mapping keeps the pages; nothing is left behind
+            os.unlink(self.file.path)  # the mappings keep the pages; nothing is left behind
         if device.type == "cuda" and _register_for_dma(mapping):
             self.registered = mapping
 
     def host_buffer(self, index: int) -> torch.Tensor:
-        return self.file.block_view(index)
+        """Block ``index``'s bytes in the shared read-only mapping: the store streams from it."""
+        return self.file.block_view(index, shared=True)
 
     def acquire(self, index: int) -> torch.Tensor:  # every block has a host buffer: the store never asks
         return self.host_buffer(index)
 
     def lend(self, index: int) -> torch.Tensor:
-        """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block."""
-        return self.host_buffer(index)
+        """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block: the
+        copy-on-write mapping, which a load may write (the store then gives the block its own buffer)."""
+        return self.file.block_view(index)
 
     def copied(self, index: int, stream: Any) -> None:
         pass
@@ -247,7 +272,7 @@ class DiskTier:
         if spilled:
             os.unlink(self.file.path)  # open descriptors keep it; nothing is left behind
         release_mapping(self.file.path)  # blocks come from reads now, not from a mapping
-        self.file.mapped = None
+        self.file.mapped = self.file.shared = None
         pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
         size = max((padded(n) for i, n in enumerate(self.file.nbytes) if i in layouts), default=FILE_ALIGN)
         # One allocation, each buffer on a 4 KiB boundary (O_DIRECT needs aligned addresses).
