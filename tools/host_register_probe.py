@@ -36,7 +36,7 @@ CASES = {  # name -> (mapping kind, cudaHostRegister flags, how)
     "private_readonly_flag": ("private", 8, "plain"),  # cudaHostRegisterReadOnly
     "private_default_flag": ("private", 0, "plain"),
     "shared_readonly_flag": ("shared", 8, "plain"),
-    "tier_sequence_cached": ("shared", 8, "tier"),  # the mapped tier since a8d71c3+1: shared, read-only
+    "tier_sequence_cached": ("shared", 8, "tier"),  # the mapped tier since 3c9fe55: shared, read-only
     "tier_sequence_cold": ("shared", 8, "tier-cold"),
     "private_tier_sequence_cold": ("private", 8, "tier-cold"),  # the tier that hung (copy-on-write mapping)
 }
