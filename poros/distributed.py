@@ -131,7 +131,7 @@ def init_process_group(device: "torch.device | str | None" = None, backend: str 
             # ("terminate called without an active exception", SIGABRT: 8 of 20 two-rank jobs here), so
             # the group Poros made is left while the interpreter is still whole. (Not NCCL's: after a
             # failed collective its destroy may wait on the stuck communicator; torch only warns there.)
-            atexit.register(leave_process_group, barrier=False)
+            atexit.register(_leave_at_exit, dist.group.WORLD)
     check_same_versions()
     return world()
 
@@ -145,8 +145,9 @@ def leave_process_group(*, barrier: bool = True) -> None:
     worker threads finish destroying their last work objects, which takes the GIL: a group dropped
     while one of them waits for it deadlocks (seen here: ``~ProcessGroupGloo`` joining a worker stuck
     in ``~AsyncAllgatherWork``, when a DDP wrapper dropped the last reference) or, at interpreter exit,
-    aborts the process ("terminate called without an active exception"). At exit Poros calls it
-    without the barrier (a rank that failed must not wait for the others).
+    aborts the process ("terminate called without an active exception"). The pause makes that race
+    rare, not impossible (a reference held elsewhere, a DDP wrapper's, outlives the destroy). At exit
+    Poros calls it without the barrier (a rank that failed must not wait for the others).
     """
     with contextlib.suppress(ImportError):
         import torch.distributed as dist
@@ -156,6 +157,14 @@ def leave_process_group(*, barrier: bool = True) -> None:
                 dist.barrier()
             time.sleep(DRAIN_SECONDS)  # releases the GIL
             dist.destroy_process_group()
+
+
+def _leave_at_exit(made: Any) -> None:
+    """At exit: leave the group Poros made, if it is still the default one (not one made after it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.group.WORLD is made:
+        leave_process_group(barrier=False)
 
 
 def join_launched_job(device: "torch.device") -> "torch.device":

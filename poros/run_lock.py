@@ -8,8 +8,9 @@
 Notable choices:
 
 * **Created whole and exclusively.** The record is written to a private file and hard-linked to
-  ``.poros.lock`` (O_EXCL where the file system has no hard links): two runs racing into one
-  directory cannot both create it, and a reader never sees it half written. The second run fails at
+  ``.poros.lock``: two runs racing into one directory cannot both create it, and a reader never sees
+  it half written. Where the file system has no hard links it is created with O_EXCL and then
+  written, and a reader gives an unreadable lock a second to become readable. The second run fails at
   once with :class:`~poros.errors.RunLockedError` naming the pid, host, start time and command of
   the first.
 * **Stale locks are taken over.** A lock whose pid is not alive on this host (a ``kill -9``, a
@@ -36,6 +37,7 @@ import os
 import pathlib
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +47,8 @@ from poros.errors import OutputDirError, RunLockedError
 logger = logging.getLogger("poros")
 
 LOCK_FILE = ".poros.lock"
+#: tenths of a second a reader waits for an unreadable lock to become readable before refusing
+UNREADABLE_RETRIES = 10
 #: files whose presence means a previous run left results in output_dir.
 RESULT_FILES = ("adapter_model.safetensors", "metrics.jsonl")
 
@@ -124,8 +128,20 @@ def _create(path: pathlib.Path, command: str | None) -> None:
         handle.write(text)
 
 
+def _sweep_private_files(directory: pathlib.Path) -> None:
+    """Remove the lock's private files (``.poros.lock.<host>.<pid>.tmp``) that dead processes of this host
+    left (a kill between writing one and linking it)."""
+    host = socket.gethostname()
+    for stray in directory.glob(f"{LOCK_FILE}.{host}.*.tmp"):
+        pid = stray.name[len(f"{LOCK_FILE}.{host}."):-len(".tmp")]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                stray.unlink()
+
+
 def _acquire(directory: pathlib.Path, command: str | None) -> None:
     path = directory / LOCK_FILE
+    _sweep_private_files(directory)
     for _ in range(2):  # a second try after removing a stale lock
         try:
             _create(path, command)
@@ -161,6 +177,11 @@ def check_unlocked(output_dir: str | os.PathLike) -> None:
     """Raise :class:`~poros.errors.RunLockedError` when another live run holds ``output_dir`` (no lock is taken)."""
     directory = pathlib.Path(output_dir)
     owner = read_lock(directory)
+    for _ in range(UNREADABLE_RETRIES):  # a lock being written (file systems without hard links: see _create)
+        if owner != {}:
+            break
+        time.sleep(0.1)
+        owner = read_lock(directory)
     if owner is None or directory.resolve() in _HELD or is_stale(owner):
         return
     if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():

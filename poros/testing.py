@@ -427,15 +427,16 @@ def assert_bitwise_training(reference, streamed, ref_losses, poros_losses, ref_o
             assert torch.equal(ref_state[key], poros_state[key]), f"AdamW {key} of {name} differs"
 
 
-def mapping_memory(pid: int | str, path: str | pathlib.Path) -> tuple[int, int]:
+def mapping_memory(pid: int | str, path: str | pathlib.Path, mode: str | None = None) -> tuple[int, int]:
     """(Rss, Pss) in kB of process ``pid``'s mappings of ``path`` (``"self"``: this process), from
-    ``/proc/<pid>/smaps`` (Linux): pages another process maps too count in part in Pss."""
+    ``/proc/<pid>/smaps`` (Linux): pages another process maps too count in part in Pss. ``mode``
+    (``"r--s"``: shared, read-only) counts only the mappings with those permissions."""
     rss = pss = 0
     inside = False
     for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split(" ", 1)[0]
         if "-" in head and not head.endswith(":"):
-            inside = line.rstrip().endswith(str(path))
+            inside = line.rstrip().endswith(str(path)) and (mode is None or line.split()[1] == mode)
         elif inside and line.startswith("Rss:"):
             rss += int(line.split()[1])
         elif inside and line.startswith("Pss:"):

@@ -851,3 +851,14 @@ def test_the_lock_appears_whole_never_half_written(tmp_path, monkeypatch):
     assert seen == [None]  # nothing under the lock's name until it is complete
     assert owner["pid"] == os.getpid() and owner["command"] == "poros train --steps 3"
     assert not list(tmp_path.iterdir())  # the lock and its private file are gone
+
+    # a private file a killed process left is swept by the next run; a live process's is left alone
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / f".poros.lock.{socket.gethostname()}.{int(dead.stdout)}.tmp"
+    live = tmp_path / f".poros.lock.{socket.gethostname()}.{os.getppid()}.tmp"
+    left.write_text("{}")
+    live.write_text("{}")
+    monkeypatch.undo()
+    with run_lock.hold(tmp_path):
+        pass
+    assert not left.exists() and live.exists()

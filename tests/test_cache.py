@@ -427,5 +427,6 @@ def test_the_mapped_tier_streams_from_a_shared_read_only_mapping_of_the_entry(tm
     start, end = shared.data_ptr(), shared.data_ptr() + shared.numel()
     for block in streamed.store.blocks:
         assert start <= tier.host_buffer(block.index).data_ptr() < end
+        assert start <= block.buffer.data_ptr() < end  # what fetch copies from
         assert not start <= tier.lend(block.index).data_ptr() < end  # the writable copy-on-write one
     streamed.unpatch()

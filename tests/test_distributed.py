@@ -155,7 +155,7 @@ trainer.train()
 store = trainer.model.store
 entry = str(store.host_tier.file.path) if store.host_tier is not None else None
 dist.barrier()  # both ranks alive and mapped: each one's Pss counts the other's share
-rss, pss = mapping_memory("self", entry) if entry else (0, 0)
+rss, pss = mapping_memory("self", entry, mode="r--s") if entry else (0, 0)  # the tier's shared mapping
 dist.barrier()
 rank = dist.get_rank()
 (out / f"rank{rank}.json").write_text(json.dumps({"tier": trainer.model.host_plan.tier, "entry": entry,

@@ -86,6 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import shlex
+    import sys
 
     from poros import distributed, run_lock
     from poros.noise import quiet_known_noise
@@ -111,8 +112,13 @@ def run(args: argparse.Namespace) -> int:
     launch_command = ["poros", "train", *(["--nproc-per-node", str(ranks)] if ranks > 1 else []), *arguments]
     # one run per output_dir, through the final save (data parallel: rank 0 holds it for the job's ranks)
     with run_lock.hold(config.output_dir, command=shlex.join(launch_command)):
-        status = train(config, launch_command=launch_command)
-    distributed.leave_process_group()  # every rank, its collectives done (a no-op without a group)
+        status, together = train(config, launch_command=launch_command)
+    # Every rank leaves the job (a no-op without one): with the others when it got to the end of the run
+    # with them, alone when a Ctrl-C stopped it on its own while loading (its peers may be anywhere).
+    try:
+        distributed.leave_process_group(barrier=together)
+    except Exception as error:  # noqa: BLE001 -- a peer that failed: this rank's results are already written
+        print(f"poros train: leaving the process group failed ({type(error).__name__}: {error}).", file=sys.stderr)
     return status
 
 
@@ -132,8 +138,9 @@ def dry_run(config) -> int:
     return 0
 
 
-def train(config, *, launch_command: list[str]) -> int:
-    """Load, train, save; the exit status (0, or 130 when interrupted)."""
+def train(config, *, launch_command: list[str]) -> tuple[int, bool]:
+    """Load, train, save: the exit status (0, or 130 when interrupted), and whether every rank of a data-
+    parallel job got here together (False: this rank stopped on its own, before training started)."""
     import sys
 
     from poros.distributed import world
@@ -146,9 +153,9 @@ def train(config, *, launch_command: list[str]) -> int:
         result = trainer.train()
     except KeyboardInterrupt:  # before training started (loading) or a second Ctrl-C: nothing to resume
         print("poros train: interrupted; nothing was saved.", file=sys.stderr)
-        return 130
+        return 130, False
     if result.interrupted:
-        return 130  # the trainer wrote checkpoint-{step} and printed how to resume
+        return 130, True  # the ranks agreed to stop; the trainer wrote checkpoint-{step} and said how to resume
     # A signal during the final save (a preemption's SIGTERM) waits for the save: with save_steps 0
     # the adapter is the only copy of the run.
     with StopRequest() as stop:
@@ -158,8 +165,8 @@ def train(config, *, launch_command: list[str]) -> int:
     if stop.signal_name is not None:
         print(f"poros train: {stop.signal_name} arrived during the final save; the adapter was saved first.",
               file=sys.stderr)
-        return 130
-    return 0
+        return 130, True
+    return 0, True
 
 
 def loading_instructions(model: str, output_dir: Any) -> str:

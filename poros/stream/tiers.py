@@ -158,21 +158,15 @@ def _source_for(source: BlockFile | None, layouts: dict, spill_dir: Path | None,
 
 
 def _register_for_dma(mapping: torch.Tensor) -> bool:
-    """``cudaHostRegister`` the mapping read-only (page-locked for DMA, still the page cache's pages, so
-    other processes share them). Where the device refuses read-only registration, register it
-    writable (the pages become this process's own copies) and say so."""
+    """``cudaHostRegister`` the shared read-only mapping read-only (page-locked for DMA, still the page
+    cache's pages, so other processes share them). Where the device refuses, say so: copies then run
+    from pageable memory (the same bytes, slower)."""
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(mapping.data_ptr(), mapping.numel(), CUDA_HOST_REGISTER_READ_ONLY)
     if int(error) == 0:
         return True
-    error = cudart.cudaHostRegister(mapping.data_ptr(), mapping.numel(), 0)
-    if int(error) == 0:
-        warnings.warn("poros: the device refused a read-only cudaHostRegister of the mapped block file; it is "
-                      "registered writable, so this process holds its own copy of the pages (not shared).",
-                      stacklevel=3)
-        return True
-    warnings.warn(f"poros: cudaHostRegister of the mapped block file failed ({error}); copies run from pageable "
-                  "memory (slower, same bytes).", stacklevel=3)
+    warnings.warn(f"poros: the device refused to register the mapped block file read-only ({error}); copies run "
+                  "from pageable memory (slower, same bytes). The pinned host tier avoids it.", stacklevel=3)
     return False
 
 
