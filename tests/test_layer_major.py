@@ -32,14 +32,18 @@ def with_item_counts(micro_batches: list[dict]) -> list[dict]:
     return [{**mb, "num_items_in_batch": torch.tensor(items)} for mb in micro_batches]
 
 
-def resident_steps(model, steps: list[list[dict]]):
-    optimizer = torch.optim.AdamW(list(trainable(model).values()), lr=1e-2)
+def resident_steps(model, steps: list[list[dict]], *, max_grad_norm: float | None = None, **options):
+    """The resident reference: micro-major accumulation, optional clipping, AdamW (lr 1e-2 unless ``options``)."""
+    parameters = list(trainable(model).values())
+    optimizer = torch.optim.AdamW(parameters, **{"lr": 1e-2, **options})
     losses = []
     for micro_batches in steps:
         for mb in micro_batches:
             loss = model(**mb, use_cache=False).loss
             loss.backward()
             losses.append(loss.detach())
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses, optimizer

@@ -23,29 +23,13 @@ from poros.stream import lora_placement
 from poros.stream.host_optimizer import HostAdamW, adamw
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_host_optimizer import FAMILIES, FLAGS, assert_same
-from test_layer_major import CASES, setups, with_item_counts
+from test_layer_major import CASES, resident_steps, setups, with_item_counts
 from test_parity import make_batch, trainable
 
 
 def steps_of(seed, steps=2, accumulation=2):
     return [with_item_counts([make_batch(seed + 10 * s + m, 2, 12, "left") for m in range(accumulation)])
             for s in range(steps)]
-
-
-def resident_run(model, steps, *, max_grad_norm=0.5, **options):
-    parameters = list(trainable(model).values())
-    optimizer = torch.optim.AdamW(parameters, **{"lr": 1e-2, **options})
-    losses = []
-    for micro_batches in steps:
-        for batch in micro_batches:
-            loss = model(**batch, use_cache=False).loss
-            loss.backward()
-            losses.append(loss.detach())
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return losses, optimizer
 
 
 def placed_run(streamed, steps, *, max_grad_norm=0.5, chunk_bytes=4096, between=None, **options):
@@ -80,7 +64,7 @@ def test_lora_on_the_host_is_bitwise_resident_with_clipping_and_accumulation(fam
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5)
     steps = steps_of(5)
     reference = load_qlora(checkpoint, seed=5)
-    ref_losses, ref_opt = resident_run(reference, steps)
+    ref_losses, ref_opt = resident_steps(reference, steps, max_grad_norm=0.5)
 
     model = load_qlora(checkpoint, seed=5)
     streamed = poros.prepare(model, lora_placement="host")
@@ -111,7 +95,7 @@ def test_drawn_setups_of_every_variant_are_bitwise(family, variant):
                                                  setup["padding"]) for m in range(setup["micro_batches"])])
                      for s in range(setup["steps"])]
             reference = load_qlora(path, **lora)
-            ref_losses, ref_opt = resident_run(reference, steps, max_grad_norm=max_grad_norm)
+            ref_losses, ref_opt = resident_steps(reference, steps, max_grad_norm=max_grad_norm)
             model = load_qlora(path, **lora)
             streamed = poros.prepare(model, lora_placement="host", boundary_states=boundary)
             losses, opt = placed_run(streamed, steps, max_grad_norm=max_grad_norm, between=assert_at_home)
@@ -162,7 +146,7 @@ def test_resident_blocks_keep_their_adapters_on_the_device_and_unpatch_restores(
     model = load_qlora(qwen3, seed=9)
     reference = load_qlora(qwen3, seed=9)
     steps = steps_of(6)
-    ref_losses, ref_opt = resident_run(reference, steps)
+    ref_losses, ref_opt = resident_steps(reference, steps, max_grad_norm=0.5)
     streamed = poros.prepare(model, lora_placement="host", resident_blocks=1)
     placement = streamed.lora_placement
     assert sorted(placement.parameters) == [0, 1]  # block 2 is resident: its adapters stay where they are
@@ -181,7 +165,7 @@ def test_resident_blocks_keep_their_adapters_on_the_device_and_unpatch_restores(
 def test_drawn_optimizer_settings_are_bitwise(qwen3, hyper, kernels, chunk_bytes, max_grad_norm, accumulation):
     steps = steps_of(7, steps=2, accumulation=accumulation)
     reference = load_qlora(qwen3, seed=9)
-    ref_losses, ref_opt = resident_run(reference, steps, max_grad_norm=max_grad_norm, **hyper, **kernels)
+    ref_losses, ref_opt = resident_steps(reference, steps, max_grad_norm=max_grad_norm, **hyper, **kernels)
     model = load_qlora(qwen3, seed=9)
     streamed = poros.prepare(model, lora_placement="host")
     losses, opt = placed_run(streamed, steps, max_grad_norm=max_grad_norm, chunk_bytes=chunk_bytes,
@@ -379,7 +363,7 @@ def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applie
     assert kept.budget_plan.lora_placement == "device" and kept.lora_placement is None
     steps = steps_of(2)
     reference = load_qlora(checkpoint, seed=1)
-    ref_losses, ref_opt = resident_run(reference, steps)
+    ref_losses, ref_opt = resident_steps(reference, steps, max_grad_norm=0.5)
     losses, opt = placed_run(streamed, steps, between=assert_at_home)
     assert_same(reference, ref_opt, streamed, opt, ref_losses, losses)
 
