@@ -9,10 +9,15 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 2. ``start_cold_s``: the same through the cache, which also writes the entry;
 3. ``start_cached_s``: the same again: the entry is mapped, no block weight is read or quantized.
    The checkpoint's and the entry's pages are dropped from the page cache (``posix_fadvise``)
-   before each start, so every start reads from the drive;
+   before each of these starts, so every start reads from the drive;
+   ``cached_warm``: once more without dropping them (a restart right after a run: the pages are
+   still in the page cache, as for a new learning rate or a resumed run);
 4. per host tier (``pinned``, ``mapped``, ``disk`` with ``--host-budget-gib`` of ring), the median
    step time of layer-major accumulation (``--grad-accum`` micro-batches of ``--seq`` tokens), the
-   host bytes the tier holds, and for ``disk`` the read rate while reading and over the step;
+   host bytes the tier holds, whether torch sees the tier's copy source as pinned, and for ``disk``
+   the read rate while reading and over the step. ``--rounds N`` runs the tiers in turn N times
+   (pinned, mapped, disk, pinned, ...), so that the order in the process is not mistaken for a tier's
+   cost; the median is over every timed step of every round;
 5. the drive's sequential read rate (``poros.host_tiers.measure_disk_read``, O_DIRECT where possible).
 
 Targets (issue 14): cached start >= 10x faster than quantizing; ``mapped`` within 3 % of ``pinned``;
@@ -53,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--host-budget-gib", type=float, default=None,
                         help="host budget of the disk tier (default: 3 blocks' ring, well below the model)")
     parser.add_argument("--tiers", default=",".join(TIERS))
+    parser.add_argument("--rounds", type=int, default=1, help="run the tiers in turn this many times")
     parser.add_argument("--dir", default=None, help="where the checkpoint and the cache go (default: a temp dir, "
                                                     "removed at the end)")
     parser.add_argument("--device", default="cuda")
@@ -167,6 +173,37 @@ def forget(root: Path) -> None:
         torch.cuda.empty_cache()
 
 
+def run_tier(tier, checkpoint, config, device, args, root, entry, micro_batches, drive) -> dict:
+    """One run of ``tier``: start from the cache, ``warmup + steps`` steps; the row of the report."""
+    from poros import cache
+
+    budget = None
+    if tier == "disk":
+        largest = max(b["nbytes"] for b in cache.read_manifest(root / entry.name)["blocks"])
+        budget = int(args.host_budget_gib * 2**30) if args.host_budget_gib else 3 * largest
+    streamed, optimizer, _ = start(checkpoint, config, device, args, cache_dir=root, tier=tier, host_budget=budget)
+    times = [step(streamed, optimizer, micro_batches, device) for _ in range(args.warmup + args.steps)]
+    store = streamed.store
+    sources = [b.buffer for b in store.blocks if not b.resident and b.buffer is not None]
+    row = {"step_s": statistics.median(times[args.warmup:]), "steps_s": times, "timed_s": times[args.warmup:],
+           "host_budget_bytes": budget, "host_plan": streamed.host_plan.to_dict(),
+           "h2d_bytes_per_step": store.stats.bytes_copied / len(times),
+           # torch copies non_blocking only from memory it sees as page-locked (else the copy blocks)
+           "source_pinned": bool(sources[0].is_pinned()) if sources and device.type == "cuda" else None}
+    disk = getattr(store.host_tier, "stats", None)
+    if disk is not None:
+        row["disk"] = dict(disk)
+        row["disk"]["gb_per_s_while_reading"] = (disk["bytes_read"] / disk["read_seconds"] / 1e9
+                                                 if disk["read_seconds"] else None)
+        row["disk"]["gb_per_s_over_steps"] = disk["bytes_read"] / sum(times) / 1e9
+        rate = drive["gb_per_s"]
+        row["disk"]["fraction_of_drive"] = (row["disk"]["gb_per_s_while_reading"] / rate
+                                            if rate and row["disk"]["gb_per_s_while_reading"] else None)
+    close_tier(streamed)
+    del streamed, optimizer, store, sources
+    return row
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import faulthandler
@@ -202,8 +239,9 @@ def main(argv=None) -> int:
         report["drive"] = measure_disk_read(work)
         progress(f"drive read rate measured ({report['drive'].get('gb_per_s')} GB/s)")
         starts = {}
-        for name, cache_dir in (("nocache", None), ("cold", root), ("cached", root)):
-            drop_from_page_cache(checkpoint, *([root] if root.exists() else []))
+        for name, cache_dir in (("nocache", None), ("cold", root), ("cached", root), ("cached_warm", root)):
+            if name != "cached_warm":
+                drop_from_page_cache(checkpoint, *([root] if root.exists() else []))
             began = time.perf_counter()
             streamed, optimizer, load_seconds = start(checkpoint, config, device, args, cache_dir=cache_dir)
             first = step(streamed, optimizer, micro_batches, device)
@@ -215,36 +253,26 @@ def main(argv=None) -> int:
             progress(f"start {name}: {starts[name]['to_first_step_s']:.1f} s to the first step")
         report["start"] = starts
         report["cached_start_speedup"] = starts["nocache"]["to_first_step_s"] / starts["cached"]["to_first_step_s"]
+        report["cached_warm_start_speedup"] = (starts["nocache"]["to_first_step_s"]
+                                               / starts["cached_warm"]["to_first_step_s"])
         [entry] = cache.list_entries(root)
         report["entry_bytes"] = entry.size
-        tiers = {}
-        for tier in args.tiers.split(","):
-            budget = None
-            if tier == "disk":
-                largest = max(b["nbytes"] for b in cache.read_manifest(root / entry.name)["blocks"])
-                budget = int(args.host_budget_gib * 2**30) if args.host_budget_gib else 3 * largest
-            streamed, optimizer, _ = start(checkpoint, config, device, args, cache_dir=root, tier=tier,
-                                           host_budget=budget)
-            times = [step(streamed, optimizer, micro_batches, device) for _ in range(args.warmup + args.steps)]
-            store = streamed.store
-            row = {"step_s": statistics.median(times[args.warmup:]), "steps_s": times,
-                   "host_budget_bytes": budget, "host_plan": streamed.host_plan.to_dict(),
-                   "h2d_bytes_per_step": store.stats.bytes_copied / len(times)}
-            disk = getattr(store.host_tier, "stats", None)
-            if disk is not None:
-                row["disk"] = dict(disk)
-                row["disk"]["gb_per_s_while_reading"] = (disk["bytes_read"] / disk["read_seconds"] / 1e9
-                                                         if disk["read_seconds"] else None)
-                row["disk"]["gb_per_s_over_steps"] = disk["bytes_read"] / sum(times) / 1e9
-                drive = report["drive"]["gb_per_s"]
-                row["disk"]["fraction_of_drive"] = (row["disk"]["gb_per_s_while_reading"] / drive
-                                                    if drive and row["disk"]["gb_per_s_while_reading"] else None)
-            tiers[tier] = row
-            close_tier(streamed)
-            del streamed, optimizer, store
-            forget(root)
-            report["tiers"] = tiers
-            progress(f"tier {tier}: {row['step_s']:.3f} s/step")
+        tiers: dict[str, dict] = {}
+        for round_index in range(args.rounds):
+            for tier in args.tiers.split(","):
+                row = run_tier(tier, checkpoint, config, device, args, root, entry, micro_batches, report["drive"])
+                if tier in tiers:  # a later round: its steps join the earlier ones
+                    tiers[tier]["rounds"].append(row["step_s"])
+                    tiers[tier]["steps_s"] += row["steps_s"]
+                    tiers[tier]["timed_s"] += row["timed_s"]
+                    tiers[tier]["step_s"] = statistics.median(tiers[tier]["timed_s"])
+                    if "disk" in row:
+                        tiers[tier].setdefault("disk_rounds", []).append(row["disk"])
+                else:
+                    tiers[tier] = {**row, "rounds": [row["step_s"]]}
+                forget(root)
+                report["tiers"] = tiers
+                progress(f"round {round_index + 1} tier {tier}: {row['step_s']:.3f} s/step")
         if "pinned" in tiers:
             for tier, row in tiers.items():
                 row["vs_pinned"] = row["step_s"] / tiers["pinned"]["step_s"]
