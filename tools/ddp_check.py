@@ -164,6 +164,15 @@ def scale_worker(args) -> int:
         torch.cuda.set_device(device)
     here = distributed.init_process_group(device, backend=args.backend)
     config, info = bench.model_config(args.scale, layers=args.layers)
+    # The process's own footprint before any weight: the libraries imported, the device context made.
+    # Node host RAM above these baselines is what the model costs the node (one host copy, or N).
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    torch.ones(1, device=device).sum().item()
+    dist.barrier()
+    host_baseline = host_memory()
     with distributed.shared_host_copy():  # local rank 0 first: with --cache it builds the entry the others map
         if args.checkpoint:
             from poros.load import adapters_to_device, load_pretrained
@@ -204,7 +213,7 @@ def scale_worker(args) -> int:
         "stream_h2d_gb_per_s": round(statistics.median(copied) / median / 1e9, 2),
         "peak_allocated_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 3) if device.type == "cuda" else None,
         "host_tier": streamed.host_plan.tier, "host_reason": streamed.host_plan.reason,
-        "host_after_load": host_after_load, "host_end": host_memory(),
+        "host_baseline": host_baseline, "host_after_load": host_after_load, "host_end": host_memory(),
         **copy_rates(device, here.size, here.rank),
     }
     gathered: list[Any] = [None] * here.size
@@ -216,6 +225,8 @@ def scale_worker(args) -> int:
             "tokens_per_s_total": round(sum(r["tokens_per_s"] for r in gathered), 1),
             "host_rss_node_gb": round(sum(r["host_end"]["rss_gb"] or 0 for r in gathered), 3),
             "host_pss_node_gb": round(sum(r["host_end"]["pss_gb"] or 0 for r in gathered), 3),
+            "host_pss_node_above_baseline_gb": round(sum((r["host_end"]["pss_gb"] or 0) - (r["host_baseline"]["pss_gb"] or 0)
+                                                         for r in gathered), 3),
         }, indent=1))
     distributed.leave_process_group()  # drains gloo's workers first (see there)
     return 0
@@ -264,7 +275,11 @@ def _scale_runs(args, cached: dict[str, Any]) -> dict[str, Any]:
                    "host_rss_ratio": round(many["host_rss_node_gb"] / one["host_rss_node_gb"], 3)
                    if one.get("host_rss_node_gb") else None,
                    "host_pss_ratio": round(many["host_pss_node_gb"] / one["host_pss_node_gb"], 3)
-                   if one.get("host_pss_node_gb") else None}
+                   if one.get("host_pss_node_gb") else None,
+                   # the target's measure: what the model costs the node above the processes' own baselines
+                   "host_pss_above_baseline_ratio": round(many["host_pss_node_above_baseline_gb"]
+                                                          / one["host_pss_node_above_baseline_gb"], 3)
+                   if one.get("host_pss_node_above_baseline_gb") else None}
     return {"shape": args.scale, "share_device": args.share_device, "backend": args.backend, "runs": runs,
             "cache": bool(cached), "host_tier_requested": args.host_tier,
             "checkpoint_bytes": cached.get("checkpoint_bytes"), "summary": summary}
