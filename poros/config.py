@@ -178,9 +178,8 @@ class PorosConfig:
                                    "one copy per process), 'mapped' (the NF4 block cache file mapped and registered "
                                    "for DMA: one copy per node in the page cache), 'disk' (read from the cache file "
                                    "into a small pinned ring ahead of use, for host RAM smaller than the model); "
-                                   "null: pinned, mapped when several ranks of a node load through the cache (on "
-                                   "the CPU; on CUDA only when asked for: it hung on the H200), or what host_budget "
-                                   "needs (docs/cache-and-host-memory.md).",
+                                   "null: pinned, mapped when several ranks of a node load through the cache, or "
+                                   "what host_budget needs (docs/cache-and-host-memory.md).",
                                    choices=(None, "pinned", "mapped", "disk"))
     host_budget: str | None = _field(None, "Host RAM the blocks may use, e.g. '24GiB': the planner keeps them "
                                      "pinned when they fit and streams them from disk through a ring of read_ahead "

@@ -68,16 +68,14 @@ def size(nbytes: float) -> str:
 
 
 def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, requested: str | None = None,
-                     read_ahead: int | None = None, ranks_per_node: int = 1, shared_file: bool = False,
-                     on_cuda: bool = False) -> HostPlan:
+                     read_ahead: int | None = None, ranks_per_node: int = 1, shared_file: bool = False) -> HostPlan:
     """Pick the host tier and the disk tier's read-ahead depth for the streamed blocks' ``block_bytes``.
 
     ``requested`` (a tier name) is taken as given; otherwise ``disk`` when a budget is set and below the
     streamed blocks, with as many ring buffers as the budget holds (``read_ahead`` at most, default
     :data:`DEFAULT_READ_AHEAD`; at least 2); else ``mapped`` when ``ranks_per_node`` > 1 processes of the
     node stream the model and ``shared_file`` (their blocks are views of one NF4 block cache entry, which
-    the page cache then holds once for all of them) — but not ``on_cuda``, where the mapped tier hung on
-    the H200 and is taken only when asked for; else ``pinned`` (with several ranks and no shared file,
+    the page cache then holds once for all of them); else ``pinned`` (with several ranks and no shared file,
     each rank holds its own copy, and the reason says so).
 
     Raises:
@@ -102,7 +100,7 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
                f"the streamed blocks ({size(total)}) exceed the host budget ({size(host_budget)})")
         return HostPlan("disk", depth, depth * largest, total, f"disk tier, {depth} ring buffers: {why}",
                         ranks_per_node)
-    shared = requested is None and ranks_per_node > 1 and shared_file and not on_cuda
+    shared = requested is None and ranks_per_node > 1 and shared_file
     if requested == "mapped" or shared:
         why = (f"{ranks_per_node} ranks on this node map the one NF4 block cache entry local rank 0 built"
                if shared else "asked for")
@@ -113,9 +111,7 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
     if ranks_per_node > 1:
         why += (f"; each of the node's {ranks_per_node} ranks holds its own copy ({size(total)} each, "
                 f"{size(total * ranks_per_node)} per node)" + (
-                    "" if requested else ": no block cache entry to share (--no-cache)" if not shared_file else
-                    ": the shared mapped tier is not the default on CUDA yet (it hung on the H200, "
-                    "docs/limitations.md); host_tier: mapped asks for it" if on_cuda else ""))
+                    "" if requested else ": no block cache entry to share (--no-cache)"))
     return HostPlan("pinned", 0, total, total, f"pinned tier: {why}", ranks_per_node)
 
 

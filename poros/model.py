@@ -424,8 +424,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             or ``"disk"`` (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block
             cache is served from its entry; any other model is first written to a spill file. Unset,
             with several ranks on the node (``LOCAL_WORLD_SIZE`` > 1) and a model loaded through the
-            cache: ``"mapped"``, so the node's ranks share the one entry's pages — on the CPU; on
-            CUDA the mapped tier is taken only when asked for (it hung on the H200, docs/limitations.md).
+            cache: ``"mapped"``, so the node's ranks share the one entry's pages.
         host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
             planner (``poros.host_tiers.choose_host_tier``) keeps them pinned when they fit and
             streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
@@ -561,8 +560,7 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
     block_file = getattr(causal_lm, "poros_block_file", None)  # the NF4 block cache entry the blocks view
     # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy)
     plan = choose_host_tier(streamed, budget, requested=host_tier, read_ahead=read_ahead,
-                            ranks_per_node=world().local_size, shared_file=block_file is not None,
-                            on_cuda=compute_device(causal_lm).type == "cuda")
+                            ranks_per_node=world().local_size, shared_file=block_file is not None)
     if host_tier is not None or budget is not None or plan.ranks_per_node > 1:
         logger.info("poros: %s", plan.reason)
     tier = make_host_tier(plan.tier, block_file,

@@ -125,6 +125,24 @@ def child(path: str, kind: str, flags: int, how: str = "plain") -> dict:
     return out
 
 
+def _environment() -> dict:
+    """Device, torch, date and commit, without initializing CUDA in this process (the cases do, each in a child)."""
+    import datetime
+    import shutil
+
+    import torch
+
+    from tools.bench import git_commit
+
+    device = None
+    if shutil.which("nvidia-smi"):
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+        device = done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+    return {"device": device, "torch_build": torch.__version__, "cuda": torch.version.cuda,
+            "date": datetime.date.today().isoformat(), "commit": git_commit()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=512)
@@ -137,7 +155,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]), args.child[3])))
         return 0
     directory = args.dir or os.environ.get("TMPDIR", "/tmp")
-    report = {"tool": "host_register_probe", "mib": args.mib, "dir": directory,
+    report = {"tool": "host_register_probe", "environment": _environment(), "mib": args.mib, "dir": directory,
               "filesystem": _filesystem(directory), "cases": {}}
     with tempfile.NamedTemporaryFile(dir=directory, suffix=".bin") as handle:
         chunk = os.urandom(1 << 20)

@@ -100,7 +100,7 @@ def parse_block_ms(text: str) -> tuple[float, float]:
     return values[0] / 1000, values[1] / 1000
 
 
-def host_tier_plan(config, block_bytes, resident_blocks, ranks_per_node: int = 1, on_cuda: bool = False):
+def host_tier_plan(config, block_bytes, resident_blocks, ranks_per_node: int = 1):
     """The host tier for ``--host-tier`` / ``--host-budget`` and the node's ranks (``poros.host_tiers``; torch-free):
     the tier the run will take, ``mapped`` when several ranks load through the block cache."""
     from poros.config import parse_budget
@@ -109,7 +109,7 @@ def host_tier_plan(config, block_bytes, resident_blocks, ranks_per_node: int = 1
     budget = parse_budget(config.host_budget, "host_budget") if config.host_budget is not None else None
     streamed = [n for i, n in enumerate(block_bytes) if i not in set(resident_blocks)]
     return choose_host_tier(streamed, budget, requested=config.host_tier, read_ahead=config.read_ahead,
-                            ranks_per_node=ranks_per_node, shared_file=not config.no_cache, on_cuda=on_cuda)
+                            ranks_per_node=ranks_per_node, shared_file=not config.no_cache)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
         link_bytes_per_s=link, context_bytes=context,
         optimizer_states=config.optimizer_states, lora_placement=config.lora_placement)
-    host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks, ranks, on_cuda)
+    host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks, ranks)
     node = node_host_ram(plan.footprint(), host, on_host)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
