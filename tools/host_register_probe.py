@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Can this host page-lock a mapped block file for DMA, and how fast? (the mapped tier's question)
 
-The mapped host tier (``poros/stream/tiers.py``) maps the NF4 block cache entry copy-on-write and
-``cudaHostRegister``-s the mapping read-only. On the H200 host a run with the mapped tier stopped
-answering; this probe takes the steps one at a time, each in a child process with its own time
-limit, so a step that hangs is named instead of eating the run:
+The mapped host tier (``poros/stream/tiers.py``) once streamed from a copy-on-write mapping of the NF4
+block cache entry, and on the H200 host a run with it stopped answering. This probe takes the steps
+one at a time, each in a child process with its own time limit, so a step that hangs is named
+instead of eating the run. Its answer on the H200 (2026-12-01, commit 6183630,
+``registry/results/h200-2026-12-01/host-register.json``): the tier's sequence hung with the
+copy-on-write mapping and its pages dropped, and ran with the shared read-only mapping the tier uses
+since 3c9fe55 (registered in 0.04-0.58 s per GiB, copied at 53 GB/s). The cases:
 
 1. write a ``--mib`` file, map it as ``BlockFile.mapping`` does (MAP_PRIVATE, read/write);
 2. ``cudaHostRegister`` read-only, then (new child) with flags 0, then (new child) a MAP_SHARED
