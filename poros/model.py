@@ -394,7 +394,9 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             budget cannot hold them.
         embeddings_on_host: keep frozen embedding tables that are not tied to the head (the input
             embedding, Gemma 4's per-layer table) in host memory and look tokens up there; only the
-            looked-up rows cross the link. Default: on when the compute device is CUDA.
+            looked-up rows cross the link. Default: on when the compute device is CUDA. With several
+            ranks on the node and a model loaded through the NF4 block cache, the ranks map one copy
+            of each table (a file beside the cache entry) instead of each holding its own.
         require: ``"bitwise"`` or ``"numerical"``: raise :class:`~poros.errors.GuaranteeError` if the
             label that applies is weaker.
         resident_blocks: blocks kept on the device for good instead of streamed: an int N for the
@@ -519,6 +521,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     store = BlockStore(layers, device, num_slots=num_slots, resident=resident, host_tier=tier)
     host_tables = [HostEmbedding(table, device) for table in host_embedding_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
+    _share_host_tables(causal_lm, host_tables)
     ddp_ignored = getattr(model, DDP_IGNORE_ATTRIBUTE, None)  # restored by unpatch
     if host_tables:  # frozen tables on the host: out of DDP's sight (see host_parameter_names)
         setattr(model, DDP_IGNORE_ATTRIBUTE, sorted({*(ddp_ignored or ()),
@@ -543,6 +546,25 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     return prepared
+
+
+def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -> None:
+    """With several ranks on the node and the model loaded through the NF4 block cache, each host-kept
+    embedding table becomes a copy-on-write mapping of one file beside the cache entry, so the node holds
+    it once, as it holds the blocks once (``poros.stream.tiers.share_host_table``; the values are the
+    same bytes, checked). One process, or no cache: each table stays this process's own copy."""
+    from poros.stream.tiers import share_host_table
+
+    block_file = getattr(causal_lm, "poros_block_file", None)
+    if not host_tables or block_file is None or world().local_size < 2:
+        return
+    names = {id(module): name for name, module in causal_lm.named_modules()}
+    for table in host_tables:
+        for name, parameter in table.module.named_parameters(recurse=False):
+            label = f"{names.get(id(table.module), 'table')}.{name}".replace("/", "_")
+            shared = share_host_table(parameter.data, block_file.path.parent / f"host-table-{label}.bin")
+            if shared is not None:
+                parameter.data = shared
 
 
 def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable[int], host_tier: str | None,

@@ -254,6 +254,34 @@ def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
         assert pss <= rss // 2 + 8, f"Rss {rss} kB, Pss {pss} kB: the pages are not shared"
 
 
+def test_a_shared_host_table_is_the_same_bytes_and_copy_on_write(tmp_path):
+    """share_host_table (the node's ranks' embedding tables): the first call writes the file, a second maps
+    the same one; the values are the table's bit for bit; a write reaches neither the file nor the other
+    mapping; a file of other bytes or another size is never used (a warning, the caller keeps its copy)
+    and a damaged one is removed for the next run to write again."""
+    from poros.stream.tiers import share_host_table
+
+    table = torch.randn(300, 24, dtype=torch.bfloat16)
+    path = tmp_path / "host-table-embed_tokens.weight.bin"
+    first, second = share_host_table(table, path), share_host_table(table.clone(), path)
+    assert path.stat().st_size == table.numel() * table.element_size()
+    assert not list(tmp_path.glob(".*.tmp"))  # the aside copy is gone once linked
+    for shared in (first, second):
+        assert shared.dtype == table.dtype and shared.shape == table.shape
+        assert torch.equal(shared.view(torch.uint8), table.view(torch.uint8))
+    first[0].fill_(7)  # copy-on-write: this process's page only
+    assert torch.equal(second.view(torch.uint8), table.view(torch.uint8))
+    assert path.read_bytes() == table.view(torch.uint8).numpy().tobytes()
+    other = table.clone()
+    other[5, 5] += 1
+    with pytest.warns(UserWarning, match="stays a private copy"):
+        assert share_host_table(other, path) is None
+    assert not path.exists()  # removed: the next run writes it afresh
+    path.write_bytes(b"\0" * 64)
+    with pytest.warns(UserWarning, match="stays a private copy"):
+        assert share_host_table(table, path) is None
+
+
 # -- the disk tier and the host plan ---------------------------------------------------------------
 def test_disk_tier_reads_every_fetch_ahead_of_use_and_holds_only_its_ring(tmp_path):
     from poros.testing import load_qlora

@@ -148,18 +148,26 @@ from poros import PorosConfig, PorosTrainer
 from poros.distributed import leave_process_group
 from poros.testing import mapping_memory
 out, tier, cache_dir = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+# "auto": the chooser's tier, the embedding table on the host (shared by the node's ranks); "pinned": a pinned
+# copy of the blocks per rank and the table on the (CPU) device, each rank's own
 config = PorosConfig(steps=2, save_steps=2, batch_size=2, seq_len=32, logging_steps=1, output_dir=str(out / "run"),
-                     cache_dir=cache_dir, host_tier=None if tier == "auto" else tier)
+                     cache_dir=cache_dir, host_tier=None if tier == "auto" else tier,
+                     embeddings_on_host=tier == "auto")
 trainer = PorosTrainer.from_config(config)
 trainer.train()
 store = trainer.model.store
 entry = str(store.host_tier.file.path) if store.host_tier is not None else None
+tables = sorted(str(p) for p in pathlib.Path(entry).parent.glob("host-table-*.bin")) if entry else []
 dist.barrier()  # both ranks alive and mapped: each one's Pss counts the other's share
 rss, pss = mapping_memory("self", entry, mode="r--s") if entry else (0, 0)  # the tier's shared mapping
+table_rss, table_pss = mapping_memory("self", tables[0], mode="rw-p") if tables else (0, 0)  # copy-on-write
+weight = trainer.model.host_tables[0].module.weight if trainer.model.host_tables else None
 dist.barrier()
 rank = dist.get_rank()
 (out / f"rank{rank}.json").write_text(json.dumps({"tier": trainer.model.host_plan.tier, "entry": entry,
-    "ranks_per_node": trainer.model.host_plan.ranks_per_node, "rss_kb": rss, "pss_kb": pss}))
+    "ranks_per_node": trainer.model.host_plan.ranks_per_node, "rss_kb": rss, "pss_kb": pss, "tables": tables,
+    "table_rss_kb": table_rss, "table_pss_kb": table_pss,
+    "table_bytes": weight.numel() * weight.element_size() if weight is not None else 0}))
 del trainer, store
 leave_process_group()  # every rank, at the end of the script (docs/multi-gpu.md, "Exit")
 """
@@ -167,8 +175,9 @@ leave_process_group()  # every rank, at the end of the script (docs/multi-gpu.md
 
 def test_ranks_of_a_node_share_the_cache_entry_local_rank_0_built(child_env, tmp_path):
     """Two ranks of one node with the block cache on take the mapped tier of the one entry: the entry's pages
-    are resident in both and counted once between them (Pss), and the adapter is byte-equal to the same
-    two-rank run with a pinned copy per rank."""
+    are resident in both and counted once between them (Pss); so are the pages of the embedding table kept
+    on the host (one file beside the entry, mapped copy-on-write); and the adapter is byte-equal to the same
+    two-rank run with a pinned copy of the blocks per rank and the table in each rank's own memory."""
     script, cache_dir = tmp_path / "rank.py", tmp_path / "cache"
     script.write_text(SHARED_HOST_COPY_RANK)
     reports, adapters = {}, {}
@@ -187,7 +196,14 @@ def test_ranks_of_a_node_share_the_cache_entry_local_rank_0_built(child_env, tmp
     size_kb = pathlib.Path(shared[0]["entry"]).stat().st_size // 1024
     assert rss[0] == rss[1] >= size_kb, (rss, size_kb)  # every page of the entry is resident in both ranks
     assert sum(pss) <= max(rss) + 8, f"Rss {rss} kB, Pss {pss} kB: each rank holds its own copy of the pages"
-    assert adapters["auto"] == adapters["pinned"]  # the shared copy changes no bit
+    # the host embedding table: one file beside the entry, mapped by both ranks, its pages counted once
+    assert shared[0]["tables"] == shared[1]["tables"] and len(shared[0]["tables"]) == 1
+    assert pinned[0]["tables"] == [] or pinned[0]["tables"] == shared[0]["tables"]  # pinned arm: none of its own
+    table_kb = shared[0]["table_bytes"] // 1024
+    table_rss, table_pss = [r["table_rss_kb"] for r in shared], [r["table_pss_kb"] for r in shared]
+    assert min(table_rss) >= table_kb > 0, (table_rss, table_kb)  # resident in both, as the mapping
+    assert sum(table_pss) <= max(table_rss) + 8, f"table Rss {table_rss} kB, Pss {table_pss} kB: not shared"
+    assert adapters["auto"] == adapters["pinned"]  # the shared copies change no bit
 
 
 def test_plan_per_gpu_and_host_ram_per_node(capsys):

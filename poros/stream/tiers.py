@@ -17,6 +17,10 @@ the store for block i and waits):
   ``O_DIRECT`` where the file system and the buffer allow it, large sequential reads otherwise. A
   read that guessed wrong only costs a wait: the store asks for block i and gets block i.
 
+The node's ranks also share the frozen embedding tables Poros keeps on the host
+(:func:`share_host_table`): a file beside the cache entry holds each table's bytes, and every rank's
+table is a copy-on-write mapping of it, the page cache's pages until something writes.
+
 Either tier takes the file it is given (the NF4 block cache entry of ``poros.cache``, when the
 model's block tensors are views of it) or, for a model loaded any other way, writes a *spill* file
 of the packed blocks into a directory and unlinks it at once (it lives as long as it is open).
@@ -403,6 +407,46 @@ def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: in
     raise StreamingError(f"host tier {name!r}: expected 'pinned', 'mapped' or 'disk'.")
 
 
+def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
+    """``tensor``'s values as a copy-on-write mapping of the file ``path`` — the same page-cache pages in
+    every process that maps it, until one writes — or None (the caller keeps ``tensor``) with a warning
+    when that cannot be had. The first process to get here writes the file aside and links it into
+    place (a name that exists is whole: a second writer's link fails and it maps the first's); every
+    process checks the mapped bytes against its own ``tensor`` before using them, so a stale or damaged
+    file is replaced on the next run and never used."""
+    data = tensor.detach().contiguous()
+    raw = data.view(torch.uint8).reshape(-1) if data.numel() else None
+    if raw is None or data.device.type != "cpu":
+        return None
+    path = Path(path)
+    try:
+        if not path.exists():
+            aside = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                with open(aside, "wb") as handle:
+                    handle.write(memoryview(raw.numpy()))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.link(aside, path)
+            except FileExistsError:
+                pass  # another rank linked its copy first: map that one
+            finally:
+                aside.unlink(missing_ok=True)
+        with open(path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size != raw.numel():
+                raise OSError(f"{path} holds {os.fstat(handle.fileno()).st_size} bytes, the table {raw.numel()}")
+            mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = torch.frombuffer(mapped, dtype=torch.uint8)
+        if not torch.equal(view, raw):
+            path.unlink(missing_ok=True)  # the next run writes it again
+            raise OSError(f"{path} does not hold this table's bytes")
+    except OSError as error:
+        warnings.warn(f"poros: the host embedding table stays a private copy in this process ({error}).",
+                      stacklevel=2)
+        return None
+    return view.view(data.dtype).view(data.shape)
+
+
 def checksum_file(file: BlockFile, *, workers: int = 4) -> list[int]:
     """crc32 of each block's padded region, read with ``workers`` threads (zlib releases the GIL)."""
     def one(index: int) -> int:
@@ -422,4 +466,4 @@ def checksum_file(file: BlockFile, *, workers: int = 4) -> list[int]:
 
 
 __all__ = ["BlockFile", "DiskTier", "FILE_ALIGN", "MappedTier", "checksum_file", "make_host_tier", "padded", "release_mapping",
-           "write_block_file"]
+           "share_host_table", "write_block_file"]
