@@ -254,24 +254,31 @@ def test_two_processes_mapping_one_entry_share_its_pages(tiny_entry, child_env):
         assert pss <= rss // 2 + 8, f"Rss {rss} kB, Pss {pss} kB: the pages are not shared"
 
 
-def test_a_shared_host_table_is_the_same_bytes_and_copy_on_write(tmp_path):
-    """share_host_table (the node's ranks' embedding tables): the first call writes the file, a second maps
-    the same one; the values are the table's bit for bit; a write reaches neither the file nor the other
-    mapping; a file of other bytes or another size is never used (a warning, the caller keeps its copy)
-    and a damaged one is removed for the next run to write again."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_shared_host_table_is_the_same_bytes_and_copy_on_write(tmp_path, dtype):
+    """share_host_table (the node's ranks' embedding tables): the first call writes the file, read-only, and a
+    second maps the same one; the result is a mapping of that file holding the table's values bit for bit
+    (also from a non-contiguous table); a write reaches neither the file nor the other mapping; a file of
+    other bytes or another size is never used (a warning, the caller keeps its copy) and is removed for the
+    next run to write again; aside copies of a killed writer are swept."""
     from poros.stream.tiers import share_host_table
 
-    table = torch.randn(300, 24, dtype=torch.bfloat16)
+    table = torch.randn(24, 300).to(dtype).t()  # non-contiguous, as a transposed view would be
+    expected = table.contiguous().view(torch.uint8)
     path = tmp_path / "host-table-embed_tokens.weight.bin"
+    (tmp_path / f".{path.name}.4242.deadbeef.tmp").write_bytes(b"left by a killed writer")
     first, second = share_host_table(table, path), share_host_table(table.clone(), path)
     assert path.stat().st_size == table.numel() * table.element_size()
-    assert not list(tmp_path.glob(".*.tmp"))  # the aside copy is gone once linked
+    assert not path.stat().st_mode & 0o222  # read-only: nothing writes it in place
+    assert not list(tmp_path.glob(".*.tmp"))  # the aside copy is gone once linked, the stale one swept
     for shared in (first, second):
         assert shared.dtype == table.dtype and shared.shape == table.shape
-        assert torch.equal(shared.view(torch.uint8), table.view(torch.uint8))
+        assert torch.equal(shared.view(torch.uint8), expected)
+    if pathlib.Path("/proc/self/smaps").exists():
+        assert mapping_memory("self", path, mode="rw-p")[0] > 0  # the values are the file's mapped pages
     first[0].fill_(7)  # copy-on-write: this process's page only
-    assert torch.equal(second.view(torch.uint8), table.view(torch.uint8))
-    assert path.read_bytes() == table.view(torch.uint8).numpy().tobytes()
+    assert torch.equal(second.view(torch.uint8), expected)
+    assert path.read_bytes() == expected.numpy().tobytes()
     other = table.clone()
     other[5, 5] += 1
     with pytest.warns(UserWarning, match="stays a private copy"):
@@ -280,6 +287,8 @@ def test_a_shared_host_table_is_the_same_bytes_and_copy_on_write(tmp_path):
     path.write_bytes(b"\0" * 64)
     with pytest.warns(UserWarning, match="stays a private copy"):
         assert share_host_table(table, path) is None
+    assert not path.exists()  # another size: removed too
+    assert torch.equal(share_host_table(table, path).view(torch.uint8), expected)  # and written again
 
 
 # -- the disk tier and the host plan ---------------------------------------------------------------
@@ -371,6 +380,7 @@ def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_en
     assert set(report["tiers"]) == {"pinned", "mapped", "disk"}
     for row in report["tiers"].values():  # --rounds 2: each tier ran twice, its median over both rounds' steps
         assert len(row["rounds"]) == 2 and len(row["timed_s"]) == 2 and row["vs_pinned"] > 0
+    assert len(report["tiers"]["disk"]["disk_rounds"]) == 2  # each round's read statistics
     assert report["tiers"]["disk"]["host_plan"]["tier"] == "disk"
     disk = report["tiers"]["disk"]["disk"]
     assert disk["bytes_read"] > 0 and disk["gb_per_s_while_reading"] > 0 and report["drive"]["gb_per_s"] > 0

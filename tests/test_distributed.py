@@ -234,6 +234,25 @@ def test_plan_per_gpu_and_host_ram_per_node(capsys):
     assert "cannot be split over 3 ranks" in capsys.readouterr().err
 
 
+def test_node_host_ram_counts_shared_host_tables_once():
+    """poros plan's node host RAM: with the block cache on, the node's ranks map one copy of the host
+    embedding tables as of the blocks (mapped tier); with --no-cache each rank holds both its own."""
+    from types import SimpleNamespace
+
+    from poros.cli.plan import node_host_ram
+    from poros.host_tiers import choose_host_tier
+
+    footprint = SimpleNamespace(block_bytes=[100] * 10, host_embedding_bytes=50)
+    shared = node_host_ram(footprint, choose_host_tier(footprint.block_bytes, ranks_per_node=4, shared_file=True),
+                           True, shared_tables=True)
+    assert shared["host_bytes_per_node"] == shared["host_bytes_per_node_shared"] == 1050
+    private = node_host_ram(footprint, choose_host_tier(footprint.block_bytes, ranks_per_node=4, shared_file=False),
+                            True, shared_tables=False)
+    assert private["host_bytes_per_node"] == private["host_bytes_per_node_one_copy_per_rank"] == 4 * 1050
+    alone = node_host_ram(footprint, choose_host_tier(footprint.block_bytes, shared_file=True), True, shared_tables=True)
+    assert alone["host_bytes_per_node"] == 1050
+
+
 def test_host_tables_are_out_of_ddps_sight_and_unpatch_restores(tmp_path):
     """DDP refuses a module whose parameters sit on two device types (seen on the H200: with the embedding
     tables on the host, DDP(model) raised "input module parameters locate in {'cuda', 'cpu'}"). A prepared

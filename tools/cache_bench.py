@@ -10,8 +10,9 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 3. ``start_cached_s``: the same again: the entry is mapped, no block weight is read or quantized.
    The checkpoint's and the entry's pages are dropped from the page cache (``posix_fadvise``)
    before each of these starts, so every start reads from the drive;
-   ``cached_warm``: once more without dropping them (a restart right after a run: the pages are
-   still in the page cache, as for a new learning rate or a resumed run);
+   ``cached_warm``: once more without dropping them (the pages still in the page cache, as after a
+   run). Every start runs in this one process: the first (``nocache``) also pays the process's
+   one-time CUDA warm-up in its first step, and none pays a new process's imports and CUDA context;
 4. per host tier (``pinned``, ``mapped``, ``disk`` with ``--host-budget-gib`` of ring), the median
    step time of layer-major accumulation (``--grad-accum`` micro-batches of ``--seq`` tokens), the
    host bytes the tier holds, whether torch sees the tier's copy source as pinned, and for ``disk``
@@ -268,10 +269,10 @@ def main(argv=None) -> int:
                     tiers[tier]["steps_s"] += row["steps_s"]
                     tiers[tier]["timed_s"] += row["timed_s"]
                     tiers[tier]["step_s"] = statistics.median(tiers[tier]["timed_s"])
-                    if "disk" in row:
-                        tiers[tier].setdefault("disk_rounds", []).append(row["disk"])
-                else:
+                else:  # the first round's row; "disk", "h2d_bytes_per_step", "source_pinned" stay round 1's
                     tiers[tier] = {**row, "rounds": [row["step_s"]]}
+                if "disk" in row:  # every round's read statistics
+                    tiers[tier].setdefault("disk_rounds", []).append(row["disk"])
                 forget(root)
                 report["tiers"] = tiers
                 progress(f"round {round_index + 1} tier {tier}: {row['step_s']:.3f} s/step")

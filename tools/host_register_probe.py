@@ -139,9 +139,12 @@ def _environment() -> dict:
 
     device = None
     if shutil.which("nvidia-smi"):
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
-        device = done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+        try:
+            done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=30)
+            device = done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+        except (OSError, subprocess.TimeoutExpired):
+            device = None  # the cases still run; only the record lacks the name
     return {"device": device, "torch_build": torch.__version__, "cuda": torch.version.cuda,
             "date": datetime.date.today().isoformat(), "commit": git_commit()}
 

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         link_bytes_per_s=link, context_bytes=context,
         optimizer_states=config.optimizer_states, lora_placement=config.lora_placement)
     host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks, ranks)
-    node = node_host_ram(plan.footprint(), host, on_host)
+    node = node_host_ram(plan.footprint(), host, on_host, shared_tables=not config.no_cache)
     if args.json:
         print_json({"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
                     "device": plan.device, "link_source": link_source,
@@ -213,13 +213,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def node_host_ram(footprint, host, embeddings_on_host: bool) -> dict:
+def node_host_ram(footprint, host, embeddings_on_host: bool, *, shared_tables: bool = False) -> dict:
     """Host bytes of a node's frozen base: the host tier's blocks (once for ``mapped``, once per rank else)
-    and each rank's host embedding tables; beside them the two bounds, one copy per rank and one shared copy.
-    ``host_bytes_per_node`` is what the run will use."""
+    and the host embedding tables (once when ``shared_tables``: the node's ranks map one copy of each when
+    the model comes through the block cache; once per rank else); beside them the two bounds, one copy per
+    rank and one shared copy. ``host_bytes_per_node`` is what the run will use."""
     ranks = host.ranks_per_node
     one = sum(footprint.block_bytes) + (footprint.host_embedding_bytes if embeddings_on_host else 0)
     tables = footprint.host_embedding_bytes if embeddings_on_host else 0
     return {"ranks_per_node": ranks, "host_tier": host.tier, "host_bytes_one_rank": one,
-            "host_bytes_per_node": host.host_bytes_per_node + tables * ranks,
+            "host_bytes_per_node": host.host_bytes_per_node + (tables if shared_tables and ranks > 1 else tables * ranks),
             "host_bytes_per_node_one_copy_per_rank": one * ranks, "host_bytes_per_node_shared": one}

@@ -410,36 +410,42 @@ def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: in
 def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
     """``tensor``'s values as a copy-on-write mapping of the file ``path`` — the same page-cache pages in
     every process that maps it, until one writes — or None (the caller keeps ``tensor``) with a warning
-    when that cannot be had. The first process to get here writes the file aside and links it into
-    place (a name that exists is whole: a second writer's link fails and it maps the first's); every
-    process checks the mapped bytes against its own ``tensor`` before using them, so a stale or damaged
-    file is replaced on the next run and never used."""
+    when that cannot be had. Under a lock on ``<path>.lock`` the first process writes the file aside,
+    read-only, and links it into place (a name that exists is whole), and sweeps the aside copies of
+    processes killed while writing; the others wait, then map it. Every process checks the mapped bytes
+    against its own ``tensor`` before using them: a file of other bytes or size is removed (the next run
+    writes it again) and never used."""
+    import fcntl
+
     data = tensor.detach().contiguous()
-    raw = data.view(torch.uint8).reshape(-1) if data.numel() else None
-    if raw is None or data.device.type != "cpu":
+    if data.device.type != "cpu" or not data.numel():
         return None
+    raw = data.view(torch.uint8).reshape(-1)
     path = Path(path)
     try:
-        if not path.exists():
-            aside = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-            try:
-                with open(aside, "wb") as handle:
-                    handle.write(memoryview(raw.numpy()))
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                os.link(aside, path)
-            except FileExistsError:
-                pass  # another rank linked its copy first: map that one
-            finally:
-                aside.unlink(missing_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+            if not path.exists():
+                for stale in path.parent.glob(f".{path.name}.*.tmp"):
+                    stale.unlink(missing_ok=True)  # a writer killed before its link: nobody else writes now
+                aside = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+                try:
+                    with open(aside, "wb") as handle:
+                        handle.write(memoryview(raw.numpy()))
+                        handle.flush()
+                        os.fsync(handle.fileno())
+                    os.chmod(aside, 0o444)  # nothing writes the file in place: the mappings read it again
+                    os.link(aside, path)
+                finally:
+                    aside.unlink(missing_ok=True)
         with open(path, "rb") as handle:
-            if os.fstat(handle.fileno()).st_size != raw.numel():
-                raise OSError(f"{path} holds {os.fstat(handle.fileno()).st_size} bytes, the table {raw.numel()}")
-            mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        view = torch.frombuffer(mapped, dtype=torch.uint8)
-        if not torch.equal(view, raw):
+            same = os.fstat(handle.fileno()).st_size == raw.numel()
+            mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE) if same else None
+        view = torch.frombuffer(mapped, dtype=torch.uint8) if mapped is not None else None
+        if view is None or not torch.equal(view, raw):
             path.unlink(missing_ok=True)  # the next run writes it again
-            raise OSError(f"{path} does not hold this table's bytes")
+            raise OSError(f"{path} does not hold this table's {raw.numel()} bytes")
     except OSError as error:
         warnings.warn(f"poros: the host embedding table stays a private copy in this process ({error}).",
                       stacklevel=2)
