@@ -376,7 +376,9 @@ def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_en
     report = json.loads(report_path.read_text())
     assert report["environment"]["commit"] == "test"
     assert set(report["start"]) == {"nocache", "cold", "cached", "cached_warm"} and report["cached_start_speedup"] > 0
-    assert report["cached_warm_start_speedup"] > 0
+    assert report["cached_warm_start_speedup"] > 0 and report["cached_warm_start_speedup_from_launch"] > 0
+    for row in report["start"].values():  # each start in a fresh process: its launch counts too
+        assert row["process_to_first_step_s"] > row["to_first_step_s"] > row["first_step_s"] > 0
     assert set(report["tiers"]) == {"pinned", "mapped", "disk"}
     for row in report["tiers"].values():  # --rounds 2: each tier ran twice, its median over both rounds' steps
         assert len(row["rounds"]) == 2 and len(row["timed_s"]) == 2 and row["vs_pinned"] > 0
