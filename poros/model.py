@@ -561,7 +561,7 @@ def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -
     names = {id(module): name for name, module in causal_lm.named_modules()}
     for table in host_tables:
         for name, parameter in table.module.named_parameters(recurse=False):
-            label = f"{names.get(id(table.module), 'table')}.{name}".replace("/", "_")
+            label = f"{names.get(id(table.module), 'table')}.{name}"
             shared = share_host_table(parameter.data, block_file.path.parent / f"host-table-{label}.bin")
             if shared is not None:
                 parameter.data = shared

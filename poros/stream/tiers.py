@@ -410,12 +410,12 @@ def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: in
 def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
     """``tensor``'s values as a copy-on-write mapping of the file ``path`` — the same page-cache pages in
     every process that maps it, until one writes — or None (the caller keeps ``tensor``) with a warning
-    when that cannot be had. Under a lock on ``<path>.lock`` the first process writes the file aside,
-    read-only, and links it into place (a name that exists is whole), and sweeps the aside copies of
-    processes killed while writing; the others wait, then map it. Every process checks the mapped bytes
-    against its own ``tensor`` before using them: a file of other bytes or size is removed (the next run
-    writes it again) and never used."""
-    import fcntl
+    when that cannot be had. Under the block cache's build lock on ``<path>.lock`` the first process
+    writes the file aside, read-only, and renames it into place (a name that exists is whole), and
+    sweeps the aside copies of processes killed while writing; the others wait, then map it. Every
+    process checks the mapped bytes against its own ``tensor`` before using them: a file of other bytes
+    or size is removed (the next run writes it again) and never used."""
+    from poros.cache import build_lock
 
     data = tensor.detach().contiguous()
     if data.device.type != "cpu" or not data.numel():
@@ -423,21 +423,17 @@ def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
     raw = data.view(torch.uint8).reshape(-1)
     path = Path(path)
     try:
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        with build_lock(path.parent, path.name):
             if not path.exists():
                 for stale in path.parent.glob(f".{path.name}.*.tmp"):
-                    stale.unlink(missing_ok=True)  # a writer killed before its link: nobody else writes now
-                aside = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-                try:
-                    with open(aside, "wb") as handle:
-                        handle.write(memoryview(raw.numpy()))
-                        handle.flush()
-                        os.fsync(handle.fileno())
-                    os.chmod(aside, 0o444)  # nothing writes the file in place: the mappings read it again
-                    os.link(aside, path)
-                finally:
-                    aside.unlink(missing_ok=True)
+                    stale.unlink(missing_ok=True)  # a writer killed before its rename: nobody else writes now
+                aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                with open(aside, "wb") as handle:
+                    handle.write(memoryview(raw.numpy()))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(aside, 0o444)  # nothing writes the file in place: the mappings read it again
+                os.replace(aside, path)
         with open(path, "rb") as handle:
             same = os.fstat(handle.fileno()).st_size == raw.numel()
             mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE,
