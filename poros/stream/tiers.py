@@ -410,12 +410,12 @@ def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: in
 def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
     """``tensor``'s values as a copy-on-write mapping of the file ``path`` — the same page-cache pages in
     every process that maps it, until one writes — or None (the caller keeps ``tensor``) with a warning
-    when that cannot be had. Under the block cache's build lock on ``<path>.lock`` the first process
+    when that cannot be had. Under an exclusive ``flock`` on ``<path>.lock`` the first process
     writes the file aside, read-only, and renames it into place (a name that exists is whole), and
     sweeps the aside copies of processes killed while writing; the others wait, then map it. Every
     process checks the mapped bytes against its own ``tensor`` before using them: a file of other bytes
     or size is removed (the next run writes it again) and never used."""
-    from poros.cache import build_lock
+    import fcntl  # (poros.cache.build_lock is the same lock, but the engine does not import the drop-in layer)
 
     data = tensor.detach().contiguous()
     if data.device.type != "cpu" or not data.numel():
@@ -423,7 +423,8 @@ def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
     raw = data.view(torch.uint8).reshape(-1)
     path = Path(path)
     try:
-        with build_lock(path.parent, path.name):
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
             if not path.exists():
                 for stale in path.parent.glob(f".{path.name}.*.tmp"):
                     stale.unlink(missing_ok=True)  # a writer killed before its rename: nobody else writes now
