@@ -131,20 +131,32 @@ class CacheEntry:
         return BlockFile(self.blocks_path, [b["offset"] for b in blocks], [b["nbytes"] for b in blocks],
                          [b["crc32"] for b in blocks])
 
-    def verify(self) -> None:
-        """Check the file size and every block's crc32.
+    def check_size(self) -> None:
+        """Check that ``blocks.bin`` has the size the manifest gives it (cheap: no byte is read).
 
         Raises:
-            CacheEntryError: the entry is truncated or a block's bytes changed.
+            CacheEntryError: the entry is truncated or its file was replaced.
         """
-        from poros.stream.tiers import checksum_file
-
         file = self.block_file()
         size = self.blocks_path.stat().st_size if self.blocks_path.is_file() else -1
         if size != file.size:
             raise CacheEntryError(f"{self.directory.name}: {BLOCKS} is {size} bytes, the manifest says {file.size} "
                                   "(truncated or replaced)")
-        found = checksum_file(file, workers=min(8, os.cpu_count() or 1))
+
+    def verify(self, *, stop=None) -> None:
+        """Check the file size and every block's crc32 (reads the whole file, with up to 8 threads).
+        ``stop`` (a ``threading.Event``): once set, the check ends early and raises.
+
+        Raises:
+            CacheEntryError: the entry is truncated, a block's bytes changed, or ``stop`` was set.
+        """
+        from poros.stream.tiers import checksum_file
+
+        self.check_size()
+        file = self.block_file()
+        found = checksum_file(file, workers=min(8, os.cpu_count() or 1), stop=stop)
+        if stop is not None and stop.is_set():
+            raise CacheEntryError(f"{self.directory.name}: check stopped before it ended")
         bad = [i for i, (a, b) in enumerate(zip(found, file.checksums)) if a != b]
         if bad:
             raise CacheEntryError(f"{self.directory.name}: block {bad[0]} fails its crc32"
@@ -154,8 +166,10 @@ class CacheEntry:
         (self.directory / LAST_USE).touch()
 
 
-def open_entry(root: Path, name: str) -> CacheEntry | None:
-    """The verified entry ``name`` under ``root``, or None when there is none.
+def open_entry(root: Path, name: str, *, verify: bool = True) -> CacheEntry | None:
+    """The entry ``name`` under ``root``, or None when there is none. Its manifest and file size are
+    always checked; every block's crc32 too unless ``verify`` is False (the caller then runs
+    :meth:`CacheEntry.verify` itself before training, e.g. while it reads the non-block weights).
 
     Raises:
         CacheEntryError: the entry exists but is damaged (the caller rebuilds it).
@@ -164,7 +178,7 @@ def open_entry(root: Path, name: str) -> CacheEntry | None:
     if not directory.is_dir():
         return None
     entry = CacheEntry(directory, read_manifest(directory))
-    entry.verify()
+    entry.verify() if verify else entry.check_size()
     return entry
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -270,15 +272,17 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
     with cache.build_lock(root, name):
         entry = None
         try:
-            entry = cache.open_entry(root, name)
+            entry = cache.open_entry(root, name, verify=False)  # manifest and size; the crc32 pass follows
         except CacheEntryError as problem:
             _report(problem, root / name)
         if entry is not None:
             try:
-                loaded, loading_info = load(skip_block_weights(prefix, info.descriptor.decoder_layers, entry))
+                loaded, loading_info = _load_while_verifying(
+                    entry, lambda: load(skip_block_weights(prefix, info.descriptor.decoder_layers, entry)))
                 file = bind_blocks(list(resolve_path(loaded, info.descriptor.decoder_layers)), entry)
                 logger.info("poros: NF4 blocks from the cache: %s", entry.directory)
             except CacheEntryError as problem:
+                loaded = loading_info = None  # views of a damaged entry: never trained on
                 _report(problem, root / name)
                 entry = None
         if entry is None:
@@ -302,6 +306,28 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
     entry.touch()
     loaded.poros_block_file = file
     return loaded, loading_info
+
+
+def _load_while_verifying(entry: cache.CacheEntry, load):
+    """``load()`` (transformers reading the non-block weights) while another thread checks every block's
+    crc32 (file reads and zlib, which let go of the GIL): a start pays the longer of the two, not both.
+    The check's verdict is awaited before anything is returned, so a damaged entry is still never
+    trained on; when both fail, the check's error is the one raised (the entry is then rebuilt). An
+    interrupt (Ctrl-C) stops the check at its next 64 MiB read instead of waiting for it."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-cache-check") as pool:
+        checked = pool.submit(entry.verify, stop=stop)
+        try:
+            result = load()
+        except Exception:
+            if isinstance(checked.exception(), CacheEntryError):  # waits for the check
+                raise checked.exception() from None
+            raise
+        except BaseException:
+            stop.set()
+            raise
+        checked.result()
+    return result
 
 
 def _report(problem: Exception, directory) -> None:

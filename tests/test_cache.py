@@ -192,6 +192,43 @@ def test_a_damaged_entry_is_reported_in_one_line_rebuilt_and_never_trained_on(ti
     assert_bitwise(reference[0], rebuilt[0], reference[1], rebuilt[1], reference[2], rebuilt[2])
 
 
+def test_the_crc32_check_runs_beside_the_load_and_its_verdict_wins(tiny_entry, tmp_path):
+    """The cached load reads the non-block weights while another thread checks the entry: the check is
+    under way during the load, a damaged entry raises even when the load also failed (so it is rebuilt),
+    a sound one lets the load's own error through, and an interrupt stops the check early."""
+    import threading
+
+    from poros.cache_blocks import _load_while_verifying
+
+    _, _, entry = tiny_entry
+    sound = cache.CacheEntry(entry, cache.read_manifest(entry))
+
+    def load():
+        assert any(t.name.startswith("poros-cache-check") for t in threading.enumerate())
+        return "model"
+
+    assert _load_while_verifying(sound, load) == "model"
+    copy = _copy_entry(entry, tmp_path)
+    raw = bytearray((copy / cache.BLOCKS).read_bytes())
+    raw[-5000] ^= 1
+    (copy / cache.BLOCKS).write_bytes(bytes(raw))
+    damaged = cache.CacheEntry(copy, cache.read_manifest(copy))
+
+    def failing():
+        raise ValueError("transformers failed")
+
+    with pytest.raises(CacheEntryError, match="crc32"):
+        _load_while_verifying(damaged, lambda: "model")
+    with pytest.raises(CacheEntryError, match="crc32"):
+        _load_while_verifying(damaged, failing)
+    with pytest.raises(ValueError, match="transformers failed"):
+        _load_while_verifying(sound, failing)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(CacheEntryError, match="stopped"):
+        sound.verify(stop=stop)
+
+
 def test_a_truncated_entry_is_found(tiny_entry, tmp_path):
     _, _, entry = tiny_entry
     copy = _copy_entry(entry, tmp_path)
@@ -371,14 +408,19 @@ def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_en
     report_path = tmp_path / "cache.json"
     subprocess.run([sys.executable, "-m", "tools.cache_bench", "--model", "tiny", "--device", "cpu", "--steps", "1",
                     "--warmup", "0", "--grad-accum", "2", "--seq", "16", "--dir", str(tmp_path / "work"),
-                    "--rounds", "2", "--json", str(report_path)], cwd=pathlib.Path(__file__).resolve().parents[1],
-                   env=child_env(POROS_COMMIT="test"), capture_output=True, text=True, check=True)
+                    "--rounds", "2", "--start-tiers", "pinned,mapped", "--json", str(report_path)],
+                   cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(POROS_COMMIT="test"),
+                   capture_output=True, text=True, check=True)
     report = json.loads(report_path.read_text())
     assert report["environment"]["commit"] == "test"
-    assert set(report["start"]) == {"nocache", "cold", "cached", "cached_warm"} and report["cached_start_speedup"] > 0
-    assert report["cached_warm_start_speedup"] > 0 and report["cached_warm_start_speedup_from_launch"] > 0
-    for row in report["start"].values():  # each start in a fresh process: its launch counts too
-        assert row["process_to_first_step_s"] > row["to_first_step_s"] > row["first_step_s"] > 0
+    assert set(report["start"]) == {"nocache", "cold", "cached", "cached_warm", "cached_mapped", "cached_mapped_warm"}
+    for name, row in report["start"].items():  # each start in a fresh process: its launch counts too
+        assert row["tier"] == ("mapped" if name.startswith("cached_mapped") else "pinned")
+        assert row["process_through_first_step_s"] > row["through_first_step_s"] > row["start_s"] > 0
+        assert row["process_start_s"] > row["start_s"] >= row["load_s"] + row["lora_s"] + row["prepare_s"]
+        assert 0 < row["imports_s"] < row["process_start_s"] and row["first_step_s"] > 0
+    assert set(report["speedups"]) == {"cached", "cached_warm", "cached_mapped", "cached_mapped_warm"}
+    assert all(v > 0 for row in report["speedups"].values() for v in row.values())
     assert set(report["tiers"]) == {"pinned", "mapped", "disk"}
     for row in report["tiers"].values():  # --rounds 2: each tier ran twice, its median over both rounds' steps
         assert len(row["rounds"]) == 2 and len(row["timed_s"]) == 2 and row["vs_pinned"] > 0
@@ -386,6 +428,30 @@ def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_en
     assert report["tiers"]["disk"]["host_plan"]["tier"] == "disk"
     disk = report["tiers"]["disk"]["disk"]
     assert disk["bytes_read"] > 0 and disk["gb_per_s_while_reading"] > 0 and report["drive"]["gb_per_s"] > 0
+
+
+def test_cache_bench_projects_two_depths_to_the_full_depth(tmp_path, child_env):
+    """--project: a straight line per start and phase through two depths, read at the shape's full depth."""
+    def report(layers: int, nocache: float, cached: float) -> dict:
+        rows = {name: {m: seconds for m in ("start_s", "through_first_step_s", "process_start_s",
+                                            "process_through_first_step_s", "load_s")}
+                for name, seconds in (("nocache", nocache), ("cached", cached))}
+        return {"model": {"shape": "qwen2.5-32b", "num_hidden_layers": layers, "full_depth": 64},
+                "environment": {"commit": "test"}, "start": rows}
+
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    paths[0].write_text(json.dumps(report(24, 4 + 2 * 24, 3 + 0.1 * 24)))  # given in either order
+    paths[1].write_text(json.dumps(report(8, 4 + 2 * 8, 3 + 0.1 * 8)))
+    out = tmp_path / "projected.json"
+    subprocess.run([sys.executable, "-m", "tools.cache_bench", "--project", *map(str, paths), "--json", str(out)],
+                   cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(), capture_output=True, text=True,
+                   check=True)
+    projected = json.loads(out.read_text())
+    assert projected["projection"] and projected["from_layers"] == [8, 24] and projected["full_depth"] == 64
+    load = projected["start"]["nocache"]["load_s"]
+    assert load["fixed_s"] == pytest.approx(4) and load["per_layer_s"] == pytest.approx(2)
+    assert load["at_full_depth_s"] == pytest.approx(4 + 2 * 64)
+    assert projected["speedups_at_full_depth"]["cached"]["start_s"] == pytest.approx((4 + 2 * 64) / (3 + 0.1 * 64))
 
 
 def test_clear_with_a_model_removes_that_models_entries_only(tmp_path):

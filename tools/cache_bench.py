@@ -4,16 +4,22 @@
 For one shape (``tools/bench.py`` SHAPES, truncated to ``--layers`` decoder layers so that the
 checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 
-1. ``start_nocache_s``: ``load_pretrained`` without the cache (read + quantize every block) + LoRA +
+1. ``nocache``: ``load_pretrained`` without the cache (read + quantize every block) + LoRA +
    ``prepare`` + the first optimizer step;
-2. ``start_cold_s``: the same through the cache, which also writes the entry;
-3. ``start_cached_s``: the same again: the entry is mapped, no block weight is read or quantized.
-   The checkpoint's and the entry's pages are dropped from the page cache (``posix_fadvise``)
-   before each of these starts, so every start reads from the drive;
-   ``cached_warm``: once more without dropping them (the pages still in the page cache, as after a
-   run). Each start runs in a fresh process, as a user's run does (until 6c7828d they shared this
-   one, so the first also paid the CUDA warm-up and none paid imports and a CUDA context):
-   ``to_first_step_s`` counts from the load, ``process_to_first_step_s`` from the process's launch;
+2. ``cold``: the same through the cache, which also writes the entry;
+3. ``cached``: the same again: the entry is mapped, no block weight is read or quantized (its crc32
+   pass runs while transformers reads the non-block weights). The checkpoint's and the entry's pages
+   are dropped from the page cache (``posix_fadvise``) before each of these starts, so every start
+   reads from the drive; ``cached_warm``: once more without dropping them (the pages still in the page
+   cache, as after a run). ``--start-tiers pinned,mapped`` adds ``cached_mapped`` and
+   ``cached_mapped_warm``: the cached starts with the ``mapped`` tier (no copy into pinned memory).
+   Each start runs in a fresh process, as a user's run does, and reports its phases: ``imports_s``
+   (launch to the child's first line: interpreter, torch, transformers), ``load_s``, ``lora_s``,
+   ``prepare_s`` (the host tier: the pinned copy, the mapping's registration), ``start_s`` (load
+   to the first step's start: what the cache changes), ``first_step_s`` and ``through_first_step_s``;
+   ``process_start_s`` / ``process_through_first_step_s`` count from the launch. ``speedups`` holds
+   ``nocache`` over each cached start for each of these four measures. (Before this commit the JSON's
+   ``to_first_step_s`` was ``through_first_step_s``.) ``--starts-only`` stops here;
 4. per host tier (``pinned``, ``mapped``, ``disk`` with ``--host-budget-gib`` of ring), the median
    step time of layer-major accumulation (``--grad-accum`` micro-batches of ``--seq`` tokens), the
    host bytes the tier holds, whether torch sees the tier's copy source as pinned, and for ``disk``
@@ -25,7 +31,14 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 Targets (issue 14): cached start >= 10x faster than quantizing; ``mapped`` within 3 % of ``pinned``;
 ``disk`` at >= 90 % of the drive's rate while streaming and within 1.2x of ``pinned``.
 
+The full-depth checkpoints (65 GB at 32B, 145 GB at 72B) do not fit the GPU host's disk. A start is a
+fixed part (imports, model build, the non-block weights) and a part per decoder layer (the blocks
+read, quantized, checked, pinned); ``--project A.json B.json`` fits ``t = fixed + per_layer * layers``
+through two runs of one shape at different depths, for every start and phase, and gives each at the
+shape's full depth (a projection, and labelled one).
+
     python -m tools.cache_bench --model qwen2.5-32b --layers 4 --json out/cache-32b.json
+    python -m tools.cache_bench --project out/cache-32b-8.json out/cache-32b-24.json --json out/projected.json
     DEVICE=cpu tools/gpu_run.sh cache:tiny:steps=1:warmup=0:grad-accum=2:seq=16      # dry run
 """
 
@@ -48,6 +61,8 @@ import torch
 from tools import bench  # shapes, environment, batches
 
 TIERS = ("pinned", "disk", "mapped")
+STARTS = ("nocache", "cold", "cached", "cached_warm", "cached_mapped", "cached_mapped_warm")
+MEASURES = ("start_s", "through_first_step_s", "process_start_s", "process_through_first_step_s")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,8 +84,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--start-child", default=None, choices=("nocache", "cold", "cached", "cached_warm"),
-                        help=argparse.SUPPRESS)  # one start in this fresh process (--dir is the parent's work)
+    parser.add_argument("--start-tiers", default="pinned",
+                        help="host tiers of the cached starts (pinned, mapped): mapped adds cached_mapped(_warm)")
+    parser.add_argument("--starts-only", action="store_true", help="measure the starts only, not the tiers' steps")
+    parser.add_argument("--project", nargs=2, default=None, metavar="JSON",
+                        help="two reports of one shape at different --layers: project every start to full depth")
+    parser.add_argument("--start-child", default=None, choices=STARTS, help=argparse.SUPPRESS)
+    parser.add_argument("--start-tier", default="pinned", help=argparse.SUPPRESS)  # the child's host tier
+    parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)  # the parent's clock
     return parser.parse_args(argv)
 
 
@@ -135,20 +156,24 @@ def sync(device: torch.device) -> None:
 
 
 def start(checkpoint: Path, config, device, args, *, cache_dir, tier: str = "pinned", host_budget=None):
-    """load + LoRA + prepare: ``(streamed model, optimizer, load seconds)``."""
+    """load + LoRA + prepare: ``(streamed model, optimizer, phases)`` with ``load_s``, ``lora_s``, ``prepare_s``."""
     from poros.load import adapters_to_device, load_pretrained
     from poros.model import prepare
 
-    began = time.perf_counter()
+    marks = [time.perf_counter()]
     loaded = load_pretrained(checkpoint, device=device, load_tokenizer=False, cache_dir=cache_dir, double_quant=True,
                              attn_implementation="sdpa")
-    load_seconds = time.perf_counter() - began
+    marks.append(time.perf_counter())
     peft_model = bench.add_lora(loaded.model, rank=16, alpha=32, gradient_checkpointing=False)
     adapters_to_device(peft_model, device)
+    marks.append(time.perf_counter())
     streamed = prepare(peft_model, host_tier=tier, host_budget=host_budget, cache_dir=str(cache_dir) if cache_dir
                        else None)
     optimizer = torch.optim.AdamW(streamed.trainable_parameters(), lr=1e-4)
-    return streamed, optimizer, load_seconds
+    sync(device)
+    marks.append(time.perf_counter())
+    phases = {f"{name}_s": b - a for name, a, b in zip(("load", "lora", "prepare"), marks, marks[1:])}
+    return streamed, optimizer, phases
 
 
 def step(streamed, optimizer, micro_batches, device) -> float:
@@ -210,43 +235,90 @@ def run_tier(tier, checkpoint, config, device, args, root, entry, micro_batches,
 
 
 def start_in_fresh_process(name: str, work: Path, args) -> dict:
-    """One start (``nocache``, ``cold``, ``cached`` or ``cached_warm``) in a new Python process, as a user's
-    run starts: ``to_first_step_s`` from load to the first optimizer step's end (the child's clock, after
-    its imports and CUDA context), ``process_to_first_step_s`` from the process's launch."""
-    command = [sys.executable, "-m", "tools.cache_bench", "--start-child", name, "--dir", str(work), "--model",
-               args.model, "--layers", str(args.layers), "--seq", str(args.seq), "--grad-accum", str(args.grad_accum),
-               "--device", args.device, *(["--deterministic"] if args.deterministic else []),
-               *(["--threads", str(args.threads)] if args.threads else [])]
+    """One start (:data:`STARTS`) in a new Python process, as a user's run starts: its phases (the
+    child's clock) and ``process_start_s`` / ``process_through_first_step_s`` from the process's launch."""
+    tier = "mapped" if name.startswith("cached_mapped") else "pinned"
     launched = time.time()
+    command = [sys.executable, "-m", "tools.cache_bench", "--start-child", name, "--start-tier", tier,
+               "--launched-at", repr(launched), "--dir", str(work), "--model", args.model, "--layers", str(args.layers),
+               "--seq", str(args.seq), "--grad-accum", str(args.grad_accum), "--device", args.device,
+               *(["--deterministic"] if args.deterministic else []),
+               *(["--threads", str(args.threads)] if args.threads else [])]
     done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     if done.returncode != 0:
         raise RuntimeError(f"start {name} failed:\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    row["process_to_first_step_s"] = row.pop("first_step_done_at") - launched
+    row["process_start_s"] = row.pop("first_step_began_at") - launched
+    row["process_through_first_step_s"] = row.pop("first_step_done_at") - launched
     return row
 
 
 def start_child(args) -> int:
     """``--start-child NAME``: one start in this process; prints its row as the last line of stdout."""
+    imported = time.time()
     device, _ = bench.start_tool(args)
     config, _ = bench.model_config(args.model, layers=args.layers)
     work = Path(args.dir)
     micro_batches = bench.make_batches(config, count=args.grad_accum, batch=1, seq=args.seq)
+    sync(device)
     began = time.perf_counter()
-    streamed, optimizer, load_seconds = start(work / "checkpoint", config, device, args,
-                                              cache_dir=None if args.start_child == "nocache" else work / "cache")
+    streamed, optimizer, phases = start(work / "checkpoint", config, device, args, tier=args.start_tier,
+                                        cache_dir=None if args.start_child == "nocache" else work / "cache")
+    started, began_at = time.perf_counter() - began, time.time()
     first = step(streamed, optimizer, micro_batches, device)
-    row = {"to_first_step_s": time.perf_counter() - began, "load_s": load_seconds, "first_step_s": first,
-           "first_step_done_at": time.time()}
+    row = {"tier": streamed.host_plan.tier, "imports_s": imported - args.launched_at if args.launched_at else None,
+           **phases, "start_s": started, "first_step_s": first, "through_first_step_s": started + first,
+           "first_step_began_at": began_at, "first_step_done_at": time.time()}
     print(json.dumps(row), flush=True)
     close_tier(streamed)
     return 0
+
+
+def speedups(starts: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """``nocache`` over each cached start, for each of :data:`MEASURES`."""
+    base = starts["nocache"]
+    return {name: {measure: base[measure] / row[measure] for measure in MEASURES}
+            for name, row in starts.items() if name.startswith("cached")}
+
+
+def project(first: dict, second: dict) -> dict:
+    """Fit ``t = fixed + per_layer * layers`` through two reports of one shape at different depths, for
+    every start's phases and measures, and give each at the shape's full depth."""
+    (low, high) = sorted((first, second), key=lambda r: r["model"]["num_hidden_layers"])
+    if low["model"]["shape"] != high["model"]["shape"]:
+        raise SystemExit(f"--project: two shapes ({low['model']['shape']}, {high['model']['shape']}); give one")
+    a, b, full = low["model"]["num_hidden_layers"], high["model"]["num_hidden_layers"], high["model"]["full_depth"]
+    if a == b:
+        raise SystemExit(f"--project: both reports have {a} layers; give two depths")
+    starts = {}
+    for name in set(low["start"]) & set(high["start"]):
+        row = {}
+        for key, y0 in low["start"][name].items():
+            y1 = high["start"][name].get(key)
+            if isinstance(y0, (int, float)) and isinstance(y1, (int, float)) and key.endswith("_s"):
+                per_layer = (y1 - y0) / (b - a)
+                row[key] = {"fixed_s": y0 - per_layer * a, "per_layer_s": per_layer, "at_full_depth_s": y0 + per_layer
+                            * (full - a), "measured": {str(a): y0, str(b): y1}}
+        starts[name] = row
+    at_full = {name: {k: v["at_full_depth_s"] for k, v in row.items()} for name, row in starts.items()}
+    return {"tool": "cache_bench", "projection": True, "shape": low["model"]["shape"], "from_layers": [a, b],
+            "full_depth": full, "reports": [low["environment"], high["environment"]], "start": starts,
+            "speedups_at_full_depth": speedups(at_full) if "nocache" in at_full else {},
+            "method": "per start and phase, a straight line through the two depths' measurements, read at full "
+                      "depth; each start a fresh process; see docs/cache-and-host-memory.md"}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.start_child:
         return start_child(args)
+    if args.project:
+        text = json.dumps(project(*(json.loads(Path(p).read_text()) for p in args.project)), indent=1)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text + "\n")
+        print(text)
+        return 0
     import faulthandler
 
     # A step that hangs (the mapped tier did on the H200, inside a 290 s step limit) prints every
@@ -278,30 +350,27 @@ def main(argv=None) -> int:
         report["checkpoint_write_s"] = time.perf_counter() - began
         progress(f"checkpoint written ({report['checkpoint_bytes'] / 1e9:.1f} GB)")
         starts = {}
-        for name in ("nocache", "cold", "cached", "cached_warm"):
-            if name != "cached_warm":
+        names = ["nocache", "cold", "cached", "cached_warm"]
+        if "mapped" in args.start_tiers.split(","):
+            names += ["cached_mapped", "cached_mapped_warm"]
+        for name in names:
+            if not name.endswith("_warm"):
                 drop_from_page_cache(checkpoint, *([root] if root.exists() else []))
             starts[name] = start_in_fresh_process(name, work, args)
             report["start"] = starts
-            progress(f"start {name}: {starts[name]['to_first_step_s']:.1f} s to the first step "
-                     f"({starts[name]['process_to_first_step_s']:.1f} s from the process's start)")
+            progress(f"start {name}: {starts[name]['start_s']:.1f} s to the first step, "
+                     f"{starts[name]['through_first_step_s']:.1f} s through it "
+                     f"({starts[name]['process_through_first_step_s']:.1f} s from the process's launch)")
         report["start"] = starts
+        report["speedups"] = speedups(starts)
         # The drive's rate, measured once the starts fsynced the checkpoint (right after writing it,
         # its writeback shared the drive: 0.15 GB/s on the H200 host at 26 GB).
         report["drive"] = measure_disk_read(work, size=2 << 30)
         progress(f"drive read rate measured ({report['drive'].get('gb_per_s')} GB/s)")
-        report["cached_start_speedup"] = starts["nocache"]["to_first_step_s"] / starts["cached"]["to_first_step_s"]
-        report["cached_warm_start_speedup"] = (starts["nocache"]["to_first_step_s"]
-                                               / starts["cached_warm"]["to_first_step_s"])
-        # the same from each process's launch: what a user waits for, imports and CUDA context included
-        report["cached_start_speedup_from_launch"] = (starts["nocache"]["process_to_first_step_s"]
-                                                      / starts["cached"]["process_to_first_step_s"])
-        report["cached_warm_start_speedup_from_launch"] = (starts["nocache"]["process_to_first_step_s"]
-                                                           / starts["cached_warm"]["process_to_first_step_s"])
         [entry] = cache.list_entries(root)
         report["entry_bytes"] = entry.size
         tiers: dict[str, dict] = {}
-        for round_index in range(args.rounds):
+        for round_index in range(0 if args.starts_only else args.rounds):
             for tier in args.tiers.split(","):
                 row = run_tier(tier, checkpoint, config, device, args, root, entry, micro_batches, report["drive"])
                 if tier in tiers:  # a later round: its steps join the earlier ones

@@ -450,13 +450,16 @@ def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
     return view.view(data.dtype).view(data.shape)
 
 
-def checksum_file(file: BlockFile, *, workers: int = 4) -> list[int]:
-    """crc32 of each block's padded region, read with ``workers`` threads (zlib releases the GIL)."""
+def checksum_file(file: BlockFile, *, workers: int = 4, stop: threading.Event | None = None) -> list[int]:
+    """crc32 of each block's padded region, read with ``workers`` threads (zlib releases the GIL).
+    Once ``stop`` is set, the blocks not finished get -1 (no crc32 matches it)."""
     def one(index: int) -> int:
         crc, offset, end = 0, file.offsets[index], file.offsets[index] + padded(file.nbytes[index])
         with open(file.path, "rb", buffering=0) as handle:
             handle.seek(offset)
             while offset < end:
+                if stop is not None and stop.is_set():
+                    return -1
                 chunk = handle.read(min(64 << 20, end - offset))
                 if not chunk:
                     break
