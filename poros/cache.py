@@ -4,8 +4,9 @@ An entry is a directory under the cache root (``cache_dir``, else ``$POROS_CACHE
 ``~/.cache/poros``) named ``<model>-<key>``::
 
     manifest.json   what the entry is: model, checkpoint, quantization, versions, and per block its
-                    offset, size, crc32 and tensor layout (names, dtypes, shapes, bitsandbytes
-                    quantization state); the last line is the crc32 of the lines above it
+                    offset, size, checksum (xxh3_64; crc32 in entries written before it) and tensor
+                    layout (names, dtypes, shapes, bitsandbytes quantization state); the last line is
+                    the crc32 of the lines above it
     blocks.bin      each decoder block's packed buffer -- exactly the bytes the block store streams --
                     at a 4 KiB-aligned offset (``poros.stream.tiers.BlockFile``)
     last-use        empty; its modification time is the entry's last use
@@ -17,7 +18,7 @@ name, size and modification time, ``config.json``'s content, the revision), the 
 transformers, torch and this format. Entries are written to a temporary directory and renamed into
 place (atomic); a lock file lets one process of a node build an entry while the others wait and then
 map it (:func:`build_lock`). Before any training, an entry is checked in full (manifest crc, file
-size, every block's crc32): a damaged entry is reported in one line and rebuilt, never trained on.
+size, every block's checksum): a damaged entry is reported in one line and rebuilt, never trained on.
 
 Listing and clearing (``poros cache``) import no torch.
 """
@@ -128,8 +129,9 @@ class CacheEntry:
         from poros.stream.tiers import BlockFile
 
         blocks = self.manifest["blocks"]
+        algorithm = self.manifest.get("checksum", "crc32")  # entries before xxh3_64 carry crc32s
         return BlockFile(self.blocks_path, [b["offset"] for b in blocks], [b["nbytes"] for b in blocks],
-                         [b["crc32"] for b in blocks])
+                         [b["checksum"] if "checksum" in b else b["crc32"] for b in blocks], algorithm=algorithm)
 
     def check_size(self) -> None:
         """Check that ``blocks.bin`` has the size the manifest gives it (cheap: no byte is read).
@@ -144,7 +146,7 @@ class CacheEntry:
                                   "(truncated or replaced)")
 
     def verify(self, *, stop=None) -> None:
-        """Check the file size and every block's crc32 (reads the whole file, with up to 8 threads).
+        """Check the file size and every block's checksum (reads the whole file, a thread per core up to 16).
         ``stop`` (a ``threading.Event``): once set, the check ends early and raises.
 
         Raises:
@@ -154,12 +156,12 @@ class CacheEntry:
 
         self.check_size()
         file = self.block_file()
-        found = checksum_file(file, workers=min(8, os.cpu_count() or 1), stop=stop)
+        found = checksum_file(file, workers=min(16, os.cpu_count() or 1), stop=stop)
         if stop is not None and stop.is_set():
             raise CacheEntryError(f"{self.directory.name}: check stopped before it ended")
         bad = [i for i, (a, b) in enumerate(zip(found, file.checksums)) if a != b]
         if bad:
-            raise CacheEntryError(f"{self.directory.name}: block {bad[0]} fails its crc32"
+            raise CacheEntryError(f"{self.directory.name}: block {bad[0]} fails its checksum ({file.algorithm})"
                                   f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
 
     def touch(self) -> None:
@@ -168,7 +170,7 @@ class CacheEntry:
 
 def open_entry(root: Path, name: str, *, verify: bool = True) -> CacheEntry | None:
     """The entry ``name`` under ``root``, or None when there is none. Its manifest and file size are
-    always checked; every block's crc32 too unless ``verify`` is False (the caller then runs
+    always checked; every block's checksum too unless ``verify`` is False (the caller then runs
     :meth:`CacheEntry.verify` itself before training, e.g. while it reads the non-block weights).
 
     Raises:
@@ -192,8 +194,9 @@ def remove_entry(directory: Path) -> None:
 
 def write_entry(root: Path, name: str, manifest: dict[str, Any], write_blocks) -> CacheEntry:
     """Write an entry atomically: ``write_blocks(path)`` writes ``blocks.bin`` into a temporary directory
-    and returns the per-block ``(offset, nbytes, crc32)``; the manifest follows, then one rename.
-    When another process renamed its copy first, that one is kept and returned."""
+    and returns the per-block ``(offset, nbytes, checksum)``, computed the way ``manifest["checksum"]``
+    names (``poros.stream.tiers.CHECKSUMS``; crc32 when it names none); the manifest follows, then one
+    rename. When another process renamed its copy first, that one is kept and returned."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     temporary = root / f".tmp-{name}-{os.getpid()}"
@@ -201,8 +204,9 @@ def write_entry(root: Path, name: str, manifest: dict[str, Any], write_blocks) -
     temporary.mkdir()
     try:
         placed = write_blocks(temporary / BLOCKS)
-        for record, (offset, nbytes, crc) in zip(manifest["blocks"], placed):
-            record.update(offset=offset, nbytes=nbytes, crc32=crc)
+        manifest.setdefault("checksum", "crc32")
+        for record, (offset, nbytes, checksum) in zip(manifest["blocks"], placed):
+            record.update(offset=offset, nbytes=nbytes, checksum=checksum)
         (temporary / MANIFEST).write_bytes(_manifest_bytes(manifest))
         (temporary / LAST_USE).touch()
         with open(temporary / BLOCKS, "rb") as handle:

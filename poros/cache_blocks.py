@@ -64,7 +64,7 @@ def _describe_state(state) -> dict[str, Any]:
 
 
 def _describe_block(block: nn.Module, entries) -> dict[str, Any]:
-    """The manifest record of one block (offset, nbytes and crc32 are filled in when written)."""
+    """The manifest record of one block (offset, nbytes and checksum are filled in when written)."""
     params4bit = {}
     for name, param in block.named_parameters():
         if getattr(param, "quant_state", None) is None:
@@ -87,13 +87,15 @@ def _describe_block(block: nn.Module, entries) -> dict[str, Any]:
 # -- writing ----------------------------------------------------------------------------------------
 def write_blocks_entry(root, name: str, manifest: dict[str, Any], blocks: list[nn.Module]) -> cache.CacheEntry:
     """Write ``blocks`` (the loaded model's decoder layers, NF4, on the host) as entry ``name``."""
-    from poros.stream.tiers import write_block_file
+    from poros.stream.tiers import default_checksum, write_block_file
 
     layouts = _layouts(blocks)
-    manifest = {**manifest, "blocks": [_describe_block(b, layout[0]) for b, layout in zip(blocks, layouts)]}
+    algorithm = default_checksum()
+    manifest = {**manifest, "checksum": algorithm,
+                "blocks": [_describe_block(b, layout[0]) for b, layout in zip(blocks, layouts)]}
 
     def write(path):
-        file = write_block_file(path, dict(enumerate(layouts)), len(blocks))
+        file = write_block_file(path, dict(enumerate(layouts)), len(blocks), algorithm=algorithm)
         return list(zip(file.offsets, file.nbytes, file.checksums))
 
     return cache.write_entry(root, name, manifest, write)
@@ -272,7 +274,7 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
     with cache.build_lock(root, name):
         entry = None
         try:
-            entry = cache.open_entry(root, name, verify=False)  # manifest and size; the crc32 pass follows
+            entry = cache.open_entry(root, name, verify=False)  # manifest and size; the checksum pass follows
         except CacheEntryError as problem:
             _report(problem, root / name)
         if entry is not None:
@@ -309,8 +311,8 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
 
 
 def _load_while_verifying(entry: cache.CacheEntry, load):
-    """``load()`` (transformers reading the non-block weights) while another thread checks every block's
-    crc32 (file reads and zlib, which let go of the GIL): a start pays the longer of the two, not both.
+    """``load()`` (transformers reading the non-block weights) while threads check every block's checksum
+    (file reads and xxhash/zlib, which let go of the GIL): a start pays the longer of the two, not both.
     The check's verdict is awaited before anything is returned, so a damaged entry is still never
     trained on; when both fail, the check's error is the one raised (the entry is then rebuilt). An
     interrupt (Ctrl-C) stops the check at its next 64 MiB read instead of waiting for it."""

@@ -178,11 +178,11 @@ class PorosConfig:
                                    "one copy per process), 'mapped' (the NF4 block cache file mapped and registered "
                                    "for DMA: one copy per node in the page cache), 'disk' (read from the cache file "
                                    "into a small pinned ring ahead of use, for host RAM smaller than the model); "
-                                   "null: pinned, mapped when several ranks of a node load through the cache, or "
-                                   "what host_budget needs (docs/cache-and-host-memory.md).",
+                                   "null: mapped when the model loads through the cache, else pinned, or what "
+                                   "host_budget needs (docs/cache-and-host-memory.md).",
                                    choices=(None, "pinned", "mapped", "disk"))
     host_budget: str | None = _field(None, "Host RAM the blocks may use, e.g. '24GiB': the planner keeps them "
-                                     "pinned when they fit and streams them from disk through a ring of read_ahead "
+                                     "on the host when they fit and streams them from disk through a ring of read_ahead "
                                      "blocks when they do not; null: no limit.")
     read_ahead: int = _field(3, "Ring buffers of the disk tier (>= 2): one copying to the device, the rest read "
                              "ahead.")

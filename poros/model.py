@@ -422,14 +422,14 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             with ``placement=model.lora_placement`` only; bitwise the same). With ``vram_budget`` and
             ``"auto"`` the planner decides (host only when the budget needs it: the plan's
             ``lora_placement``); ``"auto"`` without a budget is ``"device"``.
-        host_tier: where the streamed blocks live on the host: ``"pinned"`` (default), ``"mapped"``
-            or ``"disk"`` (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block
-            cache is served from its entry; any other model is first written to a spill file. Unset,
-            with several ranks on the node (``LOCAL_WORLD_SIZE`` > 1) and a model loaded through the
-            cache: ``"mapped"``, so the node's ranks share the one entry's pages.
+        host_tier: where the streamed blocks live on the host: ``"pinned"``, ``"mapped"`` or ``"disk"``
+            (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block cache is served
+            from its entry; any other model is first written to a spill file. Unset: ``"mapped"`` for a
+            model loaded through the cache (no copy at the start; the node's ranks share the entry's
+            pages; where the device will not register the mapping, pinned copies), else ``"pinned"``.
         host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
-            planner (``poros.host_tiers.choose_host_tier``) keeps them pinned when they fit and
-            streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
+            planner (``poros.host_tiers.choose_host_tier``) keeps them on the host as above when they
+            fit and streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
         read_ahead: ring buffers of the disk tier (default 3; with ``host_budget``, at most what fits).
         cache_dir: cache root whose ``spill/`` directory takes spill files (default: as for the cache).
         cuda_graphs: ``True`` / ``"auto"``: on CUDA, replay each block phase from a captured CUDA graph
@@ -585,9 +585,8 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
                             ranks_per_node=world().local_size, shared_file=block_file is not None)
     if host_tier is not None or budget is not None or plan.ranks_per_node > 1:
         logger.info("poros: %s", plan.reason)
-    tier = make_host_tier(plan.tier, block_file,
-                          read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
-                          spill_dir=cache.cache_root(cache_dir) / "spill")
+    tier = make_host_tier(plan.tier, block_file, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
+                          spill_dir=cache.cache_root(cache_dir) / "spill", chosen=host_tier is None)
     return plan, tier
 
 

@@ -78,6 +78,9 @@ def cached_run(path, cache_dir, *, tier: str | None = None, seed: int = 3, **loa
     loaded = load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=cache_dir, **load_options)
     model = lora_model(loaded.model, seed=seed)
     streamed = poros.prepare(model, host_tier=tier, cache_dir=str(cache_dir) if cache_dir else None)
+    # unset, the tier is the entry's mapping for a model loaded through the cache, else pinned copies
+    assert streamed.host_plan.tier == tier or (tier is None and streamed.host_plan.tier == (
+        "mapped" if cache_dir else "pinned"))
     losses, optimizer = train(streamed, streamed.trainable_parameters(), _batches(seed))
     return model, losses, optimizer
 
@@ -115,6 +118,29 @@ def test_second_load_hits_the_cache_and_trains_bitwise(family, variant, tmp_path
     assert [e.name for e in cache.list_entries(root)] == [entry.name]
     for run in (first, second):
         assert_bitwise(reference[0], run[0], reference[1], run[1], reference[2], run[2])
+
+
+def test_a_chosen_mapped_tier_the_device_will_not_register_serves_pinned_copies(tmp_path, monkeypatch):
+    """Where cudaHostRegister refuses the mapping, a mapped tier the planner chose (not one asked for) serves
+    pinned copies of the blocks, as the pinned tier would, instead of copying from pageable memory."""
+    import poros.stream.tiers as tiers
+    from poros.load import load_pretrained
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=2)
+    loaded = load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=tmp_path / "cache")
+    layers = list(loaded.model.model.layers)
+    layouts = {i: layout for i, layout in enumerate(poros.stream.store.block_layouts(layers))}
+    monkeypatch.setattr(tiers, "_register_for_dma", lambda mapping, copy_if_refused=False: False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no CUDA here: the copy is the point
+    for chosen in (True, False):
+        tier = tiers.make_host_tier("mapped", loaded.model.poros_block_file, chosen=chosen)
+        tier.attach(layouts, torch.device("cuda"))
+        mapping = tier.file.shared_mapping()
+        for index in layouts:
+            buffer = tier.host_buffer(index)
+            inside = mapping.data_ptr() <= buffer.data_ptr() < mapping.data_ptr() + mapping.numel()
+            assert inside is not chosen  # chosen: its own copy; asked for: the mapping itself
+            assert torch.equal(buffer, tier.file.block_view(index, shared=True))
 
 
 def test_cache_is_used_by_every_tier(tmp_path):
@@ -187,12 +213,12 @@ def test_a_damaged_entry_is_reported_in_one_line_rebuilt_and_never_trained_on(ti
     with caplog.at_level("WARNING", logger="poros"):
         rebuilt = cached_run(path, root, double_quant=True)
     damaged = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
-    assert len(damaged) == 1 and "\n" not in damaged[0] and "crc32" in damaged[0]
+    assert len(damaged) == 1 and "\n" not in damaged[0] and "fails its checksum (xxh3_64)" in damaged[0]
     assert (copy / cache.BLOCKS).read_bytes() == good  # rebuilt from the checkpoint
     assert_bitwise(reference[0], rebuilt[0], reference[1], rebuilt[1], reference[2], rebuilt[2])
 
 
-def test_the_crc32_check_runs_beside_the_load_and_its_verdict_wins(tiny_entry, tmp_path):
+def test_the_checksum_pass_runs_beside_the_load_and_its_verdict_wins(tiny_entry, tmp_path):
     """The cached load reads the non-block weights while another thread checks the entry: the check is
     under way during the load, a damaged entry raises even when the load also failed (so it is rebuilt),
     a sound one lets the load's own error through, and an interrupt stops the check early."""
@@ -217,9 +243,9 @@ def test_the_crc32_check_runs_beside_the_load_and_its_verdict_wins(tiny_entry, t
     def failing():
         raise ValueError("transformers failed")
 
-    with pytest.raises(CacheEntryError, match="crc32"):
+    with pytest.raises(CacheEntryError, match="checksum"):
         _load_while_verifying(damaged, lambda: "model")
-    with pytest.raises(CacheEntryError, match="crc32"):
+    with pytest.raises(CacheEntryError, match="checksum"):
         _load_while_verifying(damaged, failing)
     with pytest.raises(ValueError, match="transformers failed"):
         _load_while_verifying(sound, failing)
@@ -227,6 +253,30 @@ def test_the_crc32_check_runs_beside_the_load_and_its_verdict_wins(tiny_entry, t
     stop.set()
     with pytest.raises(CacheEntryError, match="stopped"):
         sound.verify(stop=stop)
+
+
+def test_an_entry_written_with_crc32s_still_opens_and_its_damage_is_still_found(tiny_entry, tmp_path):
+    """Entries record their checksum: new ones xxh3_64, those written before it crc32 (still read)."""
+    import zlib
+
+    from poros.stream.tiers import padded
+
+    _, _, entry = tiny_entry
+    assert cache.read_manifest(entry)["checksum"] == "xxh3_64"
+    copy = _copy_entry(entry, tmp_path)
+    manifest = cache.read_manifest(copy)
+    raw = (copy / cache.BLOCKS).read_bytes()
+    del manifest["checksum"]
+    for record in manifest["blocks"]:  # the format before xxh3_64: a "crc32" per block
+        del record["checksum"]
+        record["crc32"] = zlib.crc32(raw[record["offset"]: record["offset"] + padded(record["nbytes"])])
+    (copy / cache.MANIFEST).write_bytes(cache._manifest_bytes(manifest))
+    assert cache.open_entry(tmp_path, copy.name).block_file().algorithm == "crc32"
+    damaged = bytearray(raw)
+    damaged[7] ^= 4
+    (copy / cache.BLOCKS).write_bytes(bytes(damaged))
+    with pytest.raises(CacheEntryError, match=r"block 0 fails its checksum \(crc32\)"):
+        cache.open_entry(tmp_path, copy.name)
 
 
 def test_a_truncated_entry_is_found(tiny_entry, tmp_path):
@@ -379,7 +429,9 @@ def test_host_plan_shares_the_cache_entry_between_the_ranks_of_a_node():
     alone = choose_host_tier(blocks, ranks_per_node=4, shared_file=False)  # --no-cache: nothing to map
     assert (alone.tier, alone.host_bytes_per_node) == ("pinned", 4 * (1000 << 20))
     assert "each of the node's 4 ranks holds its own copy" in alone.reason and "--no-cache" in alone.reason
-    assert choose_host_tier(blocks, shared_file=True).tier == "pinned"  # one rank: pinned stays the default
+    one = choose_host_tier(blocks, shared_file=True)  # one process loaded through the cache: mapped too
+    assert one.tier == "mapped" and "no copy into pinned memory" in one.reason
+    assert choose_host_tier(blocks, 2 << 30, shared_file=True).tier == "mapped"  # the budget holds the blocks
     assert choose_host_tier(blocks, ranks_per_node=4, shared_file=True, requested="pinned").tier == "pinned"
     assert choose_host_tier(blocks, 500 << 20, ranks_per_node=4, shared_file=True).tier == "disk"  # the budget rules
 

@@ -48,6 +48,7 @@ from poros.stream.store import Entry, entry_view
 
 FILE_ALIGN = 4096  # every block starts on a 4 KiB boundary of the file (O_DIRECT, page mapping)
 READ_CHUNK = 1 << 30  # bytes per read call (Linux caps one read near 2 GiB)
+CHECK_CHUNK = 64 << 20  # bytes per read of an entry's check, into each thread's own buffer
 CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: pin a mapping without write access
 #: (path, inode, size, mtime, kind) -> this process's one mapping of that kind ("private", "shared")
 _MAPPINGS: dict[tuple[str, int, int, int, str], torch.Tensor] = {}
@@ -67,7 +68,7 @@ class BlockFile:
     path: Path
     offsets: list[int]
     nbytes: list[int]
-    checksums: list[int] = field(default_factory=list)  # crc32 of each block's padded region
+    checksums: list[int] = field(default_factory=list)  # of each block's padded region, by ``algorithm``
     mapped: torch.Tensor | None = field(default=None, repr=False, compare=False)  # set by mapping()
 
     @property
@@ -75,6 +76,7 @@ class BlockFile:
         return max((o + padded(n) for o, n in zip(self.offsets, self.nbytes) if o >= 0), default=0)
 
     shared: torch.Tensor | None = field(default=None, repr=False, compare=False)  # set by shared_mapping()
+    algorithm: str = "crc32"  # how ``checksums`` were computed (:data:`CHECKSUMS`)
 
     def mapping(self) -> torch.Tensor:
         """The whole file as a uint8 CPU tensor, mapped copy-on-write (writable; the file is never
@@ -129,10 +131,45 @@ def release_mapping(path: Path) -> None:
         del _MAPPINGS[key]
 
 
+def _xxh3_update(data, state):
+    """A running xxh3_64 (``state`` None starts one): 16 GB/s a core where zlib's crc32 does 2.4, so a
+    start's check of a 37 GB entry takes a second or two instead of several."""
+    import xxhash
+
+    state = xxhash.xxh3_64() if state is None else state
+    state.update(data)
+    return state
+
+
+def _xxh3_final(state) -> int:
+    import xxhash
+
+    return (xxhash.xxh3_64() if state is None else state).intdigest()
+
+
+#: checksum name -> (update(data, state) -> state, starting from None; final(state) -> int).
+#: Entries record theirs; crc32 is what entries written before xxh3_64 carry.
+CHECKSUMS = {
+    "xxh3_64": (_xxh3_update, _xxh3_final),
+    "crc32": (lambda data, state: zlib.crc32(data, 0 if state is None else state),
+              lambda state: 0 if state is None else state),
+}
+
+
+def default_checksum() -> str:
+    """``xxh3_64`` where the ``xxhash`` package is installed (``poros-train[train]`` brings it), else ``crc32``."""
+    import importlib.util
+
+    return "xxh3_64" if importlib.util.find_spec("xxhash") else "crc32"
+
+
 def write_block_file(path: Path, layouts: dict[int, tuple[list[Entry], list[torch.Tensor], int]],
-                     count: int) -> BlockFile:
+                     count: int, *, algorithm: str | None = None) -> BlockFile:
     """Pack the blocks of ``layouts`` (``{index: (entries, tensors, nbytes)}``) into ``path``, 4 KiB aligned,
-    and return its :class:`BlockFile` with a crc32 per padded block region."""
+    and return its :class:`BlockFile` with a checksum (``algorithm``, default :func:`default_checksum`)
+    per padded block region."""
+    algorithm = algorithm or default_checksum()
+    update, final = CHECKSUMS[algorithm]
     offsets, sizes, checksums = [-1] * count, [0] * count, [0] * count
     largest = max((padded(layout[2]) for layout in layouts.values()), default=0)
     staging = torch.zeros(largest, dtype=torch.uint8)
@@ -146,9 +183,9 @@ def write_block_file(path: Path, layouts: dict[int, tuple[list[Entry], list[torc
                 entry_view(region, entry).copy_(tensor)
             data = region.numpy()
             handle.write(memoryview(data))
-            offsets[index], sizes[index], checksums[index] = position, nbytes, zlib.crc32(data)
+            offsets[index], sizes[index], checksums[index] = position, nbytes, final(update(data, None))
             position += padded(nbytes)
-    return BlockFile(Path(path), offsets, sizes, checksums)
+    return BlockFile(Path(path), offsets, sizes, checksums, algorithm=algorithm)
 
 
 def _source_for(source: BlockFile | None, layouts: dict, spill_dir: Path | None, count: int) -> tuple[BlockFile, bool]:
@@ -161,16 +198,17 @@ def _source_for(source: BlockFile | None, layouts: dict, spill_dir: Path | None,
     return write_block_file(directory / f"spill-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin", layouts, count), True
 
 
-def _register_for_dma(mapping: torch.Tensor) -> bool:
+def _register_for_dma(mapping: torch.Tensor, *, copy_if_refused: bool = False) -> bool:
     """``cudaHostRegister`` the shared read-only mapping read-only (page-locked for DMA, still the page
     cache's pages, so other processes share them). Where the device refuses, say so: copies then run
-    from pageable memory (the same bytes, slower)."""
+    from pageable memory (the same bytes, slower), or from pinned copies with ``copy_if_refused``."""
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(mapping.data_ptr(), mapping.numel(), CUDA_HOST_REGISTER_READ_ONLY)
     if int(error) == 0:
         return True
-    warnings.warn(f"poros: the device refused to register the mapped block file read-only ({error}); copies run "
-                  "from pageable memory (slower, same bytes). The pinned host tier avoids it.", stacklevel=3)
+    warnings.warn(f"poros: the device refused to register the mapped block file read-only ({error}); " + (
+        "the blocks are copied into pinned memory instead, as the pinned tier does (same bytes)." if copy_if_refused
+        else "copies run from pageable memory (slower, same bytes). The pinned host tier avoids it."), stacklevel=3)
     return False
 
 
@@ -180,14 +218,19 @@ class MappedTier:
     Args:
         source: the block file the model's block tensors view (the NF4 block cache entry), or None.
         spill_dir: where to write a spill file when the blocks are not views of ``source``.
+        copy_if_refused: where the device refuses to register the mapping for DMA, serve pinned copies
+            of the blocks (what the ``pinned`` tier holds) instead of pageable memory: for a tier the
+            planner chose rather than one the user asked for.
     """
 
     name = "mapped"
 
-    def __init__(self, source: BlockFile | None = None, *, spill_dir: str | os.PathLike | None = None) -> None:
-        self.source, self.spill_dir = source, spill_dir
+    def __init__(self, source: BlockFile | None = None, *, spill_dir: str | os.PathLike | None = None,
+                 copy_if_refused: bool = False) -> None:
+        self.source, self.spill_dir, self.copy_if_refused = source, spill_dir, copy_if_refused
         self.file: BlockFile | None = None
         self.registered: torch.Tensor | None = None
+        self.copies: dict[int, torch.Tensor] = {}  # pinned copies, when registering was refused
 
     def attach(self, layouts: dict, device: torch.device) -> None:
         if not layouts:  # every block is resident: nothing to serve
@@ -197,12 +240,15 @@ class MappedTier:
         self.file.mapping()  # for lend, before a spill file's name goes
         if spilled:
             os.unlink(self.file.path)  # the mappings keep the pages; nothing is left behind
-        if device.type == "cuda" and _register_for_dma(mapping):
-            self.registered = mapping
+        if device.type == "cuda":
+            if _register_for_dma(mapping, copy_if_refused=self.copy_if_refused):
+                self.registered = mapping
+            elif self.copy_if_refused:
+                self.copies = {i: self.file.block_view(i, shared=True).clone().pin_memory() for i in layouts}
 
     def host_buffer(self, index: int) -> torch.Tensor:
-        """Block ``index``'s bytes in the shared read-only mapping: the store streams from it."""
-        return self.file.block_view(index, shared=True)
+        """Block ``index``'s bytes in the shared read-only mapping (or its pinned copy): the store streams from it."""
+        return self.copies[index] if index in self.copies else self.file.block_view(index, shared=True)
 
     def acquire(self, index: int) -> torch.Tensor:  # every block has a host buffer: the store never asks
         return self.host_buffer(index)
@@ -392,8 +438,10 @@ class DiskTier:
 
 
 def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: int = 3,
-                   spill_dir: str | os.PathLike | None = None):
+                   spill_dir: str | os.PathLike | None = None, chosen: bool = False):
     """The host tier object for :class:`~poros.stream.store.BlockStore` (None for ``pinned``: its own path).
+    ``chosen``: the planner picked the tier (not the user): a ``mapped`` tier the device will not register
+    for DMA then serves pinned copies rather than pageable memory.
 
     Raises:
         StreamingError: an unknown tier name.
@@ -401,7 +449,7 @@ def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: in
     if name == "pinned":
         return None
     if name == "mapped":
-        return MappedTier(source, spill_dir=spill_dir)
+        return MappedTier(source, spill_dir=spill_dir, copy_if_refused=chosen)
     if name == "disk":
         return DiskTier(source, depth=read_ahead, spill_dir=spill_dir)
     raise StreamingError(f"host tier {name!r}: expected 'pinned', 'mapped' or 'disk'.")
@@ -451,25 +499,31 @@ def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
 
 
 def checksum_file(file: BlockFile, *, workers: int = 4, stop: threading.Event | None = None) -> list[int]:
-    """crc32 of each block's padded region, read with ``workers`` threads (zlib releases the GIL).
-    Once ``stop`` is set, the blocks not finished get -1 (no crc32 matches it)."""
+    """The checksum (``file.algorithm``) of each block's padded region, read with ``workers`` threads
+    (xxhash and zlib let go of the GIL), each into one buffer of its own (no fresh pages per read).
+    Once ``stop`` is set, the blocks not finished get -1 (no checksum matches it)."""
+    update, final = CHECKSUMS[file.algorithm]
+    buffers = threading.local()
+
     def one(index: int) -> int:
-        crc, offset, end = 0, file.offsets[index], file.offsets[index] + padded(file.nbytes[index])
+        if not hasattr(buffers, "chunk"):
+            buffers.chunk = memoryview(bytearray(CHECK_CHUNK))
+        state, offset, end = None, file.offsets[index], file.offsets[index] + padded(file.nbytes[index])
         with open(file.path, "rb", buffering=0) as handle:
             handle.seek(offset)
             while offset < end:
                 if stop is not None and stop.is_set():
                     return -1
-                chunk = handle.read(min(64 << 20, end - offset))
-                if not chunk:
+                got = handle.readinto(buffers.chunk[: min(CHECK_CHUNK, end - offset)])
+                if not got:
                     break
-                crc, offset = zlib.crc32(chunk, crc), offset + len(chunk)
-        return crc if offset == end else -1
+                state, offset = update(buffers.chunk[:got], state), offset + got
+        return final(state) if offset == end else -1
     indices = [i for i, o in enumerate(file.offsets) if o >= 0]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         found = dict(zip(indices, pool.map(one, indices)))
     return [found.get(i, 0) for i in range(len(file.offsets))]
 
 
-__all__ = ["BlockFile", "DiskTier", "FILE_ALIGN", "MappedTier", "checksum_file", "make_host_tier", "padded", "release_mapping",
+__all__ = ["BlockFile", "CHECKSUMS", "DiskTier", "FILE_ALIGN", "MappedTier", "checksum_file", "make_host_tier", "padded", "release_mapping",
            "share_host_table", "write_block_file"]
