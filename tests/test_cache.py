@@ -460,18 +460,19 @@ def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_en
     report_path = tmp_path / "cache.json"
     subprocess.run([sys.executable, "-m", "tools.cache_bench", "--model", "tiny", "--device", "cpu", "--steps", "1",
                     "--warmup", "0", "--grad-accum", "2", "--seq", "16", "--dir", str(tmp_path / "work"),
-                    "--rounds", "2", "--start-tiers", "pinned,mapped", "--json", str(report_path)],
+                    "--rounds", "2", "--start-tiers", "auto,pinned", "--json", str(report_path)],
                    cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(POROS_COMMIT="test"),
                    capture_output=True, text=True, check=True)
     report = json.loads(report_path.read_text())
     assert report["environment"]["commit"] == "test"
-    assert set(report["start"]) == {"nocache", "cold", "cached", "cached_warm", "cached_mapped", "cached_mapped_warm"}
+    assert set(report["start"]) == {"nocache", "cold", "cached", "cached_warm", "cached_pinned", "cached_pinned_warm"}
     for name, row in report["start"].items():  # each start in a fresh process: its launch counts too
-        assert row["tier"] == ("mapped" if name.startswith("cached_mapped") else "pinned")
+        # the tier a user gets: pinned without an entry, the entry's mapping with one; or the one asked for
+        assert row["tier"] == ("pinned" if name in ("nocache", "cached_pinned", "cached_pinned_warm") else "mapped")
         assert row["process_through_first_step_s"] > row["through_first_step_s"] > row["start_s"] > 0
         assert row["process_start_s"] > row["start_s"] >= row["load_s"] + row["lora_s"] + row["prepare_s"]
         assert 0 < row["imports_s"] < row["process_start_s"] and row["first_step_s"] > 0
-    assert set(report["speedups"]) == {"cached", "cached_warm", "cached_mapped", "cached_mapped_warm"}
+    assert set(report["speedups"]) == {"cached", "cached_warm", "cached_pinned", "cached_pinned_warm"}
     assert all(v > 0 for row in report["speedups"].values() for v in row.values())
     assert set(report["tiers"]) == {"pinned", "mapped", "disk"}
     for row in report["tiers"].values():  # --rounds 2: each tier ran twice, its median over both rounds' steps

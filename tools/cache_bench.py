@@ -11,8 +11,10 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
    pass runs while transformers reads the non-block weights). The checkpoint's and the entry's pages
    are dropped from the page cache (``posix_fadvise``) before each of these starts, so every start
    reads from the drive; ``cached_warm``: once more without dropping them (the pages still in the page
-   cache, as after a run). ``--start-tiers pinned,mapped`` adds ``cached_mapped`` and
-   ``cached_mapped_warm``: the cached starts with the ``mapped`` tier (no copy into pinned memory).
+   cache, as after a run). These take the host tier a user gets with ``host_tier`` unset (``mapped``
+   for a model loaded through the cache, since 078d9cf); ``--start-tiers auto,pinned`` adds
+   ``cached_pinned`` and ``cached_pinned_warm``, the cached starts with that tier asked for (``pinned``
+   copies every block into page-locked memory at the start).
    Each start runs in a fresh process, as a user's run does, and reports its phases: ``imports_s``
    (launch to the child's first line: interpreter, torch, transformers), ``load_s``, ``lora_s``,
    ``prepare_s`` (the host tier: the pinned copy, the mapping's registration), ``start_s`` (load
@@ -61,7 +63,8 @@ import torch
 from tools import bench  # shapes, environment, batches
 
 TIERS = ("pinned", "disk", "mapped")
-STARTS = ("nocache", "cold", "cached", "cached_warm", "cached_mapped", "cached_mapped_warm")
+STARTS = ("nocache", "cold", "cached", "cached_warm", *(f"cached_{tier}{warm}" for tier in ("pinned", "mapped", "disk")
+                                                        for warm in ("", "_warm")))
 MEASURES = ("start_s", "through_first_step_s", "process_start_s", "process_through_first_step_s")
 
 
@@ -84,13 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--start-tiers", default="pinned",
-                        help="host tiers of the cached starts (pinned, mapped): mapped adds cached_mapped(_warm)")
+    parser.add_argument("--start-tiers", default="auto",
+                        help="host tiers of the cached starts: auto (the default choice: cached, cached_warm), "
+                             "and pinned / mapped / disk (cached_TIER, cached_TIER_warm)")
     parser.add_argument("--starts-only", action="store_true", help="measure the starts only, not the tiers' steps")
     parser.add_argument("--project", nargs=2, default=None, metavar="JSON",
                         help="two reports of one shape at different --layers: project every start to full depth")
     parser.add_argument("--start-child", default=None, choices=STARTS, help=argparse.SUPPRESS)
-    parser.add_argument("--start-tier", default="pinned", help=argparse.SUPPRESS)  # the child's host tier
+    parser.add_argument("--start-tier", default="auto", help=argparse.SUPPRESS)  # the child's host tier
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)  # the parent's clock
     return parser.parse_args(argv)
 
@@ -155,7 +159,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def start(checkpoint: Path, config, device, args, *, cache_dir, tier: str = "pinned", host_budget=None):
+def start(checkpoint: Path, config, device, args, *, cache_dir, tier: str | None = "pinned", host_budget=None):
     """load + LoRA + prepare: ``(streamed model, optimizer, phases)`` with ``load_s``, ``lora_s``, ``prepare_s``."""
     from poros.load import adapters_to_device, load_pretrained
     from poros.model import prepare
@@ -237,7 +241,7 @@ def run_tier(tier, checkpoint, config, device, args, root, entry, micro_batches,
 def start_in_fresh_process(name: str, work: Path, args) -> dict:
     """One start (:data:`STARTS`) in a new Python process, as a user's run starts: its phases (the
     child's clock) and ``process_start_s`` / ``process_through_first_step_s`` from the process's launch."""
-    tier = "mapped" if name.startswith("cached_mapped") else "pinned"
+    tier = name.split("_")[1] if name.count("_") >= 1 and name.split("_")[1] in TIERS else "auto"
     launched = time.time()
     command = [sys.executable, "-m", "tools.cache_bench", "--start-child", name, "--start-tier", tier,
                "--launched-at", repr(launched), "--dir", str(work), "--model", args.model, "--layers", str(args.layers),
@@ -262,7 +266,8 @@ def start_child(args) -> int:
     micro_batches = bench.make_batches(config, count=args.grad_accum, batch=1, seq=args.seq)
     sync(device)
     began = time.perf_counter()
-    streamed, optimizer, phases = start(work / "checkpoint", config, device, args, tier=args.start_tier,
+    tier = None if args.start_tier == "auto" else args.start_tier
+    streamed, optimizer, phases = start(work / "checkpoint", config, device, args, tier=tier,
                                         cache_dir=None if args.start_child == "nocache" else work / "cache")
     started, began_at = time.perf_counter() - began, time.time()
     first = step(streamed, optimizer, micro_batches, device)
@@ -351,8 +356,9 @@ def main(argv=None) -> int:
         progress(f"checkpoint written ({report['checkpoint_bytes'] / 1e9:.1f} GB)")
         starts = {}
         names = ["nocache", "cold", "cached", "cached_warm"]
-        if "mapped" in args.start_tiers.split(","):
-            names += ["cached_mapped", "cached_mapped_warm"]
+        for tier in args.start_tiers.split(","):
+            if tier != "auto":
+                names += [f"cached_{tier}", f"cached_{tier}_warm"]
         for name in names:
             if not name.endswith("_warm"):
                 drop_from_page_cache(checkpoint, *([root] if root.exists() else []))
