@@ -93,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--starts-only", action="store_true", help="measure the starts only, not the tiers' steps")
     parser.add_argument("--project", nargs=2, default=None, metavar="JSON",
                         help="two reports of one shape at different --layers: project every start to full depth")
+    parser.add_argument("--profile-warm", action="store_true",
+                        help="one more cached_warm start under cProfile: its 40 costliest calls (cumulative) in the "
+                             "report, to see where a cached start's time goes (not a timing: cProfile slows it)")
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)  # the child: under cProfile
     parser.add_argument("--start-child", default=None, choices=STARTS, help=argparse.SUPPRESS)
     parser.add_argument("--start-tier", default="auto", help=argparse.SUPPRESS)  # the child's host tier
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)  # the parent's clock
@@ -238,7 +242,7 @@ def run_tier(tier, checkpoint, config, device, args, root, entry, micro_batches,
     return row
 
 
-def start_in_fresh_process(name: str, work: Path, args) -> dict:
+def start_in_fresh_process(name: str, work: Path, args, *, profile: bool = False) -> dict:
     """One start (:data:`STARTS`) in a new Python process, as a user's run starts: its phases (the
     child's clock) and ``process_start_s`` / ``process_through_first_step_s`` from the process's launch."""
     tier = name.split("_")[1] if name.count("_") >= 1 and name.split("_")[1] in TIERS else "auto"
@@ -246,7 +250,7 @@ def start_in_fresh_process(name: str, work: Path, args) -> dict:
     command = [sys.executable, "-m", "tools.cache_bench", "--start-child", name, "--start-tier", tier,
                "--launched-at", repr(launched), "--dir", str(work), "--model", args.model, "--layers", str(args.layers),
                "--seq", str(args.seq), "--grad-accum", str(args.grad_accum), "--device", args.device,
-               *(["--deterministic"] if args.deterministic else []),
+               *(["--deterministic"] if args.deterministic else []), *(["--profile"] if profile else []),
                *(["--threads", str(args.threads)] if args.threads else [])]
     done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     if done.returncode != 0:
@@ -267,9 +271,23 @@ def start_child(args) -> int:
     sync(device)
     began = time.perf_counter()
     tier = None if args.start_tier == "auto" else args.start_tier
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     streamed, optimizer, phases = start(work / "checkpoint", config, device, args, tier=tier,
                                         cache_dir=None if args.start_child == "nocache" else work / "cache")
     started, began_at = time.perf_counter() - began, time.time()
+    if args.profile:
+        import pstats
+
+        profiler.disable()
+        stats = pstats.Stats(profiler).sort_stats("cumulative")
+        phases["profile"] = [{"function": f"{'/'.join(path.rsplit('/', 2)[-2:])}:{line}({name})", "calls": calls,
+                              "own_s": own, "cumulative_s": cumulative}
+                             for (path, line, name), (_, calls, own, cumulative, _) in
+                             sorted(stats.stats.items(), key=lambda item: -item[1][3])[:40]]
     first = step(streamed, optimizer, micro_batches, device)
     row = {"tier": streamed.host_plan.tier, "imports_s": imported - args.launched_at if args.launched_at else None,
            **phases, "start_s": started, "first_step_s": first, "through_first_step_s": started + first,
@@ -369,6 +387,9 @@ def main(argv=None) -> int:
                      f"({starts[name]['process_through_first_step_s']:.1f} s from the process's launch)")
         report["start"] = starts
         report["speedups"] = speedups(starts)
+        if args.profile_warm:
+            report["profile_cached_warm"] = start_in_fresh_process("cached_warm", work, args, profile=True)
+            progress("profiled cached_warm start")
         # The drive's rate, measured once the starts fsynced the checkpoint (right after writing it,
         # its writeback shared the drive: 0.15 GB/s on the H200 host at 26 GB).
         report["drive"] = measure_disk_read(work, size=2 << 30)

@@ -22,7 +22,7 @@ from typing import Any
 from poros.cli.output import print_json
 
 #: The ``[train]`` extra of poros-train (a test checks this against pyproject.toml).
-TRAIN_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets")
+TRAIN_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "xxhash")
 #: Reported when present; training does not need them.
 OPTIONAL_PACKAGES = ("accelerate",)
 INSTALL_HINT = "pip install 'poros-train[train]'"
