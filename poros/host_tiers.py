@@ -12,7 +12,8 @@ themselves are in ``poros/stream/tiers.py``; ``docs/cache-and-host-memory.md`` s
   entry local rank 0 built): on the H200 its steps matched ``pinned`` and its start skipped the
   pinned copy (1.2 GB/s there: 5.3 s of a 12 s cached start at 32B/24 layers).
 * ``disk`` -- a ring of ``read_ahead`` pinned block buffers filled from the cache file ahead of use:
-  host RAM of a few blocks, at the drive's read rate.
+  host RAM of a few blocks, at the drive's read rate. What the budget holds beyond the ring keeps the
+  first streamed blocks in pinned RAM for the run (``held_blocks``), so a step reads only the rest.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ class HostPlan:
     Attributes:
         tier: ``pinned``, ``mapped`` or ``disk``.
         read_ahead: ring buffers of the disk tier (0 for the others).
-        host_bytes: host RAM the tier holds for the blocks (pinned buffers, or the ring; for
-            ``mapped`` the page cache's share, once per node).
+        host_bytes: host RAM the tier holds for the blocks (pinned buffers, or the ring and the held
+            blocks; for ``mapped`` the page cache's share, once per node).
         block_bytes: the streamed blocks' bytes together.
         reason: one line, why.
         ranks_per_node: the processes of the node that each stream the model (``LOCAL_WORLD_SIZE``).
+        held_blocks: the disk tier's first streamed blocks kept in pinned RAM for the run (read once;
+            a step reads only the others from the drive). 0 for the other tiers.
     """
 
     tier: str
@@ -54,6 +57,7 @@ class HostPlan:
     block_bytes: int
     reason: str
     ranks_per_node: int = 1
+    held_blocks: int = 0
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -74,8 +78,10 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
     """Pick the host tier and the disk tier's read-ahead depth for the streamed blocks' ``block_bytes``.
 
     ``requested`` (a tier name) is taken as given; otherwise ``disk`` when a budget is set and below the
-    streamed blocks, with as many ring buffers as the budget holds (``read_ahead`` at most, default
-    :data:`DEFAULT_READ_AHEAD`; at least 2); else ``mapped`` when ``shared_file`` (the blocks are views of
+    streamed blocks: a ring of ``read_ahead`` buffers (default :data:`DEFAULT_READ_AHEAD`; at least 2,
+    fewer if the budget holds fewer), and as many of the first streamed blocks as the rest of the budget
+    holds kept in pinned RAM (``held_blocks``: each saves a read per pass); when the rest holds no block,
+    the ring takes up to :data:`MAX_READ_AHEAD` buffers instead (``read_ahead`` given: that many); else ``mapped`` when ``shared_file`` (the blocks are views of
     an NF4 block cache entry, which the page cache then holds once for every process of the node, and
     nothing is copied at the start); else ``pinned`` (with several ranks and no shared file, each rank
     holds its own copy, and the reason says so).
@@ -91,17 +97,26 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
                           "the device, one being read). Pass 2 or more.")
     depth = read_ahead or DEFAULT_READ_AHEAD
     if requested == "disk" or (requested is None and host_budget is not None and total > host_budget):
+        held = 0
         if host_budget is not None:
             fits = host_budget // largest if largest else MAX_READ_AHEAD
             if fits < 2:
                 raise ConfigError(
                     f"host budget {size(host_budget)} is below the disk tier's minimum: two ring buffers "
                     f"of the largest block, {size(2 * largest)}. Raise --host-budget to at least that.")
-            depth = min(depth if read_ahead else MAX_READ_AHEAD, fits)
+            depth = min(depth, fits)
+            spare = host_budget - depth * largest
+            while held < len(block_bytes) - 1 and block_bytes[held] <= spare:  # at least one block streams
+                spare -= block_bytes[held]
+                held += 1
+            if not held and not read_ahead:
+                depth = min(MAX_READ_AHEAD, fits)
         why = ("asked for" if requested else
                f"the streamed blocks ({size(total)}) exceed the host budget ({size(host_budget)})")
-        return HostPlan("disk", depth, depth * largest, total, f"disk tier, {depth} ring buffers: {why}",
-                        ranks_per_node)
+        kept = sum(block_bytes[:held])
+        holding = f", the first {held} blocks ({size(kept)}) held in pinned RAM" if held else ""
+        return HostPlan("disk", depth, depth * largest + kept, total,
+                        f"disk tier, {depth} ring buffers{holding}: {why}", ranks_per_node, held)
     shared = requested is None and shared_file
     if requested == "mapped" or shared:
         why = "asked for" if not shared else (

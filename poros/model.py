@@ -586,7 +586,8 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
     if host_tier is not None or budget is not None or plan.ranks_per_node > 1:
         logger.info("poros: %s", plan.reason)
     tier = make_host_tier(plan.tier, block_file, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
-                          spill_dir=cache.cache_root(cache_dir) / "spill", chosen=host_tier is None)
+                          spill_dir=cache.cache_root(cache_dir) / "spill", chosen=host_tier is None,
+                          held=plan.held_blocks)
     return plan, tier
 
 

@@ -379,28 +379,60 @@ def test_a_shared_host_table_is_the_same_bytes_and_copy_on_write(tmp_path, dtype
 
 
 # -- the disk tier and the host plan ---------------------------------------------------------------
-def test_disk_tier_reads_every_fetch_ahead_of_use_and_holds_only_its_ring(tmp_path):
+@pytest.mark.parametrize("held", [0, 1])
+def test_disk_tier_reads_every_fetch_ahead_of_use_and_holds_only_its_ring(tmp_path, held):
     from poros.testing import load_qlora
 
     path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=1, num_layers=5)
     model = load_qlora(path)
-    largest = max(poros.stream.store.packed_block_bytes(
-        list(model.get_base_model().model.layers)))
-    streamed = poros.prepare(model, host_budget=3 * largest + 100, cache_dir=str(tmp_path / "cache"))
-    assert (streamed.host_plan.tier, streamed.host_plan.read_ahead) == ("disk", 3)
-    assert all(block.buffer is None for block in streamed.store.blocks)  # no host copy per block
+    sizes = poros.stream.store.packed_block_bytes(list(model.get_base_model().model.layers))
+    # held: what the budget holds beyond the ring keeps the first blocks in RAM, never read again
+    streamed = poros.prepare(model, host_budget=3 * max(sizes) + sum(sizes[:held]) + 100,
+                             cache_dir=str(tmp_path / "cache"))
+    plan = streamed.host_plan
+    assert (plan.tier, plan.read_ahead, plan.held_blocks) == ("disk", 3, held)
+    assert plan.host_bytes == 3 * max(sizes) + sum(sizes[:held]) and (f"the first {held} blocks" in plan.reason) == bool(held)
+    assert [block.buffer is not None for block in streamed.store.blocks] == [i < held for i in range(5)]
     tier = streamed.store.host_tier
-    assert len(tier.ring) == 3
+    assert len(tier.ring) == 3 and tier.stats["held_blocks"] == held
+    assert tier.stats["reads"] <= 2  # the held blocks' reads are not the ring's; at most the first read-ahead
     batches = _batches(1)
     streamed.forward_backward(batches)  # warm: the reader is now ahead of the passes
-    before, fetches = dict(tier.stats), sum(streamed.store.stats.fetches)
+    def ring_fetches():  # fetches of the blocks the ring serves (a held block is never read again)
+        return sum(f for i, f in enumerate(streamed.store.stats.fetches) if i >= held)
+
+    before, fetches = dict(tier.stats), ring_fetches()
     for _ in range(2):
         streamed.forward_backward(batches)
         loss = streamed(**batches[0]).loss
         loss.backward()
-    fetched = sum(streamed.store.stats.fetches) - fetches
+    fetched = ring_fetches() - fetches
+    assert all(f > 0 for f in streamed.store.stats.fetches[:held])  # the held blocks stream too, from RAM
     assert tier.stats["misses"] == before["misses"] == 0, "a block was read on demand instead of ahead"
-    assert tier.stats["reads"] - before["reads"] == fetched  # each fetch read once, none for nothing
+    assert tier.stats["reads"] - before["reads"] == fetched  # each ring fetch read once, none for nothing
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
+def test_the_disk_tier_holding_blocks_in_ram_trains_bitwise(family, variant, tmp_path):
+    """A host budget above the ring keeps the first blocks in pinned RAM and reads the rest: bitwise resident."""
+    from poros import registry
+    from poros.descriptor import resolve_path
+    from test_parity import load_qlora, train, trainable
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5, num_layers=5)
+    batches = _batches(5)
+    reference = load_qlora(path, seed=5)
+    ref_losses, ref_opt = train(reference, list(trainable(reference).values()), batches)
+    model = load_qlora(path, seed=5)
+    causal_lm = model.get_base_model()
+    layers = list(resolve_path(causal_lm, registry.for_config(causal_lm.config).decoder_layers))
+    sizes = poros.stream.store.packed_block_bytes(layers)
+    streamed = poros.prepare(model, host_budget=2 * max(sizes) + sizes[0] + sizes[1], read_ahead=2,
+                             cache_dir=str(tmp_path / "cache"))
+    assert (streamed.host_plan.tier, streamed.host_plan.held_blocks) == ("disk", 2)
+    losses, optimizer = train(streamed, streamed.trainable_parameters(), batches)
+    assert streamed.store.host_tier.stats["reads"] > 0
+    assert_bitwise(reference, model, ref_losses, losses, ref_opt, optimizer)
 
 
 def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_not():
@@ -410,9 +442,13 @@ def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_
     blocks = [100 << 20] * 10
     assert choose_host_tier(blocks).tier == "pinned"
     assert choose_host_tier(blocks, 2 << 30).tier == "pinned"
-    plan = choose_host_tier(blocks, 500 << 20)
-    assert (plan.tier, plan.read_ahead, plan.host_bytes) == ("disk", 5, 500 << 20)
-    assert choose_host_tier(blocks, 500 << 20, read_ahead=3).read_ahead == 3
+    plan = choose_host_tier(blocks, 500 << 20)  # a ring of 3, the first 2 blocks held in RAM
+    assert (plan.tier, plan.read_ahead, plan.held_blocks, plan.host_bytes) == ("disk", 3, 2, 500 << 20)
+    plan = choose_host_tier(blocks, 500 << 20, read_ahead=5)  # the ring asked for takes it all
+    assert (plan.tier, plan.read_ahead, plan.held_blocks, plan.host_bytes) == ("disk", 5, 0, 500 << 20)
+    plan = choose_host_tier(blocks, 350 << 20)  # nothing more fits beside a ring of 3: the ring grows
+    assert (plan.read_ahead, plan.held_blocks) == (3, 0)
+    assert choose_host_tier(blocks, 999 << 20).held_blocks == 6  # one block less than all: at least one streams
     assert choose_host_tier(blocks, requested="mapped").tier == "mapped"
     with pytest.raises(ConfigError, match="at least"):
         choose_host_tier(blocks, 150 << 20)

@@ -283,19 +283,27 @@ class DiskTier:
         pin_memory: pin the ring (default: when the device is CUDA).
         spill_dir: as for :class:`MappedTier`.
         direct: try ``O_DIRECT`` reads (bypass the page cache); falls back to buffered reads.
+        held: keep the first ``held`` streamed blocks in pinned buffers of their own for the run (read
+            once, at attach): a pass then reads only the others. Held at the bottom, they are what the
+            executor runs between one backward's last ring block and the next forward's first, so the
+            reader fills the ring while they compute, and the predicted order is unchanged.
     """
 
     name = "disk"
 
     def __init__(self, source: BlockFile | None = None, *, depth: int = 3, pin_memory: bool | None = None,
-                 spill_dir: str | os.PathLike | None = None, direct: bool = True) -> None:
+                 spill_dir: str | os.PathLike | None = None, direct: bool = True, held: int = 0) -> None:
         if depth < 2:
             raise StreamingError(f"read-ahead depth {depth}: the disk tier needs at least 2 ring buffers (one "
                                  "copying, one reading). Pass depth >= 2.")
+        if held < 0:
+            raise StreamingError(f"held={held}: the number of blocks kept in RAM cannot be negative.")
         self.source, self.depth, self.pin_memory, self.spill_dir = source, depth, pin_memory, spill_dir
-        self.direct = direct
+        self.direct, self.held_count = direct, held
+        self.held: dict[int, torch.Tensor] = {}  # block index -> its pinned buffer, for the run
         # counters for tests and benchmarks: read_seconds is the reader thread's time inside reads
-        self.stats = {"reads": 0, "bytes_read": 0, "read_seconds": 0.0, "misses": 0, "direct": False}
+        self.stats = {"reads": 0, "bytes_read": 0, "read_seconds": 0.0, "misses": 0, "direct": False,
+                      "held_blocks": 0, "held_bytes": 0}
         self._lock = threading.Lock()
 
     # -- setup -----------------------------------------------------------------------------
@@ -318,6 +326,8 @@ class DiskTier:
         release_mapping(self.file.path)  # blocks come from reads now, not from a mapping
         self.file.mapped = self.file.shared = None
         pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
+        kept = self.order[: min(self.held_count, len(self.order) - 1)]  # at least one block streams
+        self.order = self.order[len(kept):]  # the ring's blocks, in forward order
         size = max((padded(n) for i, n in enumerate(self.file.nbytes) if i in layouts), default=FILE_ALIGN)
         # One allocation, each buffer on a 4 KiB boundary (O_DIRECT needs aligned addresses).
         self._arena = torch.empty(self.depth * size + FILE_ALIGN, dtype=torch.uint8, pin_memory=pin)
@@ -328,12 +338,20 @@ class DiskTier:
         self.ahead: deque[_Staged] = deque()
         self.current: _Staged | None = None
         self.direction = 1
+        for index in kept:  # read once, through the ring's first buffer (aligned for O_DIRECT)
+            self._read(index, 0)
+            self.held[index] = torch.empty(self.file.nbytes[index], dtype=torch.uint8, pin_memory=pin)
+            self.held[index].copy_(self.ring[0][: self.file.nbytes[index]])
+        self.stats.update(held_blocks=len(kept), held_bytes=sum(t.numel() for t in self.held.values()),
+                          reads=0, bytes_read=0, read_seconds=0.0)  # the counters are the ring's
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-disk-tier")
         for index in self.order[: self.depth - 1]:  # the first forward's blocks, read while the run starts
             self.ahead.append(self._stage(index))
 
-    def host_buffer(self, index: int) -> None:
-        return None  # no host copy per block: acquire() reads it ahead into the ring
+    def host_buffer(self, index: int) -> torch.Tensor | None:
+        """A held block's pinned buffer (the store streams from it as from the pinned tier's); None for the
+        others: acquire() reads them ahead into the ring."""
+        return self.held.get(index)
 
     def lend(self, index: int) -> torch.Tensor:
         """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block: a view of a
@@ -438,10 +456,11 @@ class DiskTier:
 
 
 def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: int = 3,
-                   spill_dir: str | os.PathLike | None = None, chosen: bool = False):
+                   spill_dir: str | os.PathLike | None = None, chosen: bool = False, held: int = 0):
     """The host tier object for :class:`~poros.stream.store.BlockStore` (None for ``pinned``: its own path).
     ``chosen``: the planner picked the tier (not the user): a ``mapped`` tier the device will not register
-    for DMA then serves pinned copies rather than pageable memory.
+    for DMA then serves pinned copies rather than pageable memory. ``held``: the disk tier's blocks kept
+    in RAM (:class:`DiskTier`).
 
     Raises:
         StreamingError: an unknown tier name.
@@ -451,7 +470,7 @@ def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: in
     if name == "mapped":
         return MappedTier(source, spill_dir=spill_dir, copy_if_refused=chosen)
     if name == "disk":
-        return DiskTier(source, depth=read_ahead, spill_dir=spill_dir)
+        return DiskTier(source, depth=read_ahead, spill_dir=spill_dir, held=held)
     raise StreamingError(f"host tier {name!r}: expected 'pinned', 'mapped' or 'disk'.")
 
 
