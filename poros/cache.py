@@ -42,7 +42,7 @@ from poros.errors import CacheEntryError
 
 logger = logging.getLogger("poros")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a per-block "checksum" of the manifest's kind (xxh3_64 or crc32) replaced "crc32"
 MANIFEST = "manifest.json"
 BLOCKS = "blocks.bin"
 LAST_USE = "last-use"
@@ -156,7 +156,11 @@ class CacheEntry:
 
         self.check_size()
         file = self.block_file()
-        found = checksum_file(file, workers=min(16, os.cpu_count() or 1), stop=stop)
+        try:
+            found = checksum_file(file, workers=min(16, os.cpu_count() or 1), stop=stop)
+        except (KeyError, ImportError) as problem:  # a kind this install cannot compute (no xxhash): rebuild
+            raise CacheEntryError(f"{self.directory.name}: its checksums are {file.algorithm}, which this "
+                                  f"installation cannot compute ({problem!r})") from problem
         if stop is not None and stop.is_set():
             raise CacheEntryError(f"{self.directory.name}: check stopped before it ended")
         bad = [i for i, (a, b) in enumerate(zip(found, file.checksums)) if a != b]

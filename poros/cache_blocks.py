@@ -25,6 +25,7 @@ from torch import nn
 from poros import cache
 from poros.errors import CacheEntryError
 from poros.stream.store import bind_entry, block_layouts, entry_view
+from poros.stream.tiers import release_mapping
 
 logger = logging.getLogger("poros")
 
@@ -285,6 +286,7 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
                 logger.info("poros: NF4 blocks from the cache: %s", entry.directory)
             except CacheEntryError as problem:
                 loaded = loading_info = None  # views of a damaged entry: never trained on
+                release_mapping(entry.blocks_path)  # so the removed file's space is freed before the rebuild
                 _report(problem, root / name)
                 entry = None
         if entry is None:
@@ -313,22 +315,18 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
 def _load_while_verifying(entry: cache.CacheEntry, load):
     """``load()`` (transformers reading the non-block weights) while threads check every block's checksum
     (file reads and xxhash/zlib, which let go of the GIL): a start pays the longer of the two, not both.
-    The check's verdict is awaited before anything is returned, so a damaged entry is still never
-    trained on; when both fail, the check's error is the one raised (the entry is then rebuilt). An
-    interrupt (Ctrl-C) stops the check at its next 64 MiB read instead of waiting for it."""
+    The check's verdict is awaited before anything is returned, so a damaged entry is never trained on.
+    When the load fails (its own error: it reads no block byte) or is interrupted (Ctrl-C), the check
+    stops at its next 64 MiB read instead of running to the end."""
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-cache-check") as pool:
         checked = pool.submit(entry.verify, stop=stop)
         try:
             result = load()
-        except Exception:
-            if isinstance(checked.exception(), CacheEntryError):  # waits for the check
-                raise checked.exception() from None
-            raise
+            checked.result()
         except BaseException:
             stop.set()
             raise
-        checked.result()
     return result
 
 

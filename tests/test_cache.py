@@ -131,7 +131,18 @@ def test_a_chosen_mapped_tier_the_device_will_not_register_serves_pinned_copies(
     layers = list(loaded.model.model.layers)
     layouts = {i: layout for i, layout in enumerate(poros.stream.store.block_layouts(layers))}
     monkeypatch.setattr(tiers, "_register_for_dma", lambda mapping, copy_if_refused=False: False)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no CUDA here: the copy is the point
+    registered = []
+
+    class Runtime:  # no CUDA here: the copies' own registration is recorded, the copy is the point
+        def cudaHostRegister(self, pointer, nbytes, flags):
+            registered.append((pointer, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            registered.remove(next(r for r in registered if r[0] == pointer))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
     for chosen in (True, False):
         tier = tiers.make_host_tier("mapped", loaded.model.poros_block_file, chosen=chosen)
         tier.attach(layouts, torch.device("cuda"))
@@ -141,6 +152,10 @@ def test_a_chosen_mapped_tier_the_device_will_not_register_serves_pinned_copies(
             inside = mapping.data_ptr() <= buffer.data_ptr() < mapping.data_ptr() + mapping.numel()
             assert inside is not chosen  # chosen: its own copy; asked for: the mapping itself
             assert torch.equal(buffer, tier.file.block_view(index, shared=True))
+        # one registered buffer of the copies' own size (not each rounded up to a power of two)
+        assert len(registered) == int(chosen) and (not chosen or registered[0][1] < 2 * sum(tier.file.nbytes))
+        tier.close()
+        assert not registered
 
 
 def test_cache_is_used_by_every_tier(tmp_path):
@@ -216,12 +231,16 @@ def test_a_damaged_entry_is_reported_in_one_line_rebuilt_and_never_trained_on(ti
     assert len(damaged) == 1 and "\n" not in damaged[0] and "fails its checksum (xxh3_64)" in damaged[0]
     assert (copy / cache.BLOCKS).read_bytes() == good  # rebuilt from the checkpoint
     assert_bitwise(reference[0], rebuilt[0], reference[1], rebuilt[1], reference[2], rebuilt[2])
+    import poros.stream.tiers as tiers
+
+    inode = (copy / cache.BLOCKS).stat().st_ino  # the damaged file's mapping was let go before the rebuild
+    assert all(key[1] == inode for key in tiers._MAPPINGS if key[0] == str(copy / cache.BLOCKS))
 
 
 def test_the_checksum_pass_runs_beside_the_load_and_its_verdict_wins(tiny_entry, tmp_path):
     """The cached load reads the non-block weights while another thread checks the entry: the check is
-    under way during the load, a damaged entry raises even when the load also failed (so it is rebuilt),
-    a sound one lets the load's own error through, and an interrupt stops the check early."""
+    under way during the load, its verdict on a damaged entry is raised once the load is done (so the
+    entry is rebuilt), and a load that fails or is interrupted (Ctrl-C) stops the check and raises its own."""
     import threading
 
     from poros.cache_blocks import _load_while_verifying
@@ -239,16 +258,25 @@ def test_the_checksum_pass_runs_beside_the_load_and_its_verdict_wins(tiny_entry,
     raw[-5000] ^= 1
     (copy / cache.BLOCKS).write_bytes(bytes(raw))
     damaged = cache.CacheEntry(copy, cache.read_manifest(copy))
-
-    def failing():
-        raise ValueError("transformers failed")
-
     with pytest.raises(CacheEntryError, match="checksum"):
         _load_while_verifying(damaged, lambda: "model")
-    with pytest.raises(CacheEntryError, match="checksum"):
-        _load_while_verifying(damaged, failing)
-    with pytest.raises(ValueError, match="transformers failed"):
-        _load_while_verifying(sound, failing)
+
+    class Waiting(cache.CacheEntry):  # a check that runs until it is stopped
+        stopped = None
+
+        def verify(self, *, stop=None):
+            Waiting.stopped = stop.wait(60)
+            if Waiting.stopped:
+                raise CacheEntryError("check stopped before it ended")
+
+    for error in (ValueError("transformers failed"), KeyboardInterrupt()):
+        def failing():
+            raise error
+
+        Waiting.stopped = None
+        with pytest.raises(type(error)):
+            _load_while_verifying(Waiting(entry, sound.manifest), failing)
+        assert Waiting.stopped is True  # stopped, not waited for
     stop = threading.Event()
     stop.set()
     with pytest.raises(CacheEntryError, match="stopped"):
@@ -276,6 +304,10 @@ def test_an_entry_written_with_crc32s_still_opens_and_its_damage_is_still_found(
     damaged[7] ^= 4
     (copy / cache.BLOCKS).write_bytes(bytes(damaged))
     with pytest.raises(CacheEntryError, match=r"block 0 fails its checksum \(crc32\)"):
+        cache.open_entry(tmp_path, copy.name)
+    manifest["checksum"] = "md4"  # a kind this installation cannot compute: damaged, so rebuilt
+    (copy / cache.MANIFEST).write_bytes(cache._manifest_bytes(manifest))
+    with pytest.raises(CacheEntryError, match="cannot compute"):
         cache.open_entry(tmp_path, copy.name)
 
 
@@ -520,27 +552,38 @@ def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_en
 
 
 def test_cache_bench_projects_two_depths_to_the_full_depth(tmp_path, child_env):
-    """--project: a straight line per start and phase through two depths, read at the shape's full depth."""
-    def report(layers: int, nocache: float, cached: float) -> dict:
-        rows = {name: {m: seconds for m in ("start_s", "through_first_step_s", "process_start_s",
-                                            "process_through_first_step_s", "load_s")}
-                for name, seconds in (("nocache", nocache), ("cached", cached))}
+    """--project: a straight line per start and phase through two depths, read at the shape's full depth; the
+    first step scaled from the deeper run, the launch measured, so the measures agree with one another
+    (a noisy launch or first step cannot make a projection shorter than its own start)."""
+    def report(layers: int, nocache: float, cached: float, launch: float, first: float) -> dict:
+        rows = {}
+        for name, seconds in (("nocache", nocache), ("cached", cached)):
+            rows[name] = {"load_s": seconds - 1, "lora_s": 0.5, "prepare_s": 0.5, "start_s": seconds,
+                          "first_step_s": first, "through_first_step_s": seconds + first,
+                          "process_start_s": seconds + launch, "process_through_first_step_s": seconds + launch + first}
         return {"model": {"shape": "qwen2.5-32b", "num_hidden_layers": layers, "full_depth": 64},
                 "environment": {"commit": "test"}, "start": rows}
 
-    paths = [tmp_path / "a.json", tmp_path / "b.json"]
-    paths[0].write_text(json.dumps(report(24, 4 + 2 * 24, 3 + 0.1 * 24)))  # given in either order
-    paths[1].write_text(json.dumps(report(8, 4 + 2 * 8, 3 + 0.1 * 8)))
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]  # given in either order; the shallow run's launch is slower
+    paths[0].write_text(json.dumps(report(24, 4 + 2 * 24, 3 + 0.1 * 24, launch=14, first=1.2)))
+    paths[1].write_text(json.dumps(report(8, 4 + 2 * 8, 3 + 0.1 * 8, launch=18, first=2.0)))
     out = tmp_path / "projected.json"
     subprocess.run([sys.executable, "-m", "tools.cache_bench", "--project", *map(str, paths), "--json", str(out)],
                    cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(), capture_output=True, text=True,
                    check=True)
     projected = json.loads(out.read_text())
     assert projected["projection"] and projected["from_layers"] == [8, 24] and projected["full_depth"] == 64
-    load = projected["start"]["nocache"]["load_s"]
-    assert load["fixed_s"] == pytest.approx(4) and load["per_layer_s"] == pytest.approx(2)
-    assert load["at_full_depth_s"] == pytest.approx(4 + 2 * 64)
-    assert projected["speedups_at_full_depth"]["cached"]["start_s"] == pytest.approx((4 + 2 * 64) / (3 + 0.1 * 64))
+    start = projected["start"]["nocache"]["start_s"]
+    assert start["fixed_s"] == pytest.approx(4) and start["per_layer_s"] == pytest.approx(2)
+    assert start["at_full_depth_s"] == pytest.approx(4 + 2 * 64)
+    cached = 3 + 0.1 * 64
+    row = projected["start"]["cached"]
+    assert row["first_step_s"]["at_full_depth_s"] == pytest.approx(1.2 * 64 / 24)
+    assert row["through_first_step_s"]["at_full_depth_s"] == pytest.approx(cached + 1.2 * 64 / 24)
+    assert row["process_start_s"]["at_full_depth_s"] == pytest.approx(cached + 16)  # the launches' mean
+    speedup = projected["speedups_at_full_depth"]["cached"]
+    assert speedup["start_s"] == pytest.approx((4 + 2 * 64) / cached)
+    assert speedup["process_start_s"] == pytest.approx((4 + 2 * 64 + 16) / (cached + 16))
 
 
 def test_clear_with_a_model_removes_that_models_entries_only(tmp_path):

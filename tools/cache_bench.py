@@ -7,7 +7,7 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 1. ``nocache``: ``load_pretrained`` without the cache (read + quantize every block) + LoRA +
    ``prepare`` + the first optimizer step;
 2. ``cold``: the same through the cache, which also writes the entry;
-3. ``cached``: the same again: the entry is mapped, no block weight is read or quantized (its crc32
+3. ``cached``: the same again: the entry is mapped, no block weight is read or quantized (its checksum
    pass runs while transformers reads the non-block weights). The checkpoint's and the entry's pages
    are dropped from the page cache (``posix_fadvise``) before each of these starts, so every start
    reads from the drive; ``cached_warm``: once more without dropping them (the pages still in the page
@@ -36,8 +36,8 @@ Targets (issue 14): cached start >= 10x faster than quantizing; ``mapped`` withi
 The full-depth checkpoints (65 GB at 32B, 145 GB at 72B) do not fit the GPU host's disk. A start is a
 fixed part (imports, model build, the non-block weights) and a part per decoder layer (the blocks
 read, quantized, checked, pinned); ``--project A.json B.json`` fits ``t = fixed + per_layer * layers``
-through two runs of one shape at different depths, for every start and phase, and gives each at the
-shape's full depth (a projection, and labelled one).
+through two runs of one shape at different depths, for each start's phases, and gives each at the
+shape's full depth (a projection, and labelled one; see :func:`project`).
 
     python -m tools.cache_bench --model qwen2.5-32b --layers 4 --json out/cache-32b.json
     python -m tools.cache_bench --project out/cache-32b-8.json out/cache-32b-24.json --json out/projected.json
@@ -304,31 +304,46 @@ def speedups(starts: dict[str, dict]) -> dict[str, dict[str, float]]:
             for name, row in starts.items() if name.startswith("cached")}
 
 
+PROJECTED = ("load_s", "lora_s", "prepare_s", "start_s")  # the phases that grow with the layers
+
+
 def project(first: dict, second: dict) -> dict:
-    """Fit ``t = fixed + per_layer * layers`` through two reports of one shape at different depths, for
-    every start's phases and measures, and give each at the shape's full depth."""
+    """Two reports of one shape at different depths, projected to the shape's full depth: a straight line
+    ``fixed + per_layer * layers`` through each start's load, LoRA, prepare and start; the first step
+    (the same step for every start, whose warm-up varies from process to process) as the deeper run's
+    mean over the starts, scaled by layers; the launch (imports, CUDA context: no layer in it) as each
+    start's mean over both runs. ``through_first_step_s`` and ``process_*`` follow from those, so the
+    measures stay consistent with one another."""
     (low, high) = sorted((first, second), key=lambda r: r["model"]["num_hidden_layers"])
     if low["model"]["shape"] != high["model"]["shape"]:
         raise SystemExit(f"--project: two shapes ({low['model']['shape']}, {high['model']['shape']}); give one")
     a, b, full = low["model"]["num_hidden_layers"], high["model"]["num_hidden_layers"], high["model"]["full_depth"]
     if a == b:
         raise SystemExit(f"--project: both reports have {a} layers; give two depths")
+    names = [name for name in high["start"] if name in low["start"]]
+    first_step = statistics.mean(high["start"][n]["first_step_s"] for n in names) * full / b
     starts = {}
-    for name in set(low["start"]) & set(high["start"]):
+    for name in names:
+        y0, y1 = low["start"][name], high["start"][name]
         row = {}
-        for key, y0 in low["start"][name].items():
-            y1 = high["start"][name].get(key)
-            if isinstance(y0, (int, float)) and isinstance(y1, (int, float)) and key.endswith("_s"):
-                per_layer = (y1 - y0) / (b - a)
-                row[key] = {"fixed_s": y0 - per_layer * a, "per_layer_s": per_layer, "at_full_depth_s": y0 + per_layer
-                            * (full - a), "measured": {str(a): y0, str(b): y1}}
+        for key in PROJECTED:
+            per_layer = (y1[key] - y0[key]) / (b - a)
+            row[key] = {"fixed_s": y0[key] - per_layer * a, "per_layer_s": per_layer,
+                        "at_full_depth_s": y0[key] + per_layer * (full - a), "measured": {str(a): y0[key], str(b): y1[key]}}
+        launch = statistics.mean(y["process_start_s"] - y["start_s"] for y in (y0, y1))
+        at = row["start_s"]["at_full_depth_s"]
+        row["first_step_s"] = {"at_full_depth_s": first_step, "from": f"the {b}-layer run's first steps, x {full}/{b}"}
+        row["through_first_step_s"] = {"at_full_depth_s": at + first_step}
+        row["process_start_s"] = {"at_full_depth_s": at + launch, "launch_s": launch}
+        row["process_through_first_step_s"] = {"at_full_depth_s": at + first_step + launch}
         starts[name] = row
     at_full = {name: {k: v["at_full_depth_s"] for k, v in row.items()} for name, row in starts.items()}
     return {"tool": "cache_bench", "projection": True, "shape": low["model"]["shape"], "from_layers": [a, b],
             "full_depth": full, "reports": [low["environment"], high["environment"]], "start": starts,
             "speedups_at_full_depth": speedups(at_full) if "nocache" in at_full else {},
-            "method": "per start and phase, a straight line through the two depths' measurements, read at full "
-                      "depth; each start a fresh process; see docs/cache-and-host-memory.md"}
+            "method": "per start, a straight line through the two depths for load, LoRA, prepare and start, read at "
+                      "full depth; the first step from the deeper run scaled by layers; the launch measured; each "
+                      "start a fresh process; see docs/cache-and-host-memory.md"}
 
 
 def main(argv=None) -> int:

@@ -132,8 +132,8 @@ def release_mapping(path: Path) -> None:
 
 
 def _xxh3_update(data, state):
-    """A running xxh3_64 (``state`` None starts one): 16 GB/s a core where zlib's crc32 does 2.4, so a
-    start's check of a 37 GB entry takes a second or two instead of several."""
+    """A running xxh3_64 (``state`` None starts one): 16 GB/s a core where zlib's crc32 does 2.4 (this
+    CPU); on the H200 host the check of an 8.2 GB entry took 1.4 s beside the load."""
     import xxhash
 
     state = xxhash.xxh3_64() if state is None else state
@@ -207,9 +207,38 @@ def _register_for_dma(mapping: torch.Tensor, *, copy_if_refused: bool = False) -
     if int(error) == 0:
         return True
     warnings.warn(f"poros: the device refused to register the mapped block file read-only ({error}); " + (
-        "the blocks are copied into pinned memory instead, as the pinned tier does (same bytes)." if copy_if_refused
+        "the blocks are copied into pinned memory instead, as the pinned tier does (same bytes; each process of "
+        "the node then holds its own copy)." if copy_if_refused
         else "copies run from pageable memory (slower, same bytes). The pinned host tier avoids it."), stacklevel=3)
     return False
+
+
+class _HostArena:
+    """One host buffer holding several blocks (each at a 4 KiB-aligned offset), page-locked on CUDA by
+    registering it: torch's pinned allocator rounds every allocation up to a power of two (512 MiB for a
+    0.46 GB 72B block, 2 GiB for a 1.4 GB ring), which a host budget cannot afford. Where the device
+    refuses the registration, torch's pinned allocator it is."""
+
+    def __init__(self, sizes: dict[int, int], pin: bool) -> None:
+        total = sum(padded(n) for n in sizes.values())
+        self.registered = False
+        raw = torch.empty(total + FILE_ALIGN, dtype=torch.uint8)
+        if pin and total:
+            cudart = torch.cuda.cudart()
+            self.registered = int(cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)) == 0
+            if not self.registered:
+                raw = torch.empty(total + FILE_ALIGN, dtype=torch.uint8, pin_memory=True)
+        self.raw = raw
+        start, self.views = -raw.data_ptr() % FILE_ALIGN, {}
+        for index, nbytes in sizes.items():
+            self.views[index] = raw[start: start + nbytes]
+            start += padded(nbytes)
+
+    def release(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+            self.registered = False
+        self.views, self.raw = {}, None
 
 
 class MappedTier:
@@ -230,7 +259,7 @@ class MappedTier:
         self.source, self.spill_dir, self.copy_if_refused = source, spill_dir, copy_if_refused
         self.file: BlockFile | None = None
         self.registered: torch.Tensor | None = None
-        self.copies: dict[int, torch.Tensor] = {}  # pinned copies, when registering was refused
+        self.copies: _HostArena | None = None  # pinned copies, when registering was refused
 
     def attach(self, layouts: dict, device: torch.device) -> None:
         if not layouts:  # every block is resident: nothing to serve
@@ -244,11 +273,15 @@ class MappedTier:
             if _register_for_dma(mapping, copy_if_refused=self.copy_if_refused):
                 self.registered = mapping
             elif self.copy_if_refused:
-                self.copies = {i: self.file.block_view(i, shared=True).clone().pin_memory() for i in layouts}
+                self.copies = _HostArena({i: self.file.nbytes[i] for i in sorted(layouts)}, pin=True)
+                for index, view in self.copies.views.items():
+                    view.copy_(self.file.block_view(index, shared=True))
 
     def host_buffer(self, index: int) -> torch.Tensor:
         """Block ``index``'s bytes in the shared read-only mapping (or its pinned copy): the store streams from it."""
-        return self.copies[index] if index in self.copies else self.file.block_view(index, shared=True)
+        if self.copies is not None:
+            return self.copies.views[index]
+        return self.file.block_view(index, shared=True)
 
     def acquire(self, index: int) -> torch.Tensor:  # every block has a host buffer: the store never asks
         return self.host_buffer(index)
@@ -265,6 +298,9 @@ class MappedTier:
         if self.registered is not None:
             torch.cuda.cudart().cudaHostUnregister(self.registered.data_ptr())
             self.registered = None
+        if self.copies is not None:
+            self.copies.release()
+            self.copies = None
 
 
 @dataclass
@@ -300,7 +336,7 @@ class DiskTier:
             raise StreamingError(f"held={held}: the number of blocks kept in RAM cannot be negative.")
         self.source, self.depth, self.pin_memory, self.spill_dir = source, depth, pin_memory, spill_dir
         self.direct, self.held_count = direct, held
-        self.held: dict[int, torch.Tensor] = {}  # block index -> its pinned buffer, for the run
+        self.held: _HostArena | None = None  # the held blocks' pinned buffers, for the run
         # counters for tests and benchmarks: read_seconds is the reader thread's time inside reads
         self.stats = {"reads": 0, "bytes_read": 0, "read_seconds": 0.0, "misses": 0, "direct": False,
                       "held_blocks": 0, "held_bytes": 0}
@@ -308,7 +344,7 @@ class DiskTier:
 
     # -- setup -----------------------------------------------------------------------------
     def attach(self, layouts: dict, device: torch.device) -> None:
-        self.reader, self.ahead, self.fd, self.direct_fd = None, deque(), None, None
+        self.reader, self.ahead, self.fd, self.direct_fd, self._arena = None, deque(), None, None, None
         self.lent_mapping: torch.Tensor | None = None  # see lend()
         if not layouts:  # every block is resident: nothing to read
             return
@@ -329,20 +365,20 @@ class DiskTier:
         kept = self.order[: min(self.held_count, len(self.order) - 1)]  # at least one block streams
         self.order = self.order[len(kept):]  # the ring's blocks, in forward order
         size = max((padded(n) for i, n in enumerate(self.file.nbytes) if i in layouts), default=FILE_ALIGN)
-        # One allocation, each buffer on a 4 KiB boundary (O_DIRECT needs aligned addresses).
-        self._arena = torch.empty(self.depth * size + FILE_ALIGN, dtype=torch.uint8, pin_memory=pin)
-        start = -self._arena.data_ptr() % FILE_ALIGN
-        self.ring = [self._arena[start + k * size: start + (k + 1) * size] for k in range(self.depth)]
+        # One allocation, each buffer on a 4 KiB boundary (O_DIRECT needs aligned addresses), of the size
+        # the budget gave (registered, not rounded up to a power of two by torch's pinned allocator).
+        self._arena = _HostArena(dict.fromkeys(range(self.depth), size), pin)
+        self.ring = [self._arena.views[k] for k in range(self.depth)]
         self.copy_done: list[Any] = [None] * self.depth  # CUDA event of the copy that last read ring k
         self.next_ring = 0
         self.ahead: deque[_Staged] = deque()
         self.current: _Staged | None = None
         self.direction = 1
+        self.held = _HostArena({i: self.file.nbytes[i] for i in kept}, pin) if kept else None
         for index in kept:  # read once, through the ring's first buffer (aligned for O_DIRECT)
             self._read(index, 0)
-            self.held[index] = torch.empty(self.file.nbytes[index], dtype=torch.uint8, pin_memory=pin)
-            self.held[index].copy_(self.ring[0][: self.file.nbytes[index]])
-        self.stats.update(held_blocks=len(kept), held_bytes=sum(t.numel() for t in self.held.values()),
+            self.held.views[index].copy_(self.ring[0][: self.file.nbytes[index]])
+        self.stats.update(held_blocks=len(kept), held_bytes=sum(self.file.nbytes[i] for i in kept),
                           reads=0, bytes_read=0, read_seconds=0.0)  # the counters are the ring's
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-disk-tier")
         for index in self.order[: self.depth - 1]:  # the first forward's blocks, read while the run starts
@@ -351,7 +387,7 @@ class DiskTier:
     def host_buffer(self, index: int) -> torch.Tensor | None:
         """A held block's pinned buffer (the store streams from it as from the pinned tier's); None for the
         others: acquire() reads them ahead into the ring."""
-        return self.held.get(index)
+        return None if self.held is None else self.held.views.get(index)
 
     def lend(self, index: int) -> torch.Tensor:
         """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block: a view of a
@@ -453,6 +489,12 @@ class DiskTier:
             if fd is not None:
                 os.close(fd)
         self.fd = self.direct_fd = None
+        if self.held is not None:  # the store's blocks are back on their modules: nothing streams from it
+            self.held.release()
+            self.held = None
+        if self._arena is not None:
+            self._arena.release()
+        self.ring, self._arena = [], None
 
 
 def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: int = 3,
