@@ -4,7 +4,7 @@ An entry is a directory under the cache root (``cache_dir``, else ``$POROS_CACHE
 ``~/.cache/poros``) named ``<model>-<key>``::
 
     manifest.json   what the entry is: model, checkpoint, quantization, versions, and per block its
-                    offset, size, checksum (xxh3_64; crc32 in entries written before it) and tensor
+                    offset, size, checksum (xxh3_64; crc32 where xxhash is missing) and tensor
                     layout (names, dtypes, shapes, bitsandbytes quantization state); the last line is
                     the crc32 of the lines above it
     blocks.bin      each decoder block's packed buffer -- exactly the bytes the block store streams --
@@ -129,7 +129,7 @@ class CacheEntry:
         from poros.stream.tiers import BlockFile
 
         blocks = self.manifest["blocks"]
-        algorithm = self.manifest.get("checksum", "crc32")  # entries before xxh3_64 carry crc32s
+        algorithm = self.manifest.get("checksum", "crc32")  # format 1 (before xxh3_64) had crc32s only
         return BlockFile(self.blocks_path, [b["offset"] for b in blocks], [b["nbytes"] for b in blocks],
                          [b["checksum"] if "checksum" in b else b["crc32"] for b in blocks], algorithm=algorithm)
 
