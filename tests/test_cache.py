@@ -311,6 +311,29 @@ def test_an_entry_written_with_crc32s_still_opens_and_its_damage_is_still_found(
         cache.open_entry(tmp_path, copy.name)
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_the_check_reads_in_chunks_and_finds_damage_past_the_first(tiny_entry, tmp_path, monkeypatch, algorithm):
+    """An entry's blocks span many of the check's reads (64 MiB each; 4 KiB here): the running checksum over
+    the chunks is the one written, and a byte damaged in a later chunk is still found."""
+    import poros.stream.tiers as tiers
+
+    _, _, entry = tiny_entry
+    copy = _copy_entry(entry, tmp_path)
+    monkeypatch.setattr(tiers, "CHECK_CHUNK", 4096)
+    file = cache.CacheEntry(copy, cache.read_manifest(copy)).block_file()
+    assert max(file.nbytes) > 4 * 4096
+    update, final = tiers.CHECKSUMS[algorithm]
+    raw = (copy / cache.BLOCKS).read_bytes()
+    file.algorithm = algorithm
+    file.checksums = [final(update(raw[o: o + tiers.padded(n)], None)) for o, n in zip(file.offsets, file.nbytes)]
+    assert tiers.checksum_file(file, workers=2) == file.checksums
+    damaged = bytearray(raw)
+    damaged[file.offsets[1] + 3 * 4096 + 17] ^= 0x40
+    (copy / cache.BLOCKS).write_bytes(bytes(damaged))
+    found = tiers.checksum_file(file, workers=2)
+    assert found[1] != file.checksums[1] and found[0] == file.checksums[0]
+
+
 def test_a_truncated_entry_is_found(tiny_entry, tmp_path):
     _, _, entry = tiny_entry
     copy = _copy_entry(entry, tmp_path)
