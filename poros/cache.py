@@ -129,9 +129,8 @@ class CacheEntry:
         from poros.stream.tiers import BlockFile
 
         blocks = self.manifest["blocks"]
-        algorithm = self.manifest.get("checksum", "crc32")  # format 1 (before xxh3_64) had crc32s only
         return BlockFile(self.blocks_path, [b["offset"] for b in blocks], [b["nbytes"] for b in blocks],
-                         [b["checksum"] if "checksum" in b else b["crc32"] for b in blocks], algorithm=algorithm)
+                         [b["checksum"] for b in blocks], algorithm=self.manifest["checksum"])
 
     def check_size(self) -> None:
         """Check that ``blocks.bin`` has the size the manifest gives it (cheap: no byte is read).

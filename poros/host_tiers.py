@@ -81,10 +81,11 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
     streamed blocks: a ring of ``read_ahead`` buffers (default :data:`DEFAULT_READ_AHEAD`; at least 2,
     fewer if the budget holds fewer), and as many of the first streamed blocks as the rest of the budget
     holds kept in pinned RAM (``held_blocks``: each saves a read per pass); when the rest holds no block,
-    the ring takes up to :data:`MAX_READ_AHEAD` buffers instead (``read_ahead`` given: that many); else ``mapped`` when ``shared_file`` (the blocks are views of
-    an NF4 block cache entry, which the page cache then holds once for every process of the node, and
-    nothing is copied at the start); else ``pinned`` (with several ranks and no shared file, each rank
-    holds its own copy, and the reason says so).
+    the ring takes up to :data:`MAX_READ_AHEAD` buffers instead (``read_ahead`` given: that many); else
+    ``mapped`` when ``shared_file`` (the blocks are views of an NF4 block cache entry, which the page
+    cache then holds once for every process of the node, and nothing is copied at the start); else
+    ``pinned`` (with several ranks and no shared file, each rank holds its own copy, and the reason
+    says so).
 
     Raises:
         ConfigError: an unknown tier; a budget below two of the largest blocks (the disk tier's minimum).

@@ -102,7 +102,7 @@ def parse_block_ms(text: str) -> tuple[float, float]:
 
 def host_tier_plan(config, block_bytes, resident_blocks, ranks_per_node: int = 1):
     """The host tier for ``--host-tier`` / ``--host-budget`` and the node's ranks (``poros.host_tiers``; torch-free):
-    the tier the run will take, ``mapped`` when several ranks load through the block cache."""
+    the tier the run will take, ``mapped`` when the model loads through the block cache."""
     from poros.config import parse_budget
     from poros.host_tiers import choose_host_tier
 

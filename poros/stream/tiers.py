@@ -148,7 +148,7 @@ def _xxh3_final(state) -> int:
 
 
 #: checksum name -> (update(data, state) -> state, starting from None; final(state) -> int).
-#: Entries record theirs; crc32 is what entries written before xxh3_64 carry.
+#: Entries record theirs: xxh3_64, or crc32 where the xxhash package is missing (:func:`default_checksum`).
 CHECKSUMS = {
     "xxh3_64": (_xxh3_update, _xxh3_final),
     "crc32": (lambda data, state: zlib.crc32(data, 0 if state is None else state),
