@@ -582,3 +582,23 @@ def test_consumer_gpus_page_matches_the_planner_and_the_records(child_env):
     result = subprocess.run([sys.executable, "-m", "tools.gen_consumer_docs", "--check"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_plan_says_the_host_tier_a_run_gets(capsys, tiny_checkpoint):
+    """`poros plan --host-budget`: with the cache, blocks that fit take the entry's mapping; a budget below
+    them, the disk tier with the first blocks the budget holds beyond the ring kept in RAM."""
+    base = ["plan", "--model", str(tiny_checkpoint), "--device", "cpu", "--seq-len", "64"]
+    status, out, err = run_cli(capsys, *base, "--vram-budget", "1GiB", "--json")
+    assert status == 0, err
+    base += ["--vram-budget", str(json.loads(out)["plan"]["pipelined_minimum_bytes"])]  # every block streams
+    status, out, err = run_cli(capsys, *base, "--json")
+    assert status == 0, err
+    host = json.loads(out)["host"]
+    assert host["tier"] == "mapped" and host["held_blocks"] == 0 and host["block_bytes"] > 0
+    status, out, err = run_cli(capsys, *base, "--json", "--no-cache")
+    assert status == 0, err
+    assert json.loads(out)["host"]["tier"] == "pinned"
+    largest = host["block_bytes"] // 4  # the tiny qwen3's 4 blocks are of one size
+    status, out, err = run_cli(capsys, *base, "--host-budget", str(3 * largest + 10), "--read-ahead", "2")  # 1 held
+    assert status == 0, err
+    assert "disk tier, 2 ring buffers, the first 1 blocks" in out and "held in pinned RAM" in out
