@@ -1,6 +1,6 @@
 """Which device a run computes on: :func:`resolve_device` turns the ``device`` option (``"auto"``,
 None, ``"cuda"``, ``"cuda:1"``, ``"cpu"``) into a ``torch.device`` -- the one rule the trainer, the
-loader, the planner's dry run, the bench, the CLI and :mod:`poros.validation` share -- and, asked to
+loader, the planner's dry run, the bench, the CLI and :mod:`poros.training.validation` share -- and, asked to
 ``check``, refuses a CUDA device this machine cannot use before anything is loaded;
 :func:`compute_device` reads the device off a model. torch is imported inside the functions
 (``poros plan``'s parser imports this module); :mod:`poros.errors` is the only other import."""

@@ -96,7 +96,7 @@ def is_main_process() -> bool:
 
 def job_id() -> str | None:
     """The torchrun job this process is a rank of (its run id at its rendezvous address), or None:
-    the ranks of one job share its ``output_dir`` lock (:mod:`poros.run_lock`). Torch-free."""
+    the ranks of one job share its ``output_dir`` lock (:mod:`poros.training.run_lock`). Torch-free."""
     if not launched_by_torchrun():
         return None
     env = os.environ
@@ -183,17 +183,11 @@ def join_launched_job(device: "torch.device") -> "torch.device":
 
 def versions() -> dict[str, str]:
     """The versions that decide the bits: every rank must run the same."""
-    import importlib.metadata as metadata
-
     import poros
+    from poros.packages import BITS_PACKAGES
+    from poros.packages import versions as installed
 
-    found = {"poros": poros.__version__}
-    for name in ("torch", "transformers", "peft", "bitsandbytes"):
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "absent"
-    return found
+    return {"poros": poros.__version__, **installed(BITS_PACKAGES)}
 
 
 def check_same_versions(mine: dict[str, str] | None = None) -> None:
@@ -317,7 +311,7 @@ class DataParallel:
     micro-batch); layer-major steps reduce in ``PorosModel.forward_backward``. Only rank 0 writes.
 
     Args:
-        model: the :class:`~poros.model.PorosModel` (its frozen tensors are left out of DDP: each
+        model: the :class:`~poros.dropin.model.PorosModel` (its frozen tensors are left out of DDP: each
             rank loaded the same base, and broadcasting it would move the whole model).
         device: the compute device.
         global_batch: ``batch_size`` of the run, split over the ranks.

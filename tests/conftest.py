@@ -1,4 +1,4 @@
-"""Shared test helpers. Plugins are registered per test with poros.plugin_testing.registered_plugin."""
+"""Shared test helpers. Plugins are registered per test with poros.testing.plugins.registered_plugin."""
 
 from __future__ import annotations
 

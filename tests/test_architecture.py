@@ -1,16 +1,19 @@
-"""The package's shape: no import circle in ``poros/`` (function-local imports count), the layers
-import only downward (core -> families; engine <- drop-in <- trainer <- CLI), no module over 700
-lines, and each module says at its head what it owns. ``docs/architecture.md`` draws the picture."""
+"""The package's shape: no import circle in ``poros/`` (function-local imports count), each layer (a
+folder) imports only the layers its package docstring names, no module over 700 lines, at most 16
+modules at the package root, and each module says at its head what it owns. ``docs/architecture.md``
+draws the picture and is checked against the same rule."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "poros"
 MAX_LINES = 700
+MAX_TOP_LEVEL = 16
 
 
 def _module_name(path: Path) -> str:
@@ -104,52 +107,95 @@ def test_no_import_circle_in_poros():
     assert _cycles(graph) == []
 
 
-#: each layer may import its own and the layers after it in this list, never one before it
-LAYERS = [
-    ("cli", lambda m: m.startswith("poros.cli") or m in {"poros.validation", "poros.__main__"}),  # -m poros: the CLI
-    ("trainer", lambda m: m in {"poros.trainer", "poros.training", "poros.run_plan", "poros.bench", "poros.merge",
-                                "poros.gpu_probe", "poros.run_lock"}
-     or m.startswith(("poros.bench.", "poros.training."))),
-    ("drop-in", lambda m: m in {"poros.model", "poros.probe", "poros.testing", "poros.load", "poros.checkpoint",
-                                "poros.integrations", "poros.cache", "poros.cache_blocks",
-                                "poros.testing_distributed"}
-     or m.startswith("poros.testing.")),
-    ("engine", lambda m: m.startswith("poros.stream")),
-]
-ENGINE = "poros.stream"
+# -- the layer rule, read from the package itself -------------------------------------------------
+# A layer is a folder of poros/ whose ``__init__`` docstring says ``May import: ...``; the folders it
+# names (``poros.X``) are the layers below it. Every other module is the core, which imports only the
+# core (a core module may name layers in its own ``May import:`` line, as ``poros.__main__`` does).
+
+def _allowed(module: str) -> tuple[str, ...] | None:
+    """The layers named by the ``May import:`` line of ``module``'s docstring (None: it has no line)."""
+    doc = ast.get_docstring(ast.parse(MODULES[module].read_text())) or ""
+    match = re.search(r"May import:(.*?)(?:\.\s*$|\.\n\n|\Z)", doc, re.S | re.M)
+    if not match:
+        return None
+    return tuple(sorted(set(re.findall(r"poros\.[a-z_]+", match.group(1)))))
 
 
-def _layer(module: str) -> int | None:
-    for position, (_, member) in enumerate(LAYERS):
-        if member(module):
-            return position
-    return None
+#: layer (a folder's package name) -> the layers it may import
+LAYERS = {module: _allowed(module) for module in MODULES
+          if MODULES[module].name == "__init__.py" and module.count(".") == 1 and _allowed(module) is not None}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer ``module`` belongs to: the folder it is in, if that folder is a layer; else None (core)."""
+    top = ".".join(module.split(".")[:2])
+    return top if top in LAYERS else None
+
+
+def may_import(module: str) -> set[str]:
+    """The layers ``module`` may import besides its own and the core."""
+    own = layer_of(module)
+    return set(LAYERS[own] if own else (_allowed(module) or ()))
+
+
+def test_every_layer_declares_what_it_may_import():
+    expected = {"poros.cli", "poros.doctor", "poros.training", "poros.testing", "poros.dropin", "poros.export",
+                "poros.loading", "poros.stream", "poros.families", "poros.data"}
+    assert set(LAYERS) == expected
+    for layer, allowed in LAYERS.items():
+        assert set(allowed) <= set(LAYERS), f"{layer} names layers that do not exist: {set(allowed) - set(LAYERS)}"
+
+
+def test_the_layers_form_no_circle():
+    assert _cycles({layer: set(allowed) for layer, allowed in LAYERS.items()}) == []
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_layers_import_downward(module):
-    """The engine (poros/stream) never imports the drop-in, the trainer or the CLI; the drop-in never
-    the trainer or the CLI; the trainer never the CLI. The core (config, descriptor, registry,
-    errors...) never imports a layer above it that has a place in this list, except the package's
-    lazy ``poros`` namespace."""
-    own = _layer(module)
+    """A module imports its own layer, the core, and only the layers its folder's docstring names;
+    the lazy ``poros`` namespace may name anything."""
+    if module == "poros":
+        return
+    allowed = may_import(module)
     for target in GRAPH[module]:
-        theirs = _layer(target)
-        if theirs is None:
+        theirs = layer_of(target)
+        if theirs is None or theirs == layer_of(module):
             continue
-        if own is None:
-            assert module == "poros" or module.startswith("poros.families"), (
-                f"core module {module} imports {target} ({LAYERS[theirs][0]})")
-            assert theirs == len(LAYERS) - 1 or module == "poros", f"{module} imports {target}"
-        else:
-            assert theirs >= own, f"{module} ({LAYERS[own][0]}) imports {target} ({LAYERS[theirs][0]}): upward"
+        assert theirs in allowed, (f"{module} imports {target}, but {layer_of(module) or 'the core'} may import only "
+                                   f"{sorted(allowed) or 'the core'} (its package docstring's 'May import:' line)")
 
 
 def test_families_import_only_the_core():
     for module in MODULES:
         if module.startswith("poros.families"):
             for target in GRAPH[module]:
-                assert _layer(target) is None, f"{module} imports {target}"
+                assert layer_of(target) in (None, "poros.families"), f"{module} imports {target}"
+
+
+def test_the_package_root_holds_few_modules():
+    top = [p for p in PACKAGE.glob("*.py")]
+    assert len(top) <= MAX_TOP_LEVEL, f"poros/ holds {len(top)} modules (at most {MAX_TOP_LEVEL}): put them in a layer"
+
+
+def test_docs_architecture_shows_every_layer_and_what_it_may_import():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for layer, allowed in LAYERS.items():
+        row = next((line for line in text.splitlines() if line.startswith(f"| `{layer.replace('.', '/')}/`")), None)
+        assert row, f"docs/architecture.md has no table row for {layer}"
+        named = set(re.findall(r"poros/([a-z_]+)/", row.split("|")[2]))
+        assert {f"poros.{name}" for name in named} == set(allowed), (
+            f"docs/architecture.md says {layer} may import {sorted(named)}; its docstring says {list(allowed)}")
+
+
+def test_old_module_paths_are_the_moved_modules():
+    import importlib
+
+    import poros
+
+    for old, new in poros.MOVED_MODULES.items():
+        assert new in MODULES, f"{old} points to {new}, which does not exist"
+        assert old not in MODULES, f"{old} exists again beside its new home {new}"
+    assert importlib.import_module("poros.run_lock") is importlib.import_module("poros.training.run_lock")
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

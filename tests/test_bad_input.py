@@ -415,12 +415,12 @@ def test_cli_bad_input(case: Case, ctx, tmp_path, capsys, monkeypatch):
     if case.patch is not None:
         case.patch(monkeypatch, tmp_path)
     if case.error is not None:  # every failure here is found before a weight is read
-        import poros.load
+        import poros.loading.load
 
         def no_loading(*args, **kwargs):
             raise AssertionError("the model was loaded before the failure was found")
 
-        monkeypatch.setattr(poros.load, "load_pretrained", no_loading)
+        monkeypatch.setattr(poros.loading.load, "load_pretrained", no_loading)
     try:
         status = main(argv)
     except SystemExit as exit_:  # argparse's usage errors
@@ -443,7 +443,7 @@ def test_cli_bad_input(case: Case, ctx, tmp_path, capsys, monkeypatch):
 # -- the Python API ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trainer():
-    from poros.trainer import PorosTrainer
+    from poros.training.trainer import PorosTrainer
 
     return PorosTrainer.from_pretrained("poros-tiny-qwen3", device="cpu", seq_len=64, steps=1, logging_steps=1)
 
@@ -476,7 +476,7 @@ class ApiCase:
 
 
 def _disk_full_at_checkpoint_3(trainer, tmp: Path, monkeypatch):
-    from poros import checkpoint
+    from poros.training import checkpoint
 
     real = checkpoint.write_json
 
@@ -585,7 +585,7 @@ def test_read_only_output_dir_on_a_real_read_only_mount(tmp_path, capsys):
 
 def test_disk_full_on_a_real_tiny_tmpfs(ctx, tmp_path, capsys):
     """The first checkpoint fits, the second does not: exit 1, one line, checkpoint-1 complete, no partial."""
-    from poros.checkpoint import list_checkpoints
+    from poros.training.checkpoint import list_checkpoints
 
     one = sum(p.stat().st_size for p in (ctx["build"]() / "checkpoint-1").iterdir())
     capsys.readouterr()
@@ -685,7 +685,7 @@ def test_concurrent_run_into_the_same_output_dir_fails_at_once_and_the_first_sur
     for notice in ("Failed to load CPU gemm_4bit_forward", "is_gradient_checkpointing"):  # quiet by default
         assert notice not in stdout + stderr
     assert not (out / ".poros.lock").exists()
-    from poros.checkpoint import list_checkpoints
+    from poros.training.checkpoint import list_checkpoints
 
     assert list_checkpoints(out), sorted(p.name for p in out.iterdir())
 
@@ -837,7 +837,7 @@ def test_the_lock_appears_whole_never_half_written(tmp_path, monkeypatch):
     """A data-parallel job's other ranks read rank 0's lock (``check_unlocked``) while rank 0 creates it.
     Created empty and written after, it was read as "an unreadable lock" and the rank refused the run
     (2 of 30 `poros train --nproc-per-node 2` runs here); it now appears with its whole record."""
-    from poros import run_lock
+    from poros.training import run_lock
 
     seen, real_fdopen = [], os.fdopen
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import poros
 import poros.stream.store
-from poros import cache
+from poros.loading import cache
 from poros.errors import CacheEntryError
 from poros.testing import TINY_VARIANTS, mapping_memory, save_tiny_checkpoint
 from test_parity import BASE_SETUP, assert_bitwise, make_batch, parity_setups, run_parity, train
@@ -73,7 +73,7 @@ def _batches(seed: int):
 def cached_run(path, cache_dir, *, tier: str | None = None, seed: int = 3, **load_options):
     """load_pretrained (through the cache when ``cache_dir``) + PEFT LoRA (random lora_B) + prepare + 2 AdamW steps."""
     from conformance_flows import lora_model
-    from poros.load import load_pretrained
+    from poros.loading.load import load_pretrained
 
     loaded = load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=cache_dir, **load_options)
     model = lora_model(loaded.model, seed=seed)
@@ -124,7 +124,7 @@ def test_a_chosen_mapped_tier_the_device_will_not_register_serves_pinned_copies(
     """Where cudaHostRegister refuses the mapping, a mapped tier the planner chose (not one asked for) serves
     pinned copies of the blocks, as the pinned tier would, instead of copying from pageable memory."""
     import poros.stream.tiers as tiers
-    from poros.load import load_pretrained
+    from poros.loading.load import load_pretrained
 
     path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=2)
     loaded = load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=tmp_path / "cache")
@@ -185,7 +185,7 @@ def test_multimodal_checkpoint_hits_the_cache(family, tmp_path, block_weights_lo
 @pytest.fixture(scope="module")
 def tiny_entry(tmp_path_factory):
     """A cache root holding one entry of a tiny qwen3 checkpoint: ``(checkpoint, root, entry directory)``."""
-    from poros.load import load_pretrained
+    from poros.loading.load import load_pretrained
 
     directory = tmp_path_factory.mktemp("entry")
     path = save_tiny_checkpoint(directory / "ckpt", "qwen3", seed=6)
@@ -243,7 +243,7 @@ def test_the_checksum_pass_runs_beside_the_load_and_its_verdict_wins(tiny_entry,
     entry is rebuilt), and a load that fails or is interrupted (Ctrl-C) stops the check and raises its own."""
     import threading
 
-    from poros.cache_blocks import _load_while_verifying
+    from poros.loading.cache_blocks import _load_while_verifying
 
     _, _, entry = tiny_entry
     sound = cache.CacheEntry(entry, cache.read_manifest(entry))
@@ -287,7 +287,7 @@ def test_an_entry_written_with_crc32s_still_opens_and_its_damage_is_still_found(
     """Entries record their checksum kind: xxh3_64, or crc32 where the xxhash package is missing; either
     opens and finds damage, and a kind this installation cannot compute counts as damage (rebuilt)."""
     import poros.stream.tiers as tiers
-    from poros.load import load_pretrained
+    from poros.loading.load import load_pretrained
 
     path, _, entry = tiny_entry
     assert cache.read_manifest(entry)["checksum"] == "xxh3_64"
@@ -341,7 +341,7 @@ def test_a_truncated_entry_is_found(tiny_entry, tmp_path):
 
 
 def test_a_changed_quantization_or_checkpoint_file_makes_a_new_entry(tmp_path):
-    from poros.load import load_pretrained
+    from poros.loading.load import load_pretrained
 
     path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
     root = tmp_path / "cache"
@@ -366,7 +366,7 @@ def test_a_changed_quantization_or_checkpoint_file_makes_a_new_entry(tmp_path):
 
 SHARING_CHILD = """
 import sys
-from poros import cache
+from poros.loading import cache
 from poros.errors import CacheEntryError
 entry = cache.open_entry(cache.cache_root(sys.argv[1]), sys.argv[2])
 mapping = entry.block_file().mapping()
@@ -489,7 +489,7 @@ def test_the_disk_tier_holding_blocks_in_ram_trains_bitwise(family, variant, tmp
 
 def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_not():
     from poros.errors import ConfigError
-    from poros.host_tiers import choose_host_tier
+    from poros.loading.host_tiers import choose_host_tier
 
     blocks = [100 << 20] * 10
     assert choose_host_tier(blocks).tier == "pinned"
@@ -509,7 +509,7 @@ def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_
 
 
 def test_host_plan_shares_the_cache_entry_between_the_ranks_of_a_node():
-    from poros.host_tiers import choose_host_tier
+    from poros.loading.host_tiers import choose_host_tier
 
     blocks = [100 << 20] * 10
     plan = choose_host_tier(blocks, ranks_per_node=4, shared_file=True)
@@ -633,7 +633,7 @@ def test_clear_leaves_a_held_lock_and_a_running_build_alone(tmp_path):
 
 
 def test_an_unwritable_cache_root_loads_without_the_cache(tmp_path, caplog):
-    from poros.load import load_pretrained
+    from poros.loading.load import load_pretrained
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -1,4 +1,4 @@
-"""poros.checkpoint without a model: atomic directories, finding and rotating checkpoints, RNG state,
+"""poros.training.checkpoint without a model: atomic directories, finding and rotating checkpoints, RNG state,
 and the resume check that refuses a checkpoint of a different run."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from poros import checkpoint as checkpoints
+from poros.training import checkpoint as checkpoints
 from poros.config import PorosConfig
 from poros.errors import TrainingCheckpointError
 

@@ -81,7 +81,7 @@ def test_one_chunk_installs_nothing_and_bad_values_are_refused(tmp_path):
 
 def test_the_planner_counts_one_chunk_of_the_fp32_loss_working_set(tmp_path):
     from poros.config import PorosConfig
-    from poros.run_plan import plan_run
+    from poros.training.plan import plan_run
     from poros.stream import planner
     from poros.stream.footprint import LOSS_BYTES_PER_LOGIT
 

@@ -17,7 +17,7 @@ from poros import records, registry
 from poros.cli import doctor
 from poros.cli.main import SUBCOMMANDS, main
 from poros.descriptor import decoder_family
-from poros.plugin_testing import registered_plugin
+from poros.testing.plugins import registered_plugin
 
 BUILTIN_FAMILIES = ["qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4"]
 LLAMA = decoder_family(name="llama", display_name="Llama", model_types=("llama",),
@@ -156,7 +156,7 @@ def test_doctor_text_is_a_paste_ready_block(capsys):
     assert status == 0 and lines[0] == "```text" and lines[-1] == "```"
     labels = [line.split()[0] for line in lines[1:-1] if not line.startswith(" ")]
     host = ["poros", "python", "platform", "cpus", "memory", "nvidia", "packages", "plugins"]
-    # with torch importable the GPU half follows (poros.diagnostics; tests/test_doctor_gpu.py)
+    # with torch importable the GPU half follows (poros.doctor.diagnostics; tests/test_doctor_gpu.py)
     if torch.cuda.is_available():
         assert labels[:10] == [*host, "torch", "cuda:0"] and labels[-1] == "problems"
     else:

@@ -27,7 +27,7 @@ def test_merge_cli_writes_a_checkpoint_transformers_loads(trained, tmp_path, cap
     import peft
     import transformers
 
-    from poros.load import read_adapter
+    from poros.loading.load import read_adapter
 
     capsys.readouterr()
     merged = tmp_path / "merged"
@@ -36,7 +36,7 @@ def test_merge_cli_writes_a_checkpoint_transformers_loads(trained, tmp_path, cap
     result = json.loads(out)
     assert result["merged_modules"] > 0 and "poros merge: shard 1/" in err
     base = read_adapter(trained).base_model
-    from poros.load import resolve_checkpoint
+    from poros.loading.load import resolve_checkpoint
 
     reference = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(resolve_checkpoint(base), dtype=torch.bfloat16), trained,
@@ -64,8 +64,8 @@ def test_generate_cli_without_an_adapter_exits_1(tmp_path, capsys):
 def test_trainer_generate_uses_the_adapter_as_trained(tmp_path):
     """PorosTrainer.generate after training gives the text that the saved adapter gives when loaded again."""
     from poros import PorosTrainer
-    from poros.generate import generate_text
-    from poros.load import load_with_adapter
+    from poros.export.generate import generate_text
+    from poros.dropin.with_adapter import load_with_adapter
 
     trainer = PorosTrainer.from_pretrained("poros-tiny-qwen3", device="cpu", lr=1e-2, output_dir=str(tmp_path / "run"))
     trainer.train(steps=2, seq_len=32)

@@ -106,7 +106,7 @@ def test_overrides_reach_the_config_wherever_dry_run_stands(capsys, tmp_path, ch
 @pytest.mark.parametrize(("family", "variant"), DEFAULT_VARIANTS, ids=[f for f, _ in DEFAULT_VARIANTS])
 def test_dry_run_plan_equals_the_block_store(capsys, checkpoints, family, variant):
     import poros
-    from poros.run_plan import plan_run
+    from poros.training.plan import plan_run
 
     path = checkpoints[family]
     status, out, err = run_cli(capsys, "train", "--model", str(path), "--device", "cpu", "--dry-run")
@@ -127,7 +127,7 @@ def test_dry_run_plan_equals_the_block_store(capsys, checkpoints, family, varian
 @pytest.mark.parametrize("family", ["qwen3", "gemma4"])
 def test_dry_run_plan_with_double_quant_and_dora_equals_the_block_store(checkpoints, family):
     import poros
-    from poros.run_plan import plan_run
+    from poros.training.plan import plan_run
 
     path = checkpoints[family]
     plan = plan_run(PorosConfig(model=str(path), device="cpu", double_quant=True, use_dora=True, lora_rank=4,
@@ -141,7 +141,7 @@ def test_dry_run_plan_with_double_quant_and_dora_equals_the_block_store(checkpoi
 def test_dry_run_plans_the_text_tower_of_a_multimodal_checkpoint(capsys, tmp_path, checkpoints):
     import transformers
 
-    from poros.run_plan import plan_run
+    from poros.training.plan import plan_run
     from poros.testing import tiny_config
 
     multimodal = transformers.Gemma3Config(
@@ -192,7 +192,7 @@ BENCH_RECORDS = sorted((Path(__file__).resolve().parents[1] / "registry" / "resu
 def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch, record_path):
     """Real shapes (cut to a few layers) as tools/bench.py built them on the GPU: exact block bytes,
     and a peak estimate at or above the peak the bench measured."""
-    from poros.run_plan import plan_run
+    from poros.training.plan import plan_run
     from tools import bench
     record = json.loads(record_path.read_text())
     setup, measured = record["config"], record["arms"]["poros"]
@@ -228,7 +228,7 @@ class _InterruptedTrainer:
     launch_command = None
 
     def train(self):
-        from poros.trainer import TrainResult
+        from poros.training.trainer import TrainResult
 
         return TrainResult(steps=1, losses=[1.0], final_loss=1.0, interrupted=True, output_dir=Path("."),
                            last_checkpoint=Path("checkpoint-1"))
@@ -238,7 +238,7 @@ class _InterruptedTrainer:
 
 
 def test_interrupted_run_exits_130_and_hands_the_command_to_the_trainer(capsys, monkeypatch, tmp_path):
-    from poros.trainer import PorosTrainer
+    from poros.training.trainer import PorosTrainer
 
     trainer = _InterruptedTrainer()
     seen = []

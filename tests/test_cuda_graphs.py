@@ -124,7 +124,7 @@ def test_attention_dropout_keeps_layer_major_off(checkpoints):
     draws would come in another order, refuses it, and the trainer's schedule falls back to micro-major."""
     from poros.config import PorosConfig
     from poros.errors import StreamingError
-    from poros.training import stream_schedule
+    from poros.training.run import stream_schedule
 
     streamed = prepared(checkpoints["qwen3"])
     streamed.train()

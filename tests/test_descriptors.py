@@ -55,7 +55,7 @@ def _token_ids(vocab_size: int = 256, batch: int = 2, length: int = SEQUENCE_LEN
 def test_every_registered_family_has_tiny_variants(descriptor):
     assert TINY_VARIANTS.get(descriptor.name), (
         f"family {descriptor.name!r} is registered but poros.testing.TINY_VARIANTS has no tiny model for it; "
-        "add its tiny config to poros/testing.py so the descriptor contract runs against it"
+        "add its tiny config to poros/testing/__init__.py so the descriptor contract runs against it"
     )
 
 
@@ -383,8 +383,8 @@ def test_quantized_never_quantized_entry_is_reported(tmp_path):
 
 
 def test_registered_plugin_is_re_exported():
-    import poros.plugin_testing
+    import poros.testing.plugins
     import poros.testing
 
-    assert poros.testing.registered_plugin is poros.plugin_testing.registered_plugin
+    assert poros.testing.registered_plugin is poros.testing.plugins.registered_plugin
     assert inspect.isfunction(poros.testing.registered_plugin)

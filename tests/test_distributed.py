@@ -1,7 +1,7 @@
 """Data parallel: two gloo ranks started through ``torch.distributed.run``, Poros under DDP bitwise equal
 to the resident model under DDP (every loss on each rank, every LoRA tensor, every AdamW state tensor).
 
-Each test starts one torchrun job (``poros.testing_distributed`` or ``python -m poros train``) in a
+Each test starts one torchrun job (``poros.testing.distributed`` or ``python -m poros train``) in a
 subprocess with a timeout, so a hang fails the test instead of the CI run; ``--standalone`` picks a
 free port. Ranks write JSON; the test reads it.
 """
@@ -36,7 +36,7 @@ def rank_reports(out, ranks: int = 2) -> list[dict]:
 
 
 def parity_job(child_env, out, cases: list[str], modes: str, *extra: str):
-    done = torchrun(child_env, "-m", "poros.testing_distributed", "--out", str(out), "--cases", ",".join(cases),
+    done = torchrun(child_env, "-m", "poros.testing.distributed", "--out", str(out), "--cases", ",".join(cases),
                     "--modes", modes, *extra)
     reports = rank_reports(out)
     return done, reports
@@ -72,7 +72,7 @@ def test_hf_trainer_drop_in_under_ddp_and_a_negative_control(child_env, tmp_path
 
 
 def test_ranks_with_different_versions_fail_on_every_rank(child_env, tmp_path):
-    done = torchrun(child_env, "-m", "poros.testing_distributed", "--out", str(tmp_path), "--handshake-only",
+    done = torchrun(child_env, "-m", "poros.testing.distributed", "--out", str(tmp_path), "--handshake-only",
                     timeout=120, POROS_TEST_FAKE_VERSION_RANK="1")
     assert done.returncode != 0
     for report in rank_reports(tmp_path):
@@ -83,7 +83,7 @@ def test_ranks_with_different_versions_fail_on_every_rank(child_env, tmp_path):
 def test_a_rank_that_dies_stops_the_job_without_a_hang(child_env, tmp_path):
     """torchrun stops the other ranks; the collective they wait in fails (gloo: the peer's connection
     closes; NCCL: the process group's timeout, POROS_DIST_TIMEOUT) -- the subprocess timeout is the hang check."""
-    done = torchrun(child_env, "-m", "poros.testing_distributed", "--out", str(tmp_path), "--die-rank", "1",
+    done = torchrun(child_env, "-m", "poros.testing.distributed", "--out", str(tmp_path), "--die-rank", "1",
                     timeout=120)
     assert done.returncode != 0
     assert "exitcode  : 7" in done.stderr or "exit code 7" in done.stderr or "exitcode: 7" in done.stderr, \
@@ -240,7 +240,7 @@ def test_node_host_ram_counts_shared_host_tables_once():
     from types import SimpleNamespace
 
     from poros.cli.plan import node_host_ram
-    from poros.host_tiers import choose_host_tier
+    from poros.loading.host_tiers import choose_host_tier
 
     footprint = SimpleNamespace(block_bytes=[100] * 10, host_embedding_bytes=50)
     shared = node_host_ram(footprint, choose_host_tier(footprint.block_bytes, ranks_per_node=4, shared_file=True),

@@ -1,4 +1,4 @@
-"""``poros doctor``'s GPU half (poros.diagnostics): the rule table on made-up device records, the
+"""``poros doctor``'s GPU half (poros.doctor.diagnostics): the rule table on made-up device records, the
 printing, the probes' parsers on fake nvidia-smi / sysfs text, and the real thing on this CPU
 machine (no CUDA device, reported cleanly; ``--model`` on the bundled tiny Qwen3)."""
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from poros import diagnostics, gpu_probe
+from poros.doctor import diagnostics
+
+from poros.doctor import gpu_probe
 from poros.cli import doctor
 from poros.cli.main import main
 

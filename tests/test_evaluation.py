@@ -14,14 +14,14 @@ import pytest
 import torch
 import transformers
 
-from poros import evaluation
+from poros.training import evaluation
 from poros.assets import asset_path
 from poros.config import PorosConfig
 from poros.data import BatchIterator, load_dataset
 from poros.errors import ConfigError, DataError
 from poros.testing import TINY_VARIANTS, all_linear_targets
 from test_trainer import make_checkpoint  # the tiny checkpoint with the bundled tokenizer beside it
-from poros.trainer import METRIC_FIELDS, PorosTrainer
+from poros.training.trainer import METRIC_FIELDS, PorosTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

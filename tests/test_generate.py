@@ -1,4 +1,4 @@
-"""poros.generate: greedy decoding through the streamed model gives the resident PEFT model's tokens."""
+"""poros.export.generate: greedy decoding through the streamed model gives the resident PEFT model's tokens."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def test_sampling_and_padding_equal_resident(tmp_path):
 def test_generate_text_reports_tokens_per_second(tmp_path):
     """generate_text: chat template when the tokenizer has one, the new tokens only, their rate."""
     from poros.assets import asset_path
-    from poros.generate import generate_text
-    from poros.load import load_pretrained
+    from poros.export.generate import generate_text
+    from poros.loading.load import load_pretrained
 
     loaded = load_pretrained(asset_path("poros-tiny-qwen3"), device="cpu")
     model = prepare(loaded.model.requires_grad_(False))

@@ -239,7 +239,7 @@ def test_poros_trainer_with_host_optimizer_states_trains_and_resumes_bitwise(uni
                                                                              chat_file, tmp_path):
     """optimizer_states='host': the same 4 steps (accumulation, clipping at max_grad_norm 1.0) as the
     device run; its checkpoint resumes the device optimizer and the device checkpoint resumes it."""
-    from poros import checkpoint as checkpoints
+    from poros.training import checkpoint as checkpoints
 
     host = new_trainer(qwen3_checkpoint, tmp_path / "host")
     result = host.train(chat_file, save_steps=2, optimizer_states="host", **RESUME)

@@ -1,4 +1,4 @@
-"""poros.load: checkpoints into the family's causal LM, bitwise the reference's base, with typed errors.
+"""poros.loading.load: checkpoints into the family's causal LM, bitwise the reference's base, with typed errors.
 
 The reference is transformers' own ``AutoModelForCausalLM.from_pretrained(..., quantization_config=
 BitsAndBytesConfig(nf4))`` -- the model the parity tests train resident. Multimodal checkpoints
@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from poros.errors import CheckpointLoadError, UnknownArchitectureError
-from poros.load import inspect_checkpoint, load_pretrained, resolve_checkpoint
+from poros.loading.load import inspect_checkpoint, load_pretrained, resolve_checkpoint
 from poros.testing import MULTIMODAL_FAMILIES, TINY_VARIANTS, save_tiny_checkpoint, tiny_config, tiny_vlm
 
 FAMILIES = sorted(TINY_VARIANTS)

@@ -234,7 +234,7 @@ def test_trainer_with_lora_on_the_host_is_bitwise_and_resumes_bitwise(tmp_path):
     import transformers
 
     from poros.assets import asset_path
-    from poros.trainer import PorosTrainer
+    from poros.training.trainer import PorosTrainer
     from test_trainer import adapters, assert_same_training_state, optimizer_states
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(asset_path("poros-tiny-qwen3"))

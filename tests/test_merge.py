@@ -17,8 +17,8 @@ import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from poros.errors import ConfigError, UnsupportedAdapterError  # noqa: E402
-from poros.load import MULTIMODAL_KEY_MAPPING  # noqa: E402
-from poros.merge import merge_adapter  # noqa: E402
+from poros.loading.load import MULTIMODAL_KEY_MAPPING  # noqa: E402
+from poros.export.merge import merge_adapter  # noqa: E402
 from poros.testing import MULTIMODAL_FAMILIES, TINY_VARIANTS, load_qlora, save_tiny_checkpoint, tiny_vlm  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -114,8 +114,8 @@ def test_multimodal_checkpoint_merges_its_text_tower(family, tmp_path):
 
 
 def load_qlora_text(base, text_config):
-    """The text tower of a multimodal checkpoint, NF4 + LoRA (what poros.load gives training)."""
-    from poros.load import load_pretrained
+    """The text tower of a multimodal checkpoint, NF4 + LoRA (what poros.loading.load gives training)."""
+    from poros.loading.load import load_pretrained
 
     loaded = load_pretrained(base, device="cpu", load_tokenizer=False)
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def test_merge_holds_one_base_tensor_at_a_time(tmp_path, monkeypatch):
     import gc
     import weakref
 
-    from poros.merge import ShardReader
+    from poros.export.merge import ShardReader
 
     base = save_tiny_checkpoint(tmp_path / "base", "qwen2")
     adapter = _adapter(base, tmp_path / "adapter", "dora")

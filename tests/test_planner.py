@@ -29,7 +29,8 @@ from poros.cli.main import main
 from poros.descriptor import resolve_path
 from poros.config import PorosConfig
 from poros.errors import ConfigError
-from poros import probe, run_plan
+from poros.doctor import probe
+from poros.training import plan as run_plan
 from poros.stream import footprint as footprint_module
 from poros.stream import planner
 from poros.stream.planner import ComputeTimes, Footprint, Workload

@@ -11,7 +11,7 @@ import torch
 
 import poros
 from poros import errors, records
-from poros.model import guarantee_label, platform_of
+from poros.dropin.model import guarantee_label, platform_of
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_parity import make_batch
 

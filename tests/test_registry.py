@@ -14,7 +14,7 @@ import poros
 from poros import registry
 from poros.descriptor import decoder_family
 from poros.errors import DuplicateArchitectureError, PluginError, UnknownArchitectureError
-from poros.plugin_testing import registered_plugin
+from poros.testing.plugins import registered_plugin
 
 BUILTIN_FAMILIES = ("qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4")
 REGISTERED = registry.architectures()

@@ -11,7 +11,9 @@ import types
 
 import pytest
 
-from poros import progress, tracking
+from poros.training import progress
+
+from poros.training import tracking
 from poros.config import PorosConfig
 from poros.errors import ConfigError
 
@@ -101,7 +103,7 @@ def test_a_missing_tracker_fails_before_the_model_loads_and_names_the_extra(monk
     monkeypatch.setitem(tracking.TRACKERS, "wandb", (("poros_test_absent_package",), "wandb"))
     with pytest.raises(ConfigError, match=r"pip install 'poros-train\[wandb\]'"):
         tracking.check_installed(["tensorboard", "wandb"])
-    from poros.trainer import PorosTrainer
+    from poros.training.trainer import PorosTrainer
 
     # a model path that does not exist: the tracker check must come first
     config = PorosConfig(model=str(tmp_path / "no-model"), report_to="wandb")

@@ -17,13 +17,13 @@ import pytest
 import torch
 import transformers
 
-from poros import checkpoint as checkpoints
+from poros.training import checkpoint as checkpoints
 from poros.assets import asset_path
 from poros.data import BatchIterator, load_dataset
 from poros.errors import OutputDirError
 from poros.testing import TINY_VARIANTS, all_linear_targets, save_tiny_checkpoint
 from poros.stream.chunked_loss import use_chunked_loss
-from poros.trainer import METRIC_FIELDS, PorosTrainer
+from poros.training.trainer import METRIC_FIELDS, PorosTrainer
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
 SEQ_LEN = 32
@@ -357,7 +357,7 @@ def test_lora_targets_resolve_through_the_family_descriptor():
     from poros import registry
     from poros.errors import ConfigError
     from poros.testing import tiny_model
-    from poros.trainer import lora_target_modules
+    from poros.training.trainer import lora_target_modules
 
     model = tiny_model("gemma4", "e2b", num_layers=3)
     descriptor = registry.get("gemma4")

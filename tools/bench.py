@@ -43,7 +43,7 @@ copied host->device per step and the achieved GB/s over the timed steps. GB = 1e
 Shapes are data (``SHAPES``): the facts of each checkpoint (layers, widths, vocab...) come from
 ``registry/<family>.toml`` (a shape whose checkpoint the registry does not list is an error);
 what the registry does not hold (rotary, norm eps, ...) is written here, under the
-``config.json`` it came from. The builder is :func:`poros.probe.random_nf4_model`, shared with
+``config.json`` it came from. The builder is :func:`poros.doctor.probe.random_nf4_model`, shared with
 the planner's compute probe. ``tools`` is a package: the other tools ``from tools import bench``
 (run them from the repository root as ``python -m tools.<name>``; ``tools/gpu_run.sh`` does).
 """
@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from poros.devices import resolve_device
-from poros.probe import measure_link, random_nf4_model
+from poros.doctor.probe import measure_link, random_nf4_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -255,7 +255,7 @@ def model_config(name: str, *, layers: int | None = None, **overrides: Any):
 def build_model(config, device: str | torch.device, *, seed: int = 0, double_quant: bool = True,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
                 weight_std: float = 0.02, perturb: float = 0.05):
-    """:func:`poros.probe.random_nf4_model` with the bench's defaults (bf16 compute, NF4, double
+    """:func:`poros.doctor.probe.random_nf4_model` with the bench's defaults (bf16 compute, NF4, double
     quantization, SDPA): an HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights,
     built on ``device`` the way ``from_pretrained`` builds one."""
     return random_nf4_model(config, resolve_device(device, with_index=True), seed=seed, double_quant=double_quant,
@@ -680,7 +680,7 @@ class CopyTimeline:
 
 
 def link_gb_per_s(device: torch.device) -> float | None:
-    """Pinned host->device GB/s of one 1 GiB copy (best of 5, :func:`poros.probe.measure_link`): the link
+    """Pinned host->device GB/s of one 1 GiB copy (best of 5, :func:`poros.doctor.probe.measure_link`): the link
     the poros arm streams over; None off CUDA."""
     if device.type != "cuda":
         return None
@@ -1117,7 +1117,7 @@ def main(argv=None) -> int:
     link = link_gb_per_s(device) if "poros" in args.arms else None
     compute = None
     if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):
-        from poros import probe  # the planner's own probe, before the model takes the memory
+        from poros.doctor import probe  # the planner's own probe, before the model takes the memory
         from poros.stream import planner
 
         compute = probe.probe_compute(

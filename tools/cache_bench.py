@@ -28,7 +28,7 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
    the read rate while reading and over the step. ``--rounds N`` runs the tiers in turn N times
    (pinned, mapped, disk, pinned, ...), so that the order in the process is not mistaken for a tier's
    cost; the median is over every timed step of every round;
-5. the drive's sequential read rate (``poros.host_tiers.measure_disk_read``, O_DIRECT where possible).
+5. the drive's sequential read rate (``poros.loading.host_tiers.measure_disk_read``, O_DIRECT where possible).
 
 Targets (issue 14): cached start >= 10x faster than quantizing; ``mapped`` within 3 % of ``pinned``;
 ``disk`` at >= 90 % of the drive's rate while streaming and within 1.2x of ``pinned``.
@@ -165,8 +165,8 @@ def sync(device: torch.device) -> None:
 
 def start(checkpoint: Path, config, device, args, *, cache_dir, tier: str | None = "pinned", host_budget=None):
     """load + LoRA + prepare: ``(streamed model, optimizer, phases)`` with ``load_s``, ``lora_s``, ``prepare_s``."""
-    from poros.load import adapters_to_device, load_pretrained
-    from poros.model import prepare
+    from poros.loading.load import adapters_to_device, load_pretrained
+    from poros.dropin.model import prepare
 
     marks = [time.perf_counter()]
     loaded = load_pretrained(checkpoint, device=device, load_tokenizer=False, cache_dir=cache_dir, double_quant=True,
@@ -213,7 +213,7 @@ def forget(root: Path) -> None:
 
 def run_tier(tier, checkpoint, config, device, args, root, entry, micro_batches, drive) -> dict:
     """One run of ``tier``: start from the cache, ``warmup + steps`` steps; the row of the report."""
-    from poros import cache
+    from poros.loading import cache
 
     budget = None
     if tier == "disk":
@@ -362,8 +362,8 @@ def main(argv=None) -> int:
     # A step that hangs (the mapped tier did on the H200, inside a 290 s step limit) prints every
     # thread's stack once a minute: the log then says where, not only that it stopped.
     faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
-    from poros import cache
-    from poros.host_tiers import measure_disk_read
+    from poros.loading import cache
+    from poros.loading.host_tiers import measure_disk_read
 
     device, env = bench.start_tool(args)
     config, info = bench.model_config(args.model, layers=args.layers)

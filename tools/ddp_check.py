@@ -12,7 +12,7 @@
     python -m tools.ddp_check --train-cli --json train-cli.json
     DEVICE=cpu tools/gpu_run.sh ddp:parity:cases=qwen3 ddp:scale=tiny:ranks=1,2     # dry run here
 
-``--parity`` starts ``torchrun -m poros.testing_distributed`` (every family's tiny variants, or
+``--parity`` starts ``torchrun -m poros.testing.distributed`` (every family's tiny variants, or
 ``--cases``; micro-major DDP with and without ``find_unused_parameters``, ``no_sync`` and layer-major
 accumulation, the HF Trainer drop-in with ``patch_hf_model`` and with ``prepare``) and gathers each
 rank's verdict. ``--scale SHAPE`` runs this module as a torchrun worker on 1 rank, then on
@@ -68,14 +68,14 @@ def torchrun(nproc: int, arguments: list[str], *, timeout: int, env: dict[str, s
 
 
 # ---------------------------------------------------------------------------------------------
-# Parity (every rank runs poros.testing_distributed)
+# Parity (every rank runs poros.testing.distributed)
 # ---------------------------------------------------------------------------------------------
 def parity(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         extra = ["--deterministic"] if args.deterministic else []
         device = "cuda:0" if args.share_device else ("cuda" if args.device == "cuda" else "cpu")
         done, seconds = torchrun(args.ranks_parity, [
-            "-m", "poros.testing_distributed", "--out", out, "--cases", args.cases, "--modes", args.modes,
+            "-m", "poros.testing.distributed", "--out", out, "--cases", args.cases, "--modes", args.modes,
             "--device", device, "--backend", args.backend, *extra], timeout=args.timeout)
         ranks = []
         for rank in range(args.ranks_parity):
@@ -175,7 +175,7 @@ def scale_worker(args) -> int:
     host_baseline = host_memory()
     with distributed.shared_host_copy():  # local rank 0 first: with --cache it builds the entry the others map
         if args.checkpoint:
-            from poros.load import adapters_to_device, load_pretrained
+            from poros.loading.load import adapters_to_device, load_pretrained
 
             model = load_pretrained(args.checkpoint, device=device, load_tokenizer=False, cache_dir=args.cache_dir,
                                     double_quant=True, attn_implementation="sdpa").model

@@ -30,7 +30,7 @@ SCRATCH_PREFIX = "poros-doctor-shape-"
 def relabel(data: dict, directory: str, shape_info: dict) -> None:
     """Name a shape's model by its HF id, not by the temporary directory its config was written to,
     in the model's record, the suggested flags and the problems (rendered again)."""
-    from poros import diagnostics
+    from poros.doctor import diagnostics
 
     name = shape_info["hf_id"] or shape_info["shape"]
     record = data["model"]

@@ -13,7 +13,7 @@ Per family (a tiny sharded checkpoint with the bundled tokenizer, the bundled ch
   tensor and the torch RNG states (CPU and device) compared with ``torch.equal``; with
   ``lora_dropout`` 0 (layer-major) and 0.1 (micro-major, masks drawn from the device RNG).
 * ``resident``: the trained adapter copied into a resident HF + bitsandbytes + PEFT model on the
-  same device; its eval loss over the same batches (the formula of ``poros.evaluation``) against
+  same device; its eval loss over the same batches (the formula of ``poros.training.evaluation``) against
   ``PorosTrainer.evaluate`` with ``torch.equal``.
 
 Exit status 1 when any comparison differs. The JSON carries the device, versions, date and commit.
@@ -64,7 +64,7 @@ def check_family(family: str, device: torch.device, work: Path) -> dict[str, Any
 
     from poros.assets import asset_path
     from poros.testing import all_linear_targets, save_tiny_checkpoint
-    from poros.trainer import PorosTrainer
+    from poros.training.trainer import PorosTrainer
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(asset_path("poros-tiny-qwen3"))
     checkpoint = save_tiny_checkpoint(work / family, family, seed=5, vocab_size=len(tokenizer))
@@ -92,7 +92,7 @@ def check_family(family: str, device: torch.device, work: Path) -> dict[str, Any
     torch.manual_seed(11)
     reference = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                                                           target_modules=all_linear_targets(base)))
-    reference.train()  # dropout 0; bitsandbytes' 4-bit linears in training mode, as poros.evaluation runs them
+    reference.train()  # dropout 0; bitsandbytes' 4-bit linears in training mode, as poros.training.evaluation runs them
     poros_adapters = {name: p for name, p in trained.model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         for name, parameter in reference.named_parameters():

@@ -55,7 +55,7 @@ gets a gradient from step 0. The test asserts the status shown, so a change eith
 | numerical (`supported-numerical`) | trains under Poros; the results differ by the amounts in the notes |
 | refused, PEFT (`refused`, `where: peft`) | the resident PEFT model cannot be built or trained on a 4-bit base here, so there is nothing to stream |
 | refused, Poros (`refused`, `where: poros`) | PEFT trains it resident, but it fails under Poros or trains a different loss |
-| *gated* | `poros.prepare` refuses this adapter type today (`UnsupportedAdapterError`: its allow-list `poros.model.SUPPORTED_ADAPTERS` holds LoRA only); the status before it is what the streaming engine does when the test lifts that gate for this one type |
+| *gated* | `poros.prepare` refuses this adapter type today (`UnsupportedAdapterError`: its allow-list `poros.dropin.model.SUPPORTED_ADAPTERS` holds LoRA only); the status before it is what the streaming engine does when the test lifts that gate for this one type |
 
 The allow-list is a policy decided on top of these measurements. Lifting the gate (in the test only) adds the PEFT type to the allow-list
 and PEFT's own parameter prefix of the type (`BaseTuner.prefix`: `oft_`, `vblora_`...) to the

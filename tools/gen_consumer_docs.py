@@ -77,7 +77,7 @@ def shape_plan(name: str):
     projections, seq 512, batch 1, on CUDA with the embeddings on the host."""
     if name not in _PLANS:
         from poros.config import PorosConfig
-        from poros.run_plan import plan_run
+        from poros.training.plan import plan_run
 
         config, _ = _bench().model_config(name)
         with tempfile.TemporaryDirectory() as directory:
@@ -176,8 +176,8 @@ def render_minimums() -> str:
 
 def host_ram(name: str, resident_blocks) -> str:
     """Host RAM of the streamed blocks: pinned (or mapped, once per node), and the disk tier's ring
-    (``poros.host_tiers`` default read-ahead: 3 blocks) for hosts with less RAM than that."""
-    from poros.host_tiers import DEFAULT_READ_AHEAD
+    (``poros.loading.host_tiers`` default read-ahead: 3 blocks) for hosts with less RAM than that."""
+    from poros.loading.host_tiers import DEFAULT_READ_AHEAD
 
     streamed = [n for i, n in enumerate(shape_plan(name).block_bytes) if i not in set(resident_blocks)]
     if not streamed:

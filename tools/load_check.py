@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Check poros.load's device path: NF4 quantized on the device, blocks on the host, bitwise training.
+"""Check poros.loading.load's device path: NF4 quantized on the device, blocks on the host, bitwise training.
 
 Writes a sharded checkpoint (random weights, real transformers class), then in one process:
 
 * reference: ``from_pretrained(..., BitsAndBytesConfig(nf4), device_map={"": device})`` + PEFT LoRA,
   trained resident for ``--steps`` AdamW steps;
-* poros: ``poros.load.load_pretrained(..., device=device)`` + the same PEFT LoRA +
+* poros: ``poros.loading.load.load_pretrained(..., device=device)`` + the same PEFT LoRA +
   ``adapters_to_device`` + ``poros.prepare``, trained on the same batches.
 
 Reports peak device memory of each load, where the loaded tensors live, whether every block tensor
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     import poros
     from tools.bench import configure_determinism, environment, make_batches, parity, snapshot, optimizer_snapshot, \
         ArmResult, trainable
-    from poros.load import adapters_to_device, load_pretrained
+    from poros.loading.load import adapters_to_device, load_pretrained
     from poros.testing import save_tiny_checkpoint
 
     configure_determinism(True)

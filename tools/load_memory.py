@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Host memory of poros.load: peak anonymous RSS while loading a checkpoint, against its bf16 size.
+"""Host memory of poros.loading.load: peak anonymous RSS while loading a checkpoint, against its bf16 size.
 
 Writes a sharded Qwen3-architecture checkpoint (random weights, real transformers class), then in
 child processes measures the peak RssAnon (/proc, sampled every 0.5 ms) above the child's baseline:
 
-* ``poros``: ``poros.load.load_pretrained(path, device="cpu")`` (after a one-layer warm-up load, so
+* ``poros``: ``poros.loading.load.load_pretrained(path, device="cpu")`` (after a one-layer warm-up load, so
   first-call initialisation of bitsandbytes/transformers is not counted);
 * ``control``: every shard materialised in memory (``load_file`` + clone), which is what a load
   that holds the bf16 model would cost — it shows the measurement sees a full read.
@@ -33,7 +33,7 @@ SHAPE = dict(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, interme
 CHILD = textwrap.dedent("""
     import json, sys, threading, time
     import bitsandbytes, torch, transformers, safetensors.torch
-    from poros.load import load_pretrained
+    from poros.loading.load import load_pretrained
 
     def anon_kb():
         for line in open("/proc/self/status"):

@@ -40,7 +40,7 @@ import torch
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 GiB = 2**30
-IMPORTS_ONLY = ("import resource, peft, safetensors.torch, torch, transformers, poros.cli.main, poros.merge; "
+IMPORTS_ONLY = ("import resource, peft, safetensors.torch, torch, transformers, poros.cli.main, poros.export.merge; "
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")  # KiB on Linux
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -207,7 +207,7 @@ def write_random_adapter(config, base: pathlib.Path, path: pathlib.Path, rank: i
 def bench_generate(config, device: torch.device, args: argparse.Namespace, full_layers: int) -> dict[str, Any]:
     import poros
     from tools.bench import add_lora, build_model, free_memory
-    from poros.generate import generate
+    from poros.export.generate import generate
 
     model = add_lora(build_model(config, device), rank=args.rank, gradient_checkpointing=False)
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(2))

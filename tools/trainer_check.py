@@ -14,7 +14,7 @@ import torch, transformers, peft
 from poros.assets import asset_path
 from poros.data import BatchIterator, load_dataset
 from poros.testing import all_linear_targets, save_tiny_checkpoint
-from poros.trainer import PorosTrainer
+from poros.training.trainer import PorosTrainer
 
 from tools.bench import environment  # device, versions, date, commit of the report
 

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device, env = bench.start_tool(args)
     config, info = bench.model_config(args.model, layers=args.layers)
-    from poros import probe
+    from poros.doctor import probe
     from poros.stream import planner
 
     workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)

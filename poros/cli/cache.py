@@ -52,7 +52,7 @@ def human_size(nbytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poros import cache
+    from poros.loading import cache
 
     root = cache.cache_root(args.cache_dir)
     if args.action == "clear":

@@ -3,9 +3,9 @@
 The host part is torch-free on purpose: package versions come from ``importlib.metadata`` (nothing
 is imported), host memory from ``/proc/meminfo`` and the cgroup limits, so the doctor runs where
 torch is missing or broken -- the very machines that need it. Where torch is installed, the GPU
-part follows (:mod:`poros.gpu_probe`, imported inside :func:`gpu_report`): CUDA, the cards,
+part follows (:mod:`poros.doctor.gpu_probe`, imported inside :func:`gpu_report`): CUDA, the cards,
 bitsandbytes' kernels, pinned memory, the link, and with ``--model`` what the planner says; every
-finding that blocks training becomes a named problem with its fix (:data:`poros.diagnostics.RULES`).
+finding that blocks training becomes a named problem with its fix (:data:`poros.doctor.diagnostics.RULES`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,7 @@ from typing import Any
 
 from poros.cli.output import print_json
 
-#: The ``[train]`` extra of poros-train (a test checks this against pyproject.toml).
-TRAIN_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "xxhash")
-#: Reported when present; training does not need them.
-OPTIONAL_PACKAGES = ("accelerate",)
-INSTALL_HINT = "pip install 'poros-train[train]'"
+from poros.packages import INSTALL_HINT, OPTIONAL_PACKAGES, TRAIN_PACKAGES, installed_version  # noqa: F401
 
 DESCRIPTION = """\
 Print what Poros needs to know about this machine, in a ```text block ready to paste into an
@@ -100,16 +96,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "and removes a 256 MiB file; the disk host tier streams at this rate)")
     parser.set_defaults(run=run)
     return parser
-
-
-# -- packages -------------------------------------------------------------------------------
-
-def installed_version(distribution: str) -> str | None:
-    """Version of an installed distribution from its metadata, or ``None``; never imports it."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 # -- host memory ----------------------------------------------------------------------------
@@ -285,10 +271,11 @@ def report() -> dict[str, Any]:
 
 def gpu_report(data: dict[str, Any], *, quick: bool = False, model: str | None = None,
                vram_budget: str | None = None) -> dict[str, Any]:
-    """The torch part of the report (:mod:`poros.gpu_probe`: CUDA, cards, bitsandbytes, pinning, the
-    link, ``--model``) and ``problems``, its named findings (:mod:`poros.diagnostics`). Where torch is
+    """The torch part of the report (:mod:`poros.doctor.gpu_probe`: CUDA, cards, bitsandbytes, pinning, the
+    link, ``--model``) and ``problems``, its named findings (:mod:`poros.doctor.diagnostics`). Where torch is
     not installed, only ``problems`` (and ``model``'s error when one was asked for)."""
-    from poros import diagnostics, gpu_probe
+    from poros.doctor import diagnostics
+    from poros.doctor import gpu_probe
 
     available = data["memory"]["available_bytes"]
     part: dict[str, Any] = {}
@@ -356,7 +343,7 @@ def format_report(data: dict[str, Any]) -> str:
 def _gpu_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
     if not data.get("torch") and not data.get("model"):
         return []
-    from poros import diagnostics
+    from poros.doctor import diagnostics
 
     return diagnostics.format_rows(data)
 
@@ -373,9 +360,9 @@ def run(args: argparse.Namespace) -> int:
                           "Qwen/Qwen2.5-32B), or leave --vram-budget out.")
     data = report()
     data.update(gpu_report(data, quick=args.quick, model=args.model, vram_budget=args.vram_budget))
-    if getattr(args, "disk", False):  # the disk host tier's drive (poros.host_tiers)
-        from poros.cache import cache_root
-        from poros.host_tiers import measure_disk_read
+    if getattr(args, "disk", False):  # the disk host tier's drive (poros.loading.host_tiers)
+        from poros.loading.cache import cache_root
+        from poros.loading.host_tiers import measure_disk_read
 
         data["disk_read"] = measure_disk_read(cache_root())
     if args.json:

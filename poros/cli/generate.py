@@ -42,7 +42,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_adapter_arguments(parser)
     parser.add_argument("--prompt", required=True, help="the prompt ('-' reads it from stdin)")
     parser.add_argument("--max-new-tokens", type=int, metavar="N",
-                        help="tokens to generate at most (default: poros.generate.DEFAULT_MAX_NEW_TOKENS, 128)")
+                        help="tokens to generate at most (default: poros.export.generate.DEFAULT_MAX_NEW_TOKENS, 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     parser.add_argument("--seed", type=int, help="seed for sampling")
@@ -57,8 +57,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from poros.generate import generate_text
-    from poros.load import load_with_adapter
+    from poros.export.generate import generate_text
+    from poros.dropin.with_adapter import load_with_adapter
     from poros.noise import quiet_known_noise
 
     quiet_known_noise(verbose=getattr(args, "verbose", False))  # third-party notices, as in poros train

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:  # a package of the train extra that this install lacks (a core-only install)
         if debug:
             raise
-        from poros.validation import RUN_PACKAGES, missing_dependency
+        from poros.training.validation import RUN_PACKAGES, missing_dependency
 
         package = (exc.name or "").partition(".")[0]
         if package not in (*RUN_PACKAGES, "datasets"):

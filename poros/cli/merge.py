@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from poros.cli.output import print_json
-    from poros.merge import merge_adapter
+    from poros.export.merge import merge_adapter
     from poros.noise import quiet_known_noise
 
     quiet_known_noise(verbose=getattr(args, "verbose", False))  # third-party notices, as in poros train

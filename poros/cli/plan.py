@@ -101,10 +101,10 @@ def parse_block_ms(text: str) -> tuple[float, float]:
 
 
 def host_tier_plan(config, block_bytes, resident_blocks, ranks_per_node: int = 1):
-    """The host tier for ``--host-tier`` / ``--host-budget`` and the node's ranks (``poros.host_tiers``; torch-free):
+    """The host tier for ``--host-tier`` / ``--host-budget`` and the node's ranks (``poros.loading.host_tiers``; torch-free):
     the tier the run will take, ``mapped`` when the model loads through the block cache."""
     from poros.config import parse_budget
-    from poros.host_tiers import choose_host_tier
+    from poros.loading.host_tiers import choose_host_tier
 
     budget = parse_budget(config.host_budget, "host_budget") if config.host_budget is not None else None
     streamed = [n for i, n in enumerate(block_bytes) if i not in set(resident_blocks)]
@@ -118,20 +118,20 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from poros.noise import quiet_known_noise
-    from poros.validation import require_run_packages
+    from poros.training.validation import require_run_packages
 
     quiet_known_noise(verbose=args.verbose)
     require_run_packages("poros plan")
     import torch
 
-    from poros import probe
+    from poros.doctor import probe
     from poros.cli.arguments import load_config
     from poros.cli.output import print_json
     from poros.cli.report import format_budget_plan
     from poros.devices import resolve_device
     from poros.distributed import check_batch_divides
     from poros.errors import ConfigError
-    from poros.run_plan import load_text_config, plan_run
+    from poros.training.plan import load_text_config, plan_run
     from poros.stream import planner
     from poros.stream.placement import embeddings_on_host
 
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                     "host": host.to_dict(), "data_parallel": node})
     else:
         print(format_budget_plan(plan, budget_plan, link_source=link_source))
-        from poros.host_tiers import size
+        from poros.loading.host_tiers import size
 
         print(f"host: {host.reason}; {size(host.host_bytes)} of host RAM for the blocks")
         if ranks > 1:

@@ -1,12 +1,12 @@
 """The plans as text: :func:`format_plan` (``poros train --dry-run``: the memory plan as host and
 device tables) and :func:`format_budget_plan` (``poros plan``: the decisions, the predicted peak
 and its parts against the budget, the copies and the step time). Formatting only: the numbers
-come from :mod:`poros.run_plan` and :mod:`poros.stream.planner`."""
+come from :mod:`poros.training.plan` and :mod:`poros.stream.planner`."""
 
 from __future__ import annotations
 
 from poros.cli.output import table
-from poros.run_plan import Plan
+from poros.training.plan import Plan
 from poros.stream.planner import BudgetPlan, format_gb, human_bytes, predict_peak
 
 def _runs(sizes: tuple[int, ...]) -> str:

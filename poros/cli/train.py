@@ -88,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
     import shlex
     import sys
 
-    from poros import distributed, run_lock
+    from poros import distributed
+
+    from poros.training import run_lock
     from poros.noise import quiet_known_noise
-    from poros.validation import require_run_packages, validate_run
+    from poros.training.validation import require_run_packages, validate_run
 
     quiet_known_noise(verbose=getattr(args, "verbose", False))
     arguments = list(getattr(args, "arguments", []))
@@ -126,7 +128,7 @@ def dry_run(config) -> int:
     """Print the validated settings that differ from the defaults and the memory plan; load nothing."""
     from poros.cli.report import format_plan
     from poros.config import PorosConfig
-    from poros.run_plan import plan_run
+    from poros.training.plan import plan_run
 
     plan = plan_run(config)
     defaults = PorosConfig().to_dict()
@@ -144,8 +146,8 @@ def train(config, *, launch_command: list[str]) -> tuple[int, bool]:
     import sys
 
     from poros.distributed import world
-    from poros.stop import StopRequest
-    from poros.trainer import PorosTrainer
+    from poros.training.stop import StopRequest
+    from poros.training.trainer import PorosTrainer
 
     try:
         trainer = PorosTrainer.from_config(config)

@@ -16,6 +16,8 @@ template, loss on assistant turns only) -> :class:`BatchIterator`.
 
 ``import poros.data`` imports neither torch, transformers nor datasets; ``BatchIterator`` imports
 torch when it builds a batch, and hub ids import ``datasets`` when loaded.
+
+May import: the core only.
 """
 
 from __future__ import annotations

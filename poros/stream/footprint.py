@@ -214,7 +214,7 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
 
 def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | None = None,
                      link_bytes_per_s: float | None = None, optimizer_states: str = "device") -> dict[str, Any]:
-    """What the planner predicts for a :class:`~poros.model.PorosModel` as :func:`poros.prepare` set it
+    """What the planner predicts for a :class:`~poros.dropin.model.PorosModel` as :func:`poros.prepare` set it
     up (its slots, resident blocks and embedding placement; AdamW's state where the run keeps it): the peak and its parts, the copy bytes
     per step, and with compute times and a link the step. ``tools/bench.py`` records it next to
     what it measures."""

@@ -11,14 +11,14 @@ loaded model or a meta skeleton) and the shape of its step (:class:`Workload`) g
   (``tests/test_planner.py`` holds them to 15 %). :func:`peak_upper_bound` adds the same parts
   all at once (the dry run's estimate).
 * **the step** (:func:`predict_step`): with per-block compute times (:class:`ComputeTimes`, from
-  :func:`poros.probe.probe_compute` or given) and the link bandwidth, a simulation of the
+  :func:`poros.doctor.probe.probe_compute` or given) and the link bandwidth, a simulation of the
   executor's copies and compute stage by stage.
 * **the budget plan** (:func:`plan_budget`): embedding tables to the host, the slot ring, then as
   many resident blocks as fit, the last ones first; and the budget that takes the copy off the
   critical path.
 
 ``prepare(vram_budget=...)`` asks it through :func:`poros.stream.footprint.plan_for_model`;
-``poros plan`` through the dry-run plan (:mod:`poros.run_plan`) and prints it with
+``poros plan`` through the dry-run plan (:mod:`poros.training.plan`) and prints it with
 :mod:`poros.cli.report`.
 """
 
@@ -59,7 +59,7 @@ class Workload:
         seq_len: tokens per example.
         grad_accum: micro-batches per optimizer step (M).
         schedule: ``"micro-major"`` (every micro-batch streams every block: 2·M copies per block
-            per step) or ``"layer-major"`` (:meth:`~poros.model.PorosModel.forward_backward`: each
+            per step) or ``"layer-major"`` (:meth:`~poros.dropin.model.PorosModel.forward_backward`: each
             block once per direction for all M micro-batches, whose M x L boundary states stay on
             the device).
         loss_chunks: the loss over this many token chunks (``PorosConfig.loss_chunks``; 1: HF's).

@@ -21,7 +21,7 @@ The node's ranks also share the frozen embedding tables Poros keeps on the host
 (:func:`share_host_table`): a file beside the cache entry holds each table's bytes, and every rank's
 table is a copy-on-write mapping of it, the page cache's pages until something writes.
 
-Either tier takes the file it is given (the NF4 block cache entry of ``poros.cache``, when the
+Either tier takes the file it is given (the NF4 block cache entry of ``poros.loading.cache``, when the
 model's block tensors are views of it) or, for a model loaded any other way, writes a *spill* file
 of the packed blocks into a directory and unlinks it at once (it lives as long as it is open).
 """
@@ -524,7 +524,7 @@ def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
     sweeps the aside copies of processes killed while writing; the others wait, then map it. Every
     process checks the mapped bytes against its own ``tensor`` before using them: a file of other bytes
     or size is removed (the next run writes it again) and never used."""
-    import fcntl  # (poros.cache.build_lock is the same lock, but the engine does not import the drop-in layer)
+    import fcntl  # (poros.loading.cache.build_lock is the same lock, but the engine does not import the drop-in layer)
 
     data = tensor.detach().contiguous()
     if data.device.type != "cpu" or not data.numel():

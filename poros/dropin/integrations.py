@@ -22,7 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from poros.errors import TorchCompileError
-from poros.model import COMPILE_WORKAROUND, PorosModel, prepare
+from poros.dropin.model import COMPILE_WORKAROUND, PorosModel, prepare
 
 __all__ = ["PorosCallback", "prepare_trainer"]
 
@@ -43,7 +43,7 @@ def prepare_trainer(trainer: Any, **options: Any) -> PorosModel:
         **options: passed to :func:`poros.prepare` (``num_slots``, ``require``, ``vram_budget``...).
 
     Returns:
-        ``trainer.model`` itself, streamed (a :class:`~poros.model.PorosModel`); a model already
+        ``trainer.model`` itself, streamed (a :class:`~poros.dropin.model.PorosModel`); a model already
         prepared is returned as it is.
 
     Raises:

@@ -27,31 +27,11 @@ import pathlib
 import sys
 from typing import Any
 
+from poros.packages import INSTALL_HINT, RUN_PACKAGES, missing_packages  # noqa: F401 (re-exported)
 from poros.errors import CheckpointLoadError, DataError, MissingDependencyError, OutputDirError
 
-#: the packages ``poros train`` / ``poros plan`` import (the train extra, less ``datasets``, which only
-#: hub datasets need and whose absence :mod:`poros.data.sources` reports itself).
-RUN_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "safetensors")
 #: records normalized by :func:`check_dataset` (the whole file is read; only these are normalized).
 SAMPLE_RECORDS = 32
-
-
-def missing_packages(names: tuple[str, ...] = RUN_PACKAGES) -> list[str]:
-    """The packages of ``names`` that cannot be imported (not installed, or blocked)."""
-    import importlib.util
-
-    missing = []
-    for name in names:
-        if name in sys.modules and sys.modules[name] is None:  # import blocked: it raises ImportError
-            missing.append(name)
-            continue
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
 
 
 def require_run_packages(command: str) -> None:
@@ -63,8 +43,6 @@ def require_run_packages(command: str) -> None:
 
 def missing_dependency(command: str, missing: list[str]) -> MissingDependencyError:
     """The error for ``command`` run without the packages ``missing``, with the install hint."""
-    from poros.cli.doctor import INSTALL_HINT
-
     return MissingDependencyError(
         f"{command} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed (the core "
         f"install of poros-train runs list-architectures, plugins, doctor and init). Fix: {INSTALL_HINT}; "
@@ -86,7 +64,7 @@ def _probe_writable(directory: pathlib.Path) -> None:
     try:
         descriptor, name = tempfile.mkstemp(prefix=".poros-write-test-", dir=directory)
     except OSError as error:
-        from poros.checkpoint import write_error
+        from poros.training.checkpoint import write_error
 
         raise write_error(error, directory) from None
     os.close(descriptor)
@@ -102,7 +80,7 @@ def check_output_dir(output_dir: str, *, overwrite: bool = False, resuming: bool
         OutputDirError: a file, a path under a file, not writable, or another run's results.
         RunLockedError: another live run holds it.
     """
-    from poros import run_lock
+    from poros.training import run_lock
 
     directory = pathlib.Path(output_dir).expanduser()
     if directory.exists() and not directory.is_dir():
@@ -133,7 +111,7 @@ def check_model(model: str, *, revision: str | None = None, download_allowed: bo
         UnknownArchitectureError: no registered family claims the checkpoint's ``model_type``.
     """
     from poros import registry
-    from poros.run_plan import load_text_config, locate_checkpoint_config
+    from poros.training.plan import load_text_config, locate_checkpoint_config
 
     try:
         directory, _ = locate_checkpoint_config(model, revision=revision)
@@ -181,10 +159,10 @@ def check_resume(config: Any) -> None:
     """The checkpoint ``resume_from`` names is complete, intact and from a run with the same math.
 
     Raises:
-        TrainingCheckpointError: see :func:`poros.checkpoint.read_checkpoint` and
-            :func:`~poros.checkpoint.check_resumable`.
+        TrainingCheckpointError: see :func:`poros.training.checkpoint.read_checkpoint` and
+            :func:`~poros.training.checkpoint.check_resumable`.
     """
-    from poros import checkpoint
+    from poros.training import checkpoint
 
     if config.resume_from is None:
         return
@@ -199,7 +177,7 @@ def check_resume(config: Any) -> None:
 
 def validate_run(config: Any, *, dry_run: bool = False) -> None:
     """Every check above for a :class:`~poros.config.PorosConfig`, in the order a user fixes them."""
-    from poros.checkpoint import latest_checkpoint
+    from poros.training.checkpoint import latest_checkpoint
 
     check_device(config.device)
     output_dir = pathlib.Path(config.output_dir)

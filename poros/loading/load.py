@@ -303,7 +303,7 @@ def load_pretrained(
     if cache_dir is None:
         model, loading_info = load()
     else:
-        from poros.cache_blocks import load_through_cache
+        from poros.loading.cache_blocks import load_through_cache
 
         model, loading_info = load_through_cache(
             load, cache_dir, model=os.fspath(name_or_path), info=info, revision=revision, device=device,
@@ -367,41 +367,6 @@ def read_adapter(adapter: str | os.PathLike, base_model: str | os.PathLike | Non
         )
     return AdapterInfo(path, peft_config, os.fspath(base), dict(record.get("config") or {}), weights)
 
-
-def load_with_adapter(adapter: str | os.PathLike, *, model: str | os.PathLike | None = None,
-                      device: torch.device | str | None = None, num_slots: int | None = None,
-                      resident_blocks: int | None = None):
-    """Load the base an adapter was trained on (4-bit, blocks on the host), add the adapter, stream it.
-
-    The base is loaded as the training run loaded it (``quantization``, ``compute_dtype``,
-    ``double_quant``, ``attn_implementation``, ``revision`` from the adapter's ``poros_config.json``;
-    Poros's defaults otherwise) with :func:`load_pretrained`; the adapter with PEFT's own
-    ``PeftModel.from_pretrained`` (frozen: it streams with its block). The tokenizer is the adapter
-    directory's when it has one, else the base checkpoint's.
-
-    Returns:
-        ``(PorosModel, tokenizer)``; the tokenizer is None when neither directory has one.
-
-    Raises:
-        CheckpointLoadError: see :func:`read_adapter` and :func:`load_pretrained`.
-        UnknownArchitectureError, and the gates of :func:`poros.prepare`.
-    """
-    import peft
-    import transformers
-
-    from poros.model import prepare
-
-    info = read_adapter(adapter, model)
-    trained = info.poros_config
-    loaded = load_pretrained(
-        info.base_model, quantization=trained.get("quantization", "nf4"),
-        compute_dtype=trained.get("compute_dtype", "bfloat16"), double_quant=trained.get("double_quant", False),
-        device=device, attn_implementation=trained.get("attn_implementation"), revision=trained.get("revision"))
-    peft_model = peft.PeftModel.from_pretrained(loaded.model, info.path)
-    tokenizer = loaded.tokenizer
-    if any((info.path / name).is_file() for name in TOKENIZER_FILES):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(info.path)
-    return prepare(peft_model, num_slots=num_slots, resident_blocks=resident_blocks), tokenizer
 
 
 def adapters_to_device(model: nn.Module, device: torch.device | str) -> int:
@@ -595,6 +560,6 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
                     _to_host(module, name)
 
 
-__all__ = ["AdapterInfo", "adapters_to_device", "load_with_adapter", "read_adapter", "read_config", "CheckpointInfo",
+__all__ = ["AdapterInfo", "adapters_to_device", "read_adapter", "read_config", "CheckpointInfo",
            "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
            "resolve_checkpoint"]

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m torch.distributed.run --nproc-per-node 2 -m poros.testing_distributed \\
+    python -m torch.distributed.run --nproc-per-node 2 -m poros.testing.distributed \\
         --out OUT --cases qwen3:default,gemma4:e2b --modes micro,accum,layer_major,hf_prepare,hf_patch
 
 Each rank trains the same tiny checkpoint twice on its own shard of the data (rank-seeded

@@ -45,17 +45,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from poros import checkpoint as checkpoints
-from poros import distributed, evaluation, tracking
+from poros.training import checkpoint as checkpoints
+from poros import distributed
+from poros.training import evaluation
+from poros.training import tracking
 from poros.adapters import lora_target_modules
 from poros.devices import resolve_device
 from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
-from poros.progress import echo
-from poros.training import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
+from poros.training.progress import echo
+from poros.training.run import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
-    from poros.model import PorosModel
+    from poros.dropin.model import PorosModel
 
 logger = logging.getLogger("poros")
 
@@ -77,7 +79,7 @@ class PorosTrainer:
     you prepared yourself (``PorosTrainer(poros.prepare(peft_model), tokenizer, config)``).
 
     Attributes:
-        model: the :class:`~poros.model.PorosModel`.
+        model: the :class:`~poros.dropin.model.PorosModel`.
         tokenizer: the tokenizer (None when the checkpoint has none).
         config: the :class:`~poros.config.PorosConfig` the trainer was created with; ``train()``
             overrides apply to that run only.
@@ -129,9 +131,9 @@ class PorosTrainer:
         Picks the device (``"auto"``: CUDA when available, else CPU). With ``deterministic`` on
         CUDA, sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (when unset) and
         ``torch.use_deterministic_algorithms(True)`` for the whole process. Loads with
-        :func:`poros.load.load_pretrained`, then ``torch.manual_seed(seed)`` and PEFT's
+        :func:`poros.loading.load.load_pretrained`, then ``torch.manual_seed(seed)`` and PEFT's
         ``get_peft_model`` with its default initialization (``lora_B`` zero), moves the adapters to
-        the compute device (:func:`poros.load.adapters_to_device`), streams the model with
+        the compute device (:func:`poros.loading.load.adapters_to_device`), streams the model with
         :func:`poros.prepare`, and prints the detection summary with the guarantee label.
 
         Raises:
@@ -141,9 +143,9 @@ class PorosTrainer:
         """
         import peft
 
-        from poros.cache import cache_root
-        from poros.load import adapters_to_device, load_pretrained
-        from poros.model import prepare
+        from poros.loading.cache import cache_root
+        from poros.loading.load import adapters_to_device, load_pretrained
+        from poros.dropin.model import prepare
 
         config.validate()
         tracking.check_installed(config.report_to)  # before the model loads
@@ -222,7 +224,7 @@ class PorosTrainer:
             TrainingCheckpointError: ``resume_from`` names a missing or incomplete checkpoint, or one
                 written with settings that change the math (each differing field is named).
             DataError: the dataset yields no trainable tokens, or cannot be read.
-            RunLockedError: another live run holds ``output_dir`` (:mod:`poros.run_lock`).
+            RunLockedError: another live run holds ``output_dir`` (:mod:`poros.training.run_lock`).
             OutputDirError: ``output_dir`` holds another run's results and neither ``overwrite`` nor a
                 checkpoint to resume is given; or it cannot be written (full, read-only).
         """
@@ -245,7 +247,7 @@ class PorosTrainer:
                 + ". Create a new trainer with them: PorosTrainer.from_pretrained(model, " + changes + ", ...)."
             )
         self.run_config = config
-        from poros import run_lock
+        from poros.training import run_lock
 
         with run_lock.hold(config.output_dir):  # one run per output_dir (re-entrant: the CLI holds it through save)
             return TrainingRun(self, config, data_source).execute()
@@ -254,7 +256,7 @@ class PorosTrainer:
         """The eval loss of the adapter now, computed as ``train()`` computes it between steps.
 
         Evaluates ``dataset`` (anything ``poros.data.load_dataset`` takes), else the eval set of the
-        last ``train()``, else the config's ``eval_dataset``; see :func:`poros.evaluation.evaluate_trainer`.
+        last ``train()``, else the config's ``eval_dataset``; see :func:`poros.training.evaluation.evaluate_trainer`.
 
         Returns:
             The row ``train()`` logs: ``step`` (:attr:`global_step`), ``eval_loss``, ``eval_perplexity``...
@@ -263,8 +265,8 @@ class PorosTrainer:
 
     def generate(self, prompt: str, **options: Any) -> str:
         """The model's continuation of ``prompt`` with the adapter as trained so far; ``options`` as for
-        :func:`poros.generate.generate_text` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``chat``)."""
-        from poros.generate import generate_text
+        :func:`poros.export.generate.generate_text` (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``chat``)."""
+        from poros.export.generate import generate_text
 
         return generate_text(self.model, self.tokenizer, prompt, **options).text
 

@@ -1,33 +1,4 @@
-"""Test helpers: tiny real models per family, QLoRA loading as the reference does it, the descriptor contract.
-
-Everything here builds the *real* transformers classes (``Qwen2ForCausalLM``, ``Gemma4ForCausalLM``...)
-from shrunken configs with random weights; nothing is downloaded. Poros's own tests and third-party
-family plugins use the same helpers::
-
-    from poros.testing import assert_descriptor_matches, qlora_model, tiny_model
-
-    def test_my_family(tmp_path):
-        assert_descriptor_matches(MY_DESCRIPTOR, tiny_model("qwen3"))
-        model = qlora_model("qwen3", tmp_path=tmp_path)   # NF4 base + LoRA, as the parity reference
-
-Notable choices:
-
-* **Families declare their tiny variants** (``TINY_VARIANTS`` in the family module, next to its
-  descriptor: :mod:`poros.tiny`), so :func:`tiny_config` builds a tiny model for any registered
-  family, a plugin's included; the descriptor contract lives in :mod:`poros.descriptor_check`.
-* Tiny configs switch every special feature of the family on and represent every layer kind
-  the layer count allows (sliding windows shorter than test sequences, soft-capping, KV sharing,
-  per-layer inputs, MoE...), so a streaming bug that ignores a quirk shows up as a difference.
-* Models are built with the model's own ``dtype`` argument, never ``.to(bfloat16)`` afterwards:
-  that would round the fp32 rotary ``inv_freq`` buffers and change cos/sin.
-* Norm weights, biases, other 1-D parameters and Gemma 4's ``layer_scalar`` buffers are perturbed
-  (deterministically from the seed) so that ``1 + w`` offsets, biases and scalars matter.
-* :func:`load_qlora` keeps the model in ``train()`` mode: bitsandbytes on AVX512-BF16 CPUs repacks
-  NF4 weights in place when run in eval mode without grad, which breaks later training.
-
-Importing this module imports torch, transformers, PEFT and bitsandbytes; ``import poros`` never
-imports it.
-"""
+"""The tiny real models and the parity helpers behind :mod:`poros.testing` (see its docstring)."""
 
 from __future__ import annotations
 
@@ -39,8 +10,8 @@ import transformers
 from torch import nn
 
 from poros.adapters import lora_target_modules
-from poros.descriptor_check import assert_descriptor_matches, check_descriptor  # noqa: F401 (re-exported)
-from poros.plugin_testing import registered_plugin  # noqa: F401 (re-exported)
+from poros.testing.descriptor_check import assert_descriptor_matches, check_descriptor  # noqa: F401 (re-exported)
+from poros.testing.plugins import registered_plugin  # noqa: F401 (re-exported)
 from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, tiny_multimodal, tiny_variants  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -93,7 +64,7 @@ def __getattr__(name: str) -> Any:
         value = _builtin_tiny_variants()
         globals()["TINY_VARIANTS"] = value
         return value
-    raise AttributeError(f"module 'poros.testing' has no attribute {name!r}")
+    raise AttributeError(f"module 'poros.testing.models' has no attribute {name!r}")
 
 
 def tiny_config(

@@ -178,7 +178,7 @@ def _check_materialised(model) -> None:
             bad.append(f"{name} (NaN: the model's initialize_weights did not set it)")
     if bad:
         raise RuntimeError(f"build left {len(bad)} tensors uninitialised: {', '.join(bad[:8])}. Initialise them in "
-                           "random_nf4_model (poros/probe.py) the way the model's _init_weights would.")
+                           "random_nf4_model (poros/doctor/probe.py) the way the model's _init_weights would.")
 
 
 def _perturb_one_dimensional(model, generator: torch.Generator, scale: float) -> None:
@@ -239,7 +239,7 @@ def probe_compute(text_config: Any, workload: Workload, device: torch.device | s
     import statistics
     import time
 
-    from poros.model import prepare
+    from poros.dropin.model import prepare
 
     device = torch.device(device)
     on_cuda = device.type == "cuda"

@@ -240,7 +240,7 @@ def hold(output_dir: str | os.PathLike, *, command: str | None = None) -> Iterat
 
 def previous_results(output_dir: str | os.PathLike) -> list[str]:
     """The names of another run's results in ``output_dir``: the adapter, metrics, checkpoints."""
-    from poros.checkpoint import CHECKPOINT_PREFIX
+    from poros.training.checkpoint import CHECKPOINT_PREFIX
 
     directory = pathlib.Path(output_dir)
     if not directory.is_dir():
@@ -260,7 +260,7 @@ def check_fresh_start(output_dir: str | os.PathLike, *, overwrite: bool) -> None
         OutputDirError: results are there and ``overwrite`` is False; the message names them and
             both ways on (resume, or overwrite).
     """
-    from poros.checkpoint import CHECKPOINT_PREFIX, remove_directory
+    from poros.training.checkpoint import CHECKPOINT_PREFIX, remove_directory
 
     found = previous_results(output_dir)
     if not found:

@@ -376,7 +376,7 @@ def write_checkpoint(
         if missing:
             raise TrainingCheckpointError(
                 f"checkpoint {path} would lack {', '.join(missing)} (the adapter writer did not write them); "
-                "expected every file of poros.checkpoint.REQUIRED_FILES. This is a bug in the caller of "
+                "expected every file of poros.training.checkpoint.REQUIRED_FILES. This is a bug in the caller of "
                 "write_checkpoint."
             )
     rotate_checkpoints(output_dir, save_total_limit, newest=path)

@@ -41,7 +41,7 @@ from poros.stream.planner import (
 def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tuple[pathlib.Path, str]:
     """The directory holding ``model``'s ``config.json``, without downloading anything.
 
-    A local directory and a model bundled with poros resolve as :func:`poros.load.resolve_checkpoint`
+    A local directory and a model bundled with poros resolve as :func:`poros.loading.load.resolve_checkpoint`
     resolves them; a hub id only through the HF cache (its ``config.json`` is enough: the plan
     needs no weights).
 
@@ -52,7 +52,7 @@ def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tupl
         CheckpointLoadError: no such directory, or a hub id whose ``config.json`` is not cached.
     """
     from poros.assets import is_asset
-    from poros.load import resolve_checkpoint
+    from poros.loading.load import resolve_checkpoint
 
     path = pathlib.Path(model).expanduser()
     hub_like = model.count("/") == 1 and not model.startswith((".", "/", "~")) and not path.exists()
@@ -73,8 +73,8 @@ def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tupl
 
 
 def load_text_config(directory: pathlib.Path) -> tuple[Any, Any]:
-    """``(config, text_config)`` of a checkpoint directory (:func:`poros.load.read_config`)."""
-    from poros.load import read_config
+    """``(config, text_config)`` of a checkpoint directory (:func:`poros.loading.load.read_config`)."""
+    from poros.loading.load import read_config
 
     return read_config(directory)
 

@@ -55,15 +55,10 @@ def cache_root(configured: str | os.PathLike | None = None) -> Path:
 
 
 def package_versions() -> dict[str, str]:
-    from importlib import metadata
+    """The entry format and the versions that decide the packed bytes (part of an entry's key)."""
+    from poros.packages import versions
 
-    versions = {"format": str(FORMAT_VERSION)}
-    for name in ("bitsandbytes", "transformers", "torch"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "absent"
-    return versions
+    return {"format": str(FORMAT_VERSION), **versions(("bitsandbytes", "transformers", "torch"))}
 
 
 def checkpoint_identity(path: Path, weight_files: list[Path], revision: str | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The torch half of the NF4 block cache (``poros.cache``): decoder blocks into an entry and back.
+"""The torch half of the NF4 block cache (``poros.loading.cache``): decoder blocks into an entry and back.
 
 * :func:`write_blocks_entry` -- after a cold load, pack every block the way the block store does
   (``poros.stream.store.block_layouts``) into a new entry, with each block's tensor layout and the
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poros import cache
+from poros.loading import cache
 from poros.errors import CacheEntryError
 from poros.stream.store import bind_entry, block_layouts, entry_view
 from poros.stream.tiers import release_mapping
@@ -245,7 +245,7 @@ def skip_block_weights(prefix: str, layers_path: str, entry: cache.CacheEntry):
 # -- the cached load -------------------------------------------------------------------------------
 def load_through_cache(load, cache_dir, *, model: str, info, revision: str | None, device: torch.device,
                        quantization_config) -> tuple[nn.Module, dict]:
-    """Run ``load`` (``poros.load.load_pretrained``'s transformers load) through the NF4 block cache.
+    """Run ``load`` (``poros.loading.load.load_pretrained``'s transformers load) through the NF4 block cache.
 
     Looks the entry up under the build lock: a sound entry is mapped and only the non-block weights
     are read; a damaged one (or one whose layout is not the model's) is reported in one line, removed

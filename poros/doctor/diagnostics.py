@@ -3,7 +3,7 @@ and what a model needs -- and the rule table that turns what was found into name
 
 Three layers, so that the rules and the printing can be tested with made-up records:
 
-* **probes** (:mod:`poros.gpu_probe`: :func:`~poros.gpu_probe.probe`, :func:`~poros.gpu_probe.model_fit`)
+* **probes** (:mod:`poros.doctor.gpu_probe`: :func:`~poros.doctor.gpu_probe.probe`, :func:`~poros.doctor.gpu_probe.model_fit`)
   import torch, bitsandbytes and the planner inside the function and return plain dicts
   (JSON-ready): ``torch``, ``devices``, ``bitsandbytes``, ``pinned``, ``bandwidth``, ``model``;
 * **findings** (:func:`findings`) read those dicts only and name what they see, with the facts;

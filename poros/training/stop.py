@@ -1,6 +1,6 @@
 """Stopping a run on SIGINT / SIGTERM: :class:`StopRequest` turns the first signal into a flag the
 training loop checks after each optimizer step (which then writes a checkpoint); a second signal
-aborts at once. Used by :class:`~poros.trainer.PorosTrainer` and ``poros train``."""
+aborts at once. Used by :class:`~poros.training.trainer.PorosTrainer` and ``poros train``."""
 
 from __future__ import annotations
 

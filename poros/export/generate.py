@@ -97,7 +97,7 @@ def generate_text(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_toke
     """Generate a continuation of ``prompt`` (see the module notes for the defaults).
 
     Args:
-        model: a :class:`~poros.model.PorosModel` (or an HF/PEFT causal LM).
+        model: a :class:`~poros.dropin.model.PorosModel` (or an HF/PEFT causal LM).
         tokenizer: the tokenizer the adapter was trained with.
         max_new_tokens: tokens to generate at most (fewer when the model ends its answer).
         temperature: 0 for greedy decoding; above 0 samples with this temperature.

@@ -175,7 +175,7 @@ class WandbTracker:
         mode = None  # W&B's own choice: WANDB_MODE, or online with a key
         if not os.environ.get("WANDB_MODE") and not _wandb_key():
             mode = "offline"
-            from poros.progress import echo
+            from poros.training.progress import echo
 
             echo(f"poros: wandb has no API key (WANDB_API_KEY or `wandb login`): logging offline under "
                  f"{output_dir / 'wandb'}; upload later with `wandb sync`")

@@ -26,7 +26,7 @@ Notable features:
   adapted weights change. Multimodal checkpoints (Gemma 3/4, Qwen 3.5 with a vision tower) keep
   their vision tower and their ``model.language_model.*`` names: the adapter's module paths (the
   text causal LM's, as Poros trained it) are matched to checkpoint names through the key mapping
-  :mod:`poros.load` loads them with. Tied embeddings stay tied (the checkpoint has no
+  :mod:`poros.loading.load` loads them with. Tied embeddings stay tied (the checkpoint has no
   ``lm_head.weight``, as ``save_pretrained`` writes it).
 * **A plain HF checkpoint out.** ``model-0000k-of-0000N.safetensors`` with
   ``model.safetensors.index.json`` (a single ``model.safetensors`` for a single-file base), the
@@ -129,7 +129,7 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     """
     import peft
 
-    from poros.load import inspect_checkpoint, read_adapter, resolve_checkpoint
+    from poros.loading.load import inspect_checkpoint, read_adapter, resolve_checkpoint
 
     start = time.perf_counter()
     info = read_adapter(adapter, model)
@@ -420,7 +420,7 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _copy_side_files(base: pathlib.Path, adapter: pathlib.Path, staging: pathlib.Path, dtype: torch.dtype) -> list[str]:
     """Configs, tokenizer and processor files of the base; the adapter's tokenizer files over them."""
-    from poros.load import TOKENIZER_FILES
+    from poros.loading.load import TOKENIZER_FILES
 
     skip = {WEIGHT_INDEX, "adapter_config.json", "poros_config.json"}
     written = []

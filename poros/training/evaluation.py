@@ -15,7 +15,7 @@ Notable choices:
   ``eval_perplexity = exp(eval_loss)``. A resident PEFT model given the same batches gets the
   same bits.
 * **The training run does not notice.** The pass runs under ``torch.no_grad`` through the same
-  :class:`~poros.model.PorosModel` (the streamed no-grad path of the executor), in eval mode,
+  :class:`~poros.dropin.model.PorosModel` (the streamed no-grad path of the executor), in eval mode,
   inside ``torch.random.fork_rng``; every module's train/eval flag is put back afterwards. Nothing
   that training reads (adapters, optimizer, data order, RNG) is touched: a run with evaluation is
   bit for bit the run without.
@@ -46,7 +46,7 @@ from poros.data.batches import collate, pad_token_id
 from poros.data.tokenize import IGNORE_INDEX, TokenizedData
 from poros.devices import compute_device
 from poros.errors import ConfigError, DataError
-from poros.progress import progress_bar, showing
+from poros.training.progress import progress_bar, showing
 
 __all__ = ["EVAL_METRIC_FIELDS", "EvalResult", "EvalSet", "eval_set_for_run", "eval_set_of", "evaluate",
            "evaluate_trainer", "evaluation_due", "evaluation_mode", "hold_out", "load_eval_data"]
@@ -152,10 +152,10 @@ def eval_set_of(data: TokenizedData, *, batch_size: int, pad_token_id: int, sour
 
 
 def evaluate_trainer(trainer: Any, dataset: Any = None, *, max_batches: int | None = None) -> dict[str, Any]:
-    """:meth:`PorosTrainer.evaluate <poros.trainer.PorosTrainer.evaluate>`: one evaluation, outside ``train()``.
+    """:meth:`PorosTrainer.evaluate <poros.training.trainer.PorosTrainer.evaluate>`: one evaluation, outside ``train()``.
 
     Args:
-        trainer: a :class:`~poros.trainer.PorosTrainer`; its ``run_config`` gives ``seq_len``,
+        trainer: a :class:`~poros.training.trainer.PorosTrainer`; its ``run_config`` gives ``seq_len``,
             ``chat_template``, ``batch_size``, ``eval_dataset`` and ``eval_batches``.
         dataset: what to evaluate (anything :func:`poros.data.load_dataset` takes); None: the eval set
             of the trainer's last ``train()``, else ``eval_dataset``.
@@ -212,7 +212,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], *, device
     """The eval loss of ``batches`` (the first ``max_batches`` of them) under ``model``.
 
     Args:
-        model: a :class:`~poros.model.PorosModel` (or any HF causal LM taking ``num_items_in_batch``).
+        model: a :class:`~poros.dropin.model.PorosModel` (or any HF causal LM taking ``num_items_in_batch``).
         batches: CPU or device tensors; moved to ``device`` one batch at a time.
         show_progress: a progress bar (a plain line now and then when stdout is not a terminal).
 

@@ -1,13 +1,13 @@
-"""One run of :meth:`PorosTrainer.train <poros.trainer.PorosTrainer.train>`: :class:`TrainingRun` holds
+"""One run of :meth:`PorosTrainer.train <poros.training.trainer.PorosTrainer.train>`: :class:`TrainingRun` holds
 its data, optimizer, schedule, counters and logging, runs the optimizer steps (micro-major, or
 layer-major through ``forward_backward``), writes ``metrics.jsonl`` (:data:`METRIC_FIELDS`) and the
-checkpoints, stops on SIGINT/SIGTERM with a checkpoint (:class:`~poros.stop.StopRequest`) and
-returns a :class:`TrainResult`. Evaluation (:mod:`poros.evaluation`) runs between steps when the
-run has eval data, every row goes to the ``report_to`` trackers (:mod:`poros.tracking`), and the
-progress bar and user lines are :mod:`poros.progress`'s. Data parallel
+checkpoints, stops on SIGINT/SIGTERM with a checkpoint (:class:`~poros.training.stop.StopRequest`) and
+returns a :class:`TrainResult`. Evaluation (:mod:`poros.training.evaluation`) runs between steps when the
+run has eval data, every row goes to the ``report_to`` trackers (:mod:`poros.training.tracking`), and the
+progress bar and user lines are :mod:`poros.training.progress`'s. Data parallel
 (:class:`poros.distributed.DataParallel`, inactive on one process): each rank trains its shard of
 the global batch, through DDP micro-major, and rank 0 writes the metrics, trackers and
-checkpoints. The trainer (poros/trainer.py) builds the model and saves the adapter; this module
+checkpoints. The trainer (poros/training/trainer.py) builds the model and saves the adapter; this module
 never imports it."""
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from poros import checkpoint as checkpoints
-from poros import distributed, evaluation, tracking
+from poros.training import checkpoint as checkpoints
+from poros import distributed
+from poros.training import evaluation
+from poros.training import tracking
 from poros.devices import compute_device
 from poros.errors import DataError, TrainingCheckpointError
-from poros.progress import echo, progress_bar, showing
-from poros.stop import StopRequest
+from poros.training.progress import echo, progress_bar, showing
+from poros.training.stop import StopRequest
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
@@ -53,7 +55,7 @@ class TrainResult:
         output_dir: where ``metrics.jsonl`` and the checkpoints are.
         last_checkpoint: the newest checkpoint this run wrote, or None.
         log_history: the rows written to ``metrics.jsonl`` (see :data:`METRIC_FIELDS`; evaluation rows:
-            :data:`poros.evaluation.EVAL_METRIC_FIELDS`).
+            :data:`poros.training.evaluation.EVAL_METRIC_FIELDS`).
         eval_loss: the last evaluation's ``eval_loss`` (None without eval data).
     """
 
@@ -196,7 +198,7 @@ class TrainingRun:
         if checkpoint is not None:
             self._resume(checkpoint, optimizer, scheduler, batches)
         else:
-            from poros.run_lock import check_fresh_start
+            from poros.training.run_lock import check_fresh_start
 
             # never a mix of two runs' results: every rank refuses alike, only rank 0 removes (overwrite)
             if parallel.is_main or not config.overwrite:

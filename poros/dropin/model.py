@@ -76,7 +76,7 @@ class PorosModel:
         host_tables: the embedding tables kept on the host (``embeddings_on_host``).
         detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
-        host_plan: the host tier decision (``poros.host_tiers.HostPlan``: tier, read-ahead, why).
+        host_plan: the host tier decision (``poros.loading.host_tiers.HostPlan``: tier, read-ahead, why).
         lora_placement: the :class:`~poros.stream.lora_placement.LoraPlacement` keeping the streamed
             blocks' adapters on the host (``lora_placement="host"``), else None.
     """
@@ -114,8 +114,8 @@ class PorosModel:
         return losses
 
     def generate(self, input_ids: torch.Tensor | None = None, **generate_kwargs: Any) -> torch.Tensor:
-        """HF ``generate`` with the blocks streamed and a KV cache on the device (see :mod:`poros.generate`)."""
-        from poros.generate import generation_mode
+        """HF ``generate`` with the blocks streamed and a KV cache on the device (see :mod:`poros.export.generate`)."""
+        from poros.export.generate import generation_mode
 
         generate_kwargs.setdefault("use_cache", True)
         with generation_mode(self):
@@ -428,7 +428,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             model loaded through the cache (no copy at the start; the node's ranks share the entry's
             pages; where the device will not register the mapping, pinned copies), else ``"pinned"``.
         host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
-            planner (``poros.host_tiers.choose_host_tier``) keeps them on the host as above when they
+            planner (``poros.loading.host_tiers.choose_host_tier``) keeps them on the host as above when they
             fit and streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
         read_ahead: ring buffers of the disk tier (default 3; with ``host_budget``, at most what fits).
         cache_dir: cache root whose ``spill/`` directory takes spill files (default: as for the cache).
@@ -570,9 +570,9 @@ def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -
 def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable[int], host_tier: str | None,
                host_budget: str | int | None, read_ahead: int | None, cache_dir: str | None):
     """The host plan and the store's host tier object (None: pinned)."""
-    from poros import cache
+    from poros.loading import cache
     from poros.config import parse_budget
-    from poros.host_tiers import DEFAULT_READ_AHEAD, choose_host_tier
+    from poros.loading.host_tiers import DEFAULT_READ_AHEAD, choose_host_tier
     from poros.stream.store import packed_block_bytes
     from poros.stream.tiers import make_host_tier
 

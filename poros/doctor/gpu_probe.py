@@ -2,7 +2,7 @@
 (memory, PCIe link, peers), bitsandbytes' native library and an NF4 smoke test on the card, pinning
 a few GiB and ``ulimit -l``, the host<->device bandwidth, and what the planner says for a model.
 
-Each returns a plain, JSON-ready dict that :mod:`poros.diagnostics` reads (findings, rules,
+Each returns a plain, JSON-ready dict that :mod:`poros.doctor.diagnostics` reads (findings, rules,
 printing). torch, bitsandbytes and the planner are imported inside the functions: ``poros doctor``
 imports this module only where torch is installed.
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from poros.diagnostics import budget_flag
+from poros.doctor.diagnostics import budget_flag
 
 #: Host memory pinned by the pinning test, at most (and at most a quarter of the available RAM).
 PIN_BYTES = 4 * 2**30
@@ -338,7 +338,7 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
     first card's total memory, else none (the minimum only)."""
     from poros.config import PorosConfig, parse_budget
     from poros.errors import PorosError
-    from poros.run_plan import plan_run
+    from poros.training.plan import plan_run
     from poros.stream import planner
 
     try:
