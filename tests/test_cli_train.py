@@ -193,10 +193,10 @@ def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch
     """Real shapes (cut to a few layers) as tools/bench.py built them on the GPU: exact block bytes,
     and a peak estimate at or above the peak the bench measured."""
     from poros.training.plan import plan_run
-    from tools import bench
+    from tools.shapes import model_config
     record = json.loads(record_path.read_text())
     setup, measured = record["config"], record["arms"]["poros"]
-    config, _ = bench.model_config(setup["model"], layers=setup["model_info"]["num_hidden_layers"])
+    config, _ = model_config(setup["model"], layers=setup["model_info"]["num_hidden_layers"])
     config.save_pretrained(tmp_path)
     plan = plan_run(PorosConfig(
         model=str(tmp_path), device="cuda", seq_len=setup["seq"], batch_size=setup["batch"],

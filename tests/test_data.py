@@ -76,11 +76,9 @@ def tokenize_records(records, tokenizer, *, seq_len=256, **kwargs) -> TokenizedD
 
 # -- the bundled tiny default --------------------------------------------------------------------
 def _generator_module():
-    path = DATA_DIR.parents[1] / "tools" / "make_tiny_default.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_default", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools import make_tiny_default
+
+    return make_tiny_default
 
 
 def test_bundled_chat_is_what_the_generator_writes_and_its_arithmetic_is_right():

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from functools import cache
@@ -404,24 +403,23 @@ BENCH_RECORDS = sorted(p for p in (ROOT / "registry" / "results").glob("h200-*/b
 
 
 @cache
-def _bench():
-    from tools import bench
+def _shapes():
+    from tools import shapes
 
-    return bench
+    return shapes
 
 
 @cache
 def _results_docs():
-    spec = importlib.util.spec_from_file_location("poros_results_docs", ROOT / "tools" / "gen_results_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools import gen_results_docs
+
+    return gen_results_docs
 
 
 @cache
 def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
                  targets: tuple[str, ...], rank: int, attn: str | None, loss_chunks: int = 1) -> run_plan.Plan:
-    config, _ = _bench().model_config(model, layers=layers)
+    config, _ = _shapes().model_config(model, layers=layers)
     directory = tmp_root / f"{model}-{layers}"
     config.save_pretrained(directory)
     return run_plan.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,

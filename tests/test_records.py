@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import tomllib
 from pathlib import Path
 
@@ -121,16 +120,15 @@ def test_a_record_appended_to_a_real_file_counts(path, tmp_path, monkeypatch):
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_architecture_docs", REPO / "tools" / "gen_architecture_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools import gen_architecture_docs
+
+    return gen_architecture_docs
 
 
 def test_architecture_docs_are_up_to_date():
     generator = load_generator()
     page = generator.DOC_PATH.read_text(encoding="utf-8")
-    assert generator.update(page) == page, "docs/architecture-support.md is stale: run python tools/gen_architecture_docs.py"
+    assert generator.update(page) == page, "docs/architecture-support.md is stale: run python -m tools.gen_architecture_docs"
 
 
 def test_architecture_docs_list_every_checkpoint():

@@ -100,8 +100,10 @@ def test_sync_check_counts_each_synchronising_call_and_where_it_came_from(monkey
     (other warnings are not counted). Run here with the mode switch stubbed: there is no GPU."""
     import warnings
 
-    from tools import bench
     import torch
+
+    from tools.report import diagnostics_line
+    from tools.timeline import sync_check
 
     modes = []
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
@@ -115,19 +117,20 @@ def test_sync_check_counts_each_synchronising_call_and_where_it_came_from(monkey
             item_call()
         warnings.warn("something else")
 
-    report = bench.sync_check(step, torch.device("cpu"))
+    report = sync_check(step, torch.device("cpu"))
     assert report["syncs"] == 3 and len(report["sites"]) == 1
     assert report["sites"][0]["calls"] == 3 and report["sites"][0]["where"].startswith("test_tools_smoke.py:")
     assert "item_call" in report["sites"][0]["where"] and modes == ["warn", 0]
-    line = bench.diagnostics_line({"median_host_s": 0.5, "median_step_s": 1.0, "host_syncs": report})
+    line = diagnostics_line({"median_host_s": 0.5, "median_step_s": 1.0, "host_syncs": report})
     assert "host queued a step in 0.500 s of 1.0 s" in line and "3 host syncs" in line
 
 
 def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch):
     """The CUDA-event bookkeeping of ``bench --timeline``, on a fake clock: a wait stalls the compute by
     max(0, copy done - compute reached it); the phase turns to backward when block indices go down."""
-    from tools import bench
     import torch
+
+    from tools.timeline import CopyTimeline
 
     clock = {"gpu": 0.0}
 
@@ -171,7 +174,7 @@ def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch)
                 observer.on_wait(index)
 
     store = Store()
-    timeline = bench.CopyTimeline(store)
+    timeline = CopyTimeline(store)
     begin, end = timeline.hooks(warmup=1)
     begin(0)  # a warm-up step: not traced
     store.fetch(0)
@@ -258,14 +261,14 @@ def test_compare_reports_a_one_ulp_difference():
     """The comparison a bitwise label rests on notices the smallest possible difference."""
     import torch
 
-    from tools import bench
+    from tools.arms import ArmResult, compare
 
     base = torch.tensor([1.0, 2.0, 3.0])
     nudged = base.clone()
     nudged[1] = torch.nextafter(nudged[1], torch.tensor(10.0))
-    same = bench.ArmResult("resident", losses=[base[0]], adapter={"a": base}, optimizer={"a::exp_avg": base})
-    other = bench.ArmResult("poros", losses=[base[0]], adapter={"a": nudged}, optimizer={"a::exp_avg": base})
-    result = bench.compare({"resident": same, "poros": other})
+    same = ArmResult("resident", losses=[base[0]], adapter={"a": base}, optimizer={"a::exp_avg": base})
+    other = ArmResult("poros", losses=[base[0]], adapter={"a": nudged}, optimizer={"a::exp_avg": base})
+    result = compare({"resident": same, "poros": other})
     assert result["bitwise"] is False and result["equal_adapter"] is False
     assert result["max_diff_adapter"] == pytest.approx(2.0 ** -22)
     assert result["equal_loss"] and result["equal_optimizer"]
@@ -353,14 +356,16 @@ def test_save_load_check_feeds_the_batch_on_the_compute_device():
     import torch
 
     import poros
-    from tools import bench, parity_gate
+    from tools import parity_gate
+    from tools.models import add_lora, build_model, make_batches
+    from tools.shapes import model_config
 
     class Stop(Exception):
         pass
 
-    config, _ = bench.model_config("tiny-qwen2")
-    peft_model = bench.add_lora(bench.build_model(config, "cpu", seed=0), rank=4, alpha=8)
-    batch = bench.make_batches(config, count=1, batch=1, seq=8)[0]
+    config, _ = model_config("tiny-qwen2")
+    peft_model = add_lora(build_model(config, "cpu", seed=0), rank=4, alpha=8)
+    batch = make_batches(config, count=1, batch=1, seq=8)[0]
     poros.prepare(peft_model)
     seen = []
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """NF4 block cache and host tiers at real shapes: start time cold vs cached, step time per tier.
 
-For one shape (``tools/bench.py`` SHAPES, truncated to ``--layers`` decoder layers so that the
+For one shape (``tools/shapes.py`` SHAPES, truncated to ``--layers`` decoder layers so that the
 checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 
 1. ``nocache``: ``load_pretrained`` without the cache (read + quantize every block) + LoRA +
@@ -60,7 +60,9 @@ from typing import Any
 
 import torch
 
-from tools import bench  # shapes, environment, batches
+from tools.models import add_lora, make_batches
+from tools.provenance import start_tool
+from tools.shapes import SHAPES, model_config
 
 TIERS = ("pinned", "disk", "mapped")
 STARTS = ("nocache", "cold", "cached", "cached_warm", *(f"cached_{tier}{warm}" for tier in ("pinned", "mapped", "disk")
@@ -70,7 +72,7 @@ MEASURES = ("start_s", "through_first_step_s", "process_start_s", "process_throu
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-32b", choices=sorted(bench.SHAPES), metavar="SHAPE")
+    parser.add_argument("--model", default="qwen2.5-32b", choices=sorted(SHAPES), metavar="SHAPE")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (the checkpoint is written to disk)")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--grad-accum", type=int, default=8, help="micro-batches per step, layer-major")
@@ -172,7 +174,7 @@ def start(checkpoint: Path, config, device, args, *, cache_dir, tier: str | None
     loaded = load_pretrained(checkpoint, device=device, load_tokenizer=False, cache_dir=cache_dir, double_quant=True,
                              attn_implementation="sdpa")
     marks.append(time.perf_counter())
-    peft_model = bench.add_lora(loaded.model, rank=16, alpha=32, gradient_checkpointing=False)
+    peft_model = add_lora(loaded.model, rank=16, alpha=32, gradient_checkpointing=False)
     adapters_to_device(peft_model, device)
     marks.append(time.perf_counter())
     streamed = prepare(peft_model, host_tier=tier, host_budget=host_budget, cache_dir=str(cache_dir) if cache_dir
@@ -264,10 +266,10 @@ def start_in_fresh_process(name: str, work: Path, args, *, profile: bool = False
 def start_child(args) -> int:
     """``--start-child NAME``: one start in this process; prints its row as the last line of stdout."""
     imported = time.time()
-    device, _ = bench.start_tool(args)
-    config, _ = bench.model_config(args.model, layers=args.layers)
+    device, _ = start_tool(args)
+    config, _ = model_config(args.model, layers=args.layers)
     work = Path(args.dir)
-    micro_batches = bench.make_batches(config, count=args.grad_accum, batch=1, seq=args.seq)
+    micro_batches = make_batches(config, count=args.grad_accum, batch=1, seq=args.seq)
     sync(device)
     began = time.perf_counter()
     tier = None if args.start_tier == "auto" else args.start_tier
@@ -365,13 +367,13 @@ def main(argv=None) -> int:
     from poros.loading import cache
     from poros.loading.host_tiers import measure_disk_read
 
-    device, env = bench.start_tool(args)
-    config, info = bench.model_config(args.model, layers=args.layers)
+    device, env = start_tool(args)
+    config, info = model_config(args.model, layers=args.layers)
     work = Path(args.dir) if args.dir else Path(os.environ.get("TMPDIR", "/tmp")) / f"poros-cache-bench-{os.getpid()}"
     checkpoint, root = work / "checkpoint", work / "cache"
     report: dict[str, Any] = {"tool": "cache_bench", "environment": env, "model": info, "seq": args.seq,
                               "grad_accum": args.grad_accum, "steps": args.steps}
-    micro_batches = bench.make_batches(config, count=args.grad_accum, batch=1, seq=args.seq)
+    micro_batches = make_batches(config, count=args.grad_accum, batch=1, seq=args.seq)
     t0 = time.perf_counter()
 
     def progress(what: str) -> None:

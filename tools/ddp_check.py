@@ -16,7 +16,7 @@
 ``--cases``; micro-major DDP with and without ``find_unused_parameters``, ``no_sync`` and layer-major
 accumulation, the HF Trainer drop-in with ``patch_hf_model`` and with ``prepare``) and gathers each
 rank's verdict. ``--scale SHAPE`` runs this module as a torchrun worker on 1 rank, then on
-``--ranks`` ranks: random NF4 weights at the real widths (``tools/bench.py`` shapes, ``--layers``
+``--ranks`` ranks: random NF4 weights at the real widths (``tools/shapes.py`` shapes, ``--layers``
 decoder layers), ``prepare``, layer-major accumulation (``--accum``) of micro-batch 1 at ``--seq``,
 and reports per rank the median step, tokens/s, peak allocated memory, H2D GB/s while streaming,
 the host RSS and PSS (the node's PSS sum is the host RAM of the node: pages the ranks share, like the
@@ -46,7 +46,9 @@ from typing import Any
 
 import torch
 
-from tools import bench
+from tools.models import add_lora, build_model, make_batches
+from tools.provenance import configure_determinism, environment
+from tools.shapes import model_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -156,14 +158,14 @@ def scale_worker(args) -> int:
     import poros
     from poros import distributed
 
-    bench.configure_determinism(args.deterministic)
+    configure_determinism(args.deterministic)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu") if args.device == "cpu" else \
         torch.device("cuda", 0 if args.share_device else local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     here = distributed.init_process_group(device, backend=args.backend)
-    config, info = bench.model_config(args.scale, layers=args.layers)
+    config, info = model_config(args.scale, layers=args.layers)
     # The process's own footprint before any weight: the libraries imported, the device context made.
     # Node host RAM above these baselines is what the model costs the node (one host copy, or N).
     import bitsandbytes  # noqa: F401
@@ -180,14 +182,14 @@ def scale_worker(args) -> int:
             model = load_pretrained(args.checkpoint, device=device, load_tokenizer=False, cache_dir=args.cache_dir,
                                     double_quant=True, attn_implementation="sdpa").model
         else:
-            model = bench.build_model(config, device, seed=args.seed)
-    peft_model = bench.add_lora(model, gradient_checkpointing=False)
+            model = build_model(config, device, seed=args.seed)
+    peft_model = add_lora(model, gradient_checkpointing=False)
     if args.checkpoint:
         adapters_to_device(peft_model, device)
     streamed = poros.prepare(peft_model, host_tier=args.host_tier)
     host_after_load = host_memory()
     optimizer = torch.optim.AdamW(streamed.trainable_parameters(), lr=1e-4)
-    batches = bench.make_batches(config, count=(args.warmup + args.steps) * args.accum, batch=1, seq=args.seq,
+    batches = make_batches(config, count=(args.warmup + args.steps) * args.accum, batch=1, seq=args.seq,
                                  seed=1000 + here.rank)
     times, copied = [], []
     if device.type == "cuda":
@@ -238,7 +240,7 @@ def scale(args) -> dict[str, Any]:
         if args.cache:  # a checkpoint on disk, loaded through the block cache by every run
             from tools.cache_bench import write_checkpoint
 
-            config, _ = bench.model_config(args.scale, layers=args.layers)
+            config, _ = model_config(args.scale, layers=args.layers)
             checkpoint = pathlib.Path(work) / "checkpoint"
             cached["checkpoint_bytes"] = write_checkpoint(config, checkpoint, torch.device(args.device))
             cached["forwarded"] = ["--checkpoint", str(checkpoint), "--cache-dir", str(pathlib.Path(work) / "cache")]
@@ -311,7 +313,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cases", default="all")
     parser.add_argument("--modes", default="micro,accum,hf_patch,hf_prepare")
     parser.add_argument("--ranks-parity", type=int, default=2)
-    parser.add_argument("--scale", default=None, metavar="SHAPE", help="a tools/bench.py shape, e.g. qwen2.5-32b")
+    parser.add_argument("--scale", default=None, metavar="SHAPE", help="a tools/shapes.py shape, e.g. qwen2.5-32b")
     parser.add_argument("--ranks", default="1,2", help="rank counts of the scaling runs")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--seq", type=int, default=512)
@@ -346,7 +348,7 @@ def main(argv=None) -> int:
         # host tier did, on the H200) says where.
         faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
         return scale_worker(args)
-    report: dict[str, Any] = {"tool": "ddp_check", "environment": bench.environment(
+    report: dict[str, Any] = {"tool": "ddp_check", "environment": environment(
         torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu"), args.commit),
         "gpus": torch.cuda.device_count() if args.device == "cuda" else 0}
     ok = True

@@ -1,10 +1,10 @@
 """``poros doctor`` on the GPU host, written to files: the paste-ready block and the JSON, with date and commit.
 
-    python tools/doctor_run.py --json out/doctor.json                      # the full doctor
-    python tools/doctor_run.py --model qwen2.5-32b --json out/doctor-32b.json   # + what the planner says
-    python tools/doctor_run.py --model poros-tiny-qwen3 --quick --json out/d.json   # CPU dry run
+    python -m tools.doctor_run --json out/doctor.json                      # the full doctor
+    python -m tools.doctor_run --model qwen2.5-32b --json out/doctor-32b.json   # + what the planner says
+    python -m tools.doctor_run --model poros-tiny-qwen3 --quick --json out/d.json   # CPU dry run
 
-``--model`` takes what ``poros doctor --model`` takes, or a shape of ``tools/bench.py`` (``SHAPES``,
+``--model`` takes what ``poros doctor --model`` takes, or a shape of ``tools/shapes.py`` (``SHAPES``,
 facts from ``registry/<family>.toml``): its ``config.json`` is written to a temporary directory
 named after the shape, since the GPU host has no HF cache and no network. The text block goes to
 the ``.txt`` beside the JSON and to stdout (the run's log); the JSON holds the doctor's report
@@ -50,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", help="commit to record (default: $POROS_COMMIT or git)")
     args = parser.parse_args(argv)
 
-    from tools import bench  # the shapes and git_commit
+    from tools.provenance import git_commit
+    from tools.shapes import SHAPES, model_config
     from poros.cli import doctor
 
     shape_info = None
     with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as scratch:
         model = args.model
-        if model in bench.SHAPES:
-            config, shape_info = bench.model_config(model)
+        if model in SHAPES:
+            config, shape_info = model_config(model)
             model = str(Path(scratch) / model)
             config.save_pretrained(model)
         data = doctor.report()
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     text = doctor.format_report(data)
     print(text)
     record = {"tool": "doctor", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": bench.git_commit(args.commit), "argv": sys.argv[1:] if argv is None else argv,
+              "commit": git_commit(args.commit), "argv": sys.argv[1:] if argv is None else argv,
               "model_shape": shape_info, "text": text, "report": data}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=1, default=str) + "\n")

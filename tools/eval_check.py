@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tools import bench  # start_tool, provenance
+from tools.provenance import start_tool
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4")
 SETTINGS = dict(steps=3, seq_len=64, batch_size=2, grad_accum=2, lr=2e-2, logging_steps=1, seed=11)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
     args = parser.parse_args(argv)
     args.deterministic = args.device.startswith("cuda")  # as PorosTrainer (deterministic=True) sets it on CUDA
-    device, environment = bench.start_tool(args)
+    device, environment = start_tool(args)
     report: dict[str, Any] = {"tool": "eval_check", "environment": environment, "settings": SETTINGS, "families": {}}
     with tempfile.TemporaryDirectory() as work:
         for family in args.families.split(","):

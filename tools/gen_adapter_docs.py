@@ -1,8 +1,8 @@
 """Render docs/adapters.md from docs/adapters.json, which tests/test_adapters.py writes.
 
     POROS_WRITE_ADAPTER_MATRIX=1 pytest tests/test_adapters.py   # measure, rewrite docs/adapters.json
-    python tools/gen_adapter_docs.py                             # rewrite docs/adapters.md
-    python tools/gen_adapter_docs.py --check                     # exit 1 if docs/adapters.md is stale
+    python -m tools.gen_adapter_docs                             # rewrite docs/adapters.md
+    python -m tools.gen_adapter_docs --check                     # exit 1 if docs/adapters.md is stale
 
 The whole page is generated: the intro is the ``INTRO`` text below, every status and number comes
 from the JSON. Edit this file (not the page) to change the prose.
@@ -14,8 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import docgen  # noqa: E402  (tools/docgen.py: write or --check)
+from tools import docgen  # write or --check
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "docs" / "adapters.json"

@@ -13,8 +13,8 @@ page is hand-written and left alone. Torch-free.
 
 Usage::
 
-    python tools/gen_architecture_docs.py           # rewrite the page in place
-    python tools/gen_architecture_docs.py --check   # exit 1 if the page is stale (tests run this)
+    python -m tools.gen_architecture_docs           # rewrite the page in place
+    python -m tools.gen_architecture_docs --check   # exit 1 if the page is stale (tests run this)
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(REPO))
+from poros import records, registry
+from poros.descriptor import NORM_STYLES, ArchitectureDescriptor
+from tools import docgen  # write or --check
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import docgen  # noqa: E402  (tools/docgen.py: write or --check)
-from poros import records, registry  # noqa: E402
-from poros.descriptor import NORM_STYLES, ArchitectureDescriptor  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DOC_PATH = REPO / "docs" / "architecture-support.md"
 BLOCK = re.compile(

@@ -7,7 +7,7 @@ Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATE
 rewritten. The numbers come from two places, and every table says which:
 
 * **measured**: the H200 bench records under ``registry/results/h200-*/`` (named in the table);
-* **predicted**: ``poros.stream.planner`` on the real shapes of ``tools/bench.py``'s SHAPES (built
+* **predicted**: ``poros.stream.planner`` on the real shapes of ``tools/shapes.py``'s SHAPES (built
   from their configs on the meta device, no download): block bytes exact, the rest its estimates.
   Step times use per-block compute times *derived* from the H200 measurements (COMPUTE_RULE, printed
   on the page), not measured on any consumer card.
@@ -37,10 +37,10 @@ COMPUTE_RULE = ("resident reference step on the H200 (median, deterministic algo
                 "head and optimizer counted inside that share")
 
 
-def _bench():
-    from tools import bench  # the shapes and their configs
+def _shapes():
+    from tools import shapes  # the shapes and their configs
 
-    return bench
+    return shapes
 
 
 def reference_records() -> dict[str, tuple[Path, dict]]:
@@ -79,7 +79,7 @@ def shape_plan(name: str):
         from poros.config import PorosConfig
         from poros.training.plan import plan_run
 
-        config, _ = _bench().model_config(name)
+        config, _ = _shapes().model_config(name)
         with tempfile.TemporaryDirectory() as directory:
             config.save_pretrained(directory)
             _PLANS[name] = plan_run(PorosConfig(

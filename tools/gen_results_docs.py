@@ -1,7 +1,7 @@
 """Render docs/results-h200.md from the JSON that tools/bench.py and tools/parity_gate.py wrote.
 
-    python tools/gen_results_docs.py            # rewrite the generated blocks of docs/results-h200.md
-    python tools/gen_results_docs.py --check    # exit 1 if the page is stale
+    python -m tools.gen_results_docs            # rewrite the generated blocks of docs/results-h200.md
+    python -m tools.gen_results_docs --check    # exit 1 if the page is stale
 
 Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` is
 rewritten; the analysis around it is prose kept in the page. Every number in the generated
@@ -14,8 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import docgen  # noqa: E402  (tools/docgen.py: write or --check)
+from tools import docgen  # write or --check
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results-h200.md"

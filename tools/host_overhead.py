@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from tools import bench
+from tools.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
+from tools.provenance import environment
+from tools.shapes import model_config
 
 
 def main(argv=None) -> int:
@@ -42,12 +44,12 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    config, info = bench.model_config("qwen2.5-32b", layers=args.layers, hidden_size=64, intermediate_size=128,
+    config, info = model_config("qwen2.5-32b", layers=args.layers, hidden_size=64, intermediate_size=128,
                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=256)
-    model = bench.build_model(config, device)
-    peft_model = bench.add_lora(model)
+    model = build_model(config, device)
+    peft_model = add_lora(model)
     base = peft_model.get_base_model()
-    batch = bench.make_batches(config, count=1, batch=1, seq=args.seq)[0]
+    batch = make_batches(config, count=1, batch=1, seq=args.seq)[0]
 
     def step(call) -> float:
         start = time.perf_counter()
@@ -65,10 +67,10 @@ def main(argv=None) -> int:
             handle.unpatch()
     medians = {arm: statistics.median(values[1:]) for arm, values in times.items()}  # the first step warms up
     report = {
-        "tool": "tools/host_overhead.py", "environment": bench.environment(device, args.commit),
+        "tool": "tools/host_overhead.py", "environment": environment(device, args.commit),
         "config": {"shape": f"qwen2.5-32b layer count ({args.layers}) at hidden 64, intermediate 128, vocab 256",
                    "seq": args.seq, "rounds": args.rounds, "steps_per_round": args.steps, "threads": 1,
-                   "lora": {"rank": 16, "targets": list(bench.SEVEN_PROJECTIONS)}},
+                   "lora": {"rank": 16, "targets": list(SEVEN_PROJECTIONS)}},
         "step_times_s": {arm: [round(t, 5) for t in values] for arm, values in times.items()},
         "median_step_s": {arm: round(m, 5) for arm, m in medians.items()},
         "ratio_to_resident": {arm: round(m / medians["resident"], 4) for arm, m in medians.items()},

@@ -135,7 +135,7 @@ def _environment() -> dict:
 
     import torch
 
-    from tools.bench import git_commit
+    from tools.provenance import git_commit
 
     device = None
     if shutil.which("nvidia-smi"):

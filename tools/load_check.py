@@ -46,8 +46,9 @@ def main(argv=None) -> int:
     import transformers
 
     import poros
-    from tools.bench import configure_determinism, environment, make_batches, parity, snapshot, optimizer_snapshot, \
-        ArmResult, trainable
+    from tools.arms import ArmResult, optimizer_snapshot, parity, snapshot, trainable
+    from tools.models import make_batches
+    from tools.provenance import configure_determinism, environment
     from poros.loading.load import adapters_to_device, load_pretrained
     from poros.testing import save_tiny_checkpoint
 

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from tools.bench import environment
+    from tools.provenance import environment
 
     with tempfile.TemporaryDirectory() as directory:
         result = measure(pathlib.Path(directory), layers=args.layers)

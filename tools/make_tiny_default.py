@@ -2,8 +2,8 @@
 
 ::
 
-    python tools/make_tiny_default.py            # (re)write poros/assets/
-    python tools/make_tiny_default.py --check    # exit 1 if poros/assets/ differs from a fresh run
+    python -m tools.make_tiny_default            # (re)write poros/assets/
+    python -m tools.make_tiny_default --check    # exit 1 if poros/assets/ differs from a fresh run
 
 What it writes (deterministically: the same bytes on every run; `--check` verifies it):
 
@@ -33,11 +33,9 @@ import shutil
 import sys
 import tempfile
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(REPO_ROOT))
+from poros.data import CHATML_TEMPLATE  # torch-free
 
-from poros.data import CHATML_TEMPLATE  # noqa: E402  (torch-free)
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 ASSETS_DIR = REPO_ROOT / "poros" / "assets"
 CHAT_FILE = "tiny-chat.jsonl"

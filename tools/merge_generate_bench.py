@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from tools.bench import model_config, start_tool
+    from tools.provenance import start_tool
+    from tools.shapes import model_config
 
     device, env = start_tool(args)
     config, shape = model_config(args.model, layers=args.layers)
@@ -206,7 +207,8 @@ def write_random_adapter(config, base: pathlib.Path, path: pathlib.Path, rank: i
 # ---------------------------------------------------------------------------------------------
 def bench_generate(config, device: torch.device, args: argparse.Namespace, full_layers: int) -> dict[str, Any]:
     import poros
-    from tools.bench import add_lora, build_model, free_memory
+    from tools.arms import free_memory
+    from tools.models import add_lora, build_model
     from poros.export.generate import generate
 
     model = add_lora(build_model(config, device), rank=args.rank, gradient_checkpointing=False)

@@ -8,7 +8,7 @@
     python -m tools.parity_gate --only gemma4,gemma4-moe --attn eager     # a subset, another kernel
 
 With deterministic algorithms on (``torch.use_deterministic_algorithms(True)``,
-``CUBLAS_WORKSPACE_CONFIG=:4096:8``), each variant below is built by ``bench.py``'s builder (NF4
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``), each variant below is built by ``tools/models.py``'s builder (NF4
 random weights at a real width, 4 layers), wrapped with PEFT LoRA (all-linear, plus the experts
 through ``target_parameters`` for the MoE variant), and trained ``--steps`` AdamW steps on
 batches of 2 rows with left padding in one row: first resident (HF, gradient checkpointing), then
@@ -49,7 +49,10 @@ from typing import Any
 
 import torch
 
-from tools import bench  # the builder, the arms, provenance
+from tools.arms import compare_runs, free_memory
+from tools.models import add_lora, build_model, make_batches
+from tools.provenance import REPO_ROOT, environment_line, start_tool
+from tools.shapes import model_config
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -60,8 +63,8 @@ class Variant:
 
     Args:
         name: the variant's name in reports (``--only``).
-        shape: ``bench.SHAPES`` entry whose width is used (truncated to ``--layers``).
-        tiny: the ``bench.SHAPES`` entry used with ``--tiny``.
+        shape: ``shapes.SHAPES`` entry whose width is used (truncated to ``--layers``).
+        tiny: the ``shapes.SHAPES`` entry used with ``--tiny``.
         overrides: config overrides for the truncated shape (layer pattern, sharing, window).
         target_parameters: PEFT ``target_parameters`` (LoRA on raw parameters, e.g. MoE experts).
         moe: rerun with the other experts implementation when not bitwise.
@@ -97,20 +100,20 @@ NONDETERMINISTIC_MARK = "does not have a deterministic implementation"
 def run_variant(variant: Variant, args, device: torch.device, *, attn: str, experts: str | None) -> dict[str, Any]:
     """Build, train resident then streamed, compare. Returns the variant's report (no label yet)."""
     overrides = {} if args.tiny else variant.overrides
-    config, info = bench.model_config(variant.tiny if args.tiny else variant.shape,
+    config, info = model_config(variant.tiny if args.tiny else variant.shape,
                                       layers=None if args.tiny else args.layers, **overrides)
-    model = bench.build_model(config, device, seed=args.seed, attn_implementation=attn,
+    model = build_model(config, device, seed=args.seed, attn_implementation=attn,
                               experts_implementation=experts)
-    peft_model = bench.add_lora(model, rank=args.rank, alpha=args.alpha, targets=args.targets,
+    peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=args.targets,
                                 target_parameters=list(variant.target_parameters) or None)
-    batches = bench.make_batches(config, count=args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1,
+    batches = make_batches(config, count=args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1,
                                  left_pad=args.pad)
     autocast = getattr(args, "autocast", "none")  # callers building their own Namespace may leave it out
     mixed = contextlib.nullcontext() if autocast == "none" else \
         torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[autocast])
     with warnings.catch_warnings(record=True) as caught, mixed:
         warnings.simplefilter("always")
-        outcome = bench.compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr,
+        outcome = compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr,
                                      cuda_graphs=getattr(args, "cuda_graphs", False),
                                      grad_accum=getattr(args, "grad_accum", 1),
                                      schedule=getattr(args, "schedule", "micro-major"))
@@ -133,7 +136,7 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         "cuda_graphs": (outcome["arms"]["poros"].extra.get("cuda_graphs") if "poros" in outcome["arms"] else None),
     }
     del outcome, peft_model, model
-    bench.free_memory(device)
+    free_memory(device)
     return report
 
 
@@ -161,7 +164,7 @@ def save_load_check(peft_model, batch: dict, device: torch.device) -> dict[str, 
     """The trained streamed model's state_dict and saved files against the same model resident (unpatched), and
     a load_state_dict into each (LoRA A doubled, a block norm halved) followed by a no-grad forward.
 
-    ``batch`` is one of ``bench.make_batches``'s, on the host: it goes to ``device`` here, as ``run_arm`` moves
+    ``batch`` is one of ``make_batches``'s, on the host: it goes to ``device`` here, as ``run_arm`` moves
     each batch (the resident arm's embedding table is on the device; only the streamed one may look up on the
     host)."""
     import tempfile
@@ -388,7 +391,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--append-registry", action="store_true",
                         help="append one [[validation]] table per labelled variant to <registry-dir>/<family>.toml")
-    parser.add_argument("--registry-dir", type=Path, default=bench.REPO_ROOT / "registry")
+    parser.add_argument("--registry-dir", type=Path, default=REPO_ROOT / "registry")
     args = parser.parse_args(argv)
     args.variants = [v for v in VARIANTS if args.only is None or v.name in args.only.split(",")]
     unknown = set(args.only.split(",")) - set(names) if args.only else set()
@@ -407,8 +410,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device, env = bench.start_tool(args)
-    print(f"parity gate on {bench.environment_line(env)} | deterministic {args.deterministic}")
+    device, env = start_tool(args)
+    print(f"parity gate on {environment_line(env)} | deterministic {args.deterministic}")
     header = f"{'variant':<12}{'family':<9}{'width':>7}{'label':>11}{'max|dloss|':>12}{'max|dLoRA|':>12}" \
              f"{'max|dAdamW|':>13}{'LoRA':>6}  note"
     print(header)

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Does a resident HF+bnb+PEFT forward give the same loss with and without grad? (CUDA diagnosis)
 
+    python -m tools.sdpa_grad_mode_check
+
 Poros runs each block's forward without grad (it recomputes with grad in backward); if the
 attention backend that PyTorch picks depends on grad mode, the streamed forward can differ from
 the resident one. For each family/attention/determinism setting: loss with grad vs without grad on
 a right-padded batch of 2, and whether poros (micro-major) matches the with-grad loss.
 """
-import itertools, json, pathlib, sys, tempfile
+import itertools, json, pathlib, tempfile
 import torch
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import poros
 from poros.testing import load_qlora, save_tiny_checkpoint
 

@@ -16,7 +16,7 @@ from poros.data import BatchIterator, load_dataset
 from poros.testing import all_linear_targets, save_tiny_checkpoint
 from poros.training.trainer import PorosTrainer
 
-from tools.bench import environment  # device, versions, date, commit of the report
+from tools.provenance import environment
 
 out = pathlib.Path(os.environ.get("OUT", "/tmp/out"))
 out.mkdir(parents=True, exist_ok=True)

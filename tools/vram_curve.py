@@ -4,7 +4,7 @@
         --points 5 --deterministic --json out/curve-qwen2.5-32b.json
     python -m tools.vram_curve --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
 
-The model is built once (``tools/bench.py``'s random weights at the real shape). The resident arm
+The model is built once (``tools/models.py``'s random weights at the real shape). The resident arm
 (HF + bnb NF4 + PEFT, gradient checkpointing) runs first; then, for each budget, the LoRA state
 is reset, ``poros.prepare(vram_budget=...)`` lets the planner pick slots and resident blocks,
 the arm runs, and ``unpatch()`` puts the weights back for the next budget. Budgets run from the
@@ -28,10 +28,14 @@ from typing import Any
 
 import torch
 
-from tools import bench  # model building, arms, parity
+from tools.arms import ArmResult, GB, compare, free_memory, link_gb_per_s, parity, restore, run_arm, run_poros_arm, snapshot, trainable
+from tools.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
+from tools.provenance import start_tool
+from tools.report import diagnostics_line, timeline_line
+from tools.shapes import SHAPES, model_config
 
 GIB = 2**30
-#: what an arm measures beside its step time (bench.run_arm), copied into each row as is
+#: what an arm measures beside its step time (run_arm), copied into each row as is
 DIAGNOSTICS = ("median_host_s", "host_times_s", "allocator_per_step", "profile", "host_syncs")
 
 
@@ -89,7 +93,7 @@ def bracketed_ratios(rows: list[dict[str, Any]], resident_steps: list[float | No
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-32b", choices=sorted(bench.SHAPES), metavar="SHAPE")
+    parser.add_argument("--model", default="qwen2.5-32b", choices=sorted(SHAPES), metavar="SHAPE")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--batch", type=int, default=1)
@@ -127,7 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | None, warmup: int) -> dict[str, Any]:
+def row_for(budget: str, result: ArmResult, reference: ArmResult | None, warmup: int) -> dict[str, Any]:
     summary = result.summary(warmup)
     prediction = summary.get("prediction") or {}
     step = prediction.get("step") or {}
@@ -150,7 +154,7 @@ def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | N
     for key, measured, predicted in (("peak", row["peak_allocated_gb"], row["predicted_peak_gb"]),
                                      ("step", row["median_step_s"], row["predicted_step_s"])):
         row[f"{key}_error"] = round(predicted / measured - 1, 4) if measured and predicted is not None else None
-    comparison = bench.compare({"resident": reference, "poros": result}, warmup) if reference is not None else None
+    comparison = compare({"resident": reference, "poros": result}, warmup) if reference is not None else None
     if comparison:
         row["parity"] = comparison
         row["ratio_step"] = comparison.get("ratio_median_step_s")
@@ -159,37 +163,37 @@ def row_for(budget: str, result: bench.ArmResult, reference: bench.ArmResult | N
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device, env = bench.start_tool(args)
-    config, info = bench.model_config(args.model, layers=args.layers)
+    device, env = start_tool(args)
+    config, info = model_config(args.model, layers=args.layers)
     from poros.doctor import probe
     from poros.stream import planner
 
     workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)
-    link = bench.link_gb_per_s(device)
+    link = link_gb_per_s(device)
     compute = None
     if device.type == "cuda":
         compute = probe.probe_compute(config, workload, device, compute_dtype=torch.bfloat16, double_quant=True,
-                                        attn_implementation="sdpa", target_modules=list(bench.SEVEN_PROJECTIONS))
-        bench.free_memory(device)
+                                        attn_implementation="sdpa", target_modules=list(SEVEN_PROJECTIONS))
+        free_memory(device)
     start = time.perf_counter()
-    model = bench.build_model(config, device, seed=args.seed)
-    peft_model = bench.add_lora(model)
-    bench.free_memory(device)
+    model = build_model(config, device, seed=args.seed)
+    peft_model = add_lora(model)
+    free_memory(device)
     build_s = time.perf_counter() - start
-    batches = bench.make_batches(config, count=(args.warmup + args.steps) * args.grad_accum, batch=args.batch,
+    batches = make_batches(config, count=(args.warmup + args.steps) * args.grad_accum, batch=args.batch,
                                  seq=args.seq, seed=args.seed + 1)
-    named = bench.trainable(peft_model)
-    initial = bench.snapshot(named)
+    named = trainable(peft_model)
+    initial = snapshot(named)
 
-    def resident_arm(label: str) -> bench.ArmResult:
-        bench.restore(named, initial)
+    def resident_arm(label: str) -> ArmResult:
+        restore(named, initial)
         peft_model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        result = bench.run_arm(label, peft_model, named, batches, device=device, warmup=args.warmup, lr=args.lr,
+        result = run_arm(label, peft_model, named, batches, device=device, warmup=args.warmup, lr=args.lr,
                                grad_accum=args.grad_accum, profile=args.profile)
         summary = result.summary(args.warmup)
         print(f"{label}: {result.status} peak {summary.get('peak_allocated_gb')} GB, "
               f"median step {summary.get('median_step_s')} s", flush=True)
-        print("  " + bench.diagnostics_line(summary), flush=True)
+        print("  " + diagnostics_line(summary), flush=True)
         return result
 
     reference = None if args.no_resident else resident_arm("resident")
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
         "config": {"model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch,
                    "grad_accum": args.grad_accum, "schedule": args.schedule, "steps": args.steps,
                    "warmup": args.warmup, "deterministic": args.deterministic, "lora": {"rank": 16, "alpha": 32,
-                   "targets": list(bench.SEVEN_PROJECTIONS)}, "optimizer": {"name": "AdamW", "lr": args.lr},
+                   "targets": list(SEVEN_PROJECTIONS)}, "optimizer": {"name": "AdamW", "lr": args.lr},
                    "seed": args.seed, "budgets": budgets},
         "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
                   "compute_probe": None if compute is None else dataclasses.asdict(compute)},
@@ -216,15 +220,15 @@ def main(argv=None) -> int:
             args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
     def budget_arm(budget: str, round_index: int) -> None:
-        bench.restore(named, initial)
-        result, handle = bench.run_poros_arm(
+        restore(named, initial)
+        result, handle = run_poros_arm(
             peft_model, batches, device=device, warmup=args.warmup, lr=args.lr, grad_accum=args.grad_accum,
             schedule=args.schedule, vram_budget=budget, compute=compute,
-            link_bytes_per_s=link * bench.GB if link else None, timeline=args.timeline, profile=args.profile)
+            link_bytes_per_s=link * GB if link else None, timeline=args.timeline, profile=args.profile)
         if handle is not None:
             handle.unpatch()
         handle = None  # this arm's store must not live on into the next arm's peak
-        bench.free_memory(device)
+        free_memory(device)
         row = row_for(budget, result, reference, args.warmup)
         row["round"] = round_index
         rows.append(row)
@@ -235,8 +239,8 @@ def main(argv=None) -> int:
               f"{'bitwise' if (row.get('parity') or {}).get('bitwise') else 'parity: ' + str(row.get('parity'))}",
               flush=True)
         if row["copy_timeline"]:
-            print("  " + bench.timeline_line(row["copy_timeline"]), flush=True)
-        print("  " + bench.diagnostics_line(row), flush=True)
+            print("  " + timeline_line(row["copy_timeline"]), flush=True)
+        print("  " + diagnostics_line(row), flush=True)
         if result.error:
             print("  " + result.error.splitlines()[0], flush=True)
         save()  # after every row: a run cut short keeps what it measured
@@ -249,9 +253,9 @@ def main(argv=None) -> int:
         residents.append({"median_step_s": summary.get("median_step_s"), "step_times_s": summary.get("step_times_s"),
                           "bitwise_with_first": bitwise})
 
-    def again(label: str) -> bench.ArmResult:
+    def again(label: str) -> ArmResult:
         result = resident_arm(label)
-        remember(result.summary(args.warmup), bench.parity(reference, result)["bitwise"] if reference else None)
+        remember(result.summary(args.warmup), parity(reference, result)["bitwise"] if reference else None)
         return result
 
     if reference is not None:
@@ -266,7 +270,7 @@ def main(argv=None) -> int:
         control = again("control (resident again)")
         report["control"] = control.summary(args.warmup)
         if reference is not None:
-            report["control"]["parity"] = bench.parity(reference, control)
+            report["control"]["parity"] = parity(reference, control)
         control = None
     if len(residents) > 1 and reference is not None:
         report["residents"] = residents

@@ -49,7 +49,7 @@ def asset_path(name: str) -> pathlib.Path:
     if not path.exists():
         raise FileNotFoundError(
             f"bundled asset {name!r} is missing: expected {path}. Reinstall poros-train, or in a source "
-            "checkout run `python tools/make_tiny_default.py` to regenerate poros/assets/"
+            "checkout run `python -m tools.make_tiny_default` to regenerate poros/assets/"
         )
     return path
 
