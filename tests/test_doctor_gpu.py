@@ -16,6 +16,7 @@ from poros.doctor import diagnostics
 from poros.doctor import gpu_probe
 from poros.cli import doctor
 from poros.cli.main import main
+from poros.stream.units import human_bytes
 
 GIB = 2**30
 DRIVER = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65"
@@ -311,7 +312,7 @@ def test_model_fit_on_a_made_up_card(total, fits, flag):
     report = {**h200(**{"devices.0.total_bytes": total, "devices.0.free_bytes": total}), "model": model}
     assert codes(report) == ([] if fits else ["card_too_small"])
     rows = dict(diagnostics.format_model_rows(model))
-    assert rows["fits"] == f"cuda:0 ({diagnostics.binary_size(total)}): {'yes' if fits else 'no'}"
+    assert rows["fits"] == f"cuda:0 ({human_bytes(total)}): {'yes' if fits else 'no'}"
 
 
 def test_device_reports_match_cards_by_uuid_and_name_peers_by_nvidia_smi_index(monkeypatch):

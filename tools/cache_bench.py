@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from poros.stream.units import format_gb
 from tools.models import add_lora, make_batches
 from tools.provenance import start_tool
 from tools.shapes import SHAPES, model_config
@@ -361,7 +362,7 @@ def main(argv=None) -> int:
         return 0
     import faulthandler
 
-    # A step that hangs (the mapped tier did on the H200, inside a 290 s step limit) prints every
+    # A step that hangs (the mapped tier did on the H200, inside the step limit) prints every
     # thread's stack once a minute: the log then says where, not only that it stopped.
     faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
     from poros.loading import cache
@@ -388,7 +389,7 @@ def main(argv=None) -> int:
         began = time.perf_counter()
         report["checkpoint_bytes"] = write_checkpoint(config, checkpoint, device)
         report["checkpoint_write_s"] = time.perf_counter() - began
-        progress(f"checkpoint written ({report['checkpoint_bytes'] / 1e9:.1f} GB)")
+        progress(f"checkpoint written ({format_gb(report['checkpoint_bytes'])})")
         starts = {}
         names = ["nocache", "cold", "cached", "cached_warm"]
         for tier in args.start_tiers.split(","):
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
             report["profile_cached_warm"] = start_in_fresh_process("cached_warm", work, args, profile=True)
             progress("profiled cached_warm start")
         # The drive's rate, measured once the starts fsynced the checkpoint (right after writing it,
-        # its writeback shared the drive: 0.15 GB/s on the H200 host at 26 GB).
+        # its writeback shared the drive and the rate read low: docs/results-h200.md).
         report["drive"] = measure_disk_read(work, size=2 << 30)
         progress(f"drive read rate measured ({report['drive'].get('gb_per_s')} GB/s)")
         [entry] = cache.list_entries(root)

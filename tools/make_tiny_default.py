@@ -34,6 +34,7 @@ import sys
 import tempfile
 
 from poros.data import CHATML_TEMPLATE  # torch-free
+from poros.stream.units import format_gb
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         generate(args.out)
         total = sum(path.stat().st_size for path in args.out.rglob("*") if path.is_file() and path.suffix != ".py")
-        print(f"wrote {args.out} ({total / 1e6:.2f} MB of assets)")
+        print(f"wrote {args.out} ({format_gb(total)} of assets)")
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         fresh = pathlib.Path(scratch) / "assets"

@@ -7,6 +7,7 @@ import textwrap
 from typing import Any
 
 from poros.cli.output import print_json, table
+from poros.stream.units import format_gb
 
 DESCRIPTION = """\
 The NF4 block cache holds each quantized checkpoint's decoder blocks, packed exactly as Poros
@@ -24,7 +25,7 @@ EPILOG = textwrap.dedent("""\
       $ poros cache
       NAME                                       MODEL             CONFIG              SIZE      LAST USE
       -----------------------------------------  ----------------  ------------------  --------  ----------------
-      poros-tiny-qwen3-baaab3c62eee78fcff07a3d2  poros-tiny-qwen3  nf4 bfloat16 cpu    0.49 MB   2026-12-01 02:05
+      poros-tiny-qwen3-baaab3c62eee78fcff07a3d2  poros-tiny-qwen3  nf4 bfloat16 cpu    490.0 kB  2026-12-01 02:05
 
       $ poros cache clear --model Qwen/Qwen2.5-32B
       removed 1 entry (Qwen--Qwen2.5-32B-...)
@@ -42,13 +43,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="list as JSON")
     parser.set_defaults(run=run)
     return parser
-
-
-def human_size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"no entries in {root}")
         return 0
     print(table(("name", "model", "config", "size", "last use"),
-                [(e.name, e.model, e.problem or e.config, human_size(e.size),
+                [(e.name, e.model, e.problem or e.config, format_gb(e.size),
                   e.last_use.strftime("%Y-%m-%d %H:%M") if e.last_use else "-") for e in entries]))
-    print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {human_size(sum(e.size for e in entries))} in {root}")
+    print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {format_gb(sum(e.size for e in entries))} in {root}")
     return 0

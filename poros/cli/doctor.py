@@ -22,6 +22,7 @@ from typing import Any
 from poros.cli.output import print_json
 
 from poros.packages import INSTALL_HINT, OPTIONAL_PACKAGES, TRAIN_PACKAGES, installed_version  # noqa: F401
+from poros.stream.units import human_bytes
 
 DESCRIPTION = """\
 Print what Poros needs to know about this machine, in a ```text block ready to paste into an
@@ -294,16 +295,12 @@ def gpu_report(data: dict[str, Any], *, quick: bool = False, model: str | None =
     return part
 
 
-def _gib(value: int | None) -> str:
-    return "unknown" if value is None else f"{value / 2**30:.1f} GiB"
-
-
 def format_report(data: dict[str, Any]) -> str:
     """The report as the paste-ready ```text block."""
     memory, cpus, plugins = data["memory"], data["cpus"], data["plugins"]
-    memory_line = f"{_gib(memory['total_bytes'])} total ({memory['source']}), {_gib(memory['available_bytes'])} available"
+    memory_line = f"{human_bytes(memory['total_bytes'])} total ({memory['source']}), {human_bytes(memory['available_bytes'])} available"
     if memory["source"].startswith("cgroup"):
-        memory_line += f"; host MemTotal {_gib(memory['meminfo_total_bytes'])}"
+        memory_line += f"; host MemTotal {human_bytes(memory['meminfo_total_bytes'])}"
     packages = [f"{name} {version or 'not installed'}" for name, version in data["packages"].items()]
     plugin_line = f"{len(plugins['loaded'])} loaded, families: {', '.join(plugins['families']) or 'none'}"
     env_setting = plugins["POROS_LOAD_PLUGINS"]

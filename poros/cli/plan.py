@@ -200,9 +200,9 @@ def run(args: argparse.Namespace) -> int:
                     "host": host.to_dict(), "data_parallel": node})
     else:
         print(format_budget_plan(plan, budget_plan, link_source=link_source))
-        from poros.loading.host_tiers import size
+        from poros.stream.units import human_bytes
 
-        print(f"host: {host.reason}; {size(host.host_bytes)} of host RAM for the blocks")
+        print(f"host: {host.reason}; {human_bytes(host.host_bytes)} of host RAM for the blocks")
         if ranks > 1:
             how = ("one copy shared by the ranks (mapped tier)" if host.tier == "mapped" else
                    f"one {host.tier} copy per rank" + ("" if host.tier != "pinned" or config.host_tier else

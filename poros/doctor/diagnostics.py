@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from poros.stream.units import human_bytes
+
 #: GB/s per lane and direction of each PCIe generation, after line encoding (8b/10b up to Gen 2).
 PCIE_LANE_GB_PER_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 #: Below this share of the link's rate, pinned host->device copies are reported as slow.
@@ -159,12 +161,12 @@ def _torch_findings(report: dict[str, Any], torch_info: dict[str, Any]) -> list[
                                              "arch_list": " ".join(arch_list)}))
         total, free = device.get("total_bytes"), device.get("free_bytes")
         if total and free is not None and (total - free) > BUSY_DEVICE_FRACTION * total:
-            out.append(("device_memory_in_use", {"index": device["index"], "free": binary_size(free), "total": binary_size(total),
-                                                 "used": binary_size(total - free)}))
+            out.append(("device_memory_in_use", {"index": device["index"], "free": human_bytes(free), "total": human_bytes(total),
+                                                 "used": human_bytes(total - free)}))
     out.extend(_bitsandbytes_findings(report.get("bitsandbytes") or {}, facts))
     pinned = report.get("pinned") or {}
     if pinned.get("ok") is False:
-        out.append(("pinned_failed", {"size": binary_size(pinned.get("requested_bytes")), "error": pinned.get("error"),
+        out.append(("pinned_failed", {"size": human_bytes(pinned.get("requested_bytes")), "error": pinned.get("error"),
                                       "memlock": format_memlock(pinned.get("memlock_soft_bytes"))}))
     out.extend(_link_findings(report))
     return out
@@ -223,15 +225,15 @@ def _model_findings(model: dict[str, Any], memory: dict[str, Any]) -> list[tuple
     out = []
     name, needed, available = model["model"], model["host_bytes"], memory.get("available_bytes")
     if available is not None and needed > available:
-        out.append(("host_ram_short", {"model": name, "needed": binary_size(needed), "available": binary_size(available),
-                                       "total": binary_size(memory.get("total_bytes"))}))
+        out.append(("host_ram_short", {"model": name, "needed": human_bytes(needed), "available": human_bytes(available),
+                                       "total": human_bytes(memory.get("total_bytes"))}))
     card = model.get("card") or {}
     if card and not card["fits"]:
-        out.append(("card_too_small", {"model": name, "minimum": binary_size(model["minimum_budget_bytes"]),
-                                       "index": card["index"], "total": binary_size(card["total_bytes"])}))
+        out.append(("card_too_small", {"model": name, "minimum": human_bytes(model["minimum_budget_bytes"]),
+                                       "index": card["index"], "total": human_bytes(card["total_bytes"])}))
     if model.get("budget_source") == "--vram-budget" and model.get("plan") is None:
-        out.append(("budget_below_minimum", {"model": name, "budget": binary_size(model["budget_bytes"]),
-                                             "minimum": binary_size(model["minimum_budget_bytes"]),
+        out.append(("budget_below_minimum", {"model": name, "budget": human_bytes(model["budget_bytes"]),
+                                             "minimum": human_bytes(model["minimum_budget_bytes"]),
                                              "minimum_flag": budget_flag(model["minimum_budget_bytes"])}))
     return out
 
@@ -249,23 +251,13 @@ def problems(report: dict[str, Any]) -> list[dict[str, Any]]:
 # =============================================================================================
 # Printing: rows for the doctor's block
 # =============================================================================================
-def binary_size(nbytes: int | float | None) -> str:
-    """Binary units, GiB down to KiB: ``"1.5 GiB"``, ``"966.0 KiB"``."""
-    if nbytes is None:
-        return "unknown"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
-
-
 def budget_flag(nbytes: int) -> str:
     """The smallest whole GiB at least ``nbytes``, as a ``--vram-budget`` value (``"9GiB"``)."""
     return f"{-(-nbytes // 2**30)}GiB"
 
 
 def format_memlock(soft: int | None) -> str:
-    return "unlimited" if soft is None else binary_size(soft)
+    return "unlimited" if soft is None else human_bytes(soft)
 
 
 def smoke_summary(smoke: dict[str, Any]) -> str:
@@ -299,8 +291,8 @@ def format_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         major, minor = device["capability"]
         peers = device.get("peers") or {}
         peer_text = ", ".join(f"cuda:{j} {link}" for j, link in peers.items()) or "none"
-        rows.append((f"cuda:{device['index']}", f"{device['name']}, sm_{major}{minor}, {binary_size(device['total_bytes'])} "
-                                                f"total, {binary_size(device['free_bytes'])} free; "
+        rows.append((f"cuda:{device['index']}", f"{device['name']}, sm_{major}{minor}, {human_bytes(device['total_bytes'])} "
+                                                f"total, {human_bytes(device['free_bytes'])} free; "
                                                 f"{pcie_text(device.get('pcie') or {})}; peers: {peer_text}"))
     rows.append(("graphs", "CUDA graphs available: cuda_graphs: true replays layer-major's block phases (a run's "
                            "summary counts what ran eagerly and why)" if torch_info["cuda_available"]
@@ -322,8 +314,8 @@ def format_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         if pinned.get("ok") is None:
             rows.append(("pinned", f"not tested ({pinned.get('skipped')}); {memlock}"))
         else:
-            result = (f"{binary_size(pinned['requested_bytes'])} pinned in {pinned['seconds']:.2f} s" if pinned["ok"]
-                      else f"{binary_size(pinned['requested_bytes'])} FAILED: {pinned['error']}")
+            result = (f"{human_bytes(pinned['requested_bytes'])} pinned in {pinned['seconds']:.2f} s" if pinned["ok"]
+                      else f"{human_bytes(pinned['requested_bytes'])} FAILED: {pinned['error']}")
             rows.append(("pinned", f"{result}; {memlock}"))
     bandwidth = report.get("bandwidth")
     if bandwidth and bandwidth.get("skipped"):
@@ -346,19 +338,19 @@ def format_model_rows(model: dict[str, Any] | None) -> list[tuple[str, str]]:
     rows = [("model", f"{model['model']} ({model['family']}, {model['num_blocks']} blocks, {model['found_in']}); "
                       f"seq_len {model['seq_len']}, batch {model['batch_size']}, NF4"
                       f"{' + double quant' if model['double_quant'] else ''}, LoRA r{model['lora_rank']}"),
-            ("host", f"{binary_size(model['host_bytes'])} for the NF4 base on the host "
-                     f"({binary_size(model['available_host_bytes'])} available); less RAM: --host-tier disk / --host-budget")]
-    vram = f"minimum budget {binary_size(model['minimum_budget_bytes'])} ({budget_flag(model['minimum_budget_bytes'])})"
+            ("host", f"{human_bytes(model['host_bytes'])} for the NF4 base on the host "
+                     f"({human_bytes(model['available_host_bytes'])} available); less RAM: --host-tier disk / --host-budget")]
+    vram = f"minimum budget {human_bytes(model['minimum_budget_bytes'])} ({budget_flag(model['minimum_budget_bytes'])})"
     plan = model.get("plan")
     if model.get("budget_bytes") is not None:
-        vram += f"; at {binary_size(model['budget_bytes'])} ({model['budget_source']}): "
-        vram += (f"predicted peak {binary_size(plan['peak_bytes'])} allocated, {binary_size(plan['needed_bytes'])} with the CUDA "
+        vram += f"; at {human_bytes(model['budget_bytes'])} ({model['budget_source']}): "
+        vram += (f"predicted peak {human_bytes(plan['peak_bytes'])} allocated, {human_bytes(plan['needed_bytes'])} with the CUDA "
                  f"context and allocator slack; {plan['resident_blocks']} of {model['num_blocks']} blocks resident, "
                  f"{plan['num_slots']} slot{'s' if plan['num_slots'] != 1 else ''}" if plan else "below the minimum")
     rows.append(("vram", vram))
     card = model.get("card")
     if card:
-        rows.append(("fits", f"cuda:{card['index']} ({binary_size(card['total_bytes'])}): "
+        rows.append(("fits", f"cuda:{card['index']} ({human_bytes(card['total_bytes'])}): "
                              f"{'yes' if card['fits'] else 'no'}"))
     rows.append(("suggested", " ".join(model["suggested_flags"])))
     return rows

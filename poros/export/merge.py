@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from poros.errors import CheckpointLoadError, ConfigError, UnsupportedAdapterError
+from poros.stream.units import human_bytes
 
 #: adapter tensor names PEFT's LoRA merge consumes (``lora_bias`` and embedding LoRA are refused)
 ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
@@ -97,9 +98,9 @@ class MergeResult:
     files: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        peak = f", peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB" if self.peak_rss_bytes else ""
+        peak = f", peak RSS {human_bytes(self.peak_rss_bytes)}" if self.peak_rss_bytes else ""
         return (f"poros: merged {self.merged_modules} adapted weights into {self.output}: {self.shards} shards, "
-                f"{self.tensors} tensors, {self.bytes_written / 2**30:.2f} GiB in {self.seconds:.1f} s{peak}")
+                f"{self.tensors} tensors, {human_bytes(self.bytes_written)} in {self.seconds:.1f} s{peak}")
 
 
 def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, model: str | os.PathLike | None = None,

@@ -10,7 +10,7 @@ themselves are in ``poros/stream/tiers.py``; ``docs/cache-and-host-memory.md`` s
   per node instead of once per process, and no copy at the start. The default when the budget holds the
   blocks and they were loaded through the block cache (one process, or a node's ranks mapping the one
   entry local rank 0 built): on the H200 its steps matched ``pinned`` and its start skipped the
-  pinned copy (1.2 GB/s there: 5.3 s of a 12 s cached start at 32B/24 layers).
+  pinned copy (docs/results-h200.md).
 * ``disk`` -- a ring of ``read_ahead`` pinned block buffers filled from the cache file ahead of use:
   host RAM of a few blocks, at the drive's read rate. What the budget holds beyond the ring keeps the
   first streamed blocks in pinned RAM for the run (``held_blocks``), so a step reads only the rest.
@@ -25,13 +25,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from poros.errors import ConfigError
+from poros.stream.units import human_bytes
 
 HOST_TIERS = ("pinned", "mapped", "disk")
 DEFAULT_READ_AHEAD = 3  # ring buffers of the disk tier: one copying, two read ahead
 MAX_READ_AHEAD = 8
 DISK_PROBE_BYTES = 512 << 20
 # Large requests, as the disk tier's whole-block reads are: a virtual or NVMe drive with 16 MiB reads
-# answered at 0.9-1.1 GB/s on the H200 host while the tier's block reads ran at 1.9-2.1 GB/s.
+# answered slower than the tier's block reads on the H200 host (docs/results-h200.md).
 DISK_PROBE_CHUNK = 128 << 20
 
 
@@ -68,11 +69,6 @@ class HostPlan:
         return {**asdict(self), "host_bytes_per_node": self.host_bytes_per_node}
 
 
-def size(nbytes: float) -> str:
-    """``12.50 GiB`` / ``310.2 MiB``: a byte count for people."""
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
 def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, requested: str | None = None,
                      read_ahead: int | None = None, ranks_per_node: int = 1, shared_file: bool = False) -> HostPlan:
     """Pick the host tier and the disk tier's read-ahead depth for the streamed blocks' ``block_bytes``.
@@ -103,8 +99,8 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
             fits = host_budget // largest if largest else MAX_READ_AHEAD
             if fits < 2:
                 raise ConfigError(
-                    f"host budget {size(host_budget)} is below the disk tier's minimum: two ring buffers "
-                    f"of the largest block, {size(2 * largest)}. Raise --host-budget to at least that.")
+                    f"host budget {human_bytes(host_budget)} is below the disk tier's minimum: two ring buffers "
+                    f"of the largest block, {human_bytes(2 * largest)}. Raise --host-budget to at least that.")
             depth = min(depth, fits)
             spare = host_budget - depth * largest
             while held < len(block_bytes) - 1 and block_bytes[held] <= spare:  # at least one block streams
@@ -113,9 +109,9 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
             if not held and not read_ahead:
                 depth = min(MAX_READ_AHEAD, fits)
         why = ("asked for" if requested else
-               f"the streamed blocks ({size(total)}) exceed the host budget ({size(host_budget)})")
+               f"the streamed blocks ({human_bytes(total)}) exceed the host budget ({human_bytes(host_budget)})")
         kept = sum(block_bytes[:held])
-        holding = f", the first {held} blocks ({size(kept)}) held in pinned RAM" if held else ""
+        holding = f", the first {held} blocks ({human_bytes(kept)}) held in pinned RAM" if held else ""
         return HostPlan("disk", depth, depth * largest + kept, total,
                         f"disk tier, {depth} ring buffers{holding}: {why}", ranks_per_node, held)
     shared = requested is None and shared_file
@@ -124,12 +120,12 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
             f"{ranks_per_node} ranks on this node map the one NF4 block cache entry local rank 0 built"
             if ranks_per_node > 1 else "the blocks come from the NF4 block cache entry (no copy into pinned memory)")
         return HostPlan("mapped", 0, total, total, f"mapped tier, {why}: the page cache holds the blocks "
-                        f"({size(total)}) once, shared by every process of the node", ranks_per_node)
+                        f"({human_bytes(total)}) once, shared by every process of the node", ranks_per_node)
     why = "asked for" if requested else ("no host budget given" if host_budget is None else
-                                         f"the host budget holds every streamed block ({size(total)})")
+                                         f"the host budget holds every streamed block ({human_bytes(total)})")
     if ranks_per_node > 1:
-        why += (f"; each of the node's {ranks_per_node} ranks holds its own copy ({size(total)} each, "
-                f"{size(total * ranks_per_node)} per node)" + (
+        why += (f"; each of the node's {ranks_per_node} ranks holds its own copy ({human_bytes(total)} each, "
+                f"{human_bytes(total * ranks_per_node)} per node)" + (
                     "" if requested else ": no block cache entry to share (--no-cache)"))
     return HostPlan("pinned", 0, total, total, f"pinned tier: {why}", ranks_per_node)
 

@@ -1,11 +1,16 @@
-"""Byte counts in words, torch-free: binary units for sizes (``human_bytes``), decimal GB as the bench
-and the results pages write them (``format_gb``). The planner and ``poros plan``'s report use them."""
+"""Byte counts in words, the one place they are formatted; torch-free. Binary units for sizes people
+read (``human_bytes``: ``poros doctor``, ``poros plan``'s host line, ``poros merge``) and decimal GB as
+the bench and the results pages write them (``format_gb``: the planner and its report, ``poros
+cache``). Two named functions because both forms are printed and asserted; everything else calls them."""
 
 from __future__ import annotations
 
 
-def human_bytes(nbytes: int) -> str:
-    """``1536`` -> ``"1.5 KiB"`` (binary units)."""
+def human_bytes(nbytes: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``, ``4 * 2**30`` -> ``"4.0 GiB"`` (binary units, one decimal; whole bytes
+    below 1 KiB); ``None`` (not known) -> ``"unknown"``."""
+    if nbytes is None:
+        return "unknown"
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
