@@ -19,7 +19,8 @@ from poros.cli.main import SUBCOMMANDS, main
 from poros.descriptor import decoder_family
 from poros.testing.plugins import registered_plugin
 
-BUILTIN_FAMILIES = ["qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4"]
+from conftest import BUILTIN_FAMILIES
+
 LLAMA = decoder_family(name="llama", display_name="Llama", model_types=("llama",),
                        causal_lm_classes=("LlamaForCausalLM",))
 

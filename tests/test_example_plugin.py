@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-BUILTIN_FAMILIES = ["qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4"]
+from conftest import BUILTIN_FAMILIES
+
 SKIP_COPY = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
                                    ".hypothesis", ".pytest_cache", "poros_output")
 

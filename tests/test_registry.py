@@ -16,7 +16,8 @@ from poros.descriptor import decoder_family
 from poros.errors import DuplicateArchitectureError, PluginError, UnknownArchitectureError
 from poros.testing.plugins import registered_plugin
 
-BUILTIN_FAMILIES = ("qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4")
+from conftest import BUILTIN_FAMILIES
+
 REGISTERED = registry.architectures()
 ALL_KEYS = sorted({key.lower() for r in REGISTERED for key in r.descriptor.all_names})
 
