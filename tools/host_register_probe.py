@@ -7,7 +7,7 @@ one at a time, each in a child process with its own time limit, so a step that h
 instead of eating the run. Its answer on the H200 (2026-12-01, commit 6183630,
 ``registry/results/h200-2026-12-01/host-register.json``): the tier's sequence hung with the
 copy-on-write mapping and its pages dropped, and ran with the shared read-only mapping the tier uses
-since 3c9fe55 (registered in 0.04-0.58 s per GiB, copied at 53 GB/s). The cases:
+since 3c9fe55 (its times: docs/results-h200.md). The cases:
 
 1. write a ``--mib`` file, map it as ``BlockFile.mapping`` does (MAP_PRIVATE, read/write);
 2. ``cudaHostRegister`` read-only, then (new child) with flags 0, then (new child) a MAP_SHARED

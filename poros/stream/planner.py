@@ -7,8 +7,8 @@ loaded model or a meta skeleton) and the shape of its step (:class:`Workload`) g
   forward-backward turn (all boundary states + the head's working set), a block's recompute and
   backward (its working set + the LoRA gradients + the boundary states still held), the optimizer
   step -- on top of the slots, the resident blocks, the modules outside the blocks and the LoRA
-  parameters with their AdamW state. Within 3 % of every H200 bench record in ``registry/results``
-  (``tests/test_planner.py`` holds them to 15 %). :func:`peak_upper_bound` adds the same parts
+  parameters with their AdamW state. Checked against the H200 bench records (docs/results-h200.md;
+  ``tests/test_planner.py`` holds them to 15 %). :func:`peak_upper_bound` adds the same parts
   all at once (the dry run's estimate).
 * **the step** (:func:`predict_step`): with per-block compute times (:class:`ComputeTimes`, from
   :func:`poros.doctor.probe.probe_compute` or given) and the link bandwidth, a simulation of the
@@ -43,8 +43,8 @@ CUDA_WORKSPACE_BYTES = 64 * 2**20
 #: what the CUDA context and the libraries' own allocations take outside PyTorch's allocator
 #: (estimate; `nvidia-smi` shows it as the process's memory before the first tensor).
 CUDA_CONTEXT_BYTES = 512 * 2**20
-#: reserved minus allocated: the caching allocator's slack over the peak it serves. Measured 13 % (32B,
-#: 8 GB cap) and 18 % (72B, 12 GB cap) on the H200 with expandable_segments (docs/results-h200.md).
+#: reserved minus allocated: the caching allocator's slack over the peak it serves, above what the H200
+#: runs with expandable_segments measured (docs/results-h200.md).
 ALLOCATOR_SLACK = 0.20
 
 SCHEDULES = ("micro-major", "layer-major")

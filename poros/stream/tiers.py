@@ -132,8 +132,8 @@ def release_mapping(path: Path) -> None:
 
 
 def _xxh3_update(data, state):
-    """A running xxh3_64 (``state`` None starts one): 16 GB/s a core where zlib's crc32 does 2.4 (this
-    CPU); on the H200 host the check of an 8.2 GB entry took 1.4 s beside the load."""
+    """A running xxh3_64 (``state`` None starts one): several times zlib's crc32 per core; the check's
+    time beside a load on the H200 host is in docs/results-h200.md."""
     import xxhash
 
     state = xxhash.xxh3_64() if state is None else state
