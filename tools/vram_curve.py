@@ -161,6 +161,30 @@ def row_for(budget: str, result: ArmResult, reference: ArmResult | None, warmup:
     return row
 
 
+def run_config(args, info: dict[str, Any], budgets: list[str]) -> dict[str, Any]:
+    """The report's ``config``: the run's settings as given, the shape's facts and the budgets run."""
+    return {"model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch,
+            "grad_accum": args.grad_accum, "schedule": args.schedule, "steps": args.steps,
+            "warmup": args.warmup, "deterministic": args.deterministic, "lora": {"rank": 16, "alpha": 32,
+            "targets": list(SEVEN_PROJECTIONS)}, "optimizer": {"name": "AdamW", "lr": args.lr},
+            "seed": args.seed, "budgets": budgets}
+
+
+def print_row(row: dict[str, Any], error: str | None) -> None:
+    """A budget's row as it is measured: the planner's decision and prediction beside the measurement."""
+    print(f"budget {row['budget']}: {row['status']} {row['resident_blocks']}/{row['blocks']} resident, "
+          f"{row['num_slots']} slots; peak {row['peak_allocated_gb']} GB (predicted {row['predicted_peak_gb']}), "
+          f"step {row['median_step_s']} s (predicted {row['predicted_step_s']}), "
+          f"x{row.get('ratio_step')} of resident, "
+          f"{'bitwise' if (row.get('parity') or {}).get('bitwise') else 'parity: ' + str(row.get('parity'))}",
+          flush=True)
+    if row["copy_timeline"]:
+        print("  " + timeline_line(row["copy_timeline"]), flush=True)
+    print("  " + diagnostics_line(row), flush=True)
+    if error:
+        print("  " + error.splitlines()[0], flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device, env = start_tool(args)
@@ -202,11 +226,7 @@ def main(argv=None) -> int:
     rows = []
     report = {
         "tool": "tools/vram_curve.py", "environment": env,
-        "config": {"model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch,
-                   "grad_accum": args.grad_accum, "schedule": args.schedule, "steps": args.steps,
-                   "warmup": args.warmup, "deterministic": args.deterministic, "lora": {"rank": 16, "alpha": 32,
-                   "targets": list(SEVEN_PROJECTIONS)}, "optimizer": {"name": "AdamW", "lr": args.lr},
-                   "seed": args.seed, "budgets": budgets},
+        "config": run_config(args, info, budgets),
         "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
                   "compute_probe": None if compute is None else dataclasses.asdict(compute)},
         "range": {"minimum_budget_bytes": low, "all_resident_budget_bytes": high},
@@ -232,17 +252,7 @@ def main(argv=None) -> int:
         row = row_for(budget, result, reference, args.warmup)
         row["round"] = round_index
         rows.append(row)
-        print(f"budget {budget}: {row['status']} {row['resident_blocks']}/{row['blocks']} resident, "
-              f"{row['num_slots']} slots; peak {row['peak_allocated_gb']} GB (predicted {row['predicted_peak_gb']}), "
-              f"step {row['median_step_s']} s (predicted {row['predicted_step_s']}), "
-              f"x{row.get('ratio_step')} of resident, "
-              f"{'bitwise' if (row.get('parity') or {}).get('bitwise') else 'parity: ' + str(row.get('parity'))}",
-              flush=True)
-        if row["copy_timeline"]:
-            print("  " + timeline_line(row["copy_timeline"]), flush=True)
-        print("  " + diagnostics_line(row), flush=True)
-        if result.error:
-            print("  " + result.error.splitlines()[0], flush=True)
+        print_row(row, result.error)
         save()  # after every row: a run cut short keeps what it measured
 
     # every resident run, in order (drift is measured): its step times and parity with the first, not
