@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any
 
 import torch
@@ -28,8 +29,6 @@ from poros.stream.planner import ComputeTimes, Workload
 def measure_link(device: torch.device | str, nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
     """Host-to-device bytes per second of one ``nbytes`` copy from pinned memory (best of ``repeats``
     after a warm-up); on CPU the memcpy a CPU block fetch does."""
-    import time
-
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
@@ -237,7 +236,6 @@ def probe_compute(text_config: Any, workload: Workload, device: torch.device | s
         torch.OutOfMemoryError: the probe model does not fit on the device.
     """
     import statistics
-    import time
 
     from poros.dropin.model import prepare
 
@@ -250,48 +248,31 @@ def probe_compute(text_config: Any, workload: Workload, device: torch.device | s
                                target_modules=target_modules)
     streamed = prepare(model, resident_blocks=layers, embeddings_on_host=on_cuda)
     probe_lora_parameters = sum(p.numel() for p in streamed.trainable_parameters())
-    marks: list[tuple[str, Any]] = []
-
-    def mark(label: str) -> None:
-        if on_cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            marks.append((label, event))
-        else:
-            marks.append((label, time.perf_counter()))
-
-    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: mark(f"block {i}"))
+    clock = _Clock(device)
+    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: clock.mark(f"block {i}"))
              for i, layer in enumerate(streamed.executor.layers)]
-    hooks.append(streamed.executor.final_norm.register_forward_pre_hook(lambda module, args: mark("head")))
+    hooks.append(streamed.executor.final_norm.register_forward_pre_hook(lambda module, args: clock.mark("head")))
     optimizer = torch.optim.AdamW(streamed.trainable_parameters(), lr=1e-6)
-    vocab = text_config.vocab_size
     generator = torch.Generator().manual_seed(0)
     samples: list[dict[str, float]] = []
     micro = workload.grad_accum if workload.schedule == "layer-major" else 1
     try:
         for iteration in range(warmup + iterations):
-            batches = []
-            for _ in range(micro):
-                ids = torch.randint(0, vocab, (workload.batch_size, workload.seq_len), generator=generator).to(device)
-                batches.append({"input_ids": ids, "labels": ids})
-            marks.clear()
-            mark("start")
+            batches = _random_batches(workload, micro, text_config.vocab_size, generator, device)
+            clock.clear()
+            clock.mark("start")
             if micro > 1:
                 items = torch.tensor(micro * workload.batch_size * (workload.seq_len - 1), device=device)
                 streamed.forward_backward([{**batch, "num_items_in_batch": items} for batch in batches])
             else:
                 streamed(**batches[0]).loss.backward()
-            mark("end")
+            clock.mark("end")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            mark("optimizer")
-            if on_cuda:
-                torch.cuda.synchronize(device)
-                times = [0.0] + [marks[0][1].elapsed_time(e) / 1000 for _, e in marks[1:]]
-            else:
-                times = [t - marks[0][1] for _, t in marks]
+            clock.mark("optimizer")
+            labels, times = clock.read()
             if iteration >= warmup:
-                samples.append(_segments([label for label, _ in marks], times, layers, micro))
+                samples.append(_segments(labels, times, layers, micro))
     finally:
         for hook in hooks:
             hook.remove()
@@ -300,6 +281,64 @@ def probe_compute(text_config: Any, workload: Workload, device: torch.device | s
         if on_cuda:
             torch.cuda.empty_cache()
     median = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+    probed = _probed_blocks(text_config, layers)
+    blocks = text_config.num_hidden_layers
+    # AdamW's time grows with the parameters: scale to the run's (by default, to its number of blocks)
+    optimizer_s = median["optimizer"] * (lora_parameters / probe_lora_parameters if lora_parameters
+                                         and probe_lora_parameters else blocks / layers)
+    name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
+    return ComputeTimes(
+        forward_s=tuple(median[f"forward {block}"] for block in probed),
+        backward_s=tuple(median[f"backward {block}"] for block in probed),
+        head_s=median["head"], optimizer_s=optimizer_s,
+        source=f"probe on {name} ({layers} block{'s' if layers > 1 else ''} at batch {workload.batch_size} x seq "
+               f"{workload.seq_len}{f', layer-major over {micro}' if micro > 1 else ''}, median of {iterations})",
+    )
+
+
+class _Clock:
+    """The labelled marks of one probe iteration: CUDA events on a CUDA device, the host clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.marks: list[tuple[str, Any]] = []
+
+    def mark(self, label: str) -> None:
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((label, event))
+        else:
+            self.marks.append((label, time.perf_counter()))
+
+    def clear(self) -> None:
+        self.marks.clear()
+
+    def read(self) -> tuple[list[str], list[float]]:
+        """``(labels, seconds since the first mark)``, after waiting for the device."""
+        marks = self.marks
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+            times = [0.0] + [marks[0][1].elapsed_time(e) / 1000 for _, e in marks[1:]]
+        else:
+            times = [t - marks[0][1] for _, t in marks]
+        return [label for label, _ in marks], times
+
+
+def _random_batches(workload: Workload, micro: int, vocab: int, generator: torch.Generator,
+                    device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """``micro`` batches of random token ids at the workload's shape, labels equal to the inputs."""
+    batches = []
+    for _ in range(micro):
+        ids = torch.randint(0, vocab, (workload.batch_size, workload.seq_len), generator=generator).to(device)
+        batches.append({"input_ids": ids, "labels": ids})
+    return batches
+
+
+def _probed_blocks(text_config: Any, layers: int) -> list[int]:
+    """For each block of the model, the probed block (of the first ``layers``) of its layer kind; the first
+    probed block for a kind the probe lacks or a config without ``layer_types``."""
     kinds = list(getattr(text_config, "layer_types", None) or [])
     probed_kinds = kinds[:layers]
 
@@ -307,18 +346,7 @@ def probe_compute(text_config: Any, workload: Workload, device: torch.device | s
         kind = kinds[i] if i < len(kinds) else None
         return probed_kinds.index(kind) if kind in probed_kinds else 0
 
-    blocks = text_config.num_hidden_layers
-    # AdamW's time grows with the parameters: scale to the run's (by default, to its number of blocks)
-    optimizer_s = median["optimizer"] * (lora_parameters / probe_lora_parameters if lora_parameters
-                                         and probe_lora_parameters else blocks / layers)
-    name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
-    return ComputeTimes(
-        forward_s=tuple(median[f"forward {probed(i)}"] for i in range(blocks)),
-        backward_s=tuple(median[f"backward {probed(i)}"] for i in range(blocks)),
-        head_s=median["head"], optimizer_s=optimizer_s,
-        source=f"probe on {name} ({layers} block{'s' if layers > 1 else ''} at batch {workload.batch_size} x seq "
-               f"{workload.seq_len}{f', layer-major over {micro}' if micro > 1 else ''}, median of {iterations})",
-    )
+    return [probed(i) for i in range(text_config.num_hidden_layers)]
 
 
 def _segments(labels: list[str], times: list[float], layers: int, micro: int = 1) -> dict[str, float]:

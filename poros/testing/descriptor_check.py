@@ -104,44 +104,80 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
     unused by one model (Qwen2 slides only with ``use_sliding_window``); that every kind is used by
     *some* configuration is a family-level check (see ``tests/test_descriptors.py``).
     """
-    problems: list[str] = []
     base = causal_lm_of(model)
     config = base.config
     disabled = descriptor.disabled_names(config)
+    problems = _identity_problems(descriptor, base)
+    problems += _config_attribute_problems(descriptor, config)
+    resolved, unresolved = _resolve_module_paths(descriptor, base)
+    problems += unresolved
+    problems += _listed_path_problems(descriptor, base, disabled)
+    problems += _module_type_problems(descriptor, config, resolved)
+    layers = list(resolved["decoder_layers"]) if resolved.get("decoder_layers") is not None else []
+    problems += _unlisted_linear_problems(descriptor, base)
+    problems += _layer_kind_problems(descriptor, config)
+    problems += _rotary_problems(descriptor, resolved.get("rotary"))
+    problems += _carried_state_problems(descriptor, layers)
+    absent_kinds = _absent_kinds_note(descriptor, config)
+    layer_entries = [_layer_entries(layer) for layer in layers]
+    problems += _untargeted_linear_problems(descriptor, layer_entries)
+    problems += _lora_name_problems(descriptor, layer_entries, disabled, absent_kinds)
+    problems += _never_quantized_problems(descriptor, layers, layer_entries, disabled, absent_kinds)
+    return problems
 
-    # identity
+
+def _present_although_disabled(field_name: str, name: str) -> str:
+    return f"{field_name} entry {name!r} exists although optional_features marks it absent for this config"
+
+
+def _identity_problems(descriptor: ArchitectureDescriptor, base: nn.Module) -> list[str]:
+    """The model class, ``config.model_type`` and the config class are the descriptor's."""
+    problems: list[str] = []
+    config = base.config
     if type(base).__name__ not in descriptor.causal_lm_classes:
         problems.append(f"model class {type(base).__name__} is not in causal_lm_classes {list(descriptor.causal_lm_classes)}")
     if config.model_type not in descriptor.model_types:
         problems.append(f"config.model_type {config.model_type!r} is not in model_types {list(descriptor.model_types)}")
     if descriptor.config_class and type(config).__name__ != descriptor.config_class:
         problems.append(f"config class {type(config).__name__} is not config_class {descriptor.config_class!r}")
+    return problems
 
-    # config attributes
+
+def _config_attribute_problems(descriptor: ArchitectureDescriptor, config: Any) -> list[str]:
+    """Every config attribute the descriptor names exists on ``config``."""
     named_attributes = [("final_logit_softcapping", descriptor.final_logit_softcapping),
                         ("tied_embeddings", descriptor.tied_embeddings),
                         ("layer_kinds_attr", descriptor.layer_kinds_attr)]
     named_attributes += [(f"carried_state[{c.kwarg!r}].enabled_by", c.enabled_by) for c in descriptor.carried_state]
     named_attributes += [("optional_features", attribute) for attribute, _ in descriptor.optional_features]
-    for field_name, attribute in named_attributes:
-        if attribute and not hasattr(config, attribute):
-            problems.append(f"{field_name} names config attribute {attribute!r}, which {type(config).__name__} lacks")
+    return [f"{field_name} names config attribute {attribute!r}, which {type(config).__name__} lacks"
+            for field_name, attribute in named_attributes if attribute and not hasattr(config, attribute)]
 
-    # module paths
+
+def _resolve_module_paths(descriptor: ArchitectureDescriptor, base: nn.Module) -> tuple[dict[str, Any], list[str]]:
+    """``(resolved, problems)``: the single-module fields resolved on ``base`` (field name -> module), and
+    one problem per path that does not resolve."""
     resolved: dict[str, Any] = {}
+    problems: list[str] = []
     for field_name in ("text_model", "decoder_layers", "embeddings", "final_norm", "head", "rotary"):
         path = getattr(descriptor, field_name)
         try:
             resolved[field_name] = resolve_path(base, path)
         except DescriptorError as error:
             problems.append(f"{field_name}: {error}")
+    return resolved, problems
+
+
+def _listed_path_problems(descriptor: ArchitectureDescriptor, base: nn.Module, disabled: Any) -> list[str]:
+    """Every ``prelude_modules``/``model_level_linears`` entry resolves unless switched off (then it must be
+    absent); a model-level linear is an ``nn.Linear``."""
+    problems: list[str] = []
     for field_name in ("prelude_modules", "model_level_linears"):
         for path in getattr(descriptor, field_name):
             present = _resolves(base, path)
             if path in disabled:
                 if present:
-                    problems.append(f"{field_name} entry {path!r} exists although optional_features marks it "
-                                    "absent for this config")
+                    problems.append(_present_although_disabled(field_name, path))
                 continue
             try:
                 target = resolve_path(base, path)
@@ -150,6 +186,13 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
                 continue
             if field_name == "model_level_linears" and not _is_linear(target):
                 problems.append(f"model_level_linears entry {path!r} is a {type(target).__name__}, not an nn.Linear")
+    return problems
+
+
+def _module_type_problems(descriptor: ArchitectureDescriptor, config: Any, resolved: dict[str, Any]) -> list[str]:
+    """The embeddings are an ``nn.Embedding``, the head an ``nn.Linear``, the decoder layers as many as the
+    config's (each checked only where its path resolved)."""
+    problems: list[str] = []
     if "embeddings" in resolved and not isinstance(resolved["embeddings"], nn.Embedding):
         problems.append(f"embeddings {descriptor.embeddings!r} is a {type(resolved['embeddings']).__name__}, "
                         "not an nn.Embedding")
@@ -160,9 +203,13 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
     if layers is not None and len(layers) != config.num_hidden_layers:
         problems.append(f"decoder_layers {descriptor.decoder_layers!r} holds {len(layers)} layers, "
                         f"config.num_hidden_layers is {config.num_hidden_layers}")
-    layers = list(layers) if layers is not None else []
+    return problems
 
-    # model-level linears outside the layers must be listed (bitsandbytes quantizes them)
+
+def _unlisted_linear_problems(descriptor: ArchitectureDescriptor, base: nn.Module) -> list[str]:
+    """Every ``nn.Linear`` outside the decoder layers but the head is in ``model_level_linears``
+    (bitsandbytes quantizes them)."""
+    problems: list[str] = []
     layers_prefix = descriptor.decoder_layers + "."
     for name, module in base.named_modules():
         parts = name.split(".")
@@ -171,9 +218,27 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
             clean = ".".join(p for p in parts if p != "base_layer")
             if clean != descriptor.head and clean not in descriptor.model_level_linears:
                 problems.append(f"nn.Linear {clean!r} outside the decoder layers is not in model_level_linears")
+    return problems
 
-    # layer kinds, masks, rotary
-    kinds = getattr(config, descriptor.layer_kinds_attr, None)
+
+def _layer_kinds(descriptor: ArchitectureDescriptor, config: Any) -> Any:
+    """``config.<layer_kinds_attr>``, one kind per layer; None when the config has none."""
+    return getattr(config, descriptor.layer_kinds_attr, None)
+
+
+def _absent_kinds_note(descriptor: ArchitectureDescriptor, config: Any) -> str:
+    """The note a missing-name problem ends with when this model lacks some of the family's layer kinds."""
+    kinds = _layer_kinds(descriptor, config) or []
+    missing_kinds = [kind for kind in descriptor.layer_kinds if kinds and kind not in kinds]
+    return (f" (this model has no {'/'.join(missing_kinds)} layers: check a config with every layer kind)"
+            if missing_kinds else "")
+
+
+def _layer_kind_problems(descriptor: ArchitectureDescriptor, config: Any) -> list[str]:
+    """One kind per layer, each in ``layer_kinds`` with a ``mask_kinds`` entry; every ``mask_kinds`` entry
+    names a function of ``transformers.masking_utils``."""
+    problems: list[str] = []
+    kinds = _layer_kinds(descriptor, config)
     if kinds is None:
         kinds = []
     elif len(kinds) != config.num_hidden_layers:
@@ -193,55 +258,76 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
     for kind, function_name in descriptor.mask_kinds:
         if not callable(getattr(masking_utils, function_name, None)):
             problems.append(f"mask_kinds[{kind!r}] names {function_name!r}, not a function of transformers.masking_utils")
-    rotary = resolved.get("rotary")
-    if rotary is not None:
-        buffers = {name for name, _ in rotary.named_buffers(recurse=False)}
-        per_kind = sorted(k for k in descriptor.layer_kinds if f"{k}_inv_freq" in buffers)
-        described = sorted(k for k, _ in descriptor.rotary_kinds)
-        if per_kind and not set(per_kind) <= set(described):
-            problems.append(f"rotary module has per-kind buffers for {per_kind}, rotary_kinds describes {described}")
-        if not per_kind and len(descriptor.rotary_kinds) != 1:
-            problems.append(f"rotary module has one inv_freq, rotary_kinds describes {described}")
+    return problems
 
-    # carried state reaches the layers as a keyword of their forward
+
+def _rotary_problems(descriptor: ArchitectureDescriptor, rotary: nn.Module | None) -> list[str]:
+    """A rotary module with per-kind buffers (``<kind>_inv_freq``) is described per kind, one with a single
+    ``inv_freq`` by one ``rotary_kinds`` entry."""
+    if rotary is None:
+        return []
+    problems: list[str] = []
+    buffers = {name for name, _ in rotary.named_buffers(recurse=False)}
+    per_kind = sorted(k for k in descriptor.layer_kinds if f"{k}_inv_freq" in buffers)
+    described = sorted(k for k, _ in descriptor.rotary_kinds)
+    if per_kind and not set(per_kind) <= set(described):
+        problems.append(f"rotary module has per-kind buffers for {per_kind}, rotary_kinds describes {described}")
+    if not per_kind and len(descriptor.rotary_kinds) != 1:
+        problems.append(f"rotary module has one inv_freq, rotary_kinds describes {described}")
+    return problems
+
+
+def _carried_state_problems(descriptor: ArchitectureDescriptor, layers: list[nn.Module]) -> list[str]:
+    """Each carried state reaches the layers as a keyword of their ``forward``."""
+    problems: list[str] = []
     for layer_class in dict.fromkeys(type(layer) for layer in layers):
         parameters = inspect.signature(layer_class.forward).parameters
         for carried in descriptor.carried_state:
             if carried.kwarg not in parameters:
                 problems.append(f"carried_state kwarg {carried.kwarg!r} is not a parameter of "
                                 f"{layer_class.__name__}.forward {list(parameters)[1:]}")
+    return problems
 
-    # adapters and quantization, per layer
-    missing_kinds = [kind for kind in descriptor.layer_kinds if kinds and kind not in used_kinds]
-    absent_kinds = (f" (this model has no {'/'.join(missing_kinds)} layers: check a config with every layer kind)"
-                    if missing_kinds else "")
-    all_linears: dict[str, nn.Module] = {}
-    all_paths: set[str] = set()
-    for index, layer in enumerate(layers):
-        linears, paths = _layer_entries(layer)
-        all_paths |= paths
-        for path, module in linears.items():
-            all_linears.setdefault(path, module)
-            if not any(_matches(path, n) for n in (*descriptor.lora_targets_all_linear, *descriptor.lora_excluded)):
-                problems.append(
-                    f"nn.Linear {descriptor.decoder_layers}.{index}.{path} is neither in lora_targets_all_linear "
-                    "nor in lora_excluded"
-                )
+
+def _untargeted_linear_problems(descriptor: ArchitectureDescriptor,
+                                layer_entries: list[tuple[dict[str, nn.Module], set[str]]]) -> list[str]:
+    """Every linear of every decoder layer is a LoRA target or excluded (offenders by full name)."""
+    listed = (*descriptor.lora_targets_all_linear, *descriptor.lora_excluded)
+    return [f"nn.Linear {descriptor.decoder_layers}.{index}.{path} is neither in lora_targets_all_linear "
+            "nor in lora_excluded"
+            for index, (linears, _) in enumerate(layer_entries) for path in linears
+            if not any(_matches(path, n) for n in listed)]
+
+
+def _lora_name_problems(descriptor: ArchitectureDescriptor, layer_entries: list[tuple[dict[str, nn.Module], set[str]]],
+                        disabled: Any, absent_kinds: str) -> list[str]:
+    """Every ``lora_targets_all_linear``/``lora_targets_default``/``lora_excluded`` name is a linear of some
+    decoder layer, unless switched off (then it must be absent)."""
+    linear_paths = {path for linears, _ in layer_entries for path in linears}
+    problems: list[str] = []
     for field_name in ("lora_targets_all_linear", "lora_targets_default", "lora_excluded"):
         for name in getattr(descriptor, field_name):
-            found = any(_matches(path, name) for path in all_linears)
+            found = any(_matches(path, name) for path in linear_paths)
             if name in disabled:
                 if found:
-                    problems.append(f"{field_name} entry {name!r} exists although optional_features marks it "
-                                    "absent for this config")
+                    problems.append(_present_although_disabled(field_name, name))
             elif not found:
                 problems.append(f"{field_name} entry {name!r} is not an nn.Linear in any decoder layer{absent_kinds}")
+    return problems
+
+
+def _never_quantized_problems(descriptor: ArchitectureDescriptor, layers: list[nn.Module],
+                              layer_entries: list[tuple[dict[str, nn.Module], set[str]]], disabled: Any,
+                              absent_kinds: str) -> list[str]:
+    """Every ``never_quantized`` name is a module, parameter or buffer of some decoder layer, unless switched
+    off (then it must be absent), and is not bitsandbytes 4-bit in any layer."""
+    all_paths = set().union(*(paths for _, paths in layer_entries))
+    problems: list[str] = []
     for name in descriptor.never_quantized:
         found = sorted(path for path in all_paths if _matches(path, name))
         if name in disabled:
             if found:
-                problems.append(f"never_quantized entry {name!r} exists although optional_features marks it "
-                                "absent for this config")
+                problems.append(_present_although_disabled("never_quantized", name))
             continue
         if not found:
             problems.append(f"never_quantized entry {name!r} is not a module, parameter or buffer of any decoder "

@@ -81,6 +81,21 @@ def peak_memory(device: torch.device) -> tuple[float | None, str]:
     return peak * (1 if sys.platform == "darwin" else 1024) / 1e9, "process_peak_rss"
 
 
+@dataclass
+class _ThroughputWindow:
+    """The steps since the last log line, for their throughput: when they began, and the run's token count
+    and host-to-device bytes before them."""
+
+    started: float  # time.perf_counter()
+    first_tokens: int
+    first_bytes: int
+
+    def leave_out(self, seconds: float, bytes_copied: int) -> None:
+        """Leave an evaluation's time and copies out of the window's throughput."""
+        self.started += seconds
+        self.first_bytes += bytes_copied
+
+
 class TrainingRun:
     """The state of one ``train()`` call: data, optimizer, schedule, counters, logging."""
 
@@ -184,6 +199,15 @@ class TrainingRun:
 
     # -- the loop ------------------------------------------------------------------------------
     def execute(self) -> TrainResult:
+        """Set the run up (resumed or fresh), train to ``config.steps`` or a stop signal, and say how it ended."""
+        optimizer, scheduler, batches = self._prepare()
+        interrupted = self._train(optimizer, scheduler, batches)
+        return self._finish(interrupted)
+
+    def _prepare(self):
+        """Everything before the first step: the checkpoint to resume (refused before any work when it does not
+        fit), the data, optimizer and schedule, then the resumed state or a fresh start, and the data summaries;
+        ``(optimizer, scheduler, batches)``."""
         config = self.config
         parallel = self.parallel
         if parallel.is_main:
@@ -198,13 +222,7 @@ class TrainingRun:
         if checkpoint is not None:
             self._resume(checkpoint, optimizer, scheduler, batches)
         else:
-            from poros.training.run_lock import check_fresh_start
-
-            # never a mix of two runs' results: every rank refuses alike, only rank 0 removes (overwrite)
-            if parallel.is_main or not config.overwrite:
-                check_fresh_start(self.output_dir, overwrite=config.overwrite)
-            parallel.barrier()
-            seed_everything(config.seed)
+            self._start_fresh()
         self.trainer.global_step = self.global_step
         if parallel.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -214,11 +232,26 @@ class TrainingRun:
             echo(parallel.describe(config.batch_size, config.grad_accum))
         if self.eval_set is not None:
             echo(self.eval_set.summary())
+        return optimizer, scheduler, batches
 
-        parameters = self.model.trainable_parameters()
-        self.model.train()
-        from poros.stream import lora_placement
+    def _start_fresh(self) -> None:
+        """No checkpoint to resume: refuse another run's results in ``output_dir`` (``overwrite``: remove them),
+        then seed."""
+        from poros.training.run_lock import check_fresh_start
 
+        config = self.config
+        # never a mix of two runs' results: every rank refuses alike, only rank 0 removes (overwrite)
+        if self.parallel.is_main or not config.overwrite:
+            check_fresh_start(self.output_dir, overwrite=config.overwrite)
+        self.parallel.barrier()
+        seed_everything(config.seed)
+
+    def _runs_layer_major(self) -> bool:
+        """Whether the steps run layer-major (through ``forward_backward``): on the layer-major schedule (see
+        :func:`stream_schedule`) when it saves anything — gradient accumulation, LoRA tensors on the host
+        (always through ``forward_backward``), CUDA graphs (replayed layer-major only). Says when a dropout
+        turns gradient accumulation micro-major."""
+        config = self.config
         placement = self.model.lora_placement  # LoRA tensors on the host: always through forward_backward
         graphs = getattr(self.model.executor, "graphs", None) is not None  # CUDA graphs replay layer-major only
         layer_major = ((config.grad_accum > 1 or placement is not None or graphs)
@@ -226,72 +259,109 @@ class TrainingRun:
         if config.grad_accum > 1 and config.stream_schedule == "layer-major" and not layer_major:
             echo("poros: dropout is active, so gradient accumulation runs micro-major (layer-major would "
                   "draw the dropout masks in another order); set lora_dropout 0 for layer-major")
+        return layer_major
+
+    def _train(self, optimizer, scheduler, batches) -> bool:
+        """The optimizer steps up to ``config.steps``, each followed by what is due after it (a log line, an
+        evaluation, a checkpoint); True when a stop signal ended them early, after a checkpoint."""
+        config = self.config
+        parallel = self.parallel
+        parameters = self.model.trainable_parameters()
+        self.model.train()
+        layer_major = self._runs_layer_major()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # peak_memory_gb: this run's training peak
-        interrupted = False
         bar = progress_bar(config.steps, self.global_step, label="train")  # data parallel: silent off rank 0
-        window_start, window_first_tokens = time.perf_counter(), self.num_tokens
-        window_bytes = self.model.store.stats.bytes_copied if self.model.store is not None else 0
+        window = _ThroughputWindow(time.perf_counter(), self.num_tokens, self._bytes_copied())
         # report_to (logs the config); data parallel: rank 0's
         trackers = tracking.open_trackers(config, self.output_dir) if parallel.is_main else tracking.Trackers()
         with StopRequest() as stop, showing(bar), trackers:
             self.trackers = trackers
             while self.global_step < config.steps:
-                micro_batches = [{key: value.to(self.device, non_blocking=True)
-                                  for key, value in parallel.shard(batches.next_batch()).items()}
-                                 for _ in range(config.grad_accum)]
-                num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
-                step_loss = 0
-                if layer_major:  # each block crosses the link twice per step, not twice per micro-batch
-                    for loss in self.model.forward_backward(
-                            [{**batch, "num_items_in_batch": num_items_in_batch} for batch in micro_batches]):
-                        step_loss = step_loss + loss
-                else:
-                    for index, batch in enumerate(micro_batches):
-                        model, sync = parallel.forward_model(index, len(micro_batches))  # DDP (no_sync) or not
-                        with sync:
-                            loss = model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
-                            loss.backward()
-                        step_loss = step_loss + loss.detach()
-                if placement is not None:  # gradients on the host: norms on the device, as resident
-                    grad_norm = (lora_placement.grad_norm(parameters, self.device) if config.max_grad_norm is None
-                                 else lora_placement.clip_grad_norm_(parameters, config.max_grad_norm, self.device))
-                elif config.max_grad_norm is None:
-                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-                else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
-                learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step uses
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                self.global_step += 1
-                self.trainer.global_step = self.global_step
-                self.pending_losses.append(step_loss)
-                self.pending_tokens = self.pending_tokens + sum(batch["attention_mask"].sum()
-                                                                for batch in micro_batches)
+                learning_rate, grad_norm = self._step(optimizer, scheduler, batches, parameters, layer_major)
                 if bar is not None:
                     bar.update(1)
 
                 if self.global_step % config.logging_steps == 0:
-                    self._sync()
-                    bytes_copied = self.model.store.stats.bytes_copied if self.model.store is not None else 0
-                    elapsed = max(time.perf_counter() - window_start, 1e-9)
-                    self._log(learning_rate, grad_norm, self.num_tokens - window_first_tokens, elapsed,
-                              bytes_copied - window_bytes, bar)
-                    window_start, window_first_tokens, window_bytes = time.perf_counter(), self.num_tokens, bytes_copied
+                    window = self._log_window(window, learning_rate, grad_norm, bar)
                 last_step = self.global_step == config.steps
                 if self.eval_set is not None and evaluation.evaluation_due(config, self.global_step):
-                    seconds, copied = self._evaluate()  # not counted in the training throughput
-                    window_start, window_bytes = window_start + seconds, window_bytes + copied
+                    window.leave_out(*self._evaluate())  # not counted in the training throughput
                 # a signal on any rank stops every rank after the same step
                 if parallel.any_rank(stop.signal_name is not None, self.device) and not last_step:
                     stop.signal_name = stop.signal_name or "SIGINT"  # (it arrived on another rank)
-                    interrupted = True
                     self._save_checkpoint(optimizer, scheduler, batches)
                     self._announce_interrupt(stop.signal_name)
-                    break
+                    return True
                 if config.save_steps and (self.global_step % config.save_steps == 0 or last_step):
                     self._save_checkpoint(optimizer, scheduler, batches)
+        return False
+
+    def _step(self, optimizer, scheduler, batches, parameters, layer_major: bool) -> tuple[float, torch.Tensor]:
+        """One optimizer step over ``grad_accum`` micro-batches of this rank's shard of the next batch;
+        ``(the learning rate it used, the gradients' norm)``."""
+        micro_batches = [{key: value.to(self.device, non_blocking=True)
+                          for key, value in self.parallel.shard(batches.next_batch()).items()}
+                         for _ in range(self.config.grad_accum)]
+        step_loss = self._step_loss(micro_batches, layer_major)
+        grad_norm = self._grad_norm(parameters)
+        learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self.trainer.global_step = self.global_step
+        self.pending_losses.append(step_loss)
+        self.pending_tokens = self.pending_tokens + sum(batch["attention_mask"].sum()
+                                                        for batch in micro_batches)
+        return learning_rate, grad_norm
+
+    def _step_loss(self, micro_batches: list[dict[str, torch.Tensor]], layer_major: bool) -> torch.Tensor:
+        """Forward and backward over the micro-batches, the gradients accumulating; the step's loss (their sum)."""
+        num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
+        step_loss = 0
+        if layer_major:  # each block crosses the link twice per step, not twice per micro-batch
+            for loss in self.model.forward_backward(
+                    [{**batch, "num_items_in_batch": num_items_in_batch} for batch in micro_batches]):
+                step_loss = step_loss + loss
+        else:
+            for index, batch in enumerate(micro_batches):
+                model, sync = self.parallel.forward_model(index, len(micro_batches))  # DDP (no_sync) or not
+                with sync:
+                    loss = model(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+                    loss.backward()
+                step_loss = step_loss + loss.detach()
+        return step_loss
+
+    def _grad_norm(self, parameters) -> torch.Tensor:
+        """The gradients' total norm, after clipping them to ``max_grad_norm`` when it is set."""
+        from poros.stream import lora_placement
+
+        config = self.config
+        if self.model.lora_placement is not None:  # gradients on the host: norms on the device, as resident
+            return (lora_placement.grad_norm(parameters, self.device) if config.max_grad_norm is None
+                    else lora_placement.clip_grad_norm_(parameters, config.max_grad_norm, self.device))
+        if config.max_grad_norm is None:
+            return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        return torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+
+    def _bytes_copied(self) -> int:
+        """Host-to-device bytes the block store has copied so far (0 without one)."""
+        return self.model.store.stats.bytes_copied if self.model.store is not None else 0
+
+    def _log_window(self, window: _ThroughputWindow, learning_rate: float, grad_norm: torch.Tensor,
+                    bar) -> _ThroughputWindow:
+        """The log line of the steps since the last one, their throughput measured over ``window``; the window
+        that starts now."""
+        self._sync()
+        bytes_copied = self._bytes_copied()
+        elapsed = max(time.perf_counter() - window.started, 1e-9)
+        self._log(learning_rate, grad_norm, self.num_tokens - window.first_tokens, elapsed,
+                  bytes_copied - window.first_bytes, bar)
+        return _ThroughputWindow(time.perf_counter(), self.num_tokens, bytes_copied)
+
+    def _finish(self, interrupted: bool) -> TrainResult:
+        """The last losses synced, how the run ended said (and what CUDA graphs replayed); the result."""
         self._sync()
         final = self.losses[-1] if self.losses else None
         if not interrupted:
