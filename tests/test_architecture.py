@@ -229,8 +229,6 @@ MAX_FUNCTION_LINES = 100
 LONG_FUNCTIONS_BEING_SPLIT = {
     "poros/stream/planner.py::plan_budget",
     "poros/dropin/model.py::prepare",
-    "poros/testing/descriptor_check.py::check_descriptor",
-    "poros/training/run.py::TrainingRun.execute",
 }
 
 
