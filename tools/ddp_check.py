@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from poros.config import HOST_TIERS
 from tools import bench
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -321,7 +322,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", action="store_true", help="--scale: load a written checkpoint through the block "
                         "cache (the node's ranks share its entry: the mapped tier)")
-    parser.add_argument("--host-tier", default=None, choices=("pinned", "mapped", "disk"),
+    parser.add_argument("--host-tier", default=None, choices=HOST_TIERS,
                         help="--scale: the host tier (default: the chooser's; mapped for several ranks with --cache)")
     parser.add_argument("--cache-work", default=None, help="--cache: directory for the checkpoint and the cache")
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
