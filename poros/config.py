@@ -29,13 +29,16 @@ import yaml
 
 from poros.errors import ConfigError
 
-__all__ = ["PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget", "report_to_names"]
+__all__ = ["HOST_TIERS", "PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget", "report_to_names"]
 
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
               "on": True, "off": False}
 NULL_WORDS = ("null", "none", "~")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")
 TARGET_KEYWORDS = ("all-linear", "default")
+#: where the streamed blocks may live on the host, the one list of the tier names: ``host_tier``'s choices,
+#: the planner (``poros.loading.host_tiers``) and the engine's tier classes (``poros.stream.tiers``) read it
+HOST_TIERS = ("pinned", "mapped", "disk")
 
 
 def _field(default: Any, doc: str, *, choices: tuple[Any, ...] = (), section: str = "") -> Any:
@@ -180,7 +183,7 @@ class PorosConfig:
                                    "into a small pinned ring ahead of use, for host RAM smaller than the model); "
                                    "null: mapped when the model loads through the cache, else pinned, or what "
                                    "host_budget needs (docs/cache-and-host-memory.md).",
-                                   choices=(None, "pinned", "mapped", "disk"))
+                                   choices=(None, *HOST_TIERS))
     host_budget: str | None = _field(None, "Host RAM the blocks may use, e.g. '24GiB': the planner keeps them "
                                      "on the host when they fit and streams them from disk through a ring of read_ahead "
                                      "blocks when they do not; null: no limit.")

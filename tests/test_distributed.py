@@ -156,7 +156,7 @@ config = PorosConfig(steps=2, save_steps=2, batch_size=2, seq_len=32, logging_st
 trainer = PorosTrainer.from_config(config)
 trainer.train()
 store = trainer.model.store
-entry = str(store.host_tier.file.path) if store.host_tier is not None else None
+entry = str(store.host_tier.file.path) if store.host_tier.name != "pinned" else None
 tables = sorted(str(p) for p in pathlib.Path(entry).parent.glob("host-table-*.bin")) if entry else []
 dist.barrier()  # both ranks alive and mapped: each one's Pss counts the other's share
 rss, pss = mapping_memory("self", entry, mode="r--s") if entry else (0, 0)  # the tier's shared mapping
@@ -239,7 +239,7 @@ def test_node_host_ram_counts_shared_host_tables_once():
     embedding tables as of the blocks (mapped tier); with --no-cache each rank holds both its own."""
     from types import SimpleNamespace
 
-    from poros.cli.plan import node_host_ram
+    from poros.loading.host_tiers import node_host_ram
     from poros.loading.host_tiers import choose_host_tier
 
     footprint = SimpleNamespace(block_bytes=[100] * 10, host_embedding_bytes=50)

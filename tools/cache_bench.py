@@ -198,8 +198,7 @@ def step(streamed, optimizer, micro_batches, device) -> float:
 
 def close_tier(streamed) -> None:
     """Stop a run's host tier (the disk reader, the DMA registration) before the next run starts."""
-    if streamed.store.host_tier is not None:
-        streamed.store.host_tier.close()
+    streamed.store.host_tier.close()
 
 
 def forget(root: Path) -> None:

@@ -49,6 +49,7 @@ import torch
 from tools.models import add_lora, build_model, make_batches
 from tools.provenance import configure_determinism, environment
 from tools.shapes import model_config
+from poros.config import HOST_TIERS
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -323,7 +324,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", action="store_true", help="--scale: load a written checkpoint through the block "
                         "cache (the node's ranks share its entry: the mapped tier)")
-    parser.add_argument("--host-tier", default=None, choices=("pinned", "mapped", "disk"),
+    parser.add_argument("--host-tier", default=None, choices=HOST_TIERS,
                         help="--scale: the host tier (default: the chooser's; mapped for several ranks with --cache)")
     parser.add_argument("--cache-work", default=None, help="--cache: directory for the checkpoint and the cache")
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)

@@ -1,9 +1,13 @@
 """The plans as text: :func:`format_plan` (``poros train --dry-run``: the memory plan as host and
-device tables) and :func:`format_budget_plan` (``poros plan``: the decisions, the predicted peak
-and its parts against the budget, the copies and the step time). Formatting only: the numbers
-come from :mod:`poros.training.plan` and :mod:`poros.stream.planner`."""
+device tables), :func:`format_budget_plan` (``poros plan``: the decisions, the predicted peak
+and its parts against the budget, the copies and the step time) and :func:`format_budget_report`
+(all of ``poros plan``'s text, with the host tier and the node's host RAM; :func:`budget_report_json`
+its ``--json``). Formatting only: the numbers come from :mod:`poros.training.plan` and
+:mod:`poros.stream.planner`."""
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 from poros.cli.output import table
 from poros.training.plan import Plan
@@ -154,4 +158,32 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
     return "\n".join(lines)
 
 
-__all__ = ["format_budget_plan", "format_plan"]
+def format_budget_report(plan: Plan) -> str:
+    """``poros plan``'s text for a :func:`~poros.training.plan.plan_run` made with options: the budget plan
+    (:func:`format_budget_plan`), the host tier and, with several ranks per node, the node's host RAM."""
+    report = plan.budget
+    host = report.host
+    lines = [format_budget_plan(plan, report.budget_plan, link_source=report.link_source),
+             f"host: {host.reason}; {human_bytes(host.host_bytes)} of host RAM for the blocks"]
+    if report.ranks_per_node > 1:
+        how = ("one copy shared by the ranks (mapped tier)" if host.tier == "mapped" else
+               f"one {host.tier} copy per rank" + ("" if host.tier != "pinned" or report.host_tier_requested else
+                                                   "; with the block cache on they would share one"))
+        lines.append(f"data parallel: {report.ranks_per_node} ranks per node, batch {plan.batch_size} = "
+                     f"{report.per_rank_batch} per GPU; the peak above is per GPU. Host RAM of the node for the "
+                     f"frozen base: {format_gb(report.data_parallel['host_bytes_per_node'])}, {how} "
+                     "(docs/multi-gpu.md)")
+    return "\n".join(lines)
+
+
+def budget_report_json(plan: Plan) -> dict:
+    """``poros plan --json``: the model, the footprint, the times, the budget plan, the host tier and the node."""
+    report = plan.budget
+    return {"model": plan.model, "checkpoint": plan.checkpoint, "family": plan.family,
+            "device": plan.device, "link_source": report.link_source,
+            "footprint": asdict(plan.footprint()),
+            "compute": asdict(report.compute) if report.compute else None, "plan": report.budget_plan.to_dict(),
+            "host": report.host.to_dict(), "data_parallel": report.data_parallel}
+
+
+__all__ = ["budget_report_json", "format_budget_plan", "format_budget_report", "format_plan"]

@@ -569,21 +569,17 @@ def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -
 
 def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable[int], host_tier: str | None,
                host_budget: str | int | None, read_ahead: int | None, cache_dir: str | None):
-    """The host plan and the store's host tier object (None: pinned)."""
+    """The host plan (``poros.loading.host_tiers.plan_host_tier``, as ``poros plan`` takes it) and the store's tier."""
     from poros.loading import cache
-    from poros.config import parse_budget
-    from poros.loading.host_tiers import DEFAULT_READ_AHEAD, choose_host_tier
+    from poros.loading.host_tiers import DEFAULT_READ_AHEAD, plan_host_tier
     from poros.stream.store import packed_block_bytes
     from poros.stream.tiers import make_host_tier
 
-    resident = set(resident)
-    budget = parse_budget(host_budget, "host_budget") if host_budget is not None else None
-    streamed = [n for i, n in enumerate(packed_block_bytes(layers)) if i not in resident]
     block_file = getattr(causal_lm, "poros_block_file", None)  # the NF4 block cache entry the blocks view
     # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy)
-    plan = choose_host_tier(streamed, budget, requested=host_tier, read_ahead=read_ahead,
-                            ranks_per_node=world().local_size, shared_file=block_file is not None)
-    if host_tier is not None or budget is not None or plan.ranks_per_node > 1:
+    plan = plan_host_tier(packed_block_bytes(layers), resident, host_tier=host_tier, host_budget=host_budget,
+                          read_ahead=read_ahead, ranks_per_node=world().local_size, shared_file=block_file is not None)
+    if plan.notable:
         logger.info("poros: %s", plan.reason)
     tier = make_host_tier(plan.tier, block_file, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
                           spill_dir=cache.cache_root(cache_dir) / "spill", chosen=host_tier is None,

@@ -1,7 +1,9 @@
 """Which host tier holds the streamed blocks, for a host RAM budget; and how fast the disk reads.
 
-Torch-free: ``poros plan`` and ``poros doctor`` call it without loading anything. The tiers
-themselves are in ``poros/stream/tiers.py``; ``docs/cache-and-host-memory.md`` says when to use which.
+Torch-free: ``poros plan`` and ``poros doctor`` call it without loading anything. :func:`plan_host_tier`
+is the one decision ``prepare`` and ``poros plan`` both take, from the blocks' bytes and the run's
+options. The names are :data:`~poros.config.HOST_TIERS`; the tiers themselves are in
+``poros/stream/tiers.py``; ``docs/cache-and-host-memory.md`` says when to use which.
 
 * ``pinned`` -- one pinned buffer per streamed block: the whole NF4 base in page-locked RAM.
   The default when the budget holds it and the blocks are not an NF4 block cache entry's (``--no-cache``).
@@ -21,13 +23,14 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Iterable
 
+from poros.config import HOST_TIERS, parse_budget
 from poros.errors import ConfigError
 from poros.stream.units import human_bytes
 
-HOST_TIERS = ("pinned", "mapped", "disk")
 DEFAULT_READ_AHEAD = 3  # ring buffers of the disk tier: one copying, two read ahead
 MAX_READ_AHEAD = 8
 DISK_PROBE_BYTES = 512 << 20
@@ -50,6 +53,8 @@ class HostPlan:
         ranks_per_node: the processes of the node that each stream the model (``LOCAL_WORLD_SIZE``).
         held_blocks: the disk tier's first streamed blocks kept in pinned RAM for the run (read once;
             a step reads only the others from the drive). 0 for the other tiers.
+        notable: the run says ``reason`` (``prepare`` logs it, ``poros train`` prints it): a tier or a host
+            budget was given, or the node has several ranks. Not in :meth:`to_dict`.
     """
 
     tier: str
@@ -59,6 +64,7 @@ class HostPlan:
     reason: str
     ranks_per_node: int = 1
     held_blocks: int = 0
+    notable: bool = field(default=False, compare=False)
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -66,7 +72,8 @@ class HostPlan:
         return self.host_bytes if self.tier == "mapped" else self.host_bytes * self.ranks_per_node
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "host_bytes_per_node": self.host_bytes_per_node}
+        fields = {k: v for k, v in asdict(self).items() if k != "notable"}
+        return {**fields, "host_bytes_per_node": self.host_bytes_per_node}
 
 
 def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, requested: str | None = None,
@@ -93,6 +100,7 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
         raise ConfigError(f"read_ahead={read_ahead}: the disk tier needs at least 2 ring buffers (one copying to "
                           "the device, one being read). Pass 2 or more.")
     depth = read_ahead or DEFAULT_READ_AHEAD
+    notable = requested is not None or host_budget is not None or ranks_per_node > 1
     if requested == "disk" or (requested is None and host_budget is not None and total > host_budget):
         held = 0
         if host_budget is not None:
@@ -113,21 +121,56 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
         kept = sum(block_bytes[:held])
         holding = f", the first {held} blocks ({human_bytes(kept)}) held in pinned RAM" if held else ""
         return HostPlan("disk", depth, depth * largest + kept, total,
-                        f"disk tier, {depth} ring buffers{holding}: {why}", ranks_per_node, held)
+                        f"disk tier, {depth} ring buffers{holding}: {why}", ranks_per_node, held, notable)
     shared = requested is None and shared_file
     if requested == "mapped" or shared:
         why = "asked for" if not shared else (
             f"{ranks_per_node} ranks on this node map the one NF4 block cache entry local rank 0 built"
             if ranks_per_node > 1 else "the blocks come from the NF4 block cache entry (no copy into pinned memory)")
         return HostPlan("mapped", 0, total, total, f"mapped tier, {why}: the page cache holds the blocks "
-                        f"({human_bytes(total)}) once, shared by every process of the node", ranks_per_node)
+                        f"({human_bytes(total)}) once, shared by every process of the node", ranks_per_node,
+                        notable=notable)
     why = "asked for" if requested else ("no host budget given" if host_budget is None else
                                          f"the host budget holds every streamed block ({human_bytes(total)})")
     if ranks_per_node > 1:
         why += (f"; each of the node's {ranks_per_node} ranks holds its own copy ({human_bytes(total)} each, "
                 f"{human_bytes(total * ranks_per_node)} per node)" + (
                     "" if requested else ": no block cache entry to share (--no-cache)"))
-    return HostPlan("pinned", 0, total, total, f"pinned tier: {why}", ranks_per_node)
+    return HostPlan("pinned", 0, total, total, f"pinned tier: {why}", ranks_per_node, notable=notable)
+
+
+def plan_host_tier(block_bytes: Iterable[int], resident: Iterable[int] = (), *, host_tier: str | None = None,
+                   host_budget: str | int | None = None, read_ahead: int | None = None, ranks_per_node: int = 1,
+                   shared_file: bool = False) -> HostPlan:
+    """The host tier a run gets: the one decision ``prepare`` (``poros.dropin.model``) and ``poros plan``
+    (``poros.training.plan``) both take. ``block_bytes`` are every block's packed bytes and ``resident``
+    the indices of those kept on the device (the others stream); ``host_tier``, ``host_budget`` (bytes or
+    ``"24GiB"``) and ``read_ahead`` are the run's options; ``ranks_per_node`` the node's processes that
+    each stream the model; ``shared_file``: the blocks are views of an NF4 block cache entry (loaded, or
+    to be loaded, through the cache). See :func:`choose_host_tier`.
+
+    Raises:
+        ConfigError: an unparsable host budget, and as :func:`choose_host_tier`.
+    """
+    budget = parse_budget(host_budget, "host_budget") if host_budget is not None else None
+    kept = set(resident)
+    streamed = [n for i, n in enumerate(block_bytes) if i not in kept]
+    return choose_host_tier(streamed, budget, requested=host_tier, read_ahead=read_ahead,
+                            ranks_per_node=ranks_per_node, shared_file=shared_file)
+
+
+def node_host_ram(footprint: Any, host: HostPlan, embeddings_on_host: bool, *, shared_tables: bool = False) -> dict:
+    """Host bytes of a node's frozen base: the host tier's blocks (once for ``mapped``, once per rank else)
+    and the host embedding tables (once when ``shared_tables``: the node's ranks map one copy of each when
+    the model comes through the block cache; once per rank else); beside them the two bounds, one copy per
+    rank and one shared copy. ``host_bytes_per_node`` is what the run will use. ``footprint`` is a
+    ``poros.stream.planner.Footprint``."""
+    ranks = host.ranks_per_node
+    one = sum(footprint.block_bytes) + (footprint.host_embedding_bytes if embeddings_on_host else 0)
+    tables = footprint.host_embedding_bytes if embeddings_on_host else 0
+    return {"ranks_per_node": ranks, "host_tier": host.tier, "host_bytes_one_rank": one,
+            "host_bytes_per_node": host.host_bytes_per_node + (tables if shared_tables and ranks > 1 else tables * ranks),
+            "host_bytes_per_node_one_copy_per_rank": one * ranks, "host_bytes_per_node_shared": one}
 
 
 def measure_disk_read(directory: str | os.PathLike, size: int = DISK_PROBE_BYTES) -> dict:
@@ -178,4 +221,5 @@ def measure_disk_read(directory: str | os.PathLike, size: int = DISK_PROBE_BYTES
             "path": str(directory)}
 
 
-__all__ = ["DEFAULT_READ_AHEAD", "HOST_TIERS", "HostPlan", "choose_host_tier", "measure_disk_read"]
+__all__ = ["DEFAULT_READ_AHEAD", "HOST_TIERS", "HostPlan", "choose_host_tier", "measure_disk_read", "node_host_ram",
+           "plan_host_tier"]

@@ -242,6 +242,15 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
             "compute": asdict(compute) if compute is not None else None}
 
 
+def device_context_bytes(footprint: Footprint, device: Any, *, cuda_graphs: bool, num_slots: int) -> int:
+    """Device memory a plan counts outside the allocated peak: the CUDA context on a CUDA ``device`` (a
+    ``torch.device`` or its string) and, with ``cuda_graphs`` (on for this run: ``graphs.enabled``), the
+    graphs' pool and static buffers (``placement.graph_reserve_bytes``). What ``prepare(vram_budget=...)``
+    and ``poros plan`` both reserve."""
+    context = CUDA_CONTEXT_BYTES if str(getattr(device, "type", device)).startswith("cuda") else 0
+    return context + (graph_reserve_bytes(footprint, num_slots) if cuda_graphs else 0)
+
+
 def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module], *,
                    budget: str | int, workload: Workload, device: torch.device, compute_dtype: torch.dtype,
                    num_slots: int = 2, embeddings_on_host: bool | None = None,
@@ -256,12 +265,10 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
     """
     footprint = footprint_of_model(causal_lm, layers, host_tables, workload, device=device,
                                    compute_dtype=compute_dtype)
-    context = CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
-    if cuda_graphs:
-        context += graph_reserve_bytes(footprint, num_slots)
+    context = device_context_bytes(footprint, device, cuda_graphs=cuda_graphs, num_slots=num_slots)
     return plan_budget(footprint, workload, budget, num_slots=num_slots, embeddings_on_host=embeddings_on_host,
                        context_bytes=context, boundary_states=boundary_states, optimizer_states=optimizer_states,
                        lora_placement=lora_placement)
 
 
-__all__ = ["LOSS_BYTES_PER_LOGIT", "BlockShapes", "activation_bytes", "block_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]
+__all__ = ["LOSS_BYTES_PER_LOGIT", "BlockShapes", "activation_bytes", "block_bytes", "device_context_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]

@@ -1,12 +1,8 @@
-"""BlockStore: every decoder block's frozen tensors in ONE contiguous host buffer per block.
+"""BlockStore: every decoder block's frozen tensors in ONE contiguous buffer per block, kept by a host tier.
 
-What a block holds (everything that does not require grad, found by walking the block):
-
-* parameters with ``requires_grad=False``: bitsandbytes ``Params4bit`` packed NF4 weights, biases,
-  norm weights, conv weights, raw MoE expert tensors, ``A_log``/``dt_bias``...;
-* buffers (persistent or not), e.g. a per-layer output scale;
-* the tensors of each bitsandbytes ``QuantState`` (``absmax``, ``code``, ``offset`` and the nested
-  ``state2.absmax``/``state2.code`` of double quantization), plus a snapshot of its plain fields.
+What a block holds and how it packs into its buffer is ``packing.py``: every tensor that does not
+require grad (packed NF4 weights, norms, biases, buffers, the tensors of each bitsandbytes
+``QuantState``), and the store keeps a snapshot of each QuantState's plain fields.
 
 LoRA parameters (``requires_grad=True``) are not in the store: they stay on the compute device.
 
@@ -24,8 +20,8 @@ snapshots first, so a double-quant ``nested_offset`` or an eval repack never rea
 and binds the placeholders back afterwards. ``save_pretrained``, PEFT's adapter save and every
 Trainer checkpoint therefore write exactly what the unstreamed model writes, and a
 ``load_state_dict`` into an evicted block writes into its host buffer (the next fetch brings it).
-A block served by a host tier lends the tier's bytes instead (``lend``); a load that writes its
-frozen tensors gives it a host buffer of its own, since a tier's file is never written.
+The bytes lent are the host tier's (``lend``), and a load that writes frozen tensors hands them back
+(``keep``): a file tier is never written, so it serves the loaded bytes from a buffer of their own.
 
 **Resident blocks** (``resident=``, e.g. the last blocks of forward, which backward needs first)
 are packed the same way into a buffer of their own on the device, bound once and never released:
@@ -33,11 +29,12 @@ are packed the same way into a buffer of their own on the device, bound once and
 is sized for the streamed blocks only. The modules compute on the same bytes at the same
 alignment either way, so a resident block changes where bytes live, not what is computed.
 
-**Host tiers** (``host_tier=``, ``tiers.py``): instead of one pinned buffer per streamed block, the
-bytes can come from a file of the same packed buffers (the NF4 block cache entry), mapped
-(``MappedTier``: each block's host buffer is a view of the mapping) or read ahead into a small
-pinned ring (``DiskTier``: ``fetch`` asks the tier for the block's bytes and tells it when the copy
-out of them is queued). ``fetch`` / ``wait`` / ``release`` are otherwise the same.
+**Host tiers** (``host_tier=``, ``tiers.py``): the streamed blocks' host bytes are a
+:class:`~poros.stream.tiers.HostTier`'s, and the store only calls its methods: ``fetch`` asks it for
+block i's bytes (``acquire``) and tells it when the copy out of them is queued (``copied``). The
+default, ``PinnedTier``, keeps one pinned buffer per block; ``MappedTier`` and ``DiskTier`` serve the
+same bytes from a file of the packed blocks (the NF4 block cache entry), mapped or read ahead into a
+small pinned ring.
 """
 
 from __future__ import annotations
@@ -50,26 +47,12 @@ import torch
 from torch import nn
 
 from poros.errors import StreamingError
+from poros.stream.packing import Entry, bind_entry, entry_view, layout_of, shared_tensor_keys
+# the layout's names the store's users import from here (``poros.stream.packing`` is their home)
+from poros.stream.packing import ALIGN, block_layouts, frozen_tensors, packed_block_bytes  # noqa: F401
+from poros.stream.tiers import HostTier, PinnedTier
 
 STATS_LOG_EVENTS = 1 << 16  # events kept in StoreStats.log
-ALIGN = 512  # bytes; every tensor starts on a 512-byte boundary of the block buffer
-QUANT_STATE_TENSORS = ("absmax", "code", "offset")
-
-
-@dataclass
-class Entry:
-    """One tensor of a block: where it lives in the buffer and who points at it."""
-
-    name: str  # e.g. "self_attn.q_proj.base_layer.weight" or "...weight.quant_state.absmax"
-    owner: Any  # nn.Parameter (kind "param"), nn.Module (kind "buffer") or QuantState (kind "quant")
-    attr: str  # buffer name or QuantState attribute; "" for a parameter (its .data is swapped)
-    kind: str
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    span: int  # elements spanned by (shape, stride) from the first element
 
 
 @dataclass
@@ -78,13 +61,12 @@ class BlockRecord:
     module: nn.Module
     entries: list[Entry]
     nbytes: int
-    # uint8 [nbytes]: the host buffer (pinned when the compute device is CUDA) of a streamed block,
-    # the block's own device buffer of a resident one
+    # uint8 [nbytes]: the host tier's buffer of a streamed block (HostTier.host_buffer: None when the tier
+    # reads it on demand), the block's own device buffer of a resident one
     buffer: torch.Tensor | None  # None once the store is restored
     quant_snapshots: list[tuple[Any, dict]] = field(default_factory=list)  # (QuantState, plain fields)
     slot: int | None = None  # device slot holding the block, None when evicted (always None when resident)
     resident: bool = False  # bound to its own device buffer for good
-    from_tier: bool = False  # its bytes come from the store's host tier (a file), not a buffer of its own
 
     @property
     def host(self) -> torch.Tensor:
@@ -119,91 +101,6 @@ class StoreStats:
         self.log.clear()
 
 
-def frozen_tensors(block: nn.Module):
-    """Yield (name, owner, attr, kind, tensor) for every frozen tensor of a block, each once."""
-    seen: set[int] = set()
-    for module_name, module in block.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for name, param in module.named_parameters(recurse=False):
-            if param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            yield f"{prefix}{name}", param, "", "param", param.data
-            quant_state = getattr(param, "quant_state", None)
-            if quant_state is not None:
-                yield from _quant_state_tensors(f"{prefix}{name}.quant_state", quant_state)
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is None or id(buffer) in seen:
-                continue
-            seen.add(id(buffer))
-            yield f"{prefix}{name}", module, name, "buffer", buffer
-
-
-def _quant_state_tensors(prefix: str, quant_state):
-    for attr in QUANT_STATE_TENSORS:
-        value = getattr(quant_state, attr, None)
-        if isinstance(value, torch.Tensor):
-            yield f"{prefix}.{attr}", quant_state, attr, "quant", value
-    nested = getattr(quant_state, "state2", None)
-    if nested is not None:
-        yield from _quant_state_tensors(f"{prefix}.state2", nested)
-
-
-def shared_tensor_keys(blocks: list[nn.Module]) -> set[tuple[int, str]]:
-    """``(id(owner), attr)`` of every tensor slot that several blocks reference (it stays where it is)."""
-    seen_in: dict[tuple[int, str], set[int]] = {}
-    for i, block in enumerate(blocks):
-        for _, owner, attr, _, _ in frozen_tensors(block):
-            seen_in.setdefault((id(owner), attr), set()).add(i)
-    return {key for key, where in seen_in.items() if len(where) > 1}
-
-
-def _layout(block: nn.Module, shared: set[tuple[int, str]]) -> tuple[list[Entry], list[torch.Tensor], int]:
-    """Where each frozen tensor of ``block`` goes in its buffer: ``(entries, tensors, buffer bytes)``."""
-    entries: list[Entry] = []
-    tensors: list[torch.Tensor] = []
-    offset = 0
-    for name, owner, attr, kind, tensor in frozen_tensors(block):
-        if (id(owner), attr) in shared:
-            continue
-        span = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
-        nbytes = span * tensor.element_size()
-        entries.append(Entry(name, owner, attr, kind, offset, nbytes, tensor.dtype, tuple(tensor.shape),
-                             tuple(tensor.stride()), span))
-        tensors.append(tensor)
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return entries, tensors, offset
-
-
-def block_layouts(blocks: list[nn.Module]) -> list[tuple[list[Entry], list[torch.Tensor], int]]:
-    """``(entries, tensors, buffer bytes)`` of each of ``blocks``, as :class:`BlockStore` packs them: the
-    layout a host tier (``poros.stream.tiers``) and the NF4 block cache write to a file."""
-    shared = shared_tensor_keys(blocks)
-    return [_layout(block, shared) for block in blocks]
-
-
-def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
-    """The tensor of ``entry`` as a view into ``buffer`` (a uint8 block buffer, slot or mapped file region)."""
-    raw = buffer[entry.offset: entry.offset + entry.nbytes]
-    return raw.view(entry.dtype).as_strided(entry.shape, entry.stride)
-
-
-def bind_entry(entry: Entry, tensor: torch.Tensor | None) -> None:
-    """Point the module tensor that ``entry`` describes at ``tensor``."""
-    if entry.kind == "param":
-        entry.owner.data = tensor
-    elif entry.kind == "buffer":
-        entry.owner._buffers[entry.attr] = tensor
-    else:
-        setattr(entry.owner, entry.attr, tensor)
-
-
-def packed_block_bytes(blocks: list[nn.Module]) -> list[int]:
-    """The buffer bytes :class:`BlockStore` gives each of ``blocks`` (before packing, nothing moves)."""
-    shared = shared_tensor_keys(blocks)
-    return [_layout(block, shared)[2] for block in blocks]
-
-
 def _owners(block: nn.Module) -> list[nn.Module]:
     """The block and every module in it with a frozen parameter or a buffer of its own."""
     owners = [block]
@@ -232,16 +129,17 @@ class BlockStore:
             ring never has more slots than there are streamed blocks.
         pin_memory: pin host buffers (default: when ``device`` is CUDA).
         resident: indices of blocks kept on the device for good (copied once, here).
-        host_tier: where the streamed blocks' bytes live on the host: None keeps one pinned buffer
-            per block (the ``pinned`` tier); a ``poros.stream.tiers`` ``MappedTier`` or ``DiskTier``
-            serves them from a file of packed blocks instead (same bytes, same layout).
+        host_tier: where the streamed blocks' bytes live on the host, a
+            :class:`~poros.stream.tiers.HostTier` (``make_host_tier``); default a ``PinnedTier`` (one
+            buffer per block, pinned as ``pin_memory`` says). The store attaches and closes it.
 
     Raises:
         StreamingError: ``num_slots < 1``, or a resident index that is not a block index.
     """
 
     def __init__(self, blocks: list[nn.Module], device: torch.device | str, *, num_slots: int = 2,
-                 pin_memory: bool | None = None, resident: Iterable[int] = (), host_tier: Any = None) -> None:
+                 pin_memory: bool | None = None, resident: Iterable[int] = (),
+                 host_tier: HostTier | None = None) -> None:
         if num_slots < 1:
             raise StreamingError(f"num_slots={num_slots}; a store needs at least 1 device slot. Pass num_slots>=1.")
         resident = sorted(set(resident))
@@ -254,10 +152,10 @@ class BlockStore:
         # A tensor slot that several blocks share (e.g. one adapter buffer referenced by every layer)
         # cannot follow one block's residency: it stays where it is, resident.
         self.shared = shared_tensor_keys(blocks)
-        layouts = [_layout(block, self.shared) for block in blocks]
-        self.host_tier = host_tier
-        if host_tier is not None:  # the tier finds (or writes) the file holding the streamed blocks' bytes
-            host_tier.attach({i: layout for i, layout in enumerate(layouts) if i not in resident}, self.device)
+        layouts = [layout_of(block, self.shared) for block in blocks]
+        self.host_tier: HostTier = PinnedTier(self.pin_memory) if host_tier is None else host_tier
+        # the tier packs the streamed blocks' bytes (or finds, or writes, the file holding them)
+        self.host_tier.attach({i: layout for i, layout in enumerate(layouts) if i not in resident}, self.device)
         self.blocks: list[BlockRecord] = [self._pack(i, block, i in resident, layouts[i])
                                           for i, block in enumerate(blocks)]
         streamed = [b for b in self.blocks if not b.resident]
@@ -307,19 +205,15 @@ class BlockStore:
         entries, tensors, nbytes = layout
         if resident:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        elif self.host_tier is not None:
-            buffer = self.host_tier.host_buffer(index)  # the tier's view of the block, None when it reads ahead
-        else:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        if resident or self.host_tier is None:
             for entry, tensor in zip(entries, tensors):
                 self._view(buffer, entry).copy_(tensor)
+        else:
+            buffer = self.host_tier.host_buffer(index)  # the tier's bytes of the block, None when it reads ahead
         # Plain fields only: the tensors are bound to buffer or slot views, and holding the
         # originals here would keep the unpacked copies alive.
         snapshots = [(state, {k: None if isinstance(v, torch.Tensor) else v for k, v in vars(state).items()})
                      for state in _quant_states(block) if (id(state), "absmax") not in self.shared]
-        return BlockRecord(index, block, entries, nbytes, buffer, snapshots, resident=resident,
-                           from_tier=not resident and self.host_tier is not None)
+        return BlockRecord(index, block, entries, nbytes, buffer, snapshots, resident=resident)
 
     _view = staticmethod(entry_view)
 
@@ -351,18 +245,16 @@ class BlockStore:
                 f"{self.slot_owner}. The executor must release a block first (or use more slots)."
             )
         target = self.slots[slot][: block.nbytes]
-        source = block.buffer if block.buffer is not None else self.host_tier.acquire(index)
+        source = self.host_tier.acquire(index)
         if self.on_cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.slot_free[slot])
                 target.copy_(source, non_blocking=True)
                 self.slot_ready[slot].record(self.copy_stream)
-                if block.buffer is None:
-                    self.host_tier.copied(index, self.copy_stream)
+                self.host_tier.copied(index, self.copy_stream)
         else:
             target.copy_(source)
-            if block.buffer is None:
-                self.host_tier.copied(index, None)
+            self.host_tier.copied(index, None)
         self.slot_owner[slot] = index
         block.slot = slot
         self._bind_all(block, target)
@@ -438,22 +330,20 @@ class BlockStore:
     def _lend_host(self, index: int) -> None:
         """``state_dict``/``load_state_dict`` of an evicted block: bind its tensors to views of its host
         bytes (exact bytes, QuantStates restored), so it saves and loads what the unstreamed model would.
-        A block served by the host tier lends the tier's bytes (``lend``: its mapping, for the disk tier
-        too)."""
+        The bytes are the tier's writable ones (``lend``: the mapped tier streams from a read-only
+        mapping, the disk tier from a ring)."""
         block = self.blocks[index]
-        if block.slot is None and index not in self._lent and (block.buffer is not None or block.from_tier):
-            # a tier-served block lends the tier's writable bytes (the mapped tier streams from a
-            # read-only mapping: a load_state_dict writing into block.buffer would fault)
-            source = self.host_tier.lend(index) if block.from_tier else block.buffer
+        if block.slot is None and index not in self._lent:
+            source = self.host_tier.lend(index)
             self._lent[index] = source
             self._bind_all(block, source)
 
     def _lend_for_load(self, index: int, state_dict: dict, prefix: str) -> None:
-        """``load_state_dict`` pre-hook: lend the host bytes, and note a tier-served block whose frozen
-        tensors the load writes (see :meth:`_end_lend`)."""
+        """``load_state_dict`` pre-hook: lend the host bytes, and note a block whose frozen tensors the load
+        writes (see :meth:`_end_lend`)."""
         self._lend_host(index)
         block = self.blocks[index]
-        if index in self._lent and block.from_tier:
+        if index in self._lent:
             trainable = {prefix + name for name, p in block.module.named_parameters() if p.requires_grad}
             if any(key.startswith(prefix) and key not in trainable for key in state_dict):
                 self._loaded.add(index)
@@ -462,13 +352,12 @@ class BlockStore:
         if index not in self._lent:
             return
         source = self._lent.pop(index)
-        if index in self._loaded:  # the tier's file is never written: the loaded bytes get a buffer of their own
+        block = self.blocks[index]
+        if index in self._loaded:  # the tier serves the loaded bytes from now on (a file tier: a buffer of their own)
             self._loaded.discard(index)
-            block = self.blocks[index]
-            block.buffer = torch.empty(block.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-            block.buffer.copy_(source)
-            block.from_tier = False
-        self._bind_placeholders(self.blocks[index])
+            self.host_tier.keep(index, source)
+            block.buffer = self.host_tier.host_buffer(index)
+        self._bind_placeholders(block)
 
     def _guard(self, index: int):
         def guard(module, args):
@@ -486,15 +375,14 @@ class BlockStore:
         go of the host buffers, resident buffers and slots (a store kept after this holds no memory)."""
         for block in self.blocks:
             self._restore_quant_states(block)
-            source = block.buffer if block.buffer is not None else self.host_tier.acquire(block.index)
+            source = block.buffer if block.resident else self.host_tier.acquire(block.index)
             for entry in block.entries:
                 self._bind(entry, self._view(source, entry).to(self.device, copy=True))
-            if block.buffer is None:
+            if not block.resident:
                 self.host_tier.copied(block.index, None)
             block.slot = None
             block.buffer = None
-        if self.host_tier is not None:
-            self.host_tier.close()
+        self.host_tier.close()
         self.slots = []
         self.slot_owner = [None] * self.num_slots
         for hook in self._hooks:

@@ -1,29 +1,32 @@
-"""Host tiers: where the streamed blocks' bytes live on the host, besides one pinned buffer per block.
+"""Host tiers: where the streamed blocks' bytes live on the host. :class:`HostTier` is the contract the
+block store (``store.py``) calls; :data:`~poros.config.HOST_TIERS` names the three tiers, one class each
+(:data:`TIER_CLASSES`), and the executor does not change with the tier (it asks the store for block i
+and waits).
 
-The block store (``store.py``) packs each block's frozen tensors into one buffer (``block_layouts``).
-A *block file* holds those buffers back to back, each at a 4 KiB-aligned offset, exactly the bytes
-the store streams. Two tiers serve a store from such a file; the executor does not change (it asks
-the store for block i and waits):
+Each block's frozen tensors pack into one buffer (``packing.py``). A *block file* holds those buffers
+back to back, each at a 4 KiB-aligned offset, exactly the bytes the store streams.
 
+* :class:`PinnedTier` -- one buffer per streamed block, page-locked on CUDA: the whole NF4 base in this
+  process's RAM. A ``load_state_dict`` into an evicted block writes into its buffer.
 * :class:`MappedTier` -- the file mapped shared and read-only: the OS page cache holds one copy that
   every process of the node maps and shares. On CUDA the mapping is registered for DMA
   (``cudaHostRegister``, read-only), so copies run as from pinned memory. Each block's host buffer
-  is a view of that mapping. A ``load_state_dict`` into an evicted block writes into the file's
-  copy-on-write mapping instead (``lend``; the file itself is never written), and the store gives
-  the loaded bytes a buffer of their own.
+  is a view of that mapping.
 * :class:`DiskTier` -- for host RAM smaller than the model: no host buffer per block; a reader
   thread reads the next blocks (in the order the passes visit them: up in forward, down in
   backward, turning at the ends) into a small ring of pinned buffers ahead of use, with
   ``O_DIRECT`` where the file system and the buffer allow it, large sequential reads otherwise. A
   read that guessed wrong only costs a wait: the store asks for block i and gets block i.
 
+Either file tier takes the file it is given (the NF4 block cache entry of ``poros.loading.cache``, when
+the model's block tensors are views of it) or, for a model loaded any other way, writes a *spill* file
+of the packed blocks into a directory and unlinks it at once (it lives as long as it is open). It never
+writes the file: a ``load_state_dict`` into an evicted block writes into a copy-on-write mapping
+(``lend``), and the block is served from a pinned buffer of its own from then on (``keep``).
+
 The node's ranks also share the frozen embedding tables Poros keeps on the host
 (:func:`share_host_table`): a file beside the cache entry holds each table's bytes, and every rank's
 table is a copy-on-write mapping of it, the page cache's pages until something writes.
-
-Either tier takes the file it is given (the NF4 block cache entry of ``poros.loading.cache``, when the
-model's block tensors are views of it) or, for a model loaded any other way, writes a *spill* file
-of the packed blocks into a directory and unlinks it at once (it lives as long as it is open).
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from poros.config import HOST_TIERS
 from poros.errors import StreamingError
-from poros.stream.store import Entry, entry_view
+from poros.stream.packing import Layout, entry_view
 
 FILE_ALIGN = 4096  # every block starts on a 4 KiB boundary of the file (O_DIRECT, page mapping)
 READ_CHUNK = 1 << 30  # bytes per read call (Linux caps one read near 2 GiB)
@@ -116,7 +120,7 @@ class BlockFile:
         whole = self.shared_mapping() if shared else self.mapping()
         return whole[offset: offset + self.nbytes[index]]
 
-    def holds(self, index: int, layout: tuple[list[Entry], list[torch.Tensor], int]) -> bool:
+    def holds(self, index: int, layout: Layout) -> bool:
         """Whether the module tensors of block ``index`` are views of this file at the layout's offsets."""
         entries, tensors, nbytes = layout
         if index >= len(self.offsets) or self.offsets[index] < 0 or self.nbytes[index] != nbytes:
@@ -132,8 +136,7 @@ def release_mapping(path: Path) -> None:
 
 
 def _xxh3_update(data, state):
-    """A running xxh3_64 (``state`` None starts one): several times zlib's crc32 per core; the check's
-    time beside a load on the H200 host is in docs/results-h200.md."""
+    """A running xxh3_64 (``state`` None starts one): several times zlib's crc32 a core (docs/cache-and-host-memory.md)."""
     import xxhash
 
     state = xxhash.xxh3_64() if state is None else state
@@ -163,7 +166,7 @@ def default_checksum() -> str:
     return "xxh3_64" if importlib.util.find_spec("xxhash") else "crc32"
 
 
-def write_block_file(path: Path, layouts: dict[int, tuple[list[Entry], list[torch.Tensor], int]],
+def write_block_file(path: Path, layouts: dict[int, Layout],
                      count: int, *, algorithm: str | None = None) -> BlockFile:
     """Pack the blocks of ``layouts`` (``{index: (entries, tensors, nbytes)}``) into ``path``, 4 KiB aligned,
     and return its :class:`BlockFile` with a checksum (``algorithm``, default :func:`default_checksum`)
@@ -241,7 +244,90 @@ class _HostArena:
         self.views, self.raw = {}, None
 
 
-class MappedTier:
+@runtime_checkable
+class HostTier(Protocol):
+    """Where a :class:`~poros.stream.store.BlockStore`'s streamed blocks live on the host: all the store knows
+    of a tier. Every ``index`` is a streamed block's. The store calls :meth:`attach` once, then
+    :meth:`host_buffer` once per block; each fetch calls :meth:`acquire`, queues the copy out of what it
+    returned, then :meth:`copied`; a ``state_dict`` / ``load_state_dict`` of an evicted block calls
+    :meth:`lend` (and :meth:`keep` after a load wrote its frozen tensors); ``restore`` acquires every block
+    a last time, then calls :meth:`close`."""
+
+    name: str  # one of poros.config.HOST_TIERS
+
+    def attach(self, layouts: dict[int, Layout], device: torch.device) -> None:
+        """Take the streamed blocks (``{index: layout}``, the module tensors still as loaded): pack them,
+        map their file or open it. ``device`` is the compute device (CUDA: pin or register for DMA)."""
+
+    def host_buffer(self, index: int) -> torch.Tensor | None:
+        """The block's bytes for the run, or None when they are read on demand (:meth:`acquire`)."""
+
+    def acquire(self, index: int) -> torch.Tensor:
+        """The block's bytes now (uint8, the layout's size), to be copied to the device."""
+
+    def copied(self, index: int, stream: Any) -> None:
+        """The copy out of :meth:`acquire`'s bytes is queued on CUDA ``stream`` (None: it is done)."""
+
+    def lend(self, index: int) -> torch.Tensor:
+        """The block's bytes, writable, for a ``state_dict`` / ``load_state_dict`` of the evicted block."""
+
+    def keep(self, index: int, data: torch.Tensor) -> None:
+        """A ``load_state_dict`` wrote the block's frozen tensors into ``data`` (what :meth:`lend` gave):
+        serve these bytes from now on."""
+
+    def close(self) -> None:
+        """Let go of what the tier holds (buffers, mappings, the reader). Called once; nothing streams after."""
+
+
+class PinnedTier:
+    """One host buffer per streamed block (page-locked when the device is CUDA, unless ``pin_memory`` says
+    otherwise): every fetch copies from it and a ``load_state_dict`` writes into it. This process's own
+    copy of the whole NF4 base; the store's default."""
+
+    name = "pinned"
+
+    def __init__(self, pin_memory: bool | None = None) -> None:
+        self.pin_memory = pin_memory
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def attach(self, layouts: dict[int, Layout], device: torch.device) -> None:
+        pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
+        for index, (entries, tensors, nbytes) in layouts.items():
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            for entry, tensor in zip(entries, tensors):
+                entry_view(buffer, entry).copy_(tensor)
+            self.buffers[index] = buffer
+
+    def host_buffer(self, index: int) -> torch.Tensor:
+        return self.buffers[index]
+
+    acquire = lend = host_buffer
+
+    def copied(self, index: int, stream: Any) -> None:
+        pass
+
+    def keep(self, index: int, data: torch.Tensor) -> None:
+        if data is not self.buffers[index]:
+            self.buffers[index].copy_(data)
+
+    def close(self) -> None:
+        self.buffers = {}
+
+
+class _KeptBlocks:
+    """What a file tier serves instead of its file for the blocks a ``load_state_dict`` rewrote (``keep``):
+    pinned buffers of their own (the file is never written)."""
+
+    kept: dict[int, torch.Tensor]
+    pin_kept = False  # set at attach: page-locked on CUDA
+
+    def keep(self, index: int, data: torch.Tensor) -> None:
+        if self.kept.get(index) is not data:  # a load into a block kept already wrote its own buffer
+            buffer = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=self.pin_kept)
+            self.kept[index] = buffer.copy_(data)
+
+
+class MappedTier(_KeptBlocks):
     """Serve every streamed block from a mapping of its block file (see the module docstring).
 
     Args:
@@ -260,8 +346,10 @@ class MappedTier:
         self.file: BlockFile | None = None
         self.registered: torch.Tensor | None = None
         self.copies: _HostArena | None = None  # pinned copies, when registering was refused
+        self.kept: dict[int, torch.Tensor] = {}
 
-    def attach(self, layouts: dict, device: torch.device) -> None:
+    def attach(self, layouts: dict[int, Layout], device: torch.device) -> None:
+        self.pin_kept = device.type == "cuda"
         if not layouts:  # every block is resident: nothing to serve
             return
         self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
@@ -279,17 +367,18 @@ class MappedTier:
 
     def host_buffer(self, index: int) -> torch.Tensor:
         """Block ``index``'s bytes in the shared read-only mapping (or its pinned copy): the store streams from it."""
+        if index in self.kept:
+            return self.kept[index]
         if self.copies is not None:
             return self.copies.views[index]
         return self.file.block_view(index, shared=True)
 
-    def acquire(self, index: int) -> torch.Tensor:  # every block has a host buffer: the store never asks
-        return self.host_buffer(index)
+    acquire = host_buffer  # every block has its bytes in host memory for the run
 
     def lend(self, index: int) -> torch.Tensor:
         """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block: the
-        copy-on-write mapping, which a load may write (the store then gives the block its own buffer)."""
-        return self.file.block_view(index)
+        copy-on-write mapping, which a load may write (``keep`` then gives the block a buffer of its own)."""
+        return self.kept[index] if index in self.kept else self.file.block_view(index)
 
     def copied(self, index: int, stream: Any) -> None:
         pass
@@ -301,6 +390,7 @@ class MappedTier:
         if self.copies is not None:
             self.copies.release()
             self.copies = None
+        self.kept = {}
 
 
 @dataclass
@@ -310,7 +400,7 @@ class _Staged:
     read: Future
 
 
-class DiskTier:
+class DiskTier(_KeptBlocks):
     """Read the streamed blocks from their block file into a ring of ``depth`` pinned buffers ahead of use.
 
     Args:
@@ -337,15 +427,17 @@ class DiskTier:
         self.source, self.depth, self.pin_memory, self.spill_dir = source, depth, pin_memory, spill_dir
         self.direct, self.held_count = direct, held
         self.held: _HostArena | None = None  # the held blocks' pinned buffers, for the run
+        self.kept: dict[int, torch.Tensor] = {}
         # counters for tests and benchmarks: read_seconds is the reader thread's time inside reads
         self.stats = {"reads": 0, "bytes_read": 0, "read_seconds": 0.0, "misses": 0, "direct": False,
                       "held_blocks": 0, "held_bytes": 0}
         self._lock = threading.Lock()
 
     # -- setup -----------------------------------------------------------------------------
-    def attach(self, layouts: dict, device: torch.device) -> None:
+    def attach(self, layouts: dict[int, Layout], device: torch.device) -> None:
         self.reader, self.ahead, self.fd, self.direct_fd, self._arena = None, deque(), None, None, None
         self.lent_mapping: torch.Tensor | None = None  # see lend()
+        self.pin_kept = device.type == "cuda" if self.pin_memory is None else self.pin_memory
         if not layouts:  # every block is resident: nothing to read
             return
         self.file, spilled = _source_for(self.source, layouts, self.spill_dir, 1 + max(layouts, default=-1))
@@ -362,8 +454,8 @@ class DiskTier:
         release_mapping(self.file.path)  # blocks come from reads now, not from a mapping
         self.file.mapped = self.file.shared = None
         pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
-        kept = self.order[: min(self.held_count, len(self.order) - 1)]  # at least one block streams
-        self.order = self.order[len(kept):]  # the ring's blocks, in forward order
+        held = self.order[: min(self.held_count, len(self.order) - 1)]  # at least one block streams
+        self.order = self.order[len(held):]  # the ring's blocks, in forward order
         size = max((padded(n) for i, n in enumerate(self.file.nbytes) if i in layouts), default=FILE_ALIGN)
         # One allocation, each buffer on a 4 KiB boundary (O_DIRECT needs aligned addresses), of the size
         # the budget gave (registered, not rounded up to a power of two by torch's pinned allocator).
@@ -374,25 +466,29 @@ class DiskTier:
         self.ahead: deque[_Staged] = deque()
         self.current: _Staged | None = None
         self.direction = 1
-        self.held = _HostArena({i: self.file.nbytes[i] for i in kept}, pin) if kept else None
-        for index in kept:  # read once, through the ring's first buffer (aligned for O_DIRECT)
+        self.held = _HostArena({i: self.file.nbytes[i] for i in held}, pin) if held else None
+        for index in held:  # read once, through the ring's first buffer (aligned for O_DIRECT)
             self._read(index, 0)
             self.held.views[index].copy_(self.ring[0][: self.file.nbytes[index]])
-        self.stats.update(held_blocks=len(kept), held_bytes=sum(self.file.nbytes[i] for i in kept),
+        self.stats.update(held_blocks=len(held), held_bytes=sum(self.file.nbytes[i] for i in held),
                           reads=0, bytes_read=0, read_seconds=0.0)  # the counters are the ring's
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poros-disk-tier")
         for index in self.order[: self.depth - 1]:  # the first forward's blocks, read while the run starts
             self.ahead.append(self._stage(index))
 
     def host_buffer(self, index: int) -> torch.Tensor | None:
-        """A held block's pinned buffer (the store streams from it as from the pinned tier's); None for the
-        others: acquire() reads them ahead into the ring."""
+        """A held (or kept) block's pinned buffer (the store streams from it as from the pinned tier's); None
+        for the others: acquire() reads them ahead into the ring."""
+        if index in self.kept:
+            return self.kept[index]
         return None if self.held is None else self.held.views.get(index)
 
     def lend(self, index: int) -> torch.Tensor:
         """Block ``index``'s bytes for a ``state_dict`` / ``load_state_dict`` of the evicted block: a view of a
         copy-on-write mapping of the file (made on first use), so a save pages in only what it reads, the
         ring and its read-ahead are left alone, and a write never reaches the file."""
+        if index in self.kept:
+            return self.kept[index]
         if self.lent_mapping is None:
             mapped = mmap.mmap(self.fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self.lent_mapping = torch.frombuffer(mapped, dtype=torch.uint8)
@@ -448,7 +544,10 @@ class DiskTier:
         return out
 
     def acquire(self, index: int) -> torch.Tensor:
-        """The ring buffer holding block ``index``'s bytes (waits for its read)."""
+        """The ring buffer holding block ``index``'s bytes (waits for its read); a held or kept block's own buffer."""
+        own = self.host_buffer(index)
+        if own is not None:
+            return own
         while self.ahead and self.ahead[0].index != index and any(s.index == index for s in self.ahead):
             self.ahead.popleft().read.result()  # read ahead for nothing: the pass skipped it
         if self.ahead and self.ahead[0].index == index:
@@ -472,7 +571,7 @@ class DiskTier:
 
     def copied(self, index: int, stream: Any) -> None:
         """The copy out of block ``index``'s ring buffer is queued on ``stream`` (None: done already)."""
-        if self.current is None or self.current.index != index:
+        if self.current is None or self.current.index != index or self.host_buffer(index) is not None:
             return
         if stream is not None:
             event = torch.cuda.Event()
@@ -494,26 +593,35 @@ class DiskTier:
             self.held = None
         if self._arena is not None:
             self._arena.release()
-        self.ring, self._arena = [], None
+        self.ring, self._arena, self.kept = [], None, {}
+
+
+#: tier name -> its class, in the order of :data:`~poros.config.HOST_TIERS` (tests/test_host_tiers.py
+#: holds every one to the :class:`HostTier` contract)
+TIER_CLASSES: dict[str, type] = {cls.name: cls for cls in (PinnedTier, MappedTier, DiskTier)}
 
 
 def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: int = 3,
-                   spill_dir: str | os.PathLike | None = None, chosen: bool = False, held: int = 0):
-    """The host tier object for :class:`~poros.stream.store.BlockStore` (None for ``pinned``: its own path).
-    ``chosen``: the planner picked the tier (not the user): a ``mapped`` tier the device will not register
-    for DMA then serves pinned copies rather than pageable memory. ``held``: the disk tier's blocks kept
-    in RAM (:class:`DiskTier`).
+                   spill_dir: str | os.PathLike | None = None, chosen: bool = False, held: int = 0,
+                   pin_memory: bool | None = None) -> HostTier:
+    """The host tier called ``name`` (:data:`~poros.config.HOST_TIERS`) for
+    :class:`~poros.stream.store.BlockStore`, serving the blocks of ``source`` (the NF4 block cache entry the
+    block tensors view, or None: a file tier then writes a spill file into ``spill_dir``). ``chosen``: the
+    planner picked the tier (not the user): a ``mapped`` tier the device will not register for DMA then
+    serves pinned copies rather than pageable memory. ``read_ahead`` and ``held``: the disk tier's ring
+    buffers and blocks kept in RAM (:class:`DiskTier`). ``pin_memory``: the pinned tier's buffers
+    (default: page-locked on CUDA).
 
     Raises:
         StreamingError: an unknown tier name.
     """
-    if name == "pinned":
-        return None
-    if name == "mapped":
-        return MappedTier(source, spill_dir=spill_dir, copy_if_refused=chosen)
-    if name == "disk":
+    if name not in TIER_CLASSES:
+        raise StreamingError(f"host tier {name!r}: expected one of {', '.join(HOST_TIERS)}.")
+    if name == DiskTier.name:
         return DiskTier(source, depth=read_ahead, spill_dir=spill_dir, held=held)
-    raise StreamingError(f"host tier {name!r}: expected 'pinned', 'mapped' or 'disk'.")
+    if name == MappedTier.name:
+        return MappedTier(source, spill_dir=spill_dir, copy_if_refused=chosen)
+    return PinnedTier(pin_memory)
 
 
 def share_host_table(tensor: torch.Tensor, path: Path) -> torch.Tensor | None:
@@ -586,5 +694,5 @@ def checksum_file(file: BlockFile, *, workers: int = 4, stop: threading.Event | 
     return [found.get(i, 0) for i in range(len(file.offsets))]
 
 
-__all__ = ["BlockFile", "CHECKSUMS", "DiskTier", "FILE_ALIGN", "MappedTier", "checksum_file", "make_host_tier", "padded", "release_mapping",
-           "share_host_table", "write_block_file"]
+__all__ = ["BlockFile", "CHECKSUMS", "DiskTier", "FILE_ALIGN", "HostTier", "MappedTier", "PinnedTier", "TIER_CLASSES",
+           "checksum_file", "make_host_tier", "padded", "release_mapping", "share_host_table", "write_block_file"]

@@ -1,17 +1,19 @@
-"""The offline memory plan of a run (``poros train --dry-run``, ``poros plan``): from a
+"""The offline plan of a run (``poros train --dry-run``, ``poros plan``): from a
 :class:`~poros.config.PorosConfig` and the checkpoint's ``config.json`` alone -- no weight is read,
-nothing is downloaded. :func:`locate_checkpoint_config` finds the config (a local directory, the
-bundled model, the HF cache), :func:`plan_run` builds the text tower as a meta skeleton and counts
-its bytes with :mod:`poros.stream.footprint`; the :class:`Plan` hands the budget model
-(:mod:`poros.stream.planner`) its :class:`~poros.stream.planner.Footprint`. Multimodal checkpoints
-(a config with ``text_config``) are planned for their text tower, the part Poros trains.
+nothing is downloaded, nothing is trained. :func:`locate_checkpoint_config` finds the config (a local
+directory, the bundled model, the HF cache); :func:`plan_run` builds the text tower as a meta skeleton
+and counts its bytes with :mod:`poros.stream.footprint` (the memory plan), and with
+:class:`PlanOptions` (``poros plan``) also plans the VRAM budget (:mod:`poros.stream.planner`), the host
+tier (:func:`poros.loading.host_tiers.plan_host_tier`, the decision ``prepare`` takes) and the node's host
+RAM: :attr:`Plan.budget`. Multimodal checkpoints (a config with ``text_config``) are planned for their
+text tower, the part Poros trains.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,11 +21,15 @@ import torch
 from poros.adapters import lora_targets
 from poros.descriptor import resolve_path
 from poros.devices import resolve_device
-from poros.errors import CheckpointLoadError
+from poros.distributed import check_batch_divides
+from poros.errors import CheckpointLoadError, ConfigError
+from poros.loading import host_tiers
+from poros.stream import graphs
 from poros.stream.footprint import (
     BlockShapes,
     activation_bytes,
     block_bytes,
+    device_context_bytes,
     meta_skeleton,
     quantized_linears,
     tensor_bytes,
@@ -33,9 +39,12 @@ from poros.stream.planner import (
     CUDA_WORKSPACE_BYTES,
     LORA_BYTES_PER_PARAMETER,
     LORA_VALUE_BYTES,
+    BudgetPlan,
+    ComputeTimes,
     Footprint,
     Workload,
     peak_upper_bound,
+    plan_budget,
 )
 
 def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tuple[pathlib.Path, str]:
@@ -80,6 +89,37 @@ def load_text_config(directory: pathlib.Path) -> tuple[Any, Any]:
 
 
 @dataclass(frozen=True)
+class PlanOptions:
+    """What ``poros plan`` adds to the config to plan its VRAM budget (``vram_budget``; on CUDA, unset, the
+    device's memory): the compute and link times, given or measured, and the node's ranks."""
+
+    block_ms: str | None = None  # "FWD,BWD" ms per block and micro-batch, or one total (split 1:2); skips the probe
+    head_ms: float = 0.0  # head and loss, forward and backward, per micro-batch in ms (with block_ms)
+    link_gb_per_s: float | None = None  # host-to-device GB/s (10^9 bytes); None: measured with compute times
+    probe: bool | None = None  # time one block at the run's shapes (None: on CUDA, unless block_ms is given)
+    ranks_per_node: int = 1  # data parallel: each GPU plans for its share of batch_size
+    #: what measures: ``probe_compute(text_config, workload, device, ...)`` and ``measure_link(device)``
+    #: (``poros.doctor.probe``, which the layer above lends); None: nothing is measured
+    prober: Any = None
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """``poros plan``'s part of a :class:`Plan`: the plan for the VRAM budget, the host tier the run gets,
+    the node's host RAM, and the times the plan used."""
+
+    budget_plan: BudgetPlan
+    host: host_tiers.HostPlan  # plan_host_tier: what prepare decides for the same options
+    data_parallel: dict  # host_tiers.node_host_ram
+    compute: ComputeTimes | None  # None: the step time is unknown
+    link_source: str | None  # where the link rate came from ("given: --link-gb-per-s", "measured: ...")
+    ranks_per_node: int
+    per_rank_batch: int
+    host_tier_requested: str | None  # the config's host_tier
+    notices: tuple[str, ...] = ()  # one line each: what could not be measured, and what to do
+
+
+@dataclass(frozen=True)
 class Plan:
     """What ``--dry-run`` prints and ``poros plan`` plans from. Sizes in bytes; activations are estimates."""
 
@@ -113,6 +153,7 @@ class Plan:
     activation_bytes_per_value: int  # compute dtype size
     recompute_bytes: int  # one block's recompute working set, one micro-batch (estimate)
     logits_bytes: int  # logits + loss working set, one micro-batch (estimate)
+    budget: BudgetReport | None = None  # poros plan (plan_run with PlanOptions); None for the memory plan alone
 
     @property
     def largest_block_bytes(self) -> int:
@@ -173,14 +214,39 @@ class Plan:
         )
 
 
-def plan_run(config: Any) -> Plan:
-    """The memory plan of a :class:`~poros.config.PorosConfig`, from the checkpoint's config only.
+def plan_run(config: Any, options: PlanOptions | None = None) -> Plan:
+    """The plan of a :class:`~poros.config.PorosConfig`, from the checkpoint's config only: the memory plan
+    (``poros train --dry-run``), and with ``options`` (``poros plan``) also :attr:`Plan.budget`, the plan
+    for ``vram_budget`` with the host tier and the node's host RAM.
 
     Raises:
         CheckpointLoadError: the checkpoint's ``config.json`` is not available offline or unreadable.
         UnknownArchitectureError: no registered family claims its ``model_type``.
-        ConfigError: ``target_modules`` names a linear the model does not have.
+        ConfigError: ``target_modules`` names a linear the model does not have; with ``options``: no
+            budget on the CPU, a budget below the run's minimum, a bad ``block_ms`` or link rate, a host
+            budget below the disk tier's minimum.
+        DeviceError: with ``options``, a CUDA device that is not here (unless the budget, ``block_ms`` and
+            ``link_gb_per_s`` are all given: a CUDA run is then planned on any machine).
+        DistributedError: ``batch_size`` does not split over ``ranks_per_node``.
     """
+    if options is None:
+        return _memory_plan(config)[0]
+    # the budget, the probe and the link measurement need the GPU itself; all three given, a CUDA run is
+    # planned on any machine
+    given_all = config.vram_budget is not None and options.block_ms is not None and options.link_gb_per_s is not None
+    device = resolve_device(config.device, check=not given_all)
+    budget = config.vram_budget
+    if budget is None:
+        if device.type != "cuda":
+            raise ConfigError("poros plan needs a budget on the CPU: pass --vram-budget (e.g. --vram-budget 8GiB for "
+                              "an 8 GiB card); on CUDA it defaults to the device's memory.")
+        budget = torch.cuda.get_device_properties(device).total_memory
+    plan, text_config = _memory_plan(config)
+    return replace(plan, budget=_budget_report(config, options, plan, text_config, device, budget))
+
+
+def _memory_plan(config: Any) -> tuple[Plan, Any]:
+    """The memory plan and the text config it was made from."""
     from poros import registry
 
     directory, found_in = locate_checkpoint_config(config.model, revision=config.revision)
@@ -224,7 +290,86 @@ def plan_run(config: Any) -> Plan:
         batch_size=config.batch_size, seq_len=config.seq_len, grad_accum=config.grad_accum,
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
         recompute_bytes=recompute, logits_bytes=head,
-    )
+    ), text_config
 
 
-__all__ = ["Plan", "load_text_config", "locate_checkpoint_config", "plan_run"]
+def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: Any, device: torch.device,
+                   budget: Any) -> BudgetReport:
+    """The plan for ``budget`` on ``device``, the host tier and the node's host RAM (see :func:`plan_run`)."""
+    ranks = options.ranks_per_node
+    per_rank_batch = check_batch_divides(config.batch_size, ranks)  # each GPU runs its share of the batch
+    workload = Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule, config.loss_chunks)
+    compute, link, link_source, notices = _times(config, options, plan, text_config, workload, device)
+    footprint = plan.footprint()
+    on_host = embeddings_on_host(config.embeddings_on_host, device)
+    context = device_context_bytes(footprint, device, cuda_graphs=graphs.enabled(config.cuda_graphs, device),
+                                   num_slots=config.num_slots)
+    budget_plan = plan_budget(
+        footprint, workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
+        link_bytes_per_s=link, context_bytes=context,
+        optimizer_states=config.optimizer_states, lora_placement=config.lora_placement)
+    # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
+    # the same from the loaded model's entry)
+    host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks, host_tier=config.host_tier,
+                                     host_budget=config.host_budget, read_ahead=config.read_ahead,
+                                     ranks_per_node=ranks, shared_file=not config.no_cache)
+    node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=not config.no_cache)
+    return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,
+                        tuple(notices))
+
+
+def _times(config: Any, options: PlanOptions, plan: Plan, text_config: Any, workload: Workload,
+           device: torch.device) -> tuple[ComputeTimes | None, float | None, str | None, list[str]]:
+    """``(compute, link bytes/s, link source, notices)``: the times given in ``options``, or measured by
+    ``options.prober`` (the compute probe on CUDA or when asked; the link when there are compute times)."""
+    on_cuda = device.type == "cuda"
+    compute = link = link_source = None
+    notices: list[str] = []
+    if options.block_ms is not None:
+        forward, backward = parse_block_ms(options.block_ms)
+        compute = ComputeTimes.uniform(plan.num_blocks, forward, backward, options.head_ms / 1000,
+                                       source=f"given: --block-ms {options.block_ms}"
+                                              + (f" --head-ms {options.head_ms:g}" if options.head_ms else ""))
+    elif options.prober is not None and (options.probe or (options.probe is None and on_cuda)):
+        try:
+            compute = options.prober.probe_compute(
+                text_config, workload, device, compute_dtype=getattr(torch, config.compute_dtype),
+                quant_type=config.quantization, double_quant=config.double_quant,
+                attn_implementation=config.attn_implementation, lora_rank=config.lora_rank,
+                lora_alpha=config.lora_alpha, target_modules=config.target_modules,
+                lora_parameters=plan.lora_parameters)
+        except torch.OutOfMemoryError as error:
+            notices.append(f"the compute probe did not fit on {device} ({str(error).splitlines()[0]}); the step "
+                           "time stays unknown. Give --block-ms (and --link-gb-per-s) from another run, or free the "
+                           "device.")
+    if options.link_gb_per_s is not None:
+        if options.link_gb_per_s <= 0:
+            raise ConfigError(f"--link-gb-per-s {options.link_gb_per_s:g}: expected a positive GB/s, e.g. 25 (PCIe 4 "
+                              "x16).")
+        link, link_source = options.link_gb_per_s * 1e9, "given: --link-gb-per-s"
+    elif compute is not None and options.prober is not None and (on_cuda or options.probe):
+        link = options.prober.measure_link(device)
+        link_source = "measured: one pinned 256 MiB copy" if on_cuda else "measured: a 256 MiB host memcpy (cpu)"
+    return compute, link, link_source, notices
+
+
+def parse_block_ms(text: str) -> tuple[float, float]:
+    """``"6,12"`` -> ``(0.006, 0.012)`` seconds; ``"18"`` -> ``(0.006, 0.012)`` (split 1:2).
+
+    Raises:
+        ConfigError: not one or two positive numbers.
+    """
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or any(v <= 0 for v in values):
+        raise ConfigError(f"--block-ms {text!r}: expected FWD,BWD milliseconds per block and micro-batch (e.g. 6,12) "
+                          "or one total (split 1:2 between forward and recompute+backward).")
+    if len(values) == 1:
+        return values[0] / 3000, 2 * values[0] / 3000
+    return values[0] / 1000, values[1] / 1000
+
+
+__all__ = ["BudgetReport", "Plan", "PlanOptions", "load_text_config", "locate_checkpoint_config", "parse_block_ms",
+           "plan_run"]

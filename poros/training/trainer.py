@@ -189,7 +189,7 @@ class PorosTrainer:
                   "default loss")
         if model.budget_plan is not None:
             echo(model.budget_plan.summary())
-        if config.host_tier is not None or config.host_budget is not None or model.host_plan.ranks_per_node > 1:
+        if model.host_plan.notable:
             echo(f"poros: host: {model.host_plan.reason}")
         if model.detection is not None:
             echo(model.detection.summary())
