@@ -210,6 +210,12 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
             if carried.kwarg not in parameters:
                 problems.append(f"carried_state kwarg {carried.kwarg!r} is not a parameter of "
                                 f"{layer_class.__name__}.forward {list(parameters)[1:]}")
+    for carried in descriptor.carried_state:  # what cuda_graphs relies on to capture the mapping's blocks
+        for field_name in ("reader_flag", "writer_flag", "entry_key"):
+            path = getattr(carried, field_name)
+            missing = [i for i, layer in enumerate(layers) if path and not _resolves(layer, path)]
+            if missing:
+                problems.append(f"carried_state[{carried.kwarg!r}].{field_name} {path!r} is missing on layers {missing}")
 
     # adapters and quantization, per layer
     missing_kinds = [kind for kind in descriptor.layer_kinds if kinds and kind not in used_kinds]
