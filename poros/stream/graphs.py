@@ -377,9 +377,10 @@ class BlockGraphs:
         return graph
 
     # -- capture --------------------------------------------------------------------------------
-    def _record(self, body: Callable[[], list]) -> tuple[Callable[[], None], list]:
-        """Capture ``body()`` — the block's kernels — into a CUDA graph: ``(replay, body's outputs)``; each
-        replay reruns those kernels on the same buffers. The one CUDA-only step of a capture."""
+    def _record(self, index: int, body: Callable[[int], list]) -> tuple[Callable[[], None], list]:
+        """Capture ``body(index)`` — block ``index``'s kernels — into a CUDA graph: ``(replay, body's
+        outputs)``; each replay reruns those kernels on the same buffers, for whichever block of the key
+        has its bytes there now (``body(i)`` is block ``i``'s). The one CUDA-only step of a capture."""
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         device = self.store.device
         generator = torch.cuda.default_generators[device.index if device.index is not None
@@ -388,7 +389,7 @@ class BlockGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                outputs = body()
+                outputs = body(index)
         except Exception:
             # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"
             # and refuse every later random draw, and torch.cuda.graph's exit raises before it gives the
@@ -401,46 +402,43 @@ class BlockGraphs:
 
     def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable,
                          carried: dict[int, CarriedAccess]) -> _Graph:
-        layer = self.layers[index]
         statics = [_static(leaf) for leaf in leaves]
         reads = _own_mappings(statics, leaves, carried)
-        parameters = self._parameters(index)
-        params = [p.detach().clone() for p in parameters]
+        params = [p.detach().clone() for p in self._parameters(index)]
         writes: list[tuple[int, Any, Any, int, int]] = []
 
-        def body() -> list:
-            with _pointed_at(parameters, params), torch.no_grad():
+        def body(block: int) -> list:
+            with _pointed_at(self._parameters(block), params), torch.no_grad():
                 args, kwargs = unflatten(statics)
-                output = layer(*args, **kwargs)
+                output = self.layers[block](*args, **kwargs)
             written = _written(index, statics, carried)
             writes[:] = [(position, key, spec, 1 + first, len(tensors)) for position, key, spec, tensors, first
                          in _numbered(written)]
             return [output, *(t for _, _, _, tensors in written for t in tensors)]
 
-        replay, outputs = self._record(body)
+        replay, outputs = self._record(index, body)
         return _Graph(replay, statics, params, outputs, inputs=reads, writes=writes)
 
     def _capture_backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
                           hidden_needs_grad: bool, grad_at: list[int], autocast: Any,
                           carried: dict[int, CarriedAccess], written_grads: list) -> _Graph:
-        layer = self.layers[index]
         statics = [_static(leaf) for leaf in leaves]
         statics[0].requires_grad_(hidden_needs_grad)
         for position in grad_at:
             statics[position].requires_grad_(True)
         reads = _own_mappings(statics, leaves, carried)  # requiring grad where the recompute's entries do
-        parameters = self._parameters(index)
-        params = [p.detach().clone() for p in parameters]
+        params = [p.detach().clone() for p in self._parameters(index)]
         static_grad = _static(grad_output)
         position_of = {access.kwarg: position for position, access in carried.items()}
         sent = [(position_of[name], key, [None if g is None else _static(g) for g in grads])
                 for name, key, grads in written_grads]
 
-        def body() -> list:
+        def body(block: int) -> list:
+            parameters = self._parameters(block)
             with _pointed_at(parameters, params):
                 with torch.enable_grad(), replayed_autocast(autocast, self.store.device):
                     args, kwargs = unflatten(statics)
-                    output = layer(*args, **kwargs)
+                    output = self.layers[block](*args, **kwargs)
                 roots, root_grads = [output], [static_grad]  # as the eager recompute's, in its order
                 for position, key, grads in sent:
                     for tensor, grad in zip(pytree.tree_leaves(statics[position][key]), grads):
@@ -456,7 +454,7 @@ class BlockGraphs:
                 grads.insert(0, None)
             return grads
 
-        replay, outputs = self._record(body)
+        replay, outputs = self._record(index, body)
         inputs = [static_grad, *reads, *(g for _, _, grads in sent for g in grads if g is not None)]
         return _Graph(replay, statics, params, outputs, inputs=inputs)
 
