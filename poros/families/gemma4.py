@@ -6,7 +6,10 @@ heads). Two kinds of state cross block boundaries:
 
 * ``shared_kv_states`` (a ``KVSharingDict``): for each layer kind the last non-shared layer
   stores its post-norm, post-RoPE K/V; the last ``num_kv_shared_layers`` layers (no k/v
-  projections) read them. Gradients of every reader flow back into the writer.
+  projections) read them. Gradients of every reader flow back into the writer. Every layer is
+  handed the mapping, also where no layer shares K/V (31B, 26B-A4B: the last layer of each kind
+  still stores, for assistant models); the descriptor names transformers' own per-layer flags, so
+  ``cuda_graphs`` captures every block (``poros.stream.graphs``).
 * per-layer inputs (PLE, E2B/E4B): ``[B, S, L, D]`` built before the loop from
   ``embed_tokens_per_layer`` and the NF4 model-level ``per_layer_model_projection``; layer i
   gets slice i as its second positional argument, and gradients flow back into the prelude.
