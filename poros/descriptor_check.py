@@ -215,7 +215,8 @@ def check_descriptor(descriptor: ArchitectureDescriptor, model: nn.Module) -> li
             path = getattr(carried, field_name)
             missing = [i for i, layer in enumerate(layers) if path and not _resolves(layer, path)]
             if missing:
-                problems.append(f"carried_state[{carried.kwarg!r}].{field_name} {path!r} is missing on layers {missing}")
+                problems.append(f"carried_state[{carried.kwarg!r}].{field_name} {path!r} is missing on "
+                                f"layers {missing}")
 
     # adapters and quantization, per layer
     missing_kinds = [kind for kind in descriptor.layer_kinds if kinds and kind not in used_kinds]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from poros.descriptor import CarriedState, resolve_path
 from poros.errors import DescriptorError
@@ -47,7 +48,8 @@ class CarriedAccess:
         """``"layer 3 reads shared_kv_states['full_attention']"`` (what a report says of the block)."""
         if not self.declared:
             return f"layer {index} hands {self.kwarg} on, reads and writes unknown"
-        parts = [f"reads {self.kwarg}[{k!r}]" for k in self.reads] + [f"writes {self.kwarg}[{k!r}]" for k in self.writes]
+        parts = [f"reads {self.kwarg}[{k!r}]" for k in self.reads]
+        parts += [f"writes {self.kwarg}[{k!r}]" for k in self.writes]
         return f"layer {index} " + (" and ".join(parts) if parts else f"neither reads nor writes {self.kwarg}")
 
 
@@ -73,4 +75,19 @@ def add_reader_grads(pending: dict[tuple[str, Any, int], list], readers: dict[tu
             ]
 
 
-__all__ = ["CarriedAccess", "add_reader_grads"]
+
+def recompute_roots(output: torch.Tensor, grad_output: torch.Tensor,
+                    written: list[tuple[Any, list]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The roots of a block's recompute with their gradients, in the order eager backward takes them:
+    its output, then each tensor of an entry it wrote (``written``: the entry's value as the recompute
+    wrote it, and one gradient or None per tensor, from later readers); those that require grad."""
+    roots, grads = [output], [grad_output]
+    for value, sent in written:
+        for tensor, grad in zip(pytree.tree_leaves(value), sent):
+            if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                roots.append(tensor)
+                grads.append(grad)
+    return [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+
+
+__all__ = ["CarriedAccess", "add_reader_grads", "recompute_roots"]

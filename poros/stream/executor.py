@@ -70,7 +70,7 @@ from torch.utils import _pytree as pytree
 
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
-from poros.stream.carried import CarriedAccess, add_reader_grads
+from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
 from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
 from poros.stream.stash import HostStash
 from poros.stream.store import BlockStore
@@ -439,13 +439,7 @@ class StreamingExecutor:
                 replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
             output = self.layers[index](*args, **kwargs)
-        roots, root_grads = [output], [grad_output]
-        for name, key, pending in written_grads:
-            for tensor, grad in zip(pytree.tree_leaves(mappings[name][key]), pending):
-                if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    roots.append(tensor)
-                    root_grads.append(grad)
-        live = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
+        live = recompute_roots(output, grad_output, [(mappings[name][key], sent) for name, key, sent in written_grads])
         parameters = self.block_parameters(index) if return_parameter_grads else []
         # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
         # sums inside the block are the engine's either way, so the values are backward's.

@@ -36,8 +36,9 @@ cost of queueing ~500 kernels per block disappears.
   to a written entry are inputs; the executor sums them as in eager mode. A block that neither reads nor
   writes gets an empty mapping. A capture whose block touches an entry it was not declared to fails.
 * **Fallback, per call, named**: a carried mapping the descriptor does not describe, or an entry a
-  block reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry), an active dropout (its RNG draws;
-  ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on the trainable parameters,
+  block reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry),
+  an active dropout (its RNG draws; ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on
+  the trainable parameters,
   autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values, or
   whose elements overlap (an expanded view: a static copy cannot hold it), and a family's
@@ -65,7 +66,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from poros.errors import ConfigError, StreamingError
-from poros.stream.carried import CarriedAccess
+from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.executor import dropout_p
 from poros.stream.replay import autocast_state, replayed_autocast
 
@@ -254,7 +255,8 @@ class BlockGraphs:
         return hidden_grad, inputs, [], read_grads
 
     # -- keys and fallbacks ---------------------------------------------------------------------
-    def eager_reason(self, index: int, leaves: list[Any], carried: dict[int, CarriedAccess] | None = None) -> str | None:
+    def eager_reason(self, index: int, leaves: list[Any],
+                     carried: dict[int, CarriedAccess] | None = None) -> str | None:
         """Why block ``index`` must run eagerly now (None: it may be graphed). ``carried``: the leaf
         positions of carried mappings, with what the block reads and writes of each."""
         self._refresh(index)
@@ -439,13 +441,8 @@ class BlockGraphs:
                 with torch.enable_grad(), replayed_autocast(autocast, self.store.device):
                     args, kwargs = unflatten(statics)
                     output = self.layers[block](*args, **kwargs)
-                roots, root_grads = [output], [static_grad]  # as the eager recompute's, in its order
-                for position, key, grads in sent:
-                    for tensor, grad in zip(pytree.tree_leaves(statics[position][key]), grads):
-                        if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                            roots.append(tensor)
-                            root_grads.append(grad)
-                live = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
+                live = recompute_roots(output, static_grad, [(statics[position][key], grads)
+                                                             for position, key, grads in sent])
                 targets = ([statics[0]] if hidden_needs_grad else []) + [statics[p] for p in grad_at]
                 targets += [t for t in reads if t.requires_grad] + parameters
                 grads = list(torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live],
