@@ -42,6 +42,12 @@ class CarriedState:
             gradients flow back into the prelude.
         description: one sentence for docs and ``list-architectures --json``.
         enabled_by: config attribute that switches the state on (``None``: always present).
+        reader_flag, writer_flag, entry_key: (``"mapping"`` only) attribute paths on a decoder layer:
+            truthy when that layer reads / writes the mapping, and the entry it reads or writes
+            (Gemma 4: ``self_attn.is_kv_shared_layer``, ``self_attn.store_full_length_kv``,
+            ``self_attn.layer_type``). With them ``cuda_graphs`` captures every block: a reader's
+            entry is a static input, a writer's a static output; without them, blocks handed the
+            mapping run eagerly.
 
     Note:
         The executor handles both kinds generically: mapping entries written during block i's
@@ -53,6 +59,9 @@ class CarriedState:
     kind: str
     description: str
     enabled_by: str | None = None
+    reader_flag: str | None = None
+    writer_flag: str | None = None
+    entry_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,9 +148,11 @@ class ArchitectureDescriptor:
     never_quantized: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     model_level_linears: tuple[str, ...] = ()
     optional_features: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    #: (config attribute, reason): with ``cuda_graphs`` on, a truthy attribute keeps the blocks eager
-    #: (e.g. MoE routing: data-dependent shapes, host syncs); ``poros.stream.graphs`` reports the reason
-    graph_unsafe: tuple[tuple[str, str], ...] = ()
+    #: (config attribute, reason[, (another attribute, its values that can be captured)]): with
+    #: ``cuda_graphs`` on, a truthy attribute keeps the blocks eager unless the other attribute holds
+    #: one of those values (e.g. MoE routing: host syncs in transformers' eager experts loop, none in
+    #: its grouped_mm); ``poros.stream.graphs`` reports the reason with what was found
+    graph_unsafe: tuple[tuple, ...] = ()
     # documentation
     notes: tuple[str, ...] = ()
     config_class: str = ""
@@ -168,8 +179,17 @@ class ArchitectureDescriptor:
         )
 
     def graph_unsafe_reason(self, config: Any) -> str | None:
-        """Why this model's blocks cannot be captured in CUDA graphs (:attr:`graph_unsafe`), or None."""
-        return next((reason for attribute, reason in self.graph_unsafe if getattr(config, attribute, None)), None)
+        """Why this model's blocks cannot be captured in CUDA graphs (:attr:`graph_unsafe`), naming the
+        attributes found (``"MoE routing (enable_moe_block, experts_implementation='eager')"``), or None."""
+        for attribute, reason, *unless in self.graph_unsafe:
+            if not getattr(config, attribute, None):
+                continue
+            if not unless:
+                return f"{reason} ({attribute})"
+            other, capturable = unless[0]
+            if getattr(config, other, None) not in capturable:
+                return f"{reason} ({attribute}, {other.lstrip('_')}={getattr(config, other, None)!r})"
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``--json`` listings and docs)."""

@@ -92,31 +92,30 @@ def test_fallbacks_are_named(checkpoints):
     streamed = prepared(checkpoints["qwen3"])
     block_graphs = BlockGraphs(streamed.store, streamed.executor.layers)
     hidden = torch.zeros(1, 4, streamed.config.get_text_config().hidden_size)
-    assert block_graphs.eager_reason(0, [hidden, 3, None], has_mappings=False) is None
-    assert block_graphs.eager_reason(0, [hidden], has_mappings=True) == "carried state"
-    assert block_graphs.eager_reason(0, [hidden, object()], has_mappings=False) == "argument"
-    assert block_graphs.eager_reason(0, [hidden[:, :1].expand(1, 4, -1)], has_mappings=False) == "argument layout"
+    assert block_graphs.eager_reason(0, [hidden, 3, None]) is None
+    assert block_graphs.eager_reason(0, [hidden, object()]) == "argument"
+    assert block_graphs.eager_reason(0, [hidden[:, :1].expand(1, 4, -1)]) == "argument layout"
     layer = streamed.executor.layers[0]
     handle = layer.mlp.register_forward_hook(lambda *_: None)
     try:
-        assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "module hooks"
+        assert block_graphs.eager_reason(0, [hidden]) == "module hooks"
     finally:
         handle.remove()
-    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) is None  # the store's own guard hooks are not
+    assert block_graphs.eager_reason(0, [hidden]) is None  # the store's own guard hooks are not
     parameter = next(p for p in layer.parameters() if p.requires_grad)
     handle = parameter.register_post_accumulate_grad_hook(lambda p: None)
     try:  # a replay sets .grad itself: no accumulator, so no hook of the parameter would run
-        assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "parameter hooks"
+        assert block_graphs.eager_reason(0, [hidden]) == "parameter hooks"
     finally:
         handle.remove()
     streamed.train()
     attention = layer.self_attn
     attention.attention_dropout = 0.1  # HF passes it to the attention kernel: no nn.Dropout module
-    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "dropout"
+    assert block_graphs.eager_reason(0, [hidden]) == "dropout"
     attention.attention_dropout = 0.0
-    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) is None
+    assert block_graphs.eager_reason(0, [hidden]) is None
     layer.mlp.added_dropout = torch.nn.Dropout(0.1)  # as a LoRA dropout > 0 would be
-    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "dropout"
+    assert block_graphs.eager_reason(0, [hidden]) == "dropout"
 
 
 def test_attention_dropout_keeps_layer_major_off(checkpoints):
@@ -138,12 +137,15 @@ def test_attention_dropout_keeps_layer_major_off(checkpoints):
 
 
 def test_a_family_feature_that_cannot_be_captured_keeps_its_blocks_eager(checkpoints):
+    """Gemma 4's MoE through transformers' eager experts loop (host syncs); its grouped_mm is captured."""
     streamed = prepared(checkpoints["gemma4-moe"])
+    assert streamed.descriptor.graph_unsafe_reason(streamed.config.get_text_config()) is None  # grouped_mm
+    streamed.get_base_model().set_experts_implementation("eager")
     reason = streamed.descriptor.graph_unsafe_reason(streamed.config.get_text_config())
-    assert reason == "MoE routing"
+    assert reason == "MoE routing (enable_moe_block, experts_implementation='eager')"
     block_graphs = BlockGraphs(streamed.store, streamed.executor.layers, unsafe=reason)
     hidden = torch.zeros(1, 4, streamed.config.get_text_config().hidden_size)
-    assert block_graphs.eager_reason(0, [hidden], has_mappings=False) == "MoE routing"
+    assert block_graphs.eager_reason(0, [hidden]) == reason
     dense = prepared(checkpoints["gemma3"])
     assert dense.descriptor.graph_unsafe_reason(dense.config.get_text_config()) is None
 

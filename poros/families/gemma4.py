@@ -6,7 +6,10 @@ heads). Two kinds of state cross block boundaries:
 
 * ``shared_kv_states`` (a ``KVSharingDict``): for each layer kind the last non-shared layer
   stores its post-norm, post-RoPE K/V; the last ``num_kv_shared_layers`` layers (no k/v
-  projections) read them. Gradients of every reader flow back into the writer.
+  projections) read them. Gradients of every reader flow back into the writer. Every layer is
+  handed the mapping, also where no layer shares K/V (31B, 26B-A4B: the last layer of each kind
+  still stores, for assistant models); the descriptor names transformers' own per-layer flags, so
+  ``cuda_graphs`` captures every block (``poros.stream.graphs``).
 * per-layer inputs (PLE, E2B/E4B): ``[B, S, L, D]`` built before the loop from
   ``embed_tokens_per_layer`` and the NF4 model-level ``per_layer_model_projection``; layer i
   gets slice i as its second positional argument, and gradients flow back into the prelude.
@@ -44,6 +47,11 @@ DESCRIPTOR = decoder_family(
             kwarg="shared_kv_states",
             kind="mapping",
             description="K/V stored by the last non-shared layer of each kind, read by the KV-shared tail layers",
+            # transformers' own per-layer flags (config.kv_sharing_modes): "reuse" reads, "store" writes; the
+            # entry is the layer's kind. The last layer of each kind stores even without readers (31B, 26B-A4B).
+            reader_flag="self_attn.is_kv_shared_layer",
+            writer_flag="self_attn.store_full_length_kv",
+            entry_key="self_attn.layer_type",
         ),
         CarriedState(
             kwarg="per_layer_input",
@@ -68,7 +76,9 @@ DESCRIPTOR = decoder_family(
         "experts.gate_up_proj", "experts.down_proj",
     ),
     model_level_linears=("model.per_layer_model_projection",),
-    graph_unsafe=(("enable_moe_block", "MoE routing"),),
+    # transformers' eager experts loop syncs with the host (nonzero, a loop over the hit experts); its
+    # grouped_mm and batched_mm (grouped_mm is transformers' default) run on the device alone
+    graph_unsafe=(("enable_moe_block", "MoE routing", ("_experts_implementation", ("grouped_mm", "batched_mm"))),),
     optional_features=(
         # per-layer inputs (the E-models); absent when hidden_size_per_layer_input is 0/None
         ("hidden_size_per_layer_input", (

@@ -51,7 +51,8 @@ Notable features:
 * **CUDA graphs, optionally.** With ``self.graphs`` (``graphs.py``, ``cuda_graphs=True``), the block
   phases :meth:`StreamingExecutor.forward_backward` drives replay graphs captured once per slot and
   block kind instead of launching each kernel from Python; a block that cannot be replayed runs the
-  eager code below, unchanged.
+  eager code below, unchanged. Blocks handed a carried mapping replay too: :meth:`carried_access` says,
+  from the descriptor, which entries each block reads (static graph inputs) and writes (static outputs).
 * **Nothing is family-specific here.** Paths and carried-state kwargs come from the descriptor.
 """
 
@@ -69,6 +70,7 @@ from torch.utils import _pytree as pytree
 
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
+from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
 from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
 from poros.stream.stash import HostStash
 from poros.stream.store import BlockStore
@@ -258,6 +260,7 @@ class StreamingExecutor:
         self.boundary_states = "device"
         self._stash_stream = None  # the host stash's side stream, made once
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
+        self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
         #: the block phases' CUDA graphs (``graphs.py``), None: every block runs eagerly (CPU, the default)
         self.graphs = None
 
@@ -367,7 +370,7 @@ class StreamingExecutor:
         if self.graphs is not None and not graphable:
             self.graphs.note_eager("micro-major")
         elif self.graphs is not None:
-            output = self.graphs.forward(index, leaves, call.unflatten, bool(call.mapping_at))
+            output = self.graphs.forward(index, leaves, call.unflatten, self._carried_at(index, call))
         if output is None:
             args, kwargs = call.unflatten(leaves)
             output = self.layers[index](*args, **kwargs)
@@ -388,6 +391,19 @@ class StreamingExecutor:
         """The trainable parameters of block ``index`` (its adapters), in registration order."""
         return [p for p in self.layers[index].parameters() if p.requires_grad]
 
+    def carried_access(self, index: int) -> dict[str, CarriedAccess]:
+        """What block ``index`` reads and writes of each carried mapping (kwarg -> :class:`CarriedAccess`),
+        from the descriptor's flags on the layer; found once per block."""
+        if index not in self._access:
+            self._access[index] = {c.kwarg: CarriedAccess.of(self.layers[index], c)
+                                   for c in self.descriptor.carried_state if c.kind == "mapping"}
+        return self._access[index]
+
+    def _carried_at(self, index: int, call: _LayerCall) -> dict[int, CarriedAccess]:
+        """The carried mappings among a call's leaves: leaf position -> the block's access to that mapping."""
+        access = self.carried_access(index)
+        return {position: access[name] for position, name in call.mapping_at.items()}
+
     def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
                         hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False):
         """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release.
@@ -403,31 +419,27 @@ class StreamingExecutor:
         leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
         leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
+        # what later readers sent back to the entries this block wrote: more output gradients of its recompute
+        written_grads = [(name, key, pending) for name, key in step.written_by.get(index, [])
+                         if (pending := step.pending.pop((name, key, index), None)) is not None]
         if self.graphs is not None and return_parameter_grads:
             self.graphs.note_eager("micro-major")
         elif self.graphs is not None:
             replayed = self.graphs.backward(
-                index, call.leaves_with(hidden, grad_inputs), call.unflatten, grad_output, hidden_needs_grad,
+                index, call.leaves_with(hidden, grad_inputs, mappings), call.unflatten, grad_output, hidden_needs_grad,
                 call.grad_at, step.autocast_states.get(index), not return_parameter_grads,
-                bool(call.mapping_at or readers or step.written_by.get(index)))
+                self._carried_at(index, call), written_grads)
             if replayed is not None:
+                hidden_grad, input_grads, parameter_grads, read_grads = replayed
+                add_reader_grads(step.pending, readers, read_grads)
                 if not keep:
                     self.store.release(index)
-                return replayed
+                return hidden_grad, input_grads, parameter_grads
         with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
                 replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
             output = self.layers[index](*args, **kwargs)
-        roots, root_grads = [output], [grad_output]
-        for name, key in step.written_by.get(index, []):
-            pending = step.pending.pop((name, key, index), None)
-            if pending is None:
-                continue
-            for tensor, grad in zip(pytree.tree_leaves(mappings[name][key]), pending):
-                if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    roots.append(tensor)
-                    root_grads.append(grad)
-        live = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
+        live = recompute_roots(output, grad_output, [(mappings[name][key], sent) for name, key, sent in written_grads])
         parameters = self.block_parameters(index) if return_parameter_grads else []
         # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
         # sums inside the block are the engine's either way, so the values are backward's.
@@ -444,13 +456,7 @@ class StreamingExecutor:
             torch.autograd.backward([r for r, _ in live], [g for _, g in live])
         if not return_parameter_grads:
             captured = {id(t): t.grad for t in targets}
-        for (name, key, writer), leaves in readers.items():
-            grads = [captured.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves]
-            if any(g is not None for g in grads):
-                earlier = step.pending.get((name, key, writer))
-                step.pending[(name, key, writer)] = grads if earlier is None else [
-                    g if e is None else (e if g is None else e + g) for e, g in zip(earlier, grads)
-                ]
+        add_reader_grads(step.pending, readers, captured)
         if not keep:
             self.store.release(index)
         hidden_grad = captured.get(id(leaf_hidden)) if hidden_needs_grad else None

@@ -28,11 +28,22 @@ cost of queueing ~500 kernels per block disappears.
   autograd engine, where a capture can be invalidated by the engine's other work (seen on the
   H200: the gate's first micro-major capture failed); its blocks run eagerly, counted as
   ``micro-major``.
-* **Fallback, per call, named**: carried mappings (KV sharing), an active dropout (its RNG draws;
-  ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on the trainable parameters,
+* **Carried mappings** (Gemma 4's ``shared_kv_states``) are never captured by reference: the capture
+  hands the block a mapping of its own, holding static copies of the entries the block reads (what
+  :meth:`StreamingExecutor.carried_access` says, from the descriptor), copied in before each replay like
+  the hidden states; what the block writes there is a static output, cloned into the live mapping after
+  each replay. In backward the read entries' gradients are outputs and the gradients later readers sent
+  to a written entry are inputs; the executor sums them as in eager mode. A block that neither reads nor
+  writes gets an empty mapping. A capture whose block touches an entry it was not declared to fails.
+* **Fallback, per call, named**: a carried mapping the descriptor does not describe, or an entry a
+  block reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry),
+  an active dropout (its RNG draws; ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on
+  the trainable parameters,
   autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
-  the block's modules (a replay runs no Python), arguments that are not tensors or plain values,
-  and a family's ``graph_unsafe`` features (e.g. MoE routing) run eagerly; a capture that fails
+  the block's modules (a replay runs no Python), arguments that are not tensors or plain values, or
+  whose elements overlap (an expanded view: a static copy cannot hold it), and a family's
+  ``graph_unsafe`` features (e.g. MoE routing through transformers' eager experts loop, which syncs
+  with the host; its ``grouped_mm`` is captured) run eagerly; a capture that fails
   (a host sync inside third-party code) marks its key eager for the run. Past :data:`MAX_GRAPHS`
   keys (batches padded to many lengths: each length is new keys), new keys run eagerly — pad to a
   few lengths (``pad_to_multiple_of``) to replay them. :attr:`BlockGraphs.report` counts replays,
@@ -52,8 +63,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
-from poros.errors import ConfigError
+from poros.errors import ConfigError, StreamingError
+from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.executor import dropout_p
 from poros.stream.replay import autocast_state, replayed_autocast
 
@@ -99,16 +112,21 @@ class GraphReport:
 
 @dataclass
 class _Graph:
-    graph: Any
-    statics: list[Any]  # per argument leaf: its static tensor, or the plain value
+    replay: Callable[[], None]  # reruns the captured kernels on the static buffers
+    statics: list[Any]  # per argument leaf: its static tensor, the plain value, or the capture's own carried mapping
     params: list[torch.Tensor]  # static LoRA values
     outputs: list[torch.Tensor | None]
+    # further static inputs, copied in with ``load``'s ``extra``: the output gradient, the read entries'
+    # tensors, the gradients later readers sent to the written entries
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    # each entry the block writes: (leaf position of its mapping, key, pytree spec, first output, count)
+    writes: list[tuple[int, Any, Any, int, int]] = field(default_factory=list)
     last: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # leaf -> (source, version) copied
 
     def load(self, leaves: list[Any], params: list[nn.Parameter], extra: list[torch.Tensor] = ()) -> None:
         """Copy the running block's arguments (leaf 0, the hidden states, always; the others — masks,
         rotary — only when they are not the tensor copied last time), its LoRA values and ``extra``
-        (the output gradient) into the static buffers."""
+        (the static inputs beyond the arguments, in :attr:`inputs` order) into the static buffers."""
         targets, sources = [], []
         for position, (static, leaf) in enumerate(zip(self.statics, leaves)):
             if not isinstance(leaf, torch.Tensor):
@@ -122,10 +140,17 @@ class _Graph:
             sources.append(leaf.detach())
         targets += self.params
         sources += [p.detach() for p in params]
-        targets += self.statics[len(leaves):]
+        if len(extra) != len(self.inputs):
+            raise StreamingError(f"a graph replay got {len(extra)} further inputs, its capture had {len(self.inputs)}")
+        targets += self.inputs
         sources += [t.detach() for t in extra]
         with torch.no_grad():  # the backward graph's static inputs are leaves that require grad
             torch._foreach_copy_(targets, sources)
+
+    def write_back(self, leaves: list[Any]) -> None:
+        """Put a copy of each entry the replay wrote into the live mapping (``leaves``' own), as the block would."""
+        for position, key, spec, first, count in self.writes:
+            leaves[position][key] = pytree.tree_unflatten([t.clone() for t in self.outputs[first:first + count]], spec)
 
 
 class BlockGraphs:
@@ -158,48 +183,67 @@ class BlockGraphs:
         self._own_hooks = {handle.id for handle in getattr(store, "_hooks", ())}
 
     # -- the two phases -------------------------------------------------------------------------
-    def forward(self, index: int, leaves: list[Any], unflatten: Callable, has_mappings: bool) -> torch.Tensor | None:
-        """Block ``index``'s forward without grad, replayed; None when it must run eagerly."""
-        reason = self.eager_reason(index, leaves, has_mappings)
+    def forward(self, index: int, leaves: list[Any], unflatten: Callable,
+                carried: dict[int, CarriedAccess] | None = None) -> torch.Tensor | None:
+        """Block ``index``'s forward without grad, replayed; None when it must run eagerly. ``carried``:
+        the leaf positions of carried mappings, with what the block reads and writes of each; the
+        entries it writes are put into those live mappings, as the block itself would."""
+        carried = carried or {}
+        reason = self.eager_reason(index, leaves, carried)
         if reason is not None:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
-        key = self._key("forward", index, layer, leaves, (_hashable_autocast(autocast_state(self.store.device)),))
-        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten))
+        extra = (_hashable_autocast(autocast_state(self.store.device)), _carried_signature(leaves, carried))
+        key = self._key("forward", index, layer, leaves, extra, carried)
+        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten, carried))
         if graph is None:
             return None
-        graph.load(leaves, self._parameters(index))
-        graph.graph.replay()
+        graph.load(leaves, self._parameters(index), _read_tensors(leaves, carried))
+        graph.replay()
         self.report.replays += 1
+        graph.write_back(leaves)
         return graph.outputs[0].clone()
 
     def backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
-                 hidden_needs_grad: bool, grad_at: list[int], autocast: Any, accumulate: bool, has_mappings: bool):
+                 hidden_needs_grad: bool, grad_at: list[int], autocast: Any, accumulate: bool,
+                 carried: dict[int, CarriedAccess] | None = None, written_grads: list = ()):
         """Block ``index``'s recompute and backward, replayed: ``(hidden grad, input grads, parameter
-        grads)`` as the executor's eager path returns them (with ``accumulate`` the parameter grads go
-        into ``.grad`` here and the list is empty), or None when it must run eagerly."""
-        reason = self.eager_reason(index, leaves, has_mappings)
+        grads, read grads)`` as the executor's eager path makes them (with ``accumulate`` the parameter
+        grads go into ``.grad`` here and the list is empty; read grads: id of each tensor of an entry the
+        block read, in ``leaves``' mappings, -> its gradient), or None when it must run eagerly.
+        ``written_grads``: ``(kwarg, key, gradients)`` that later readers sent to entries this block
+        writes (one gradient or None per tensor of the entry), more output gradients of the recompute."""
+        carried = carried or {}
+        reason = self.eager_reason(index, leaves, carried)
         if reason is not None:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
-        extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output))
-        key = self._key("backward", index, layer, leaves, extra)
+        pending = tuple((name, key, tuple(None if g is None else _signature(g) for g in grads))
+                        for name, key, grads in written_grads)
+        extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output),
+                 _carried_signature(leaves, carried), pending)
+        key = self._key("backward", index, layer, leaves, extra, carried)
         graph = self._graph(key, index, lambda: self._capture_backward(
-            index, leaves, unflatten, grad_output, hidden_needs_grad, grad_at, autocast))
+            index, leaves, unflatten, grad_output, hidden_needs_grad, grad_at, autocast, carried, written_grads))
         if graph is None:
             return None
         parameters = self._parameters(index)
-        graph.load(leaves, parameters, [grad_output])
-        graph.graph.replay()
+        reads = _read_tensors(leaves, carried)
+        sent = [g for _, _, grads in written_grads for g in grads if g is not None]
+        graph.load(leaves, parameters, [grad_output, *reads, *sent])
+        graph.replay()
         self.report.replays += 1
         outputs = graph.outputs
-        hidden_grad = _clone(outputs[0]) if hidden_needs_grad else None
-        inputs = [_clone(g) for g in outputs[1:1 + len(grad_at)]]
-        grads = outputs[1 + len(grad_at):]
+        # each gradient in the layout autograd's accumulator gives a leaf's .grad (the eager path reads .grad)
+        hidden_grad = _as_grad_of(outputs[0], leaves[0]) if hidden_needs_grad else None
+        inputs = [_as_grad_of(g, leaves[p]) for g, p in zip(outputs[1:1 + len(grad_at)], grad_at)]
+        read_outputs = iter(outputs[1 + len(grad_at):])
+        read_grads = {id(t): _as_grad_of(next(read_outputs), t) for t in reads if t.requires_grad}
+        grads = outputs[1 + len(grad_at) + len(read_grads):]
         if not accumulate:
-            return hidden_grad, inputs, [_clone(g) for g in grads]
+            return hidden_grad, inputs, [_clone(g) for g in grads], read_grads
         with torch.no_grad():
             for parameter, grad in zip(parameters, grads):
                 if grad is None:
@@ -208,17 +252,22 @@ class BlockGraphs:
                     parameter.grad = torch.empty_like(parameter).copy_(grad)
                 else:
                     parameter.grad.add_(grad)
-        return hidden_grad, inputs, []
+        return hidden_grad, inputs, [], read_grads
 
     # -- keys and fallbacks ---------------------------------------------------------------------
-    def eager_reason(self, index: int, leaves: list[Any], has_mappings: bool) -> str | None:
-        """Why block ``index`` must run eagerly now (None: it may be graphed)."""
+    def eager_reason(self, index: int, leaves: list[Any],
+                     carried: dict[int, CarriedAccess] | None = None) -> str | None:
+        """Why block ``index`` must run eagerly now (None: it may be graphed). ``carried``: the leaf
+        positions of carried mappings, with what the block reads and writes of each."""
         self._refresh(index)
+        carried = carried or {}
         layer = self.layers[index]
         if self.unsafe:
             return self.unsafe
-        if has_mappings:
-            return "carried state"
+        for position, access in carried.items():
+            reason = _carried_reason(index, leaves[position], access, self.store.device)
+            if reason is not None:
+                return reason
         if layer.training and any(dropout_p(m) > 0 for m in self._dropouts_of(index)):
             return "dropout"
         if torch.is_autocast_enabled(self.store.device.type) and torch.is_autocast_cache_enabled():
@@ -229,26 +278,29 @@ class BlockGraphs:
         if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
                for p in self._parameters(index)):  # a replay's .grad bookkeeping runs no tensor hook
             return "parameter hooks"
-        if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in leaves):
+        arguments = [leaf for position, leaf in enumerate(leaves) if position not in carried]
+        if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in arguments):
             return "argument"
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        tensors = [leaf for leaf in arguments if isinstance(leaf, torch.Tensor)]
         if any(t.device != self.store.device for t in tensors):
             return "argument off the device"
-        if not all(_dense(t) for t in tensors):
-            return "argument layout"  # an expanded view: its static copy would change the strides
+        if not all(_non_overlapping(t) for t in tensors):
+            return "argument layout"  # an expanded view: a static copy of its shape and strides cannot hold it
         return None
 
     def note_eager(self, reason: str) -> None:
         self.report.eager[reason] += 1
 
-    def _key(self, phase: str, index: int, layer: nn.Module, leaves: list[Any], extra: tuple = ()) -> tuple:
+    def _key(self, phase: str, index: int, layer: nn.Module, leaves: list[Any], extra: tuple = (),
+             carried: dict[int, CarriedAccess] | None = None) -> tuple:
         block = self.store.blocks[index]
         where = ("resident", index) if block.resident else ("slot", block.slot)
         adapters = tuple((m._disable_adapters, str(m.active_adapters), len(m.merged_adapters))
                          for m in self._adapter_layers(index))
         parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(index))  # the static LoRA copies
-        return (phase, where, self._structure_of(index), tuple(_signature(leaf) for leaf in leaves),
-                layer.training, adapters, parameters, extra)
+        arguments = tuple(("carried", type(leaf).__qualname__) if position in (carried or {}) else _signature(leaf)
+                          for position, leaf in enumerate(leaves))
+        return (phase, where, self._structure_of(index), arguments, layer.training, adapters, parameters, extra)
 
     def _structure_of(self, index: int) -> tuple:
         """What makes two blocks run the same code on the same bytes: module types and plain attributes
@@ -314,20 +366,10 @@ class BlockGraphs:
         if len(self.graphs) >= self.max_graphs:  # bounded memory: new shapes run eagerly from here on
             self.note_eager("graph limit")
             return None
-        device = self.store.device
-        generator = torch.cuda.default_generators[device.index if device.index is not None
-                                                  else torch.cuda.current_device()]
-        backup, stream = generator.clone_state(), torch.cuda.current_stream(device)
         try:
             graph = capture()
             self.report.captured += 1
         except Exception as exc:  # noqa: BLE001 - a block that cannot be captured runs eagerly, and says why
-            # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"
-            # and refuse every later random draw, and torch.cuda.graph's exit raises before it gives the
-            # compute stream back. Restore both (nothing was drawn; nothing ran on the capture stream).
-            generator.graphsafe_set_state(backup)
-            torch.cuda.set_stream(stream)
-            torch.cuda.synchronize(self.store.device)
             graph = None
             failure = f"{key[0]} of block {index}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             self.report.failures.append(failure)
@@ -337,41 +379,81 @@ class BlockGraphs:
         return graph
 
     # -- capture --------------------------------------------------------------------------------
-    def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable) -> _Graph:
+    def _record(self, index: int, body: Callable[[int], list]) -> tuple[Callable[[], None], list]:
+        """Capture ``body(index)`` — block ``index``'s kernels — into a CUDA graph: ``(replay, body's
+        outputs)``; each replay reruns those kernels on the same buffers, for whichever block of the key
+        has its bytes there now (``body(i)`` is block ``i``'s). The one CUDA-only step of a capture."""
         self.pool = self.pool or torch.cuda.graph_pool_handle()
-        layer = self.layers[index]
-        statics = [_static(leaf) for leaf in leaves]
-        parameters = self._parameters(index)
-        params = [p.detach().clone() for p in parameters]
+        device = self.store.device
+        generator = torch.cuda.default_generators[device.index if device.index is not None
+                                                  else torch.cuda.current_device()]
+        backup, stream = generator.clone_state(), torch.cuda.current_stream(device)
         graph = torch.cuda.CUDAGraph()
-        with _pointed_at(parameters, params), torch.no_grad(), \
-                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            args, kwargs = unflatten(statics)
-            output = layer(*args, **kwargs)
-        return _Graph(graph, statics, params, [output])
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                outputs = body(index)
+        except Exception:
+            # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"
+            # and refuse every later random draw, and torch.cuda.graph's exit raises before it gives the
+            # compute stream back. Restore both (nothing was drawn; nothing ran on the capture stream).
+            generator.graphsafe_set_state(backup)
+            torch.cuda.set_stream(stream)
+            torch.cuda.synchronize(device)
+            raise
+        return graph.replay, outputs
+
+    def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable,
+                         carried: dict[int, CarriedAccess]) -> _Graph:
+        statics = [_static(leaf) for leaf in leaves]
+        reads = _own_mappings(statics, leaves, carried)
+        params = [p.detach().clone() for p in self._parameters(index)]
+        writes: list[tuple[int, Any, Any, int, int]] = []
+
+        def body(block: int) -> list:
+            with _pointed_at(self._parameters(block), params), torch.no_grad():
+                args, kwargs = unflatten(statics)
+                output = self.layers[block](*args, **kwargs)
+            written = _written(index, statics, carried)
+            writes[:] = [(position, key, spec, 1 + first, len(tensors)) for position, key, spec, tensors, first
+                         in _numbered(written)]
+            return [output, *(t for _, _, _, tensors in written for t in tensors)]
+
+        replay, outputs = self._record(index, body)
+        return _Graph(replay, statics, params, outputs, inputs=reads, writes=writes)
 
     def _capture_backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
-                          hidden_needs_grad: bool, grad_at: list[int], autocast: Any) -> _Graph:
-        self.pool = self.pool or torch.cuda.graph_pool_handle()
-        layer = self.layers[index]
+                          hidden_needs_grad: bool, grad_at: list[int], autocast: Any,
+                          carried: dict[int, CarriedAccess], written_grads: list) -> _Graph:
         statics = [_static(leaf) for leaf in leaves]
         statics[0].requires_grad_(hidden_needs_grad)
         for position in grad_at:
             statics[position].requires_grad_(True)
-        parameters = self._parameters(index)
-        params = [p.detach().clone() for p in parameters]
+        reads = _own_mappings(statics, leaves, carried)  # requiring grad where the recompute's entries do
+        params = [p.detach().clone() for p in self._parameters(index)]
         static_grad = _static(grad_output)
-        graph = torch.cuda.CUDAGraph()
-        with _pointed_at(parameters, params), torch.cuda.graph(graph, pool=self.pool,
-                                                               capture_error_mode="thread_local"):
-            with torch.enable_grad(), replayed_autocast(autocast, self.store.device):
-                args, kwargs = unflatten(statics)
-                output = layer(*args, **kwargs)
-            targets = ([statics[0]] if hidden_needs_grad else []) + [statics[p] for p in grad_at] + parameters
-            grads = list(torch.autograd.grad([output], targets, [static_grad], allow_unused=True))
-        if not hidden_needs_grad:
-            grads.insert(0, None)
-        return _Graph(graph, [*statics, static_grad], params, grads)
+        position_of = {access.kwarg: position for position, access in carried.items()}
+        sent = [(position_of[name], key, [None if g is None else _static(g) for g in grads])
+                for name, key, grads in written_grads]
+
+        def body(block: int) -> list:
+            parameters = self._parameters(block)
+            with _pointed_at(parameters, params):
+                with torch.enable_grad(), replayed_autocast(autocast, self.store.device):
+                    args, kwargs = unflatten(statics)
+                    output = self.layers[block](*args, **kwargs)
+                live = recompute_roots(output, static_grad, [(statics[position][key], grads)
+                                                             for position, key, grads in sent])
+                targets = ([statics[0]] if hidden_needs_grad else []) + [statics[p] for p in grad_at]
+                targets += [t for t in reads if t.requires_grad] + parameters
+                grads = list(torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live],
+                                                 allow_unused=True))
+            if not hidden_needs_grad:
+                grads.insert(0, None)
+            return grads
+
+        replay, outputs = self._record(index, body)
+        inputs = [static_grad, *reads, *(g for _, _, grads in sent for g in grads if g is not None)]
+        return _Graph(replay, statics, params, outputs, inputs=inputs)
 
 
 _NOT_PLAIN = object()
@@ -394,6 +476,95 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
+def _carried_reason(index: int, mapping: Any, access: CarriedAccess, device: torch.device) -> str | None:
+    """Why block ``index`` cannot be captured with this carried mapping, naming what was found, or None."""
+    if not access.declared:
+        return (f"carried state: {access.kwarg} (layer {index}; the descriptor does not say which entries a "
+                "layer reads or writes: CarriedState reader_flag / writer_flag / entry_key)")
+    for key in access.reads:
+        if key not in mapping:
+            return f"carried state: {access.kwarg}[{key!r}] (layer {index} reads it; no earlier layer wrote it)"
+        values = pytree.tree_leaves(mapping[key])
+        if not all(isinstance(v, torch.Tensor) and v.device == device and _non_overlapping(v) for v in values):
+            return (f"carried state: {access.kwarg}[{key!r}] (layer {index} reads it; it holds more than "
+                    f"tensors on {device} with a layout a static copy can hold)")
+    return None
+
+
+def _carried_signature(leaves: list[Any], carried: dict[int, CarriedAccess]) -> tuple:
+    """The key's part for carried mappings: what the block reads and writes, and each read tensor's signature."""
+    return tuple((position, access.kwarg, access.reads, access.writes,
+                  tuple(_signature(t) for key in access.reads for t in pytree.tree_leaves(leaves[position][key])))
+                 for position, access in carried.items())
+
+
+def _read_tensors(leaves: list[Any], carried: dict[int, CarriedAccess]) -> list[torch.Tensor]:
+    """The tensors of the entries the block reads from its live mappings, in capture order."""
+    return [t for position, access in carried.items() for key in access.reads
+            for t in pytree.tree_leaves(leaves[position][key])]
+
+
+def _own_mappings(statics: list[Any], leaves: list[Any], carried: dict[int, CarriedAccess]) -> list[torch.Tensor]:
+    """Give the capture a mapping of its own in place of each live one (a graph must not keep reading or
+    writing a live mapping, which is another object every forward): static copies of the entries the block
+    reads, requiring grad as the live ones do. Returns those static tensors, in :func:`_read_tensors` order."""
+    reads = []
+    for position, access in carried.items():
+        live = leaves[position]
+        own = type(live)()
+        for key in access.reads:
+            values, spec = pytree.tree_flatten(live[key])
+            copies = [_static(v).requires_grad_(v.requires_grad) for v in values]
+            reads += copies
+            own[key] = pytree.tree_unflatten(copies, spec)
+        statics[position] = own
+    return reads
+
+
+def _written(index: int, statics: list[Any], carried: dict[int, CarriedAccess]) -> list[tuple]:
+    """What a captured block wrote into its own mappings: ``(position, key, spec, tensors)`` per written
+    entry, checked against what it was declared to do.
+
+    Raises:
+        StreamingError: the block wrote an entry it was not declared to write, or did not write one it
+            was (the descriptor's flags and the layer disagree: its blocks run eagerly).
+    """
+    written = []
+    for position, access in carried.items():
+        own = statics[position]
+        for key in own.keys():
+            if key not in access.writes and key not in access.reads:
+                raise StreamingError(f"layer {index} wrote {access.kwarg}[{key!r}], which the descriptor's "
+                                     "writer_flag does not say; the block runs eagerly")
+        for key in access.writes:
+            if key not in own:
+                raise StreamingError(f"layer {index} did not write {access.kwarg}[{key!r}], which the "
+                                     "descriptor's writer_flag says it does; the block runs eagerly")
+            tensors, spec = pytree.tree_flatten(own[key])
+            if not all(isinstance(t, torch.Tensor) for t in tensors):
+                raise StreamingError(f"layer {index} wrote {access.kwarg}[{key!r}] holding more than tensors")
+            written.append((position, key, spec, tensors))
+    return written
+
+
+def _numbered(written: list[tuple]):
+    """Each written entry with the index of its first tensor among the written tensors."""
+    first = 0
+    for position, key, spec, tensors in written:
+        yield position, key, spec, tensors, first
+        first += len(tensors)
+
+
+def _as_grad_of(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``grad`` laid out as autograd's accumulator lays out ``leaf.grad`` (the eager path reads
+    ``.grad``): ``leaf``'s strides where ``leaf`` is dense, else contiguous."""
+    if grad is None:
+        return None
+    if _dense(leaf):
+        return torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
 def _static(leaf: Any) -> Any:
     """A buffer of ``leaf``'s shape, strides and dtype holding its values (plain values as they are)."""
     if not isinstance(leaf, torch.Tensor):
@@ -403,12 +574,24 @@ def _static(leaf: Any) -> Any:
 
 
 def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill its memory once each, in some order (no expanded view)."""
+    """Whether ``tensor``'s elements fill its memory once each, in some order (autograd's
+    "non-overlapping and dense": its accumulator gives such a leaf a ``.grad`` of the same strides)."""
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
         if stride != expected:
             return False
         expected *= size
+    return True
+
+
+def _non_overlapping(tensor: torch.Tensor) -> bool:
+    """Whether no two of ``tensor``'s elements share memory (no expanded view), gaps allowed: a slice such
+    as Gemma 4's per-layer input ``[:, :, i]`` is; a static buffer of its shape and strides holds it."""
+    reach = 0  # the farthest offset the smaller dimensions reach
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
     return True
 
 

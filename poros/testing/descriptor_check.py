@@ -278,7 +278,8 @@ def _rotary_problems(descriptor: ArchitectureDescriptor, rotary: nn.Module | Non
 
 
 def _carried_state_problems(descriptor: ArchitectureDescriptor, layers: list[nn.Module]) -> list[str]:
-    """Each carried state reaches the layers as a keyword of their ``forward``."""
+    """Each carried state reaches the layers as a keyword of their ``forward``, and the flags that say which
+    layers read and write it (what ``cuda_graphs`` relies on) resolve on every layer."""
     problems: list[str] = []
     for layer_class in dict.fromkeys(type(layer) for layer in layers):
         parameters = inspect.signature(layer_class.forward).parameters
@@ -286,6 +287,13 @@ def _carried_state_problems(descriptor: ArchitectureDescriptor, layers: list[nn.
             if carried.kwarg not in parameters:
                 problems.append(f"carried_state kwarg {carried.kwarg!r} is not a parameter of "
                                 f"{layer_class.__name__}.forward {list(parameters)[1:]}")
+    for carried in descriptor.carried_state:  # what cuda_graphs relies on to capture the mapping's blocks
+        for field_name in ("reader_flag", "writer_flag", "entry_key"):
+            path = getattr(carried, field_name)
+            missing = [i for i, layer in enumerate(layers) if path and not _resolves(layer, path)]
+            if missing:
+                problems.append(f"carried_state[{carried.kwarg!r}].{field_name} {path!r} is missing on "
+                                f"layers {missing}")
     return problems
 
 
