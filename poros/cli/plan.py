@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from poros.errors import ConfigError
     from poros.training.plan import load_text_config, plan_run
     from poros.stream import planner
+    from poros.stream.options import StreamOptions
     from poros.stream.placement import embeddings_on_host
 
     config = load_config(list(getattr(args, "arguments", [])))
@@ -187,9 +188,8 @@ def run(args: argparse.Namespace) -> int:
     if on_cuda and config.cuda_graphs is not False:  # the graphs' pool and static buffers (an estimate)
         context += graph_reserve_bytes(plan.footprint(), config.num_slots)
     budget_plan = planner.plan_budget(
-        plan.footprint(), workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
-        link_bytes_per_s=link, context_bytes=context,
-        optimizer_states=config.optimizer_states, lora_placement=config.lora_placement)
+        plan.footprint(), workload, StreamOptions.from_config(config, vram_budget=budget, embeddings_on_host=on_host),
+        compute=compute, link_bytes_per_s=link, context_bytes=context)
     host = host_tier_plan(config, plan.footprint().block_bytes, budget_plan.resident_blocks, ranks)
     node = node_host_ram(plan.footprint(), host, on_host, shared_tables=not config.no_cache)
     if args.json:
