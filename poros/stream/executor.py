@@ -94,15 +94,16 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True)
-class TrunkPhase:
-    """The executor's one phase switch: ``forward_backward`` sets it for one call of the model."""
+class TrunkState:
+    """The streamed trunk's phase and what it carries: the executor's one switch (``forward_backward``
+    sets it for one call of the model, then it is :data:`STREAMING` again)."""
 
     phase: Phase
     calls: list | None = None  # PRELUDE: where the recorders put HF's layer calls
     hidden: torch.Tensor | None = None  # HEAD: the last block's output, a leaf the head's backward fills
 
 
-STREAMING = TrunkPhase(Phase.STREAM)
+STREAMING = TrunkState(Phase.STREAM)
 
 
 class _LayerRecorder(nn.Module):
@@ -274,7 +275,7 @@ class StreamingExecutor:
         self.final_norm = resolve_path(causal_lm, descriptor.final_norm)
         self.mapping_kwargs = frozenset(c.kwarg for c in descriptor.carried_state if c.kind == "mapping")
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
-        self._phase = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
+        self._state = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
         self._stash_stream = None  # the host stash's side stream, made once
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
 
@@ -304,17 +305,17 @@ class StreamingExecutor:
 
     # -- the streamed trunk ----------------------------------------------------------------------
     def trunk_forward(self, *args, **kwargs) -> "_TrunkOutput":
-        phase = self._phase
-        if phase.phase is Phase.HEAD:  # layer-major, second call: the blocks already ran
-            return _TrunkOutput(self.final_norm(phase.hidden))
+        state = self._state
+        if state.phase is Phase.HEAD:  # layer-major, second call: the blocks already ran
+            return _TrunkOutput(self.final_norm(state.hidden))
         if self.before_forward is not None:
             self.before_forward(kwargs)
-        if phase.phase is Phase.STREAM and not torch.is_grad_enabled():
+        if state.phase is Phase.STREAM and not torch.is_grad_enabled():
             return self._trunk_without_grad(*args, **kwargs)
         kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
-        if phase.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
-            self._record(phase.calls, *args, **kwargs)
-            self._step_of(phase.calls)  # returned before the last layer: names what went wrong
+        if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
+            self._record(state.calls, *args, **kwargs)
+            self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
         hidden = step.calls[0].leaves[0]
         last = len(self.layers) - 1
@@ -534,7 +535,7 @@ class StreamingExecutor:
         losses, grad_hidden = [], []
         for batch, output in zip(micro_batches, hidden):
             leaf = output.detach().requires_grad_(True)
-            with self._switched(TrunkPhase(Phase.HEAD, hidden=leaf)):
+            with self._switched(TrunkState(Phase.HEAD, hidden=leaf)):
                 loss = model_call(**batch).loss
             loss.backward()
             losses.append(loss.detach())
@@ -572,20 +573,20 @@ class StreamingExecutor:
         return losses
 
     @contextlib.contextmanager
-    def _switched(self, phase: TrunkPhase):
-        """The trunk in ``phase`` for the calls inside, streaming again after them."""
-        self._phase = phase
+    def _switched(self, state: TrunkState):
+        """The trunk in ``state`` for the calls inside, streaming again after them."""
+        self._state = state
         try:
             yield
         finally:
-            self._phase = STREAMING
+            self._state = STREAMING
 
     def _prelude(self, model_call: Callable[..., Any], batch: dict) -> _Step:
         """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
         records the layer calls; the last recorder's :class:`_CaptureDone` unwinds the model's forward, so
         no block, head or loss runs."""
         calls: list[tuple[tuple, dict]] = []
-        with self._switched(TrunkPhase(Phase.PRELUDE, calls=calls)), contextlib.suppress(_CaptureDone):
+        with self._switched(TrunkState(Phase.PRELUDE, calls=calls)), contextlib.suppress(_CaptureDone):
             model_call(**batch)
             raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
         return self._step_of(calls)
