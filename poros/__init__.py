@@ -23,6 +23,7 @@ _LAZY = {
     "CarriedState": "poros.descriptor",
     "HostAdamW": "poros.stream.host_optimizer",
     "PorosConfig": "poros.config",
+    "StreamOptions": "poros.stream.options",
     "PorosModel": "poros.dropin.model",
     "PorosCallback": "poros.dropin.integrations",
     "prepare_trainer": "poros.dropin.integrations",

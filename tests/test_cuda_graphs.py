@@ -168,10 +168,13 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     model = load_qlora(checkpoints["qwen3"], lora_rank=4, lora_alpha=8)
     causal = model.get_base_model()
     layers = list(causal.model.layers)
-    options = dict(workload=Workload(1, 16), device=torch.device("cpu"), compute_dtype=torch.bfloat16)
-    plain = plan_for_model(causal, layers, [], budget="1GiB", **options)
-    graphed = plan_for_model(causal, layers, [], budget="1GiB", cuda_graphs=True, **options)
-    footprint = footprint_of_model(causal, layers, [], **options)
+    from poros.stream.options import StreamOptions
+
+    options = StreamOptions(vram_budget="1GiB", workload=Workload(1, 16))
+    where = dict(device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    plain = plan_for_model(causal, layers, [], options, **where)
+    graphed = plan_for_model(causal, layers, [], options.replace(cuda_graphs=True), **where)
+    footprint = footprint_of_model(causal, layers, [], options.workload, **where)
     reserve = graph_reserve_bytes(footprint, 2)
     assert reserve > footprint.recompute_bytes > 0
     assert graphed.context_bytes == plain.context_bytes + reserve

@@ -100,15 +100,7 @@ def batches(micro: int, step: int = 0):
 
 def first_step(streamed):
     """The captured prelude of one micro-batch (HF's own calls of every layer), as forward_backward sees it."""
-    executor = streamed.executor
-    executor._stop_after_prelude = True
-    try:
-        streamed(**batches(1)[0])
-    except Exception as done:  # noqa: BLE001 - _PreludeDone carries the step
-        return done.step
-    finally:
-        executor._stop_after_prelude = False
-    raise AssertionError("the prelude did not stop")
+    return streamed.executor._prelude(streamed, batches(1)[0])
 
 
 def reasons_per_block(streamed, graphs=None):

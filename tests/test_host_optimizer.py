@@ -171,7 +171,11 @@ def test_resume_through_state_dict_either_way(qwen3, flags):
 # -- the planner ---------------------------------------------------------------------------------
 def test_the_planner_moves_the_adamw_state_to_the_host_only_when_the_ring_does_not_fit_with_it_on_the_device():
     from poros.stream import planner
+    from poros.stream.options import StreamOptions
     from poros.stream.planner import Footprint, Workload
+
+    def budget_options(vram_budget, **options) -> StreamOptions:  # AdamW's state on the device unless given
+        return StreamOptions(vram_budget=vram_budget, **{"optimizer_states": "device", **options})
 
     mib = 2**20  # the LoRA state far larger than HostAdamW's chunks, as at real shapes
     fp = Footprint(block_bytes=(100 * mib,) * 4, device_non_block_bytes=500 * mib, host_embedding_bytes=0,
@@ -189,26 +193,27 @@ def test_the_planner_moves_the_adamw_state_to_the_host_only_when_the_ring_does_n
     in_flight = dict(on_host.transient)["AdamW state chunks in flight (3) + temporary"]
     assert in_flight == 3 * 32 * mib + 16 * mib < dict(on_device.transient)["AdamW temporary"]
     # 'auto': the state stays while the two-slot ring fits with it; below that, the host and the ring
-    ring = planner.plan_budget(fp, workload, 10**12).pipelined_minimum_bytes
-    assert planner.plan_budget(fp, workload, ring, optimizer_states="auto").optimizer_states == "device"
-    tight = planner.plan_budget(fp, workload, ring - 1, optimizer_states="auto")
+    ring = planner.plan_budget(fp, workload, budget_options(10**12)).pipelined_minimum_bytes
+    assert planner.plan_budget(fp, workload, budget_options(ring, optimizer_states="auto")).optimizer_states == "device"
+    tight = planner.plan_budget(fp, workload, budget_options(ring - 1, optimizer_states="auto"))
     assert tight.optimizer_states == "host" and tight.num_slots == 2 and tight.resident_blocks == ()
     assert "AdamW state on the host" in " ".join(tight.notes) and "AdamW state on the host" in tight.summary()
-    one_slot = planner.plan_budget(fp, workload, ring - 1)  # the planner API's default keeps it on the device
+    one_slot = planner.plan_budget(fp, workload, budget_options(ring - 1))  # asked for on the device: it stays
     assert one_slot.optimizer_states == "device" and one_slot.num_slots == 1
     with pytest.raises(poros.errors.ConfigError, match="below the minimum"):
-        planner.plan_budget(fp, workload, device_minimum - 1)
-    assert planner.plan_budget(fp, workload, device_minimum - 1, optimizer_states="auto").needed_bytes < device_minimum
+        planner.plan_budget(fp, workload, budget_options(device_minimum - 1))
+    auto = planner.plan_budget(fp, workload, budget_options(device_minimum - 1, optimizer_states="auto"))
+    assert auto.needed_bytes < device_minimum
     with pytest.raises(poros.errors.ConfigError, match="below the minimum"):
-        planner.plan_budget(fp, workload, host_minimum - 1, optimizer_states="auto")
+        planner.plan_budget(fp, workload, budget_options(host_minimum - 1, optimizer_states="auto"))
     previous = -1  # with 'auto' too, a bigger budget never keeps fewer blocks resident, and every plan fits
     for budget in range(host_minimum, 2 * ring, (2 * ring - host_minimum) // 40):
-        plan = planner.plan_budget(fp, workload, budget, optimizer_states="auto")
+        plan = planner.plan_budget(fp, workload, budget_options(budget, optimizer_states="auto"))
         assert plan.needed_bytes <= budget and len(plan.resident_blocks) >= previous, budget
         previous = len(plan.resident_blocks)
-    assert planner.plan_budget(fp, workload, 10**12, optimizer_states="host").optimizer_states == "host"
+    assert planner.plan_budget(fp, workload, budget_options(10**12, optimizer_states="host")).optimizer_states == "host"
     with pytest.raises(poros.errors.ConfigError, match="optimizer_states='disk'"):
-        planner.plan_budget(fp, workload, 10**12, optimizer_states="disk")
+        planner.plan_budget(fp, workload, budget_options(10**12, optimizer_states="disk"))
 
 
 def test_poros_plan_picks_host_optimizer_states_when_that_is_what_fits(tmp_path, capsys):

@@ -21,6 +21,7 @@ import poros
 from poros.errors import ConfigError
 from poros.stream import lora_placement
 from poros.stream.host_optimizer import HostAdamW, adamw
+from poros.stream.options import StreamOptions
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_host_optimizer import FAMILIES, FLAGS, assert_same
 from test_layer_major import CASES, resident_steps, setups, with_item_counts
@@ -291,11 +292,13 @@ def test_the_planner_moves_the_lora_tensors_to_the_host_only_when_the_ring_does_
     assert on_host.total < on_device.total
     # 'auto': on the device while the two-slot ring fits with them there; below that, on the host
     # (the boundary states go to the host first: the ring is priced with them there)
-    ring = planner.plan_budget(fp, workload, 10**12, optimizer_states="host",
-                               boundary_states="host").pipelined_minimum_bytes
-    roomy = planner.plan_budget(fp, workload, ring, optimizer_states="host", lora_placement="auto")
+    ring = planner.plan_budget(fp, workload, StreamOptions(vram_budget=10**12, optimizer_states="host",
+                                                            boundary_states="host")).pipelined_minimum_bytes
+    roomy = planner.plan_budget(fp, workload, StreamOptions(vram_budget=ring, optimizer_states="host",
+                                                             lora_placement="auto"))
     assert roomy.lora_placement == "device"
-    tight = planner.plan_budget(fp, workload, ring - 1, optimizer_states="host", lora_placement="auto")
+    tight = planner.plan_budget(fp, workload, StreamOptions(vram_budget=ring - 1, optimizer_states="host",
+                                                             lora_placement="auto"))
     assert tight.lora_placement == "host" and tight.num_slots == 2 and tight.resident_blocks == ()
     assert "LoRA parameters and gradients on the host" in " ".join(tight.notes)
     assert "LoRA tensors on the host" in tight.summary() and tight.to_dict()["lora_placement"] == "host"
@@ -303,14 +306,16 @@ def test_the_planner_moves_the_lora_tensors_to_the_host_only_when_the_ring_does_
     micro_major = Workload(grad_accum=2)  # at its minimum the ring does not fit, yet the LoRA tensors stay
     least = planner.minimum_budget(fp, micro_major, optimizer_states="host", lora_placement="auto")
     assert least == planner.minimum_budget(fp, micro_major, optimizer_states="host")
-    assert planner.plan_budget(fp, micro_major, least, optimizer_states="host",
-                               lora_placement="auto").lora_placement == "device"
-    assert planner.plan_budget(fp, workload, ring - 1, optimizer_states="auto",
-                               lora_placement="auto").lora_placement == "host"
+    assert planner.plan_budget(fp, micro_major, StreamOptions(vram_budget=least, optimizer_states="host",
+                                                               lora_placement="auto")).lora_placement == "device"
+    assert planner.plan_budget(fp, workload, StreamOptions(vram_budget=ring - 1, optimizer_states="auto",
+                                                            lora_placement="auto")).lora_placement == "host"
     with pytest.raises(ConfigError, match="lora_placement='host' needs"):
-        planner.plan_budget(fp, Workload(), 10**12, optimizer_states="host", lora_placement="host")
+        planner.plan_budget(fp, Workload(), StreamOptions(vram_budget=10**12, optimizer_states="host",
+                                                          lora_placement="host"))
     with pytest.raises(ConfigError, match="lora_placement='elsewhere'"):
-        planner.plan_budget(fp, workload, 10**12, optimizer_states="host", lora_placement="elsewhere")
+        planner.plan_budget(fp, workload, StreamOptions(vram_budget=10**12, optimizer_states="host",
+                                                        lora_placement="elsewhere"))
 
 
 def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applies_it(tmp_path, capsys):
@@ -338,8 +343,8 @@ def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applie
     roomy, footprint = plan("--vram-budget", "64GiB")
     assert roomy["lora_placement"] == "device"
     footprint = planner.Footprint(**{**footprint, "block_bytes": tuple(footprint["block_bytes"])})
-    ring = planner.plan_budget(footprint, planner.Workload(1, 64, 2, "layer-major"), 10**12, optimizer_states="host",
-                               boundary_states="host").pipelined_minimum_bytes  # the boundary states go first
+    ring = planner.plan_budget(footprint, planner.Workload(1, 64, 2, "layer-major"), StreamOptions(
+        vram_budget=10**12, optimizer_states="host", boundary_states="host")).pipelined_minimum_bytes  # boundary first
     tight, _ = plan("--vram-budget", str(ring - 1))
     assert tight["lora_placement"] == "host" and tight["num_slots"] == 2
     assert plan("--vram-budget", str(ring - 1), "--lora-placement", "device")[0]["num_slots"] == 1

@@ -32,6 +32,7 @@ from poros.doctor import probe
 from poros.training import plan as run_plan
 from poros.stream import footprint as footprint_module
 from poros.stream import planner
+from poros.stream.options import StreamOptions
 from poros.stream.planner import ComputeTimes, Footprint, Workload
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
@@ -41,6 +42,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
+
+
+def budget_options(vram_budget, **options) -> StreamOptions:
+    """The options these tests plan with: ``vram_budget``, AdamW's state on the device unless given."""
+    return StreamOptions(vram_budget=vram_budget, **{"optimizer_states": "device", **options})
 
 
 
@@ -182,7 +188,7 @@ def test_a_tight_layer_major_budget_puts_the_boundary_states_on_the_host(tmp_pat
     model = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3)
     footprint = footprint_module.footprint_of_model(model.get_base_model(), decoder_layers(model), [], workload,
                                            device=torch.device("cpu"), compute_dtype=torch.bfloat16)
-    on_device = planner.plan_budget(footprint, workload, 10**12).pipelined_minimum_bytes
+    on_device = planner.plan_budget(footprint, workload, budget_options(10**12)).pipelined_minimum_bytes
     steps = [with_item_counts([make_batch(3 + m, 2, 14, "left") for m in range(3)]) for _ in range(2)]
     reference = load_qlora(path, lora_rank=4, lora_alpha=8, seed=3)
     ref_losses, ref_opt = resident_steps(reference, steps)
@@ -274,18 +280,18 @@ def test_a_budget_below_the_minimum_names_the_minimum():
     fp, workload = footprint(), Workload()
     minimum = planner.minimum_budget(fp, workload)
     with pytest.raises(ConfigError, match=f"needs at least {planner.format_gb(minimum)}".replace(".", r"\.")):
-        planner.plan_budget(fp, workload, minimum - 1)
-    plan = planner.plan_budget(fp, workload, minimum)
+        planner.plan_budget(fp, workload, budget_options(minimum - 1))
+    plan = planner.plan_budget(fp, workload, budget_options(minimum))
     assert plan.needed_bytes <= minimum and plan.num_slots == 1 and plan.resident_blocks == ()
     assert "1 device slot instead of 2" in plan.notes[0]
-    pipelined = planner.plan_budget(fp, workload, plan.pipelined_minimum_bytes)
+    pipelined = planner.plan_budget(fp, workload, budget_options(plan.pipelined_minimum_bytes))
     assert pipelined.num_slots == 2 and pipelined.resident_blocks == ()
 
 
 def test_layer_major_boundary_states_go_to_the_host_only_when_the_device_cannot_hold_them():
     fp = footprint(boundary_bytes=1000)
     workload = Workload(grad_accum=4, schedule="layer-major")
-    roomy = planner.plan_budget(fp, workload, 10**6)
+    roomy = planner.plan_budget(fp, workload, budget_options(10**6))
     assert roomy.boundary_states == "device" and roomy.boundary_bytes == 4 * 8 * 1000
     assert "boundary states on the device" in " ".join(roomy.notes)
     on_device = planner.predict_peak(fp, workload, num_slots=2)
@@ -297,25 +303,25 @@ def test_layer_major_boundary_states_go_to_the_host_only_when_the_device_cannot_
     assert [n for name, n in on_host.transient if name.startswith("boundary")] == [4 * 4 * 1000]
     # below what the ring needs with the states on the device: host, and no resident block
     device_minimum = planner.minimum_budget(fp, workload, boundary_states="device")
-    tight = planner.plan_budget(fp, workload, roomy.pipelined_minimum_bytes - 1)
+    tight = planner.plan_budget(fp, workload, budget_options(roomy.pipelined_minimum_bytes - 1))
     assert tight.boundary_states == "host" and tight.num_slots == 2 and tight.resident_blocks == ()
     assert tight.needed_bytes < roomy.pipelined_minimum_bytes and "on the host" in " ".join(tight.notes)
     # the smallest budget: one slot, states on the host; below it the error names that minimum
     minimum = planner.minimum_budget(fp, workload)
     assert minimum == roomy.boundary_offload_minimum_bytes == roomy.minimum_bytes < device_minimum
-    assert planner.plan_budget(fp, workload, minimum).boundary_states == "host"
+    assert planner.plan_budget(fp, workload, budget_options(minimum)).boundary_states == "host"
     with pytest.raises(ConfigError, match="needs at least.*boundary states on the host"):
-        planner.plan_budget(fp, workload, minimum - 1)
+        planner.plan_budget(fp, workload, budget_options(minimum - 1))
     # forced to the device: its own minimum, and the error says what the host would need
     with pytest.raises(ConfigError, match="needs at least.*With the boundary states on the host"):
-        planner.plan_budget(fp, workload, device_minimum - 1, boundary_states="device")
-    assert planner.plan_budget(fp, workload, 10**6, boundary_states="host").boundary_states == "host"
+        planner.plan_budget(fp, workload, budget_options(device_minimum - 1, boundary_states="device"))
+    assert planner.plan_budget(fp, workload, budget_options(10**6, boundary_states="host")).boundary_states == "host"
     with pytest.raises(ConfigError, match="boundary_states='disk'"):
-        planner.plan_budget(fp, workload, 10**6, boundary_states="disk")
+        planner.plan_budget(fp, workload, budget_options(10**6, boundary_states="disk"))
     # micro-major: autograd keeps the states; never offloaded
     micro = Workload(grad_accum=4)
-    assert planner.plan_budget(fp, micro, 10**6).boundary_states == "device"
-    assert planner.minimum_budget(fp, micro) == planner.plan_budget(fp, micro, 10**6).minimum_bytes
+    assert planner.plan_budget(fp, micro, budget_options(10**6)).boundary_states == "device"
+    assert planner.minimum_budget(fp, micro) == planner.plan_budget(fp, micro, budget_options(10**6)).minimum_bytes
 
 
 def test_the_budget_that_hides_the_copy_is_priced_with_the_states_on_the_device():
@@ -326,7 +332,8 @@ def test_the_budget_that_hides_the_copy_is_priced_with_the_states_on_the_device(
     workload = Workload(grad_accum=3, schedule="layer-major")
     times = ComputeTimes.uniform(3, 1.0, 1.0, 0.01)
     for budget in range(planner.minimum_budget(fp, workload), 40):
-        plan = planner.plan_budget(fp, workload, budget, num_slots=1, compute=times, link_bytes_per_s=10**6)
+        plan = planner.plan_budget(fp, workload, budget_options(budget, num_slots=1), compute=times,
+                                   link_bytes_per_s=10**6)
         if budget >= plan.hide_copy_bytes:
             assert plan.boundary_states == "device" and plan.step.copy_hidden, budget
 
@@ -339,26 +346,27 @@ def test_the_host_placement_is_only_chosen_where_it_fits():
     device = planner.minimum_budget(fp, workload, boundary_states="device")
     host = planner.minimum_budget(fp, workload, boundary_states="host")
     assert device < host and planner.minimum_budget(fp, workload) == device
-    assert planner.plan_budget(fp, workload, device).boundary_states == "device"
+    assert planner.plan_budget(fp, workload, budget_options(device)).boundary_states == "device"
 
 
 def test_hiding_the_copy():
     fp = footprint(blocks=6, block=8)
     slow_link = ComputeTimes.uniform(6, 5.0, 12.0, 1.0)  # copy 8 s > forward 5 s: forward copy-bound
-    plan = planner.plan_budget(fp, Workload(), 10**6, compute=slow_link, link_bytes_per_s=1.0)
+    plan = planner.plan_budget(fp, Workload(), budget_options(10**6), compute=slow_link, link_bytes_per_s=1.0)
     # all but block 0: its forward copy opens the pass (nothing to hide it behind), its backward copy
     # hides behind block 1's backward; block 0 resident would not be faster but for that first copy
     assert plan.hide_copy_resident == 5 and plan.hide_copy_step.copy_hidden
     assert plan.hide_copy_step.step_s == pytest.approx(plan.hide_copy_step.compute_s + 8.0)
     assert plan.resident_blocks == tuple(range(6)) and plan.step.step_s == pytest.approx(plan.step.compute_s)
     assert "5 already take the copy off the critical path" in plan.notes[0]
-    tight = planner.plan_budget(fp, Workload(), plan.hide_copy_bytes - 1, compute=slow_link, link_bytes_per_s=1.0)
+    tight = planner.plan_budget(fp, Workload(), budget_options(plan.hide_copy_bytes - 1), compute=slow_link,
+                                link_bytes_per_s=1.0)
     assert len(tight.resident_blocks) < 5 and not tight.step.copy_hidden
     assert any("layer-major accumulation over 2 or more" in note for note in plan.notes)
     fast_link = ComputeTimes.uniform(6, 9.0, 12.0, 1.0)  # compute-bound everywhere: no block needs to stay
-    plan = planner.plan_budget(fp, Workload(), 10**6, compute=fast_link, link_bytes_per_s=1.0)
+    plan = planner.plan_budget(fp, Workload(), budget_options(10**6), compute=fast_link, link_bytes_per_s=1.0)
     assert plan.hide_copy_resident == 0 and plan.hide_copy_bytes == plan.pipelined_minimum_bytes
-    assert planner.plan_budget(fp, Workload(), 10**6).hide_copy_resident is None  # unknown without times
+    assert planner.plan_budget(fp, Workload(), budget_options(10**6)).hide_copy_resident is None  # unknown untimed
 
 
 footprints = st.builds(
@@ -377,16 +385,17 @@ workloads = st.builds(Workload, batch_size=st.just(1), seq_len=st.just(1), grad_
 def test_decisions_keep_their_promises(fp, workload, slots, context, timed, data):
     compute = ComputeTimes.uniform(fp.num_blocks, data.draw(st.floats(0.001, 1.0)), data.draw(st.floats(0.001, 1.0)),
                                    0.01) if timed else None
-    options = dict(num_slots=slots, compute=compute, link_bytes_per_s=10**6 if timed else None, context_bytes=context)
+    options = dict(compute=compute, link_bytes_per_s=10**6 if timed else None, context_bytes=context)
     minimum = planner.minimum_budget(fp, workload, context_bytes=context)
-    assert planner.plan_budget(fp, workload, minimum, **options).needed_bytes <= minimum  # at the minimum it fits
+    at_minimum = planner.plan_budget(fp, workload, budget_options(minimum, num_slots=slots), **options)
+    assert at_minimum.needed_bytes <= minimum  # at the minimum it fits
     with pytest.raises(ConfigError, match="needs at least"):
-        planner.plan_budget(fp, workload, minimum - 1, **options)
+        planner.plan_budget(fp, workload, budget_options(minimum - 1, num_slots=slots), **options)
     previous = -1
     full = planner.budget_for_peak(planner.predict_peak(fp, workload, resident=range(fp.num_blocks)).total,
                                    context_bytes=context, slack=planner.ALLOCATOR_SLACK)
     for budget in sorted({minimum, *(minimum + (full - minimum) * k // 7 for k in range(1, 9)), full + 1}):
-        plan = planner.plan_budget(fp, workload, budget, **options)
+        plan = planner.plan_budget(fp, workload, budget_options(budget, num_slots=slots), **options)
         assert plan.needed_bytes <= budget and plan.peak.total < plan.needed_bytes or plan.peak.total == 0
         assert len(plan.resident_blocks) >= previous  # a bigger budget never keeps fewer blocks resident
         assert plan.resident_blocks == tuple(range(fp.num_blocks - len(plan.resident_blocks), fp.num_blocks))
@@ -481,7 +490,8 @@ def test_predicted_peak_is_within_15_percent_across_the_published_curves(tmp_pat
             resident = range(layers - row["resident_blocks"], layers)
             # the planner's decision for this budget, made again: it must be what ran (slots, resident
             # blocks, and where the boundary states waited, recorded by newer runs, shown by the results page)
-            chosen = planner.plan_budget(plan.footprint(), workload, row["budget"], embeddings_on_host=True,
+            chosen = planner.plan_budget(plan.footprint(), workload,
+                                         budget_options(row["budget"], embeddings_on_host=True),
                                          context_bytes=planner.CUDA_CONTEXT_BYTES)
             assert (chosen.num_slots, len(chosen.resident_blocks)) == (row["num_slots"], row["resident_blocks"]), \
                 f"{path.stem} @ {row['budget']}"

@@ -107,11 +107,13 @@ def _plan(name: str, budget, link_gb_per_s: float | None = None, optimizer_state
     from poros.stream import planner
 
     plan = shape_plan(name)
+    from poros.stream.options import StreamOptions
+
     return planner.plan_budget(
-        plan.footprint(), planner.Workload(BATCH, SEQ), budget, embeddings_on_host=True,
+        plan.footprint(), planner.Workload(BATCH, SEQ),
+        StreamOptions(vram_budget=budget, embeddings_on_host=True, optimizer_states=optimizer_states),
         compute=derived_compute(name) if link_gb_per_s else None,
-        link_bytes_per_s=link_gb_per_s * 1e9 if link_gb_per_s else None, context_bytes=planner.CUDA_CONTEXT_BYTES,
-        optimizer_states=optimizer_states)
+        link_bytes_per_s=link_gb_per_s * 1e9 if link_gb_per_s else None, context_bytes=planner.CUDA_CONTEXT_BYTES)
 
 
 def _gb(nbytes: float) -> str:

@@ -45,14 +45,16 @@ def budget_range(peft_model, workload, device: torch.device, num_slots: int = 2)
     from poros import registry
     from poros.descriptor import resolve_path
     from poros.stream.footprint import plan_for_model
+    from poros.stream.options import StreamOptions
     from poros.stream.placement import embeddings_on_host, host_embedding_tables
 
     causal_lm = peft_model.get_base_model()
     descriptor = registry.for_config(causal_lm.config)
     layers = list(resolve_path(causal_lm, descriptor.decoder_layers))
-    everything = plan_for_model(causal_lm, layers, host_embedding_tables(causal_lm, descriptor), budget=1 << 50,
-                                workload=workload, device=device, compute_dtype=torch.bfloat16,
-                                num_slots=num_slots, embeddings_on_host=embeddings_on_host(None, device))
+    options = StreamOptions(vram_budget=1 << 50, workload=workload, num_slots=num_slots,
+                            embeddings_on_host=embeddings_on_host(None, device))
+    everything = plan_for_model(causal_lm, layers, host_embedding_tables(causal_lm, descriptor), options,
+                                device=device, compute_dtype=torch.bfloat16)
     return everything.pipelined_minimum_bytes, everything.needed_bytes
 
 

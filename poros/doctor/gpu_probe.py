@@ -340,6 +340,7 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
     from poros.errors import PorosError
     from poros.training.plan import plan_run
     from poros.stream import planner
+    from poros.stream.options import StreamOptions
 
     try:
         config = PorosConfig().apply_overrides(["--model", model, "--device", "cuda", "--embeddings-on-host", "true"])
@@ -359,8 +360,9 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
     budget_plan = None
     if budget is not None and budget >= minimum:
         try:
-            result = planner.plan_budget(footprint, workload, budget, num_slots=config.num_slots,
-                                         embeddings_on_host=True, context_bytes=planner.CUDA_CONTEXT_BYTES)
+            options = StreamOptions(vram_budget=budget, num_slots=config.num_slots, embeddings_on_host=True,
+                                    optimizer_states="device")
+            result = planner.plan_budget(footprint, workload, options, context_bytes=planner.CUDA_CONTEXT_BYTES)
             budget_plan = {"peak_bytes": result.peak.total, "needed_bytes": result.needed_bytes,
                            "resident_blocks": len(result.resident_blocks), "num_slots": result.num_slots,
                            "boundary_states": result.boundary_states,

@@ -11,10 +11,11 @@ every check that can refuse the model runs before any weight moves, and raises a
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import platform as _platform
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -39,15 +40,14 @@ from poros.errors import (
     UnsupportedModelError,
 )
 from poros.stream import graphs
+from poros.stream.chunked_loss import use_chunked_loss
 from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
-from poros.stream.optimizer_states import check_lora as lora_placement_check
-from poros.stream.placement import check_boundary_states, host_embedding_tables
+from poros.stream.optimizer_states import resolve as resolve_optimizer_states
+from poros.stream.options import StreamOptions, keyword_parameters
 from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
+from poros.stream.placement import host_embedding_tables
 from poros.stream.store import BlockStore, HostEmbedding
-
-if TYPE_CHECKING:
-    from poros.stream.planner import Workload
 
 logger = logging.getLogger("poros")
 
@@ -79,11 +79,15 @@ class PorosModel:
         host_plan: the host tier decision (``poros.loading.host_tiers.HostPlan``: tier, read-ahead, why).
         lora_placement: the :class:`~poros.stream.lora_placement.LoraPlacement` keeping the streamed
             blocks' adapters on the host (``lora_placement="host"``), else None.
+        stream_options: the :class:`~poros.stream.options.StreamOptions` the run applies (the executor's
+            ``options``): as given, with the choices left open filled in -- ``embeddings_on_host``,
+            ``boundary_states``, ``optimizer_states``, ``lora_placement``, ``host_tier`` (and the disk
+            tier's ``read_ahead``). The ring and the resident blocks are the store's.
     """
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
-                     "host_plan", "lora_placement", "_restore_flags", "_poros_class",
-                     "_ddp_ignored")
+                     "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
+                     "_ddp_ignored", "_chunked_loss")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
@@ -142,6 +146,8 @@ class PorosModel:
         self.causal_lm.__dict__.pop("_poros_handle", None)
         if self.lora_placement is not None:
             self.lora_placement.restore()
+        if self._chunked_loss is not None:
+            self._chunked_loss.remove()
         self.store.restore()
         for layer, flag in self._restore_flags:
             layer.gradient_checkpointing = flag
@@ -371,14 +377,7 @@ def _runtime_gates(causal_lm: nn.Module, layers: list[nn.Module], placement: Lor
     return check
 
 
-def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_host: bool | None = None,
-            require: str | None = None, resident_blocks: int | Iterable[int] | None = None,
-            vram_budget: str | int | None = None,
-            workload: Workload | Mapping[str, Any] | None = None, boundary_states: str | None = None,
-            optimizer_states: str = "auto", host_tier: str | None = None, host_budget: str | int | None = None,
-            read_ahead: int | None = None, cache_dir: str | None = None,
-            cuda_graphs: bool | str = False,
-            lora_placement: str | None = None) -> PorosModel:
+def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keywords: Any) -> PorosModel:
     """Stream the frozen decoder blocks of an HF NF4 + PEFT LoRA causal LM, in place; returns ``model``
     itself, its class switched to a same-named subclass with the :class:`PorosModel` mixin.
 
@@ -389,53 +388,14 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     Args:
         model: an HF ``*ForCausalLM`` loaded with ``BitsAndBytesConfig(load_in_4bit=True, ...)`` and
             wrapped by PEFT (``get_peft_model``), or the bare causal LM.
-        num_slots: device slots in the block ring (default 2: compute one block while the next
-            arrives). With ``vram_budget`` the ring asked for; the planner gives fewer only when the
-            budget cannot hold them.
-        embeddings_on_host: keep frozen embedding tables that are not tied to the head (the input
-            embedding, Gemma 4's per-layer table) in host memory and look tokens up there; only the
-            looked-up rows cross the link. Default: on when the compute device is CUDA. With several
-            ranks on the node and a model loaded through the NF4 block cache, the ranks map one copy
-            of each table (a file beside the cache entry) instead of each holding its own.
-        require: ``"bitwise"`` or ``"numerical"``: raise :class:`~poros.errors.GuaranteeError` if the
-            label that applies is weaker.
-        resident_blocks: blocks kept on the device for good instead of streamed: an int N for the
-            last N blocks (the last of forward are the first of backward), or block indices.
-        vram_budget: device memory the run may use (``"7GiB"``, ``"24GB"``, an int of bytes): the
-            planner (``poros.stream.planner.plan_budget``) picks the slots and the resident blocks
-            for it and logs its decision; the plan is kept as ``PorosModel.budget_plan``. Needs
-            ``workload``; excludes ``resident_blocks``.
-        workload: the step the budget is planned for: a ``poros.stream.planner.Workload`` or a dict
-            of its fields (``batch_size``, ``seq_len``, ``grad_accum``, ``schedule``).
-        boundary_states: where layer-major accumulation (``forward_backward``) keeps the M x L block
-            inputs until backward: ``"device"`` (default) or ``"host"`` (pinned host memory, copied on
-            a side stream; bitwise the same). With ``vram_budget`` the planner decides (host only
-            when the budget needs it) unless this is given.
-        optimizer_states: with ``vram_budget``, where the plan puts AdamW's state: ``"device"``,
-            ``"host"`` or ``"auto"`` (host only when the slot ring does not fit with it on the device). Prepare moves no
-            optimizer: the plan's choice is ``PorosModel.budget_plan.optimizer_states``, which
-            PorosTrainer applies (``poros.stream.host_optimizer.adamw``) and a loop of your own
-            should too (``poros.HostAdamW`` when it says ``"host"``).
-        lora_placement: where the streamed blocks' LoRA parameters and gradients live between uses:
-            ``"device"`` (default) or ``"host"`` (pinned; they come in with their block and the gradients
-            go back after its last backward; layer-major ``forward_backward`` and ``poros.HostAdamW``
-            with ``placement=model.lora_placement`` only; bitwise the same). With ``vram_budget`` and
-            ``"auto"`` the planner decides (host only when the budget needs it: the plan's
-            ``lora_placement``); ``"auto"`` without a budget is ``"device"``.
-        host_tier: where the streamed blocks live on the host: ``"pinned"``, ``"mapped"`` or ``"disk"``
-            (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block cache is served
-            from its entry; any other model is first written to a spill file. Unset: ``"mapped"`` for a
-            model loaded through the cache (no copy at the start; the node's ranks share the entry's
-            pages; where the device will not register the mapping, pinned copies), else ``"pinned"``.
-        host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
-            planner (``poros.loading.host_tiers.choose_host_tier``) keeps them on the host as above when they
-            fit and streams them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.
-        read_ahead: ring buffers of the disk tier (default 3; with ``host_budget``, at most what fits).
-        cache_dir: cache root whose ``spill/`` directory takes spill files (default: as for the cache).
-        cuda_graphs: ``True`` / ``"auto"``: on CUDA, replay each block phase from a captured CUDA graph
-            (``poros.stream.graphs``; bitwise the eager kernels, without their host cost); blocks
-            that cannot be captured run eagerly and ``PorosModel.executor.graphs.report`` says why.
-            Off on CPU whatever the setting. Default ``False``.
+        options: the run's :class:`~poros.stream.options.StreamOptions` (``poros.StreamOptions``), made
+            e.g. from a config with ``StreamOptions.from_config(config)``; None: the defaults.
+        **keywords: the options by name, each documented on ``StreamOptions`` (``num_slots``,
+            ``embeddings_on_host``, ``require``, ``resident_blocks``, ``vram_budget``, ``workload``,
+            ``boundary_states``, ``optimizer_states``, ``host_tier``, ``host_budget``, ``read_ahead``,
+            ``cache_dir``, ``cuda_graphs``, ``lora_placement``, ``loss_chunks``); beside ``options`` they
+            override its values. What prepare and the planner decide for the choices left open is
+            ``PorosModel.stream_options``, the object the executor is built with.
 
     Raises:
         UnknownArchitectureError: the model's ``config.model_type`` is not a registered family; the
@@ -444,14 +404,11 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         AlreadyPreparedError, TorchCompileError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
         BaseNotFrozenError, TrainableInBlockError, CheckpointingError, GuaranteeError: the gates
             (``docs/prepare.md`` lists each with its message).
-        ConfigError: ``resident_blocks`` names no block, or with ``vram_budget``; ``vram_budget``
-            without ``workload``, unparsable, or below the minimum the run needs (the message says
-            how much it needs); ``boundary_states`` not ``"device"`` or ``"host"``.
+        ConfigError: an unknown option (named, with the closest one) or an invalid value (see
+            ``StreamOptions``); ``resident_blocks`` naming no block of this model; ``vram_budget`` without
+            ``workload`` or below the minimum the run needs (the message says how much it needs).
     """
-    _check_budget_options(resident_blocks, vram_budget, workload)
-    check_boundary_states(boundary_states)
-    lora_placement_check(lora_placement)
-    graphs.check(cuda_graphs)
+    options = _options_of(options, keywords)
     _check_not_compiled(model)
     causal_lm = causal_lm_of(model)
     if getattr(causal_lm, "_poros_handle", None) is not None:
@@ -459,6 +416,30 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "
             "its unpatch() before preparing again."
         )
+    descriptor, layers, detection = _detect(model, causal_lm, options.require)
+    device = compute_device(causal_lm)
+    options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options)
+    return _stream(model, causal_lm, descriptor, layers, device, {"detection": detection, "budget_plan": budget_plan},
+                   options, resident, num_slots)
+
+
+prepare.__signature__ = inspect.Signature(  # the options by name, as prepare always took them
+    [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="nn.Module"),
+     inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="StreamOptions | None"),
+     *keyword_parameters()], return_annotation="PorosModel")
+
+
+def _options_of(options: Any, keywords: dict[str, Any]) -> StreamOptions:
+    """``options`` with ``keywords`` applied: the one object the rest of prepare reads."""
+    if options is not None and not isinstance(options, StreamOptions):
+        raise ConfigError(f"prepare(options={options!r}): expected a poros.StreamOptions (or None), e.g. "
+                          "options=StreamOptions(num_slots=2); or pass the options by name.")
+    return StreamOptions.from_keywords("prepare", **{**(options.to_dict() if options else {}), **keywords})
+
+
+def _detect(model: nn.Module, causal_lm: nn.Module, require: str | None):
+    """``(descriptor, decoder layers, Detection)``: the family, quantization, adapters and platform, every
+    gate that can refuse the model (nothing has moved yet), and the guarantee label ``require`` asks for."""
     descriptor = registry.for_config(causal_lm.config)
     registration = registry.registration(descriptor.name)
     if type(causal_lm).__name__ not in descriptor.causal_lm_classes:
@@ -473,8 +454,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     adapters, targets = _adapters(model, causal_lm)
     _check_frozen(model, layers)
     _check_checkpointing(layers)
-    device = compute_device(causal_lm)
-    platform, platform_class = platform_of(device)
+    platform, platform_class = platform_of(compute_device(causal_lm))
     deterministic = torch.are_deterministic_algorithms_enabled()
     label, reason = guarantee_label(descriptor.name, adapters, quantization, platform_class, deterministic)
     detection = Detection(descriptor.name, f"{registration.plugin} ({registration.provider})", quantization,
@@ -486,64 +466,83 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
             f"pass require={label!r} (or None) to accept it."
         )
     logger.info(detection.summary())
-    embeddings_on_host = choose_embeddings_on_host(embeddings_on_host, device)
+    return descriptor, layers, detection
+
+
+def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list[nn.Module], device: torch.device,
+          detection: Detection, options: StreamOptions):
+    """``(options, budget plan, resident block indices, slots)``: what is decided before anything moves --
+    the embedding tables' place, and with a ``vram_budget`` the planner's slots, resident blocks, boundary
+    states, AdamW state and LoRA placement (an explicit ``boundary_states`` stands). The options come back
+    with those choices filled in."""
+    on_host = choose_embeddings_on_host(options.embeddings_on_host, device)
     budget_plan = None
-    if vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
+    if options.vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
         from poros.stream.footprint import plan_for_model
 
-        budget_plan = plan_for_model(
-            causal_lm, layers, host_embedding_tables(causal_lm, descriptor), budget=vram_budget,
-            workload=_workload(workload), device=device,
-            compute_dtype=getattr(torch, compute_dtype, torch.float32), num_slots=num_slots or 2,
-            embeddings_on_host=embeddings_on_host, boundary_states=boundary_states,
-            optimizer_states=optimizer_states,  # data parallel: never chosen (see the refusal below)
-            lora_placement="device" if lora_placement == "auto" and world().size > 1 else lora_placement or "device",
-            cuda_graphs=graphs.enabled(cuda_graphs, device))
+        data_parallel = world().size > 1  # never chosen there (see the refusal below)
+        asked = options.replace(embeddings_on_host=on_host, cuda_graphs=graphs.enabled(options.cuda_graphs, device),
+                                lora_placement="device" if options.lora_placement == "auto" and data_parallel
+                                else options.lora_placement)
+        budget_plan = plan_for_model(causal_lm, layers, host_embedding_tables(causal_lm, descriptor), asked,
+                                     device=device, compute_dtype=getattr(torch, detection.compute_dtype, torch.float32))
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
-        embeddings_on_host = budget_plan.embeddings_on_host
-        boundary_states = boundary_states or budget_plan.boundary_states  # an explicit choice stands
-        lora_placement = budget_plan.lora_placement
+        on_host, lora = budget_plan.embeddings_on_host, budget_plan.lora_placement
     else:
-        resident, num_slots = _resident_indices(resident_blocks, len(layers)), num_slots or 2
-
-    if lora_placement == "host" and world().size > 1:
+        resident, num_slots = options.resident_indices(len(layers)), options.num_slots
+        lora = "host" if options.lora_placement == "host" else "device"  # "auto" without a budget: the device
+    if lora == "host" and world().size > 1:
         raise ConfigError(f"lora_placement='host' with {world().size} data-parallel ranks: the gradients are "
                           "averaged over the ranks on the device, and host-kept LoRA gradients are not supported "
                           "there yet. Use lora_placement='device' (or 'auto') for data parallel runs.")
-    # -- past the gates: now weights move --------------------------------------------------
+    planned_states = budget_plan.optimizer_states if budget_plan else None
+    decided = options.replace(
+        embeddings_on_host=on_host, lora_placement=lora,
+        boundary_states=options.boundary_states or (budget_plan.boundary_states if budget_plan else "device"),
+        optimizer_states=resolve_optimizer_states(options.optimizer_states, planned_states))
+    return decided, budget_plan, resident, num_slots
+
+
+def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list[nn.Module],
+            device: torch.device, found: dict[str, Any], options: StreamOptions, resident: tuple[int, ...],
+            num_slots: int) -> PorosModel:
+    """Past the gates: the blocks move into the store, the executor is built whole and installed, and
+    ``model`` becomes its streamed class. ``found``: the detection and the budget plan."""
+    chunked_loss = use_chunked_loss(causal_lm, options.loss_chunks) if options.loss_chunks > 1 else None
     restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
     for layer in layers:
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
-    host_plan, tier = _host_tier(causal_lm, layers, resident, host_tier, host_budget, read_ahead, cache_dir)
+    host_plan, tier = _host_tier(causal_lm, layers, resident, options)
+    options = options.replace(host_tier=host_plan.tier, read_ahead=host_plan.read_ahead or options.read_ahead)
     store = BlockStore(layers, device, num_slots=num_slots, resident=resident, host_tier=tier)
     host_tables = [HostEmbedding(table, device) for table in host_embedding_tables(causal_lm, descriptor)] \
-        if embeddings_on_host else []
+        if options.embeddings_on_host else []
     _share_host_tables(causal_lm, host_tables)
     ddp_ignored = getattr(model, DDP_IGNORE_ATTRIBUTE, None)  # restored by unpatch
     if host_tables:  # frozen tables on the host: out of DDP's sight (see host_parameter_names)
         setattr(model, DDP_IGNORE_ATTRIBUTE, sorted({*(ddp_ignored or ()),
                                                      *host_parameter_names(model, [t.module for t in host_tables])}))
-    executor = StreamingExecutor(causal_lm, descriptor, store)
-    executor.boundary_states = boundary_states or "device"
-    placement = LoraPlacement(store) if lora_placement == "host" else None  # None / "auto" without a budget: device
-    executor.before_forward = _runtime_gates(causal_lm, layers, placement)
-    if graphs.enabled(cuda_graphs, device):
-        executor.graphs = graphs.BlockGraphs(
-            store, executor.layers, unsafe=descriptor.graph_unsafe_reason(causal_lm.config.get_text_config()))
-    elif cuda_graphs is not False:
+    placement = LoraPlacement(store) if options.lora_placement == "host" else None
+    block_graphs = None
+    if graphs.enabled(options.cuda_graphs, device):
+        block_graphs = graphs.BlockGraphs(
+            store, resolve_path(causal_lm, descriptor.decoder_layers),
+            unsafe=descriptor.graph_unsafe_reason(causal_lm.config.get_text_config()))
+    elif options.cuda_graphs is not False:
         logger.info("cuda_graphs: off on %s (CUDA graphs exist on CUDA devices only); every block runs eagerly",
                     device)
+    executor = StreamingExecutor(causal_lm, descriptor, store, options, graphs=block_graphs,
+                                 before_forward=_runtime_gates(causal_lm, layers, placement))
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
     prepared = _become_streamed(model, {
-        "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
-        "host_tables": host_tables, "detection": detection, "budget_plan": budget_plan, "host_plan": host_plan,
-        "lora_placement": placement,
-        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored})
+        **found, "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
+        "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,
+        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     return prepared
 
@@ -567,9 +566,9 @@ def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -
                 parameter.data = shared
 
 
-def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable[int], host_tier: str | None,
-               host_budget: str | int | None, read_ahead: int | None, cache_dir: str | None):
-    """The host plan (``poros.loading.host_tiers.plan_host_tier``, as ``poros plan`` takes it) and the store's tier."""
+def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable[int], options: StreamOptions):
+    """The host plan and the store.s host tier object, for ``options.host_tier``,
+    ``host_budget``, ``read_ahead`` and ``cache_dir``."""
     from poros.loading import cache
     from poros.loading.host_tiers import DEFAULT_READ_AHEAD, plan_host_tier
     from poros.stream.store import packed_block_bytes
@@ -577,60 +576,15 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
 
     block_file = getattr(causal_lm, "poros_block_file", None)  # the NF4 block cache entry the blocks view
     # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy)
-    plan = plan_host_tier(packed_block_bytes(layers), resident, host_tier=host_tier, host_budget=host_budget,
-                          read_ahead=read_ahead, ranks_per_node=world().local_size, shared_file=block_file is not None)
+    plan = plan_host_tier(packed_block_bytes(layers), resident, host_tier=options.host_tier,
+                          host_budget=options.host_budget, read_ahead=options.read_ahead,
+                          ranks_per_node=world().local_size, shared_file=block_file is not None)
     if plan.notable:
         logger.info("poros: %s", plan.reason)
     tier = make_host_tier(plan.tier, block_file, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
-                          spill_dir=cache.cache_root(cache_dir) / "spill", chosen=host_tier is None,
+                          spill_dir=cache.cache_root(options.cache_dir) / "spill", chosen=options.host_tier is None,
                           held=plan.held_blocks)
     return plan, tier
-
-
-def _check_budget_options(resident_blocks: Any, vram_budget: Any, workload: Any) -> None:
-    if vram_budget is not None and resident_blocks is not None:
-        raise ConfigError(
-            f"prepare(resident_blocks={resident_blocks!r}, vram_budget={vram_budget!r}): the budget planner chooses "
-            "the resident blocks. Pass one of the two."
-        )
-    if vram_budget is not None and workload is None:
-        raise ConfigError(
-            f"prepare(vram_budget={vram_budget!r}) needs the step it plans for: the activations depend on it. Pass "
-            "workload={'seq_len': 512, 'batch_size': 1} (and 'grad_accum', 'schedule' when accumulating)."
-        )
-
-
-def _workload(workload: Any):
-    """A planner ``Workload`` from itself or a dict of its fields."""
-    from poros.stream.planner import Workload
-
-    if isinstance(workload, Workload):
-        return workload
-    if isinstance(workload, Mapping):
-        unknown = sorted(set(workload) - {"batch_size", "seq_len", "grad_accum", "schedule"})
-        if unknown:
-            raise ConfigError(f"workload has unknown keys {unknown}; expected batch_size, seq_len, grad_accum, "
-                              "schedule.")
-        return Workload(**workload)
-    raise ConfigError(f"workload={workload!r}: expected a poros.stream.planner.Workload or a dict of its fields, "
-                      "e.g. {'seq_len': 512, 'batch_size': 1}.")
-
-
-def _resident_indices(resident_blocks: int | Iterable[int] | None, count: int) -> tuple[int, ...]:
-    """``resident_blocks`` as block indices: an int N is the last N blocks."""
-    if resident_blocks is None:
-        return ()
-    if isinstance(resident_blocks, bool) or (isinstance(resident_blocks, int) and not 0 <= resident_blocks <= count):
-        raise ConfigError(f"resident_blocks={resident_blocks!r}: expected a number of blocks from 0 to {count} (the "
-                          f"last ones stay on the device) or a list of block indices.")
-    if isinstance(resident_blocks, int):
-        return tuple(range(count - resident_blocks, count))
-    indices = tuple(sorted(set(resident_blocks)))
-    wrong = [i for i in indices if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < count]
-    if wrong:
-        raise ConfigError(f"resident_blocks names {wrong}, not blocks of this model (indices 0..{count - 1}). Pass "
-                          "indices in that range, or an int N for the last N blocks.")
-    return indices
 
 
 def patch_hf_model(model: nn.Module, **options: Any) -> PorosModel:

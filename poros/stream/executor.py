@@ -40,15 +40,15 @@ Notable features:
   forward and backward, and autograd drives it. Layer-major (:meth:`StreamingExecutor.forward_backward`,
   for gradient accumulation over M micro-batches): every block is fetched once for the M forwards
   and once for the M backwards of an optimizer step, so it crosses the link twice instead of 2·M
-  times. HF still builds each micro-batch's context (a first call of the model stops after the
-  prelude) and computes its head and loss (a second call whose trunk returns the streamed hidden
-  states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
+  times. HF still builds each micro-batch's context (a first call of the model, the trunk in its
+  ``PRELUDE`` phase, stops after the prelude) and computes its head and loss (a second call, ``HEAD``:
+  the trunk returns the streamed hidden states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
   LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise the same.
 * **Without grad, HF's own loop.** A forward without grad (generation, evaluation) is never
   recomputed: the trunk's class ``forward`` runs with each layer a ``_StreamingLayer`` proxy
   (fetch, run with HF's arguments, release), so HF's KV cache and whatever the trunk does
   between layers work as in the resident model.
-* **CUDA graphs, optionally.** With ``self.graphs`` (``graphs.py``, ``cuda_graphs=True``), the block
+* **CUDA graphs, optionally.** With ``graphs`` (``graphs.py``, ``cuda_graphs=True``), the block
   phases :meth:`StreamingExecutor.forward_backward` drives replay graphs captured once per slot and
   block kind instead of launching each kernel from Python; a block that cannot be replayed runs the
   eager code below, unchanged. Blocks handed a carried mapping replay too: :meth:`carried_access` says,
@@ -59,8 +59,8 @@ Notable features:
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,6 +71,9 @@ from torch.utils import _pytree as pytree
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
 from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
+from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  # noqa: F401 (the last two re-exported)
+from poros.stream.layer_call import LayerCall
+from poros.stream.options import StreamOptions
 from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
 from poros.stream.stash import HostStash
 from poros.stream.store import BlockStore
@@ -80,15 +83,29 @@ from poros.stream.store import BlockStore
 # Capturing HF's own calls: recorders in place of the layers; what the streamed trunk returns.
 # ---------------------------------------------------------------------------------------------
 class _CaptureDone(Exception):
-    """Raised by the last recorder: the prelude is built, stop before the final norm."""
+    """Raised by the last recorder; carries nothing (the calls are in the recorders' list): it unwinds
+    HF's forward, the trunk's in a capture, the whole model's in layer-major's prelude phase."""
 
 
-class _PreludeDone(Exception):
-    """Raised by the streamed trunk in layer-major's first call: carries the captured prelude."""
+class Phase(enum.Enum):
+    """What the streamed trunk does when the model calls it."""
 
-    def __init__(self, step: "_Step") -> None:
-        super().__init__()
-        self.step = step
+    STREAM = "stream"  # every call but layer-major's: stream the blocks (HF's own loop without grad)
+    PRELUDE = "prelude"  # layer-major's first call per micro-batch: record HF's layer calls, run nothing else
+    HEAD = "head"  # layer-major's second call: the blocks already ran; return the final norm of their output
+
+
+@dataclass(frozen=True)
+class TrunkState:
+    """The streamed trunk's phase and what it carries: the executor's one switch (``forward_backward``
+    sets it for one call of the model, then it is :data:`STREAMING` again)."""
+
+    phase: Phase
+    calls: list | None = None  # PRELUDE: where the recorders put HF's layer calls
+    hidden: torch.Tensor | None = None  # HEAD: the last block's output, a leaf the head's backward fills
+
+
+STREAMING = TrunkState(Phase.STREAM)
 
 
 class _LayerRecorder(nn.Module):
@@ -153,76 +170,11 @@ def _swapped(parent: nn.Module, name: str, replacement: nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# One layer call, as HF made it, with the pieces the executor substitutes.
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class _LayerCall:
-    """A captured call, flattened: leaves (hidden states are leaf 0), where mappings / grad tensors sit."""
-
-    leaves: list[Any]
-    spec: Any
-    mapping_at: dict[int, str]  # leaf position -> carried mapping kwarg
-    grad_at: list[int]  # leaf positions of tensors that require grad (besides hidden states)
-
-    @classmethod
-    def from_capture(cls, args: tuple, kwargs: dict, mapping_kwargs: frozenset[str]) -> "_LayerCall":
-        # Carried mappings are pytree leaves: hide them from flattening by name.
-        mapping_values = {k: kwargs[k] for k in mapping_kwargs if k in kwargs}
-        plain_kwargs = {k: v for k, v in kwargs.items() if k not in mapping_values}
-        leaves, spec = pytree.tree_flatten((args, plain_kwargs, mapping_values), is_leaf=_is_mapping)
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise StreamingError(
-                "a decoder layer was called without hidden states as its first positional argument; "
-                "Poros streams layers that HF calls as layer(hidden_states, ...)."
-            )
-        mapping_at, grad_at = {}, []
-        for position, leaf in enumerate(leaves[1:], start=1):
-            if _is_mapping(leaf):
-                name = next((k for k, v in mapping_values.items() if v is leaf), None)
-                if name is None:
-                    raise StreamingError(
-                        f"a decoder layer receives a mutable mapping ({type(leaf).__name__}) that the descriptor "
-                        "does not declare. Declare it as CarriedState(kind='mapping') so its gradients cross blocks."
-                    )
-                mapping_at[position] = name
-            elif isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                grad_at.append(position)
-        return cls(leaves, spec, mapping_at, grad_at)
-
-    def build(self, hidden: torch.Tensor, grad_tensors=(), mappings: dict[str, Any] | None = None):
-        return self.unflatten(self.leaves_with(hidden, grad_tensors, mappings))
-
-    def leaves_with(self, hidden: torch.Tensor, grad_tensors=(), mappings: dict[str, Any] | None = None) -> list:
-        leaves = list(self.leaves)
-        leaves[0] = hidden
-        for position, tensor in zip(self.grad_at, grad_tensors):
-            leaves[position] = tensor
-        for position, name in self.mapping_at.items():
-            if mappings is not None:
-                leaves[position] = mappings[name]
-        return leaves
-
-    def unflatten(self, leaves: list):
-        args, kwargs, mapping_values = pytree.tree_unflatten(leaves, self.spec)
-        return args, {**kwargs, **mapping_values}
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return [self.leaves[p] for p in self.grad_at]
-
-    def mappings(self) -> dict[str, Any]:
-        return {name: self.leaves[p] for p, name in self.mapping_at.items()}
-
-
-def _is_mapping(value: Any) -> bool:
-    return isinstance(value, MutableMapping) and not isinstance(value, dict)
-
-
-# ---------------------------------------------------------------------------------------------
 # Per-forward state: captured calls, carried-mapping versions, pending gradients, RNG.
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class _Step:
-    calls: list[_LayerCall]
+    calls: list[LayerCall]
     # carried mappings: (kwarg, key) -> (writer index, value) as seen when each block started
     seen_at_entry: list[dict[tuple[str, Any], tuple[int, Any]]] = field(default_factory=list)
     written_by: dict[int, list[tuple[str, Any]]] = field(default_factory=dict)
@@ -233,16 +185,24 @@ class _Step:
 
 
 class StreamingExecutor:
-    """Runs a causal LM whose decoder blocks live in a :class:`BlockStore`.
+    """Runs a causal LM whose decoder blocks live in a :class:`BlockStore`; built whole (no part is set later).
 
     Args:
         causal_lm: the HF ``*ForCausalLM`` (PEFT's ``base_model.model`` when wrapped).
         descriptor: its family's descriptor.
         store: the block store holding the frozen tensors of ``descriptor.decoder_layers``.
+        options: the run's :class:`~poros.stream.options.StreamOptions` as ``prepare`` decided them; the
+            executor reads ``boundary_states`` (None: ``"device"``).
+        graphs: the block phases' CUDA graphs (``graphs.BlockGraphs``); None: every block runs eagerly
+            (CPU, ``cuda_graphs=False``).
+        before_forward: called with the trunk's kwargs before each streamed forward (prepare's runtime gates).
     """
 
-    def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore) -> None:
-        self.causal_lm, self.descriptor, self.store = causal_lm, descriptor, store
+    def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore,
+                 options: StreamOptions = StreamOptions(), *, graphs: Any = None,
+                 before_forward: Callable[[dict], None] | None = None) -> None:
+        self.causal_lm, self.descriptor, self.store, self.options = causal_lm, descriptor, store, options
+        self.graphs, self.before_forward = graphs, before_forward
         self.trunk = resolve_path(causal_lm, descriptor.text_model)
         # The trunk class's own forward, bound: HF's code, used to build each forward's context.
         self._trunk_class_forward = type(self.trunk).forward.__get__(self.trunk)
@@ -252,17 +212,15 @@ class StreamingExecutor:
         self.final_norm = resolve_path(causal_lm, descriptor.final_norm)
         self.mapping_kwargs = frozenset(c.kwarg for c in descriptor.carried_state if c.kind == "mapping")
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
-        #: called with the trunk's kwargs before each streamed forward (prepare's runtime gates)
-        self.before_forward: Callable[[dict], None] | None = None
-        self._stop_after_prelude = False  # layer-major phases (see forward_backward)
-        self._tail: torch.Tensor | None = None
-        #: layer-major: where the M x L boundary states wait for backward, "device" or "host" (pinned)
-        self.boundary_states = "device"
+        self._state = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
         self._stash_stream = None  # the host stash's side stream, made once
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
         self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
-        #: the block phases' CUDA graphs (``graphs.py``), None: every block runs eagerly (CPU, the default)
-        self.graphs = None
+
+    @property
+    def boundary_states(self) -> str:
+        """Layer-major: where the M x L boundary states wait for backward, ``"device"`` or ``"host"`` (pinned)."""
+        return self.options.boundary_states or "device"
 
     # -- installing ----------------------------------------------------------------------------
     @functools.cached_property
@@ -285,16 +243,18 @@ class StreamingExecutor:
 
     # -- the streamed trunk ----------------------------------------------------------------------
     def trunk_forward(self, *args, **kwargs) -> "_TrunkOutput":
-        if self._tail is not None:  # layer-major, second call: the blocks already ran
-            return _TrunkOutput(self.final_norm(self._tail))
+        state = self._state
+        if state.phase is Phase.HEAD:  # layer-major, second call: the blocks already ran
+            return _TrunkOutput(self.final_norm(state.hidden))
         if self.before_forward is not None:
             self.before_forward(kwargs)
-        if not torch.is_grad_enabled() and not self._stop_after_prelude:
+        if state.phase is Phase.STREAM and not torch.is_grad_enabled():
             return self._trunk_without_grad(*args, **kwargs)
         kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
+        if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
+            self._record(state.calls, *args, **kwargs)
+            self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
-        if self._stop_after_prelude:  # layer-major, first call: hand the prelude over, skip the rest
-            raise _PreludeDone(step)
         hidden = step.calls[0].leaves[0]
         last = len(self.layers) - 1
         for index in range(len(self.layers)):
@@ -336,21 +296,29 @@ class StreamingExecutor:
             return self._trunk_class_forward(*args, **kwargs)
 
     # -- prelude: HF's own code ----------------------------------------------------------------
-    def _capture(self, *args, **kwargs) -> _Step:
-        raw: list[tuple[tuple, dict]] = []
+    def _record(self, raw: list, *args, **kwargs) -> None:
+        """HF's trunk forward with recorders for the layers: each layer call goes into ``raw``, and the
+        last recorder raises :class:`_CaptureDone`."""
         count = len(self.layers)
         recorders = nn.ModuleList(_LayerRecorder(raw, last=i == count - 1) for i in range(count))
         with _swapped(self._layers_parent, self._layers_attr, recorders):
-            try:
-                self._trunk_class_forward(*args, **kwargs)
-            except _CaptureDone:
-                pass
+            self._trunk_class_forward(*args, **kwargs)
+
+    def _capture(self, *args, **kwargs) -> _Step:
+        raw: list[tuple[tuple, dict]] = []
+        with contextlib.suppress(_CaptureDone):
+            self._record(raw, *args, **kwargs)
+        return self._step_of(raw)
+
+    def _step_of(self, raw: list[tuple[tuple, dict]]) -> _Step:
+        """The per-forward state of HF's recorded layer calls (StreamingError: not one per layer)."""
+        count = len(self.layers)
         if len(raw) != count:
             raise StreamingError(
                 f"the model's forward called {len(raw)} of its {count} decoder layers; the descriptor's "
                 f"decoder_layers path {self.descriptor.decoder_layers!r} must name the list the forward loops over."
             )
-        return _Step(calls=[_LayerCall.from_capture(a, k, self.mapping_kwargs) for a, k in raw])
+        return _Step(calls=[LayerCall.from_capture(a, k, self.mapping_kwargs) for a, k in raw])
 
     # -- one block ---------------------------------------------------------------------------
     def _run_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors=(),
@@ -399,7 +367,7 @@ class StreamingExecutor:
                                    for c in self.descriptor.carried_state if c.kind == "mapping"}
         return self._access[index]
 
-    def _carried_at(self, index: int, call: _LayerCall) -> dict[int, CarriedAccess]:
+    def _carried_at(self, index: int, call: LayerCall) -> dict[int, CarriedAccess]:
         """The carried mappings among a call's leaves: leaf position -> the block's access to that mapping."""
         access = self.carried_access(index)
         return {position: access[name] for position, name in call.mapping_at.items()}
@@ -478,21 +446,12 @@ class StreamingExecutor:
             StreamingError: a dropout with p > 0 is active (its random draws would come in another
                 order than in ordinary accumulation; use the micro-major schedule).
         """
-        _check_no_dropout(self.causal_lm)
+        check_no_dropout(self.causal_lm)
         if not micro_batches:
             return []
         count, last = len(self.layers), len(self.layers) - 1
         # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
-        steps = []
-        for batch in micro_batches:
-            self._stop_after_prelude = True
-            try:
-                model_call(**batch)
-                raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
-            except _PreludeDone as done:
-                steps.append(done.step)
-            finally:
-                self._stop_after_prelude = False
+        steps = [self._prelude(model_call, batch) for batch in micro_batches]
         # 2. forward, block-major: each block fetched once for all micro-batches
         hidden = [step.calls[0].leaves[0] for step in steps]
         stash = None
@@ -517,11 +476,8 @@ class StreamingExecutor:
         losses, grad_hidden = [], []
         for batch, output in zip(micro_batches, hidden):
             leaf = output.detach().requires_grad_(True)
-            self._tail = leaf
-            try:
+            with self._switched(TrunkState(Phase.HEAD, hidden=leaf)):
                 loss = model_call(**batch).loss
-            finally:
-                self._tail = None
             loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
@@ -557,6 +513,25 @@ class StreamingExecutor:
                 torch.autograd.backward(roots, grads)
         return losses
 
+    @contextlib.contextmanager
+    def _switched(self, state: TrunkState):
+        """The trunk in ``state`` for the calls inside, streaming again after them."""
+        self._state = state
+        try:
+            yield
+        finally:
+            self._state = STREAMING
+
+    def _prelude(self, model_call: Callable[..., Any], batch: dict) -> _Step:
+        """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
+        records the layer calls; the last recorder's :class:`_CaptureDone` unwinds the model's forward, so
+        no block, head or loss runs."""
+        calls: list[tuple[tuple, dict]] = []
+        with self._switched(TrunkState(Phase.PRELUDE, calls=calls)), contextlib.suppress(_CaptureDone):
+            model_call(**batch)
+            raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
+        return self._step_of(calls)
+
     # -- carried mappings --------------------------------------------------------------------
     def _note_mapping_entry(self, step: _Step, index: int) -> None:
         """Record, for block ``index``, which version (writer index, value) of each entry it will see."""
@@ -573,7 +548,7 @@ class StreamingExecutor:
                     seen[(name, key)] = (writer, value)
         step.seen_at_entry.append(seen)
 
-    def _recompute_mappings(self, step: _Step, index: int, call: _LayerCall):
+    def _recompute_mappings(self, step: _Step, index: int, call: LayerCall):
         """Fresh mappings for a recompute: entries written by earlier blocks become grad leaves."""
         mappings, readers = {}, {}
         for name, original in call.mappings().items():
@@ -663,28 +638,3 @@ def _recording_use(layer: nn.Module, parameters: list[nn.Parameter], known: list
         for handle in handles:
             handle.remove()
         order.extend(p for p in parameters if id(p) not in seen)
-
-
-def dropout_modules(model: nn.Module) -> list[str]:
-    """Names of the dropouts with p > 0 in ``model`` (active in training mode): ``nn.Dropout`` modules,
-    and attention modules whose float ``attention_dropout`` HF passes to the attention kernel."""
-    return [name for name, module in model.named_modules() if dropout_p(module) > 0]
-
-
-def dropout_p(module: nn.Module) -> float:
-    """The drop probability ``module`` applies itself: ``nn.Dropout.p``, an attention's ``attention_dropout``."""
-    if isinstance(module, nn.Dropout):
-        return module.p
-    p = getattr(module, "attention_dropout", 0.0)
-    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
-
-
-def _check_no_dropout(model: nn.Module) -> None:
-    active = dropout_modules(model) if model.training else []
-    if active:
-        raise StreamingError(
-            f"layer-major accumulation with dropout active ({active[0]} p={dropout_p(model.get_submodule(active[0]))}"
-            f"{f' and {len(active) - 1} more' if len(active) > 1 else ''}): the random draws would come in another "
-            "order than in ordinary accumulation. Set lora_dropout=0 (and attention dropout 0), or use the "
-            "micro-major schedule."
-        )

@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from poros.stream.options import StreamOptions
 from poros.stream.placement import graph_reserve_bytes
 from poros.stream.planner import (
     CUDA_CONTEXT_BYTES,
@@ -251,24 +252,22 @@ def device_context_bytes(footprint: Footprint, device: Any, *, cuda_graphs: bool
     return context + (graph_reserve_bytes(footprint, num_slots) if cuda_graphs else 0)
 
 
-def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module], *,
-                   budget: str | int, workload: Workload, device: torch.device, compute_dtype: torch.dtype,
-                   num_slots: int = 2, embeddings_on_host: bool | None = None,
-                   boundary_states: str | None = None, optimizer_states: str = "auto",
-                   lora_placement: str = "device", cuda_graphs: bool = False) -> BudgetPlan:
-    """:func:`plan_budget` for a loaded model (what ``prepare(vram_budget=...)`` asks); no compute
-    times, so the plan fills the budget with resident blocks. With ``cuda_graphs`` the budget also
+def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module],
+                   options: StreamOptions, *, device: torch.device, compute_dtype: torch.dtype) -> BudgetPlan:
+    """:func:`plan_budget` for a loaded model and ``options`` (its ``vram_budget`` and ``workload``): what
+    ``prepare(vram_budget=...)`` asks; no compute times, so the plan fills the budget with resident
+    blocks. With ``options.cuda_graphs`` (prepare passes whether graphs run on its device) the budget also
     holds the graphs' pool and static buffers (``placement.graph_reserve_bytes``), beside the context.
 
     Raises:
-        ConfigError: an unparsable budget, or one below the minimum.
+        ConfigError: no workload, an unparsable budget, or one below the minimum.
     """
+    workload = options.budget_workload()
     footprint = footprint_of_model(causal_lm, layers, host_tables, workload, device=device,
                                    compute_dtype=compute_dtype)
-    context = device_context_bytes(footprint, device, cuda_graphs=cuda_graphs, num_slots=num_slots)
-    return plan_budget(footprint, workload, budget, num_slots=num_slots, embeddings_on_host=embeddings_on_host,
-                       context_bytes=context, boundary_states=boundary_states, optimizer_states=optimizer_states,
-                       lora_placement=lora_placement)
+    context = device_context_bytes(footprint, device, cuda_graphs=options.cuda_graphs is not False,
+                                   num_slots=options.num_slots)
+    return plan_budget(footprint, workload, options, context_bytes=context)
 
 
 __all__ = ["LOSS_BYTES_PER_LOGIT", "BlockShapes", "activation_bytes", "block_bytes", "device_context_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]

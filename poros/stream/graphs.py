@@ -68,6 +68,7 @@ from torch.utils import _pytree as pytree
 from poros.errors import ConfigError, StreamingError
 from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.executor import dropout_p
+from poros.stream.options import check_cuda_graphs as check  # the setting's one check, as graphs.check
 from poros.stream.replay import autocast_state, replayed_autocast
 
 #: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
@@ -77,12 +78,6 @@ WARMUP = 1
 #: keys, each with static buffers of its own; past this, new keys run eagerly ("graph limit")
 MAX_GRAPHS = 24
 _PLAIN = (int, float, str, bool, type(None))
-
-
-def check(value: Any) -> None:
-    """Raise unless ``value`` is a ``cuda_graphs`` setting (True, False or ``"auto"``)."""
-    if not (value is True or value is False or value == "auto"):
-        raise ConfigError(f"cuda_graphs={value!r}: expected true, false or 'auto' (graphs on when the device is CUDA).")
 
 
 def enabled(value: Any, device: torch.device) -> bool:

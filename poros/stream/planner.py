@@ -10,9 +10,9 @@ loaded model or a meta skeleton) and the shape of its step (:class:`Workload`) g
   parameters with their AdamW state. Checked against the H200 bench records (docs/results-h200.md;
   ``tests/test_planner.py`` holds them to 15 %). :func:`peak_upper_bound` adds the same parts
   all at once (the dry run's estimate).
-* **the step** (:func:`predict_step`): with per-block compute times (:class:`ComputeTimes`, from
-  :func:`poros.doctor.probe.probe_compute` or given) and the link bandwidth, a simulation of the
-  executor's copies and compute stage by stage.
+* **the step** (:func:`predict_step`, from :mod:`poros.stream.step_time`): with per-block compute
+  times (:class:`ComputeTimes`) and the link bandwidth, a simulation of the executor's copies and
+  compute stage by stage.
 * **the budget plan** (:func:`plan_budget`): embedding tables to the host, the slot ring, then as
   many resident blocks as fit, the last ones first; and the budget that takes the copy off the
   critical path.
@@ -24,6 +24,7 @@ loaded model or a meta skeleton) and the shape of its step (:class:`Workload`) g
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
@@ -31,7 +32,8 @@ from typing import Any, Iterable
 from poros.config import parse_budget
 from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
-from poros.stream.placement import check_boundary_states
+from poros.stream.options import SCHEDULES, StreamOptions, Workload
+from poros.stream.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
 from poros.stream.units import format_gb, human_bytes
 
 #: LoRA tensors are fp32 (PEFT upcasts adapters of a 4-bit base): parameter + gradient + AdamW exp_avg
@@ -46,40 +48,6 @@ CUDA_CONTEXT_BYTES = 512 * 2**20
 #: reserved minus allocated: the caching allocator's slack over the peak it serves, above what the H200
 #: runs with expandable_segments measured (docs/results-h200.md).
 ALLOCATOR_SLACK = 0.20
-
-SCHEDULES = ("micro-major", "layer-major")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The shape of one optimizer step, which sets the activations and the copies.
-
-    Args:
-        batch_size: examples per micro-batch.
-        seq_len: tokens per example.
-        grad_accum: micro-batches per optimizer step (M).
-        schedule: ``"micro-major"`` (every micro-batch streams every block: 2·M copies per block
-            per step) or ``"layer-major"`` (:meth:`~poros.dropin.model.PorosModel.forward_backward`: each
-            block once per direction for all M micro-batches, whose M x L boundary states stay on
-            the device).
-        loss_chunks: the loss over this many token chunks (``PorosConfig.loss_chunks``; 1: HF's).
-
-    Raises:
-        ConfigError: a size below 1 or an unknown schedule.
-    """
-
-    batch_size: int = 1
-    seq_len: int = 512
-    grad_accum: int = 1
-    schedule: str = "micro-major"
-    loss_chunks: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"Workload {name}={getattr(self, name)!r}: expected an integer >= 1.")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"Workload schedule={self.schedule!r}: expected one of {', '.join(SCHEDULES)}.")
 
 
 @dataclass(frozen=True)
@@ -109,30 +77,6 @@ class Footprint:
     @property
     def num_blocks(self) -> int:
         return len(self.block_bytes)
-
-
-@dataclass(frozen=True)
-class ComputeTimes:
-    """Seconds of compute for one micro-batch.
-
-    Attributes:
-        forward_s: per block, the no-grad forward.
-        backward_s: per block, the recompute with grad plus its backward.
-        head_s: final norm, head and loss, forward and backward.
-        optimizer_s: the optimizer step (once per step).
-        source: where the numbers come from, for the plan (``"probe on ..."``, ``"given"``...).
-    """
-
-    forward_s: tuple[float, ...]
-    backward_s: tuple[float, ...]
-    head_s: float = 0.0
-    optimizer_s: float = 0.0
-    source: str = "given"
-
-    @classmethod
-    def uniform(cls, num_blocks: int, forward_s: float, backward_s: float, head_s: float = 0.0,
-                optimizer_s: float = 0.0, source: str = "given") -> "ComputeTimes":
-        return cls((forward_s,) * num_blocks, (backward_s,) * num_blocks, head_s, optimizer_s, source)
 
 
 @dataclass(frozen=True)
@@ -248,135 +192,6 @@ def budget_for_peak(peak_bytes: int, *, context_bytes: int, slack: float) -> int
     return context_bytes + math.ceil(peak_bytes * (1 + slack))
 
 
-def copy_bytes_per_step(block_bytes: tuple[int, ...], workload: Workload, resident: Iterable[int] = ()) -> int:
-    """Host-to-device bytes of one optimizer step: each streamed block twice per pass (forward,
-    backward), the last block once when it streams (it stays on the device across the turn); M
-    passes micro-major, one layer-major."""
-    return sum(block_bytes[stage.block] for stage in _stages(len(block_bytes), workload, set(resident))
-               if stage.copy)
-
-
-@dataclass(frozen=True)
-class _Stage:
-    block: int | None  # None: the head and loss
-    forward: bool
-    copy: bool  # the block must be copied in before this stage computes
-    prefetched: bool  # the stage before it issues the copy (the executor prefetches one block ahead)
-    pass_start: bool  # the first block of a forward pass: nothing runs before it to hide its copy
-    keep: bool  # the block stays in its slot after this stage (the last block, across the turn)
-
-
-def _stages(num_blocks: int, workload: Workload, resident: set[int]) -> list[_Stage]:
-    """The executor's order of work in one optimizer step."""
-    last = num_blocks - 1
-    stages: list[_Stage] = []
-    for _ in range(workload.grad_accum if workload.schedule == "micro-major" else 1):
-        for i in range(num_blocks):
-            stages.append(_Stage(i, True, i not in resident, i > 0, i == 0, i == last and i not in resident))
-        stages.append(_Stage(None, True, False, False, False, False))
-        for i in range(last, -1, -1):
-            stages.append(_Stage(i, False, i not in resident and i != last, i != last, False, False))
-    return stages
-
-
-@dataclass(frozen=True)
-class StepPrediction:
-    """Predicted seconds of one optimizer step (a per-block pipeline model, see :func:`predict_step`)."""
-
-    step_s: float
-    compute_s: float  # every block's forward and backward, the head, the optimizer: M micro-batches
-    exposed_copy_s: float  # compute waiting for a copy, pass starts included
-    pass_start_copy_s: float  # the part at the start of a forward pass, which no resident set but
-    # the first block's can hide
-    copy_bound_stages: int  # stages (other than pass starts) that wait for their copy
-    copy_s: float  # the link busy time: copy bytes / link
-    forward_s: float
-    head_s: float
-    backward_s: float
-    optimizer_s: float
-    source: str
-
-    @property
-    def copy_hidden(self) -> bool:
-        """No stage but the pass starts waits for a copy: the copy is off the critical path."""
-        return self.copy_bound_stages == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "copy_hidden": self.copy_hidden}
-
-
-def predict_step(block_bytes: tuple[int, ...], workload: Workload, compute: ComputeTimes, link_bytes_per_s: float,
-                 *, resident: Iterable[int] = (), num_slots: int = 2) -> StepPrediction:
-    """Simulate one step's copies and compute, stage by stage, as the executor issues them.
-
-    A stage is one block's forward (layer-major: for all M micro-batches), the head and loss, or
-    one block's recompute and backward. A streamed block's copy starts when three things hold:
-    the executor has issued it (at the start of the stage before, which prefetches one block
-    ahead; at the stage itself at the start of a forward pass), the copy engine is free (one copy
-    at a time), and a slot is free (its previous block's compute is done; the last block keeps its
-    slot across the turn). A stage computes when the stage before it is done and its block is in.
-    With uniform blocks each stage is ``max(copy, compute)``: the copy is on the critical path
-    wherever it is the larger.
-
-    Raises:
-        ConfigError: compute times for another number of blocks, or a link that is not positive.
-    """
-    num_blocks = len(block_bytes)
-    if len(compute.forward_s) != num_blocks or len(compute.backward_s) != num_blocks:
-        raise ConfigError(f"compute times cover {len(compute.forward_s)} forward / {len(compute.backward_s)} backward "
-                          f"blocks; the model has {num_blocks}. Give one time per block (or ComputeTimes.uniform).")
-    if link_bytes_per_s <= 0:
-        raise ConfigError(f"link bandwidth {link_bytes_per_s!r} bytes/s: expected a positive number, e.g. "
-                          "--link-gb-per-s 25.")
-    resident = set(resident)
-    scale = workload.grad_accum if workload.schedule == "layer-major" else 1
-    slots = max(1, min(num_slots, num_blocks - len(resident)))
-    slot_free = [0.0] * slots
-    kept_slot: int | None = None
-    clock = copy_engine_free = previous_start = 0.0
-    waits = pass_start_waits = 0.0
-    copy_bound = 0
-    totals = {"forward": 0.0, "head": 0.0, "backward": 0.0}
-    for stage in _stages(num_blocks, workload, resident):
-        if stage.block is None:
-            seconds, kind = compute.head_s * scale, "head"
-        elif stage.forward:
-            seconds, kind = compute.forward_s[stage.block] * scale, "forward"
-        else:
-            seconds, kind = compute.backward_s[stage.block] * scale, "backward"
-        ready = clock
-        slot = None
-        if stage.copy:
-            slot = min(range(slots), key=slot_free.__getitem__)
-            issued = previous_start if stage.prefetched else clock
-            copy_start = max(issued, copy_engine_free, slot_free[slot])
-            copy_engine_free = ready = copy_start + block_bytes[stage.block] / link_bytes_per_s
-        start = max(clock, ready)
-        wait = start - clock
-        if wait > 1e-12:
-            if stage.pass_start:
-                pass_start_waits += wait
-            else:
-                copy_bound += 1
-            waits += wait
-        clock = start + seconds
-        totals[kind] += clock - start + wait
-        previous_start = start
-        if slot is not None:
-            if stage.keep:
-                slot_free[slot], kept_slot = math.inf, slot
-            else:
-                slot_free[slot] = clock
-        if kept_slot is not None and stage.block == num_blocks - 1 and not stage.forward:
-            slot_free[kept_slot], kept_slot = clock, None
-    compute_s = clock - waits + compute.optimizer_s
-    copy_s = copy_bytes_per_step(block_bytes, workload, resident) / link_bytes_per_s
-    return StepPrediction(step_s=clock + compute.optimizer_s, compute_s=compute_s, exposed_copy_s=waits,
-                          pass_start_copy_s=pass_start_waits, copy_bound_stages=copy_bound, copy_s=copy_s,
-                          forward_s=totals["forward"], head_s=totals["head"], backward_s=totals["backward"],
-                          optimizer_s=compute.optimizer_s, source=compute.source)
-
-
 @dataclass(frozen=True)
 class BudgetPlan:
     """What the planner decided for a VRAM budget, and what it predicts.
@@ -471,138 +286,208 @@ def _fits_plan(footprint: Footprint, workload: Workload, resident: int, slots: i
     return peak, budget_for_peak(peak.total, context_bytes=context_bytes, slack=slack)
 
 
-def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, num_slots: int = 2,
-                embeddings_on_host: bool | None = None, compute: ComputeTimes | None = None,
-                link_bytes_per_s: float | None = None, context_bytes: int = 0,
-                slack: float = ALLOCATOR_SLACK, boundary_states: str | None = None,
-                optimizer_states: str = "device", lora_placement: str = "device") -> BudgetPlan:
-    """Decide slots, resident blocks, embedding and boundary-state placement for ``budget``;
+@dataclass(frozen=True)
+class _Sizing:
+    """What a plan needs of the budget, with the embedding, AdamW-state and LoRA placements fixed."""
+
+    footprint: Footprint
+    workload: Workload
+    on_host: bool  # the embedding tables
+    context_bytes: int
+    slack: float
+    optimizer_on_host: bool = False
+    lora_on_host: bool = False
+
+    @property
+    def layer_major(self) -> bool:
+        return self.workload.schedule == "layer-major"
+
+    def peak(self, resident: int, slots: int, boundary_on_host: bool) -> tuple[PeakBreakdown, int]:
+        """The peak, and the budget it needs, with the last ``resident`` blocks resident and ``slots`` slots."""
+        return _fits_plan(self.footprint, self.workload, resident, slots, self.on_host, self.context_bytes,
+                          self.slack, boundary_on_host, self.optimizer_on_host, self.lora_on_host)
+
+    def needed(self, resident: int, slots: int, boundary_on_host: bool) -> int:
+        return self.peak(resident, slots, boundary_on_host)[1]
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """Where layer-major's boundary states wait, and the minimum budgets of either place."""
+
+    offload: bool  # on the host
+    automatic: bool  # the planner put them there (the budget cannot hold them beside the ring)
+    device_minimum: int
+    offload_minimum: int
+    accepted_minimum: int  # the smallest budget this plan accepts
+
+
+def _choose_states(sizing: _Sizing, options: StreamOptions, budget_bytes: int) -> tuple[_Sizing, str]:
+    """AdamW's state and the streamed blocks' LoRA tensors: where ``options`` say; under ``"auto"`` the
+    host only when the ring asked for does not fit with them on the device, nothing resident and the
+    boundary states wherever they may go (see ``adamw_states.choose``)."""
+    places = {"device": (False,), "host": (True,)}.get(options.boundary_states, (False, sizing.layer_major))
+    states = adamw_states.choose(options.optimizer_states, lambda: any(
+        sizing.needed(0, options.num_slots, boundary) <= budget_bytes for boundary in places))
+    sizing = dataclasses.replace(sizing, optimizer_on_host=states == "host")
+    lora = adamw_states.choose_lora(options.lora_placement, states, sizing.layer_major, lambda: any(
+        sizing.needed(0, options.num_slots, boundary) <= budget_bytes for boundary in places))
+    return dataclasses.replace(sizing, lora_on_host=lora == "host"), states
+
+
+def _choose_boundary(sizing: _Sizing, options: StreamOptions, budget_bytes: int) -> _Boundary:
+    """To the host only when no plan with the ring asked for fits with them on the device, and the
+    host plan does fit -- with the ring, or at all where the device cannot hold even one slot -- and
+    then with no resident block (so a bigger budget never keeps fewer blocks resident); or when asked."""
+    layer_major, asked, ring = sizing.layer_major, options.boundary_states, options.num_slots
+    device_minimum = sizing.needed(0, 1, False)
+    offload_minimum = sizing.needed(0, 1, True) if layer_major else device_minimum
+    automatic = asked is None and layer_major and offload_minimum <= budget_bytes and not any(
+        sizing.needed(k, ring, False) <= budget_bytes for k in range(sizing.footprint.num_blocks + 1)) and (
+        sizing.needed(0, ring, True) <= budget_bytes or device_minimum > budget_bytes)
+    return _Boundary(offload=layer_major and (automatic or asked == "host"), automatic=automatic,
+                     device_minimum=device_minimum, offload_minimum=offload_minimum,
+                     accepted_minimum=_accepted_minimum(device_minimum, offload_minimum, layer_major, asked))
+
+
+def _refuse_below_minimum(sizing: _Sizing, options: StreamOptions, budget_bytes: int, boundary: _Boundary) -> None:
+    """Raise when no plan fits, naming the placement that reaches the smallest budget.
+
+    Raises:
+        ConfigError: the budget, the minimum, and what the minimum's peak is made of.
+    """
+    if budget_bytes >= boundary.accepted_minimum:
+        return
+    workload, asked = sizing.workload, options.boundary_states
+    host = sizing.layer_major and (asked == "host" or (asked is None
+                                                       and boundary.offload_minimum < boundary.device_minimum))
+    minimum_peak, minimum = sizing.peak(0, 1, host)
+    pipelined = sizing.needed(0, options.num_slots, host)
+    where = " (boundary states on the host)" if host else ""
+    other = (f" With the boundary states on the host it would need {format_gb(boundary.offload_minimum)}."
+             if asked == "device" and sizing.layer_major and boundary.offload_minimum < boundary.device_minimum
+             else "")
+    parts = ", ".join(f"{name} {format_gb(n)}" for name, n in (*minimum_peak.persistent, *minimum_peak.transient) if n)
+    raise ConfigError(
+        f"VRAM budget {format_gb(budget_bytes)} is below the minimum for this run: it needs at least "
+        f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block"
+        f"{', embeddings on the host' if sizing.on_host else ''}{where}), {format_gb(pipelined)} with "
+        f"{options.num_slots} slots. Predicted peak {format_gb(minimum_peak.total)} at the {minimum_peak.phase}: "
+        f"{parts}; plus {format_gb(sizing.context_bytes)} context and {sizing.slack:.0%} allocator slack.{other} "
+        f"Raise the budget to at least {format_gb(minimum)}, or shrink the activations (seq_len, batch_size"
+        f"{', or micro-major accumulation' if sizing.layer_major and workload.grad_accum > 1 else ''})."
+    )
+
+
+def _ring_and_resident(sizing: _Sizing, options: StreamOptions, budget_bytes: int,
+                       boundary: _Boundary) -> tuple[int, int]:
+    """``(slots, resident blocks)``. The ring first: a second slot overlaps every copy, a resident block
+    saves one. So resident blocks only with the ring asked for (as many slots as blocks still stream,
+    at most); without room for it, fewer slots and nothing resident. A bigger budget never means fewer
+    resident blocks (so an automatic host placement, boundary or AdamW state, keeps none). The budget
+    is filled: a block resident beyond the ones that hide the copy still saves its copies (and a
+    smaller choice could need more memory: a resident block can take less than a slot)."""
+    automatic_host = boundary.automatic or (sizing.optimizer_on_host and options.optimizer_states == "auto") or (
+        sizing.lora_on_host and options.lora_placement == "auto")
+    fitting = [k for k in range(sizing.footprint.num_blocks + 1)
+               if sizing.needed(k, options.num_slots, boundary.offload) <= budget_bytes and not (automatic_host and k)]
+    slots = options.num_slots
+    while not fitting and slots > 1 and sizing.needed(0, slots, boundary.offload) > budget_bytes:
+        slots -= 1
+    return slots, max(fitting, default=0)
+
+
+def _hiding_copy(sizing: _Sizing, options: StreamOptions, boundary: _Boundary, compute: ComputeTimes,
+                 link_bytes_per_s: float) -> tuple[int, int, int, StepPrediction]:
+    """``(resident, budget, peak, step)`` of the fewest resident blocks (the last ones) that take the
+    copy off the critical path with the ring asked for, whatever this budget holds. Resident blocks
+    come with the states on the device unless asked otherwise (an automatic host placement keeps
+    none), so that is the placement the hiding budget is priced in."""
+    blocks = sizing.footprint.num_blocks
+
+    def step_for(resident: int) -> StepPrediction:
+        return predict_step(sizing.footprint.block_bytes, sizing.workload, compute, link_bytes_per_s,
+                            resident=range(blocks - resident, blocks), num_slots=options.num_slots)
+
+    resident = next(k for k in range(blocks + 1) if step_for(k).copy_hidden)
+    peak, needed = sizing.peak(resident, options.num_slots, boundary.offload and not boundary.automatic)
+    return resident, needed, peak.total, step_for(resident)
+
+
+def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions, *,
+                compute: ComputeTimes | None = None, link_bytes_per_s: float | None = None, context_bytes: int = 0,
+                slack: float = ALLOCATOR_SLACK) -> BudgetPlan:
+    """Decide slots, resident blocks, embedding and boundary-state placement for ``options.vram_budget``;
     predict peak and step.
 
     Rules: embedding tables go to the host (only the looked-up rows cross the link) unless
-    ``embeddings_on_host=False``; layer-major's M x L boundary states go to the host when the
-    budget cannot hold them beside the ring asked for (``boundary_states`` forces either); the
-    ring gets ``num_slots`` slots, fewer only when the budget cannot hold them (with 1 slot every
-    copy waits); the rest of the budget makes blocks resident, the last ones first (the last of
-    forward are the first of backward). With compute times it also finds the fewest resident
+    ``options.embeddings_on_host`` is False; layer-major's M x L boundary states go to the host when the
+    budget cannot hold them beside the ring asked for (``options.boundary_states`` forces either); the
+    ring gets ``options.num_slots`` slots, fewer only when the budget cannot hold them (with 1 slot
+    every copy waits); the rest of the budget makes blocks resident, the last ones first (the last of
+    forward are the first of backward). AdamW's state and the LoRA tensors go where
+    ``options.optimizer_states`` / ``options.lora_placement`` say (``"auto"``: the host only when the
+    ring does not fit with them on the device). With compute times it also finds the fewest resident
     blocks that take the copy off the critical path, and the budget they need.
 
     Args:
         footprint: the model's bytes and the run's activations.
         workload: the step's shape.
-        budget: device memory the process may use: ``"7GiB"``, ``"24GB"``, an int of bytes.
-        num_slots: the ring size asked for (2: one block computes while the next arrives).
+        options: the run's :class:`~poros.stream.options.StreamOptions`; ``vram_budget`` (``"7GiB"``,
+            ``"24GB"``, an int of bytes) is the device memory the process may use.
         compute, link_bytes_per_s: for the step-time prediction (both, or neither).
         context_bytes: memory outside PyTorch's allocator (:data:`CUDA_CONTEXT_BYTES` on CUDA, 0 on CPU).
         slack: allocator slack, a fraction of the peak.
-        boundary_states: ``"device"`` or ``"host"`` to force where layer-major keeps its boundary
-            states; None lets the budget decide.
-        optimizer_states: ``"device"`` (torch.optim.AdamW), ``"host"`` (``HostAdamW``) or ``"auto"``
-            (the host only when the ring does not fit with it on the device; ``PorosConfig.optimizer_states``).
-        lora_placement: ``"device"``, ``"host"`` or ``"auto"`` (with the state on the host and layer-major,
-            the host only when the ring does not fit with them on the device; ``PorosConfig.lora_placement``).
 
     Raises:
-        ConfigError: an unparsable budget, or a budget below the minimum (the message names the
-            minimum and what the peak is made of).
+        ConfigError: no budget, or a budget below the minimum (the message names the minimum and what
+            the peak is made of); ``lora_placement="host"`` without AdamW's state on the host and
+            layer-major.
     """
-    budget_bytes = parse_budget(budget)
-    if num_slots < 1:
-        raise ConfigError(f"num_slots={num_slots}: expected an integer >= 1 (2 overlaps copy and compute).")
-    check_boundary_states(boundary_states)
-    adamw_states.check(optimizer_states)
-    blocks = footprint.num_blocks
-    on_host = embeddings_on_host is not False and footprint.host_embedding_bytes > 0
-
-    layer_major = workload.schedule == "layer-major"
-    # 'auto': the host only when the ring asked for does not fit (see adamw_states.choose)
-    boundary_placements = {"device": (False,), "host": (True,)}.get(boundary_states, (False, layer_major))
-    states = adamw_states.choose(optimizer_states, lambda: any(
-        _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, boundary)[1] <= budget_bytes
-        for boundary in boundary_placements))
-    optimizer_on_host = states == "host"
-    lora_on_host = adamw_states.choose_lora(lora_placement, states, layer_major, lambda: any(
-        _fits_plan(footprint, workload, 0, num_slots, on_host, context_bytes, slack, boundary, optimizer_on_host)[1]
-        <= budget_bytes for boundary in boundary_placements)) == "host"
-
-    def sized(resident: int, slots: int, host: bool) -> tuple[PeakBreakdown, int]:
-        return _fits_plan(footprint, workload, resident, slots, on_host, context_bytes, slack, host,
-                          optimizer_on_host, lora_on_host)
-
-    def fits(resident: int, slots: int, host: bool) -> int:
-        return sized(resident, slots, host)[1]
-
-    device_minimum = fits(0, 1, False)
-    offload_minimum = fits(0, 1, True) if layer_major else device_minimum
-    accepted_minimum = _accepted_minimum(device_minimum, offload_minimum, layer_major, boundary_states)
-    # To the host only when no plan with the ring asked for fits with them on the device, and the
-    # host plan does fit -- with the ring, or at all where the device cannot hold even one slot --
-    # and then with no resident block (so a bigger budget never keeps fewer blocks resident); or
-    # when asked.
-    auto_host = boundary_states is None and layer_major and offload_minimum <= budget_bytes and not any(
-        fits(k, num_slots, False) <= budget_bytes for k in range(blocks + 1)) and (
-        fits(0, num_slots, True) <= budget_bytes or device_minimum > budget_bytes)
-    offload = layer_major and (auto_host or boundary_states == "host")
-
-    def needs(resident: int, slots: int) -> tuple[PeakBreakdown, int]:
-        return sized(resident, slots, offload)
-
-    pipelined = needs(0, num_slots)[1]
-    boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if layer_major else 1)
-    if budget_bytes < accepted_minimum:  # name the placement that reaches the smallest budget
-        host = layer_major and (boundary_states == "host"
-                                or (boundary_states is None and offload_minimum < device_minimum))
-        minimum_peak, minimum = sized(0, 1, host)
-        pipelined = fits(0, num_slots, host)
-        where = " (boundary states on the host)" if host else ""
-        other = (f" With the boundary states on the host it would need {format_gb(offload_minimum)}."
-                 if boundary_states == "device" and layer_major and offload_minimum < device_minimum else "")
-        parts = ", ".join(f"{name} {format_gb(n)}" for name, n in (*minimum_peak.persistent, *minimum_peak.transient)
-                          if n)
-        raise ConfigError(
-            f"VRAM budget {format_gb(budget_bytes)} is below the minimum for this run: it needs at least "
-            f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block"
-            f"{', embeddings on the host' if on_host else ''}{where}), {format_gb(pipelined)} with {num_slots} slots. "
-            f"Predicted peak {format_gb(minimum_peak.total)} at the {minimum_peak.phase}: {parts}; plus "
-            f"{format_gb(context_bytes)} context and {slack:.0%} allocator slack.{other} Raise the budget to at "
-            f"least {format_gb(minimum)}, or shrink the activations (seq_len, batch_size"
-            f"{', or micro-major accumulation' if workload.schedule == 'layer-major' and workload.grad_accum > 1 else ''})."
-        )
-    # The ring first: a second slot overlaps every copy, a resident block saves one. So resident
-    # blocks only with the ring asked for (as many slots as blocks still stream, at most); without
-    # room for it, fewer slots and nothing resident. A bigger budget never means fewer resident blocks
-    # (so an automatic host placement, boundary or AdamW state, keeps none).
-    automatic_host = auto_host or (optimizer_on_host and optimizer_states == "auto") or (
-        lora_on_host and lora_placement == "auto")
-    fitting = [k for k in range(blocks + 1) if needs(k, num_slots)[1] <= budget_bytes and not (automatic_host and k)]
-    slots, most = num_slots, max(fitting, default=0)
-    while not fitting and slots > 1 and needs(0, slots)[1] > budget_bytes:
-        slots -= 1
-    hide_resident = hide_bytes = hide_peak = hide_step = None
+    if options.vram_budget is None:
+        raise ConfigError("plan_budget got options without a vram_budget; expected the device memory to plan for. "
+                          "Pass e.g. StreamOptions(vram_budget='12GiB').")
+    budget_bytes = parse_budget(options.vram_budget)
+    on_host = options.embeddings_on_host is not False and footprint.host_embedding_bytes > 0
+    sizing, states = _choose_states(_Sizing(footprint, workload, on_host, context_bytes, slack), options,
+                                    budget_bytes)
+    boundary = _choose_boundary(sizing, options, budget_bytes)
+    _refuse_below_minimum(sizing, options, budget_bytes, boundary)
+    slots, resident = _ring_and_resident(sizing, options, budget_bytes, boundary)
     timed = compute is not None and link_bytes_per_s is not None
+    hiding = _hiding_copy(sizing, options, boundary, compute, link_bytes_per_s) if timed else (None,) * 4
+    blocks = footprint.num_blocks
+    resident_blocks = tuple(range(blocks - resident, blocks))
+    peak, needed = sizing.peak(resident, slots, boundary.offload)
+    step = predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s, resident=resident_blocks,
+                        num_slots=slots) if timed else None
+    boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if sizing.layer_major else 1)
+    notes = _notes(sizing, options, budget_bytes, boundary, slots, resident, hiding[0], compute, link_bytes_per_s)
+    return BudgetPlan(
+        budget_bytes=budget_bytes, context_bytes=context_bytes, slack=slack, workload=workload, num_blocks=blocks,
+        block_bytes=footprint.block_bytes, requested_slots=options.num_slots, num_slots=min(slots, blocks - resident),
+        resident_blocks=resident_blocks, embeddings_on_host=on_host,
+        boundary_states="host" if boundary.offload else "device", peak=peak, needed_bytes=needed,
+        copy_bytes_per_step=copy_bytes_per_step(footprint.block_bytes, workload, resident_blocks),
+        link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=boundary.accepted_minimum,
+        pipelined_minimum_bytes=sizing.needed(0, options.num_slots, boundary.offload), boundary_bytes=boundary_total,
+        boundary_offload_minimum_bytes=boundary.offload_minimum, hide_copy_resident=hiding[0],
+        hide_copy_bytes=hiding[1], hide_copy_peak_bytes=hiding[2], hide_copy_step=hiding[3], notes=tuple(notes),
+        optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device")
 
-    def step_for(resident: int, ring: int) -> StepPrediction:
-        return predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s,
-                            resident=range(blocks - resident, blocks), num_slots=ring)
 
-    if timed:  # with the ring asked for, whatever this budget holds
-        hide_resident = next(k for k in range(blocks + 1) if step_for(k, num_slots).copy_hidden)
-        # resident blocks come with the states on the device unless asked otherwise (an automatic
-        # host placement keeps none), so that is the placement the hiding budget is priced in
-        hide_peak, hide_bytes = sized(hide_resident, num_slots, offload and not auto_host)
-        hide_peak = hide_peak.total
-        hide_step = step_for(hide_resident, num_slots)
-    # Fill the budget: a block resident beyond the ones that hide the copy still saves its copies
-    # (and a smaller choice could need more memory: a resident block can take less than a slot).
-    resident = most
-    peak, needed = needs(resident, slots)
-    streamed = blocks - resident
-    step = step_for(resident, slots) if timed else None
-
+def _notes(sizing: _Sizing, options: StreamOptions, budget_bytes: int, boundary: _Boundary, slots: int,
+           resident: int, hide_resident: int | None, compute: ComputeTimes | None,
+           link_bytes_per_s: float | None) -> list[str]:
+    """The plan's decisions, in words."""
+    footprint, workload, num_slots = sizing.footprint, sizing.workload, options.num_slots
+    blocks, streamed = footprint.num_blocks, footprint.num_blocks - resident
+    boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if sizing.layer_major else 1)
     notes = []
     if slots < num_slots:
         notes.append(f"{slots} device slot instead of {num_slots}: {format_gb(budget_bytes)} cannot hold a second "
-                     f"one ({format_gb(pipelined)} needed), so every copy waits for the compute before it.")
+                     f"one ({format_gb(sizing.needed(0, num_slots, boundary.offload))} needed), so every copy waits "
+                     "for the compute before it.")
     if resident:
         hidden = ("" if hide_resident is None else
                   f"; {hide_resident} already take the copy off the critical path" if hide_resident <= resident else
@@ -614,49 +499,38 @@ def plan_budget(footprint: Footprint, workload: Workload, budget: str | int, *, 
                      if hide_resident != 0 else "no resident block: the copy is already off the critical path.")
     if footprint.host_embedding_bytes:
         notes.append(f"embedding tables on the host ({format_gb(footprint.host_embedding_bytes)} not on the device; "
-                     "only the looked-up rows cross the link)" if on_host else
+                     "only the looked-up rows cross the link)" if sizing.on_host else
                      f"embedding tables on the device ({format_gb(footprint.host_embedding_bytes)}): "
                      "embeddings_on_host is off (its default off CUDA)")
-    if offload:
+    if boundary.offload:
         notes.append(f"boundary states on the host ({format_gb(boundary_total)} in pinned memory; on the device only "
                      "the prelude's and the ones in flight) " + (
                          f"because the budget cannot hold them beside {num_slots} slots "
-                         f"({format_gb(fits(0, num_slots, False))} needed), so no block is resident"
-                         if auto_host else "as asked")
+                         f"({format_gb(sizing.needed(0, num_slots, False))} needed), so no block is resident"
+                         if boundary.automatic else "as asked")
                      + f"; their copies (2 x {format_gb(boundary_total)} per step, half each way) are not in the step "
                        "prediction")
-    elif layer_major:
+    elif sizing.layer_major:
         notes.append(f"boundary states on the device ({format_gb(boundary_total)})"
-                     + (f"; with them on the host the minimum budget is {format_gb(offload_minimum)}"
-                        if offload_minimum < device_minimum else ""))
+                     + (f"; with them on the host the minimum budget is {format_gb(boundary.offload_minimum)}"
+                        if boundary.offload_minimum < boundary.device_minimum else ""))
     else:
         notes.append(f"boundary states on the device ({format_gb(boundary_total)}, saved by autograd)")
-    if timed and hide_resident:
-        hint = _layer_major_hint(footprint, workload, compute, link_bytes_per_s, num_slots, on_host, context_bytes,
-                                 slack)
+    if hide_resident:
+        hint = _layer_major_hint(footprint, workload, compute, link_bytes_per_s, num_slots, sizing.on_host,
+                                 sizing.context_bytes, sizing.slack)
         if hint:
             notes.append(hint)
-    if optimizer_on_host:
+    if sizing.optimizer_on_host:
         notes.append(adamw_states.host_note(format_gb(2 * footprint.lora_parameter_bytes),
-                                            asked=optimizer_states == "host", num_slots=num_slots))
-    if lora_on_host and streamed:  # nothing streams: nothing travels
+                                            asked=options.optimizer_states == "host", num_slots=num_slots))
+    if sizing.lora_on_host and streamed:  # nothing streams: nothing travels
         notes.append(adamw_states.lora_note(format_gb(footprint.lora_parameter_bytes // blocks * streamed),
-                                            asked=lora_placement == "host"))
+                                            asked=options.lora_placement == "host"))
     notes.append("the head stays on the device (streaming the head is not implemented)")
     if streamed == 0:
         notes.append("every block is resident: nothing streams")
-    return BudgetPlan(
-        budget_bytes=budget_bytes, context_bytes=context_bytes, slack=slack, workload=workload, num_blocks=blocks,
-        block_bytes=footprint.block_bytes, requested_slots=num_slots, num_slots=min(slots, streamed),
-        resident_blocks=tuple(range(blocks - resident, blocks)), embeddings_on_host=on_host,
-        boundary_states="host" if offload else "device", peak=peak,
-        needed_bytes=needed, copy_bytes_per_step=copy_bytes_per_step(footprint.block_bytes, workload,
-                                                                      range(blocks - resident, blocks)),
-        link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=accepted_minimum, pipelined_minimum_bytes=pipelined,
-        boundary_bytes=boundary_total, boundary_offload_minimum_bytes=offload_minimum,
-        hide_copy_resident=hide_resident, hide_copy_bytes=hide_bytes, hide_copy_peak_bytes=hide_peak,
-        hide_copy_step=hide_step, notes=tuple(notes), optimizer_states=states,
-        lora_placement="host" if lora_on_host and streamed else "device")
+    return notes
 
 
 def _layer_major_hint(footprint: Footprint, workload: Workload, compute: ComputeTimes, link_bytes_per_s: float,

@@ -35,6 +35,7 @@ from poros.stream.footprint import (
     tensor_bytes,
 )
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
+from poros.stream.options import StreamOptions
 from poros.stream.planner import (
     CUDA_WORKSPACE_BYTES,
     LORA_BYTES_PER_PARAMETER,
@@ -304,10 +305,9 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
     on_host = embeddings_on_host(config.embeddings_on_host, device)
     context = device_context_bytes(footprint, device, cuda_graphs=graphs.enabled(config.cuda_graphs, device),
                                    num_slots=config.num_slots)
-    budget_plan = plan_budget(
-        footprint, workload, budget, num_slots=config.num_slots, embeddings_on_host=on_host, compute=compute,
-        link_bytes_per_s=link, context_bytes=context,
-        optimizer_states=config.optimizer_states, lora_placement=config.lora_placement)
+    stream_options = StreamOptions.from_config(config, vram_budget=budget, embeddings_on_host=on_host, workload=workload)
+    budget_plan = plan_budget(footprint, workload, stream_options, compute=compute, link_bytes_per_s=link,
+                              context_bytes=context)
     # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
     # the same from the loaded model's entry)
     host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks, host_tier=config.host_tier,

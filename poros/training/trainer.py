@@ -146,6 +146,7 @@ class PorosTrainer:
         from poros.loading.cache import cache_root
         from poros.loading.load import adapters_to_device, load_pretrained
         from poros.dropin.model import prepare
+        from poros.stream.options import StreamOptions
 
         config.validate()
         tracking.check_installed(config.report_to)  # before the model loads
@@ -168,22 +169,9 @@ class PorosTrainer:
         torch.manual_seed(config.seed)
         peft_model = peft.get_peft_model(loaded.model, lora_config)
         adapters_to_device(peft_model, loaded.device)  # PEFT puts block adapters beside their host base layer
-        workload = None
-        if config.vram_budget is not None:
-            from poros.stream.planner import Workload
-
-            workload = Workload(config.batch_size, config.seq_len, config.grad_accum,
-                                stream_schedule(config, peft_model), config.loss_chunks)
-        model = prepare(peft_model, num_slots=config.num_slots, embeddings_on_host=config.embeddings_on_host,
-                        require=config.require, vram_budget=config.vram_budget, workload=workload,
-                        optimizer_states=config.optimizer_states, lora_placement=config.lora_placement,
-                        host_tier=config.host_tier,
-                        host_budget=config.host_budget, read_ahead=config.read_ahead, cache_dir=config.cache_dir,
-                        cuda_graphs=config.cuda_graphs)
+        options = StreamOptions.from_config(config, schedule=stream_schedule(config, peft_model))
+        model = prepare(peft_model, options=options)  # loss_chunks > 1: prepare installs the chunked loss
         if config.loss_chunks > 1:
-            from poros.stream.chunked_loss import use_chunked_loss
-
-            use_chunked_loss(model, config.loss_chunks)
             echo(f"poros: loss_chunks={config.loss_chunks}: the loss is computed over {config.loss_chunks} token "
                   "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
                   "default loss")
