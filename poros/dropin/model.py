@@ -201,11 +201,14 @@ class Detection:
     deterministic: bool
     guarantee: str
     reason: str
+    prequantized: bool = False  # the base was loaded from a pre-quantized (bnb-4bit) checkpoint
 
     def summary(self) -> str:
+        base = (f"pre-quantized ({self.quantization}{', double quant' if self.double_quant else ''})"
+                if self.prequantized else f"{self.quantization}{' + double quant' if self.double_quant else ''}")
         return "\n".join([
             f"poros: family {self.family} ({self.provider})",
-            f"poros: base {self.quantization}{' + double quant' if self.double_quant else ''}, "
+            f"poros: base {base}, "
             f"compute {self.compute_dtype}; adapters {', '.join(self.adapters) or 'none'} on "
             f"{', '.join(self.targets) or '-'}",
             f"poros: platform {self.platform} ({self.platform_class}), deterministic algorithms "
@@ -473,13 +476,15 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     adapters, targets = _adapters(model, causal_lm)
     _check_frozen(model, layers)
     _check_checkpointing(layers)
-    device = compute_device(causal_lm)
+    # poros.from_pretrained keeps the blocks (and so PEFT their adapters) on the host and names the device
+    device = getattr(causal_lm, "poros_compute_device", None) or compute_device(causal_lm)
     platform, platform_class = platform_of(device)
     deterministic = torch.are_deterministic_algorithms_enabled()
     label, reason = guarantee_label(descriptor.name, adapters, quantization, platform_class, deterministic)
     detection = Detection(descriptor.name, f"{registration.plugin} ({registration.provider})", quantization,
                           double_quant, compute_dtype, adapters, targets, platform, platform_class,
-                          deterministic, label, reason)
+                          deterministic, label, reason,
+                          prequantized=bool(getattr(getattr(causal_lm, "hf_quantizer", None), "pre_quantized", False)))
     if require is not None and LABEL_STRENGTH[label] < LABEL_STRENGTH[require]:
         raise GuaranteeError(
             f"prepare(require={require!r}) but this run is {label!r}: {reason}. Meet the condition, or "
@@ -512,6 +517,10 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
                           "averaged over the ranks on the device, and host-kept LoRA gradients are not supported "
                           "there yet. Use lora_placement='device' (or 'auto') for data parallel runs.")
     # -- past the gates: now weights move --------------------------------------------------
+    if device.type != "cpu":
+        from poros.loading.load import adapters_to_device
+
+        adapters_to_device(model, device)  # a no-op unless PEFT put adapters beside host-kept base layers
     restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
     for layer in layers:
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
