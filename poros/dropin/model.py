@@ -527,6 +527,8 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
     host_plan, tier = _host_tier(causal_lm, layers, resident, host_tier, host_budget, read_ahead, cache_dir)
+    blocks_on_device = any(p.device.type == "cuda" and not p.requires_grad for layer in layers
+                           for p in layer.parameters())
     store = BlockStore(layers, device, num_slots=num_slots, resident=resident, host_tier=tier)
     host_tables = [HostEmbedding(table, device) for table in host_embedding_tables(causal_lm, descriptor)] \
         if embeddings_on_host else []
@@ -548,6 +550,11 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
+        if blocks_on_device:  # loaded onto the card: the rest shares the load's one big segment with them
+            from poros.loading.host_blocks import release_stranded_segments
+
+            logger.info("poros: device segments after moving the blocks off: %s",
+                        release_stranded_segments(model, layers, device))
     prepared = _become_streamed(model, {
         "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "detection": detection, "budget_plan": budget_plan, "host_plan": host_plan,

@@ -121,4 +121,73 @@ def from_pretrained(name_or_path: str | os.PathLike, *args: Any, **from_pretrain
     return loaded
 
 
-__all__ = ["COMPUTE_DEVICE_ATTRIBUTE", "from_pretrained"]
+def _quant_state_tensors(state):
+    """``(owner, attribute)`` of every tensor of a bitsandbytes QuantState, nested state included."""
+    import torch
+
+    while state is not None:
+        for name in ("absmax", "code", "offset"):
+            if isinstance(getattr(state, name, None), torch.Tensor):
+                yield state, name
+        state = getattr(state, "state2", None)
+
+
+def release_stranded_segments(model, layers, device) -> dict[str, int]:
+    """Give back the device segments that still hold a few live tensors after the blocks moved off.
+
+    A model loaded onto the device the plain way sits in one segment the size of the model
+    (transformers' ``caching_allocator_warmup`` reserves it up front). Once the blocks are in host
+    memory, the embeddings, the head and the adapters still live in that segment, so
+    ``torch.cuda.empty_cache`` cannot return it: the card stays reserved for the whole model. This moves
+    every device tensor the modules hold outside the streamed blocks' frozen tensors (parameters,
+    buffers, a 4-bit weight's quantization state; the adapters) to the host, empties the cache -- the
+    big segment is free now and goes back to the driver -- and moves them back into segments of their
+    own size. Values and ``Parameter`` objects are unchanged (``.data`` is swapped; a buffer is replaced
+    by its copy); the block store's slots and resident buffers were allocated on their own and stay.
+
+    Returns:
+        ``{"reserved_before": ..., "reserved_after": ..., "moved_bytes": ...}`` (bytes).
+    """
+    import torch
+
+    in_blocks = {id(p) for layer in layers for p in layer.parameters() if not p.requires_grad}
+    in_blocks |= {id(b) for layer in layers for b in layer.buffers()}
+    seen: set[int] = set()
+    moves = []  # (kind, owner, attribute, host copy)
+    for module in model.modules():
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or id(tensor) in seen or id(tensor) in in_blocks or tensor.device != device:
+                continue
+            seen.add(id(tensor))
+            if name in module._parameters:
+                moves.append(("param", tensor, None, tensor.data.to("cpu", copy=True)))
+                for state, attribute in _quant_state_tensors(getattr(tensor, "quant_state", None)):
+                    moves.append(("attribute", state, attribute, getattr(state, attribute).to("cpu", copy=True)))
+            else:
+                moves.append(("buffer", module, name, tensor.to("cpu", copy=True)))
+    reserved_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    for kind, owner, attribute, host in moves:  # let go of every device copy ...
+        if kind == "param":
+            owner.data = host
+        elif kind == "buffer":
+            owner._buffers[attribute] = host
+        else:
+            setattr(owner, attribute, host)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # ... so the segments they shared with the blocks are free now
+    for kind, owner, attribute, host in moves:  # and back, into segments of their own size
+        if kind == "param":
+            owner.data = host.to(device, copy=True)
+        elif kind == "buffer":
+            moved = host.to(device, copy=True)
+            if hasattr(host, "_is_hf_initialized"):
+                moved._is_hf_initialized = host._is_hf_initialized
+            owner._buffers[attribute] = moved
+        else:
+            setattr(owner, attribute, host.to(device, copy=True))
+    return {"reserved_before": reserved_before,
+            "reserved_after": torch.cuda.memory_reserved(device) if device.type == "cuda" else 0,
+            "moved_bytes": sum(host.numel() * host.element_size() for *_, host in moves)}
+
+
+__all__ = ["COMPUTE_DEVICE_ATTRIBUTE", "from_pretrained", "release_stranded_segments"]

@@ -212,11 +212,5 @@ def check_tensors(weight_files: list[pathlib.Path], prequantized: Prequantized, 
     return shapes
 
 
-def unpacked_weights_without_state(headers_shapes: dict[str, list[int]], packed: set[str]) -> list[str]:
-    """Weights stored ``[n, 1]`` (packed) that have no quant state: loaded as they are they would be garbage."""
-    return sorted(key for key, shape in headers_shapes.items()
-                  if key.endswith(".weight") and key not in packed and len(shape) == 2 and shape[1] == 1)
-
-
 __all__ = ["COMPANIONS", "NESTED_COMPANIONS", "Prequantized", "QUANT_TYPES", "check_tensors",
            "quantization_config_of", "read_prequantized"]
