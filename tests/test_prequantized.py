@@ -292,3 +292,21 @@ def test_releasing_the_loads_segment_keeps_every_value_and_parameter(tmp_path):
     assert all(tensor.data_ptr() != before[name] for name, tensor in streamed.named_parameters() if name in before)
     losses, optimizer = train_adamw(streamed, streamed.trainable_parameters(), BATCHES)
     assert_bitwise_training(reference, streamed, expected, losses, expected_optimizer, optimizer)
+
+
+def test_the_gpu_measurement_tool_dry_runs_on_the_cpu(tmp_path, repo_root, child_env):
+    """``tools/prequant_bench.py`` at the tiny shape: ``poros quantize``, then the drop-in through
+    ``poros.from_pretrained`` and HF Trainer, and the plain load then prepare, each in its own process."""
+    import subprocess
+    import sys
+
+    report_file = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "tools.prequant_bench", "--model", "tiny", "--layers", "2", "--device",
+                    "cpu", "--seq", "16", "--grad-accum", "1", "--steps", "1", "--threads", "1", "--arms",
+                    "quantize,dropin,stranded", "--dir", str(tmp_path / "work"), "--json", str(report_file)],
+                   check=True, cwd=repo_root, env=child_env(), capture_output=True)
+    report = json.loads(report_file.read_text())
+    assert report["quantize"]["double_quant"] and report["quantize"]["blocks"] == 2
+    assert report["dropin"]["fits"] and len(report["dropin"]["losses"]) == 1
+    assert "pre-quantized (nf4, double quant)" in report["dropin"]["detection"]
+    assert report["stranded"]["slot_bytes"] > 0

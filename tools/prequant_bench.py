@@ -16,8 +16,8 @@ holds a 72B-shape bf16 checkpoint only in part) this writes a random bf16 checkp
   bnb-4bit checkpoint: its packed bytes read straight to the host, no quantize pass) and
   ``prequantized_warm`` (again, its pages still cached). Each row: ``load_s``, ``lora_s``,
   ``prepare_s``, ``start_s``, ``first_step_s``, ``through_first_step_s``, the launch-relative ones,
-  and the device's peak during the load (``load_max_allocated_bytes``: the blocks of a bnb-4bit load
-  never visit the device).
+  and the device's peak from the load through ``prepare`` (``start_max_allocated_bytes``: the blocks of
+  a bnb-4bit load never visit the device).
 * ``dropin``: ``poros.from_pretrained(BNB, dtype=bf16, device_map={"": 0})`` + ``get_peft_model`` (LoRA
   r16 on the seven projections) + ``poros.prepare`` + HF ``Trainer`` (``--steps`` steps, batch 1 x
   ``--seq`` tokens, ``--grad-accum``) with ``torch.cuda.set_per_process_memory_fraction`` capping the
@@ -113,13 +113,13 @@ def start_child(args, device: torch.device, config, work: Path) -> dict:
     began = time.perf_counter()
     streamed, optimizer, phases = cache_bench.start(checkpoint, config, device, args, cache_dir=cache_dir, tier=None)
     started, began_at = time.perf_counter() - began, time.time()
-    load_peak = memory(device)
+    start_peak = memory(device)
     first = cache_bench.step(streamed, optimizer, micro_batches, device)
     row = {"tier": streamed.host_plan.tier,
            "imports_s": args.imported_at - args.launched_at if args.launched_at else None,
            **phases, "start_s": started, "first_step_s": first,
            "through_first_step_s": started + first, "first_step_began_at": began_at, "first_step_done_at": time.time(),
-           "load_max_allocated_bytes": load_peak["max_allocated"], "detection": streamed.detection.summary()}
+           "start_max_allocated_bytes": start_peak["max_allocated"], "detection": streamed.detection.summary()}
     cache_bench.close_tier(streamed)
     return row
 

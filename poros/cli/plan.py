@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             compute = probe.probe_compute(
                 text_config, workload, device, compute_dtype=getattr(torch, config.compute_dtype),
-                quant_type=config.quantization, double_quant=config.double_quant,
+                quant_type=plan.quantization, double_quant=plan.double_quant,  # a bnb-4bit checkpoint: its own
                 attn_implementation=config.attn_implementation, lora_rank=config.lora_rank,
                 lora_alpha=config.lora_alpha, target_modules=config.target_modules,
                 lora_parameters=plan.lora_parameters)
