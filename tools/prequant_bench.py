@@ -230,11 +230,17 @@ def main(argv=None) -> int:
                               "grad_accum": args.grad_accum, "arms": arms}
     t0 = time.perf_counter()
 
-    def progress(what: str) -> None:
-        print(f"prequant_bench: {time.perf_counter() - t0:7.1f} s  {what}", file=sys.stderr, flush=True)
+    def write(partial: bool) -> str:
+        """The report so far as JSON, also to ``--json`` (a run stopped at its limit keeps what it measured)."""
+        text = json.dumps({**report, "partial": True} if partial else report, indent=1, default=str)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({**report, "partial": True}, indent=1, default=str) + "\n")
+            Path(args.json).write_text(text + "\n")
+        return text
+
+    def progress(what: str) -> None:
+        print(f"prequant_bench: {time.perf_counter() - t0:7.1f} s  {what}", file=sys.stderr, flush=True)
+        write(partial=True)
 
     try:
         if not checkpoint.exists():
@@ -263,11 +269,7 @@ def main(argv=None) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(report, indent=1, default=str)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    print(write(partial=False))
     return 0
 
 

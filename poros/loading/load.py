@@ -19,8 +19,14 @@ resident reference loads. Two things differ, both around that machinery, never i
   text config is loaded into the family's causal LM with the text keys renamed, the vision keys are
   left unread, and a load that leaves any weight uninitialised is an error, not a warning.
 
+* **Pre-quantized checkpoints load as they are.** A ``*-bnb-4bit`` checkpoint (``quantization_config``
+  in its ``config.json``, :mod:`poros.loading.prequantized`) holds the packed bytes the store streams:
+  transformers unpacks them (no quantize pass, no bf16), each block tensor is read from the shard
+  straight into host memory, and nothing is cached (the checkpoint is the packed blocks).
+
 Before any weight is read, the checkpoint is checked: config present and of a registered family,
-every shard of the index present, safetensors (pickle ``.bin`` only with ``allow_pickle=True``).
+every shard of the index present, safetensors (pickle ``.bin`` only with ``allow_pickle=True``), and
+for a pre-quantized one every tensor its 4-bit weights need.
 """
 
 from __future__ import annotations

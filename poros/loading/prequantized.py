@@ -64,12 +64,6 @@ class Prequantized:
         """``pre-quantized (nf4, double quant)``: the words the load and the detection line use."""
         return f"pre-quantized ({self.quant_type}{', double quant' if self.double_quant else ''})"
 
-    def bnb_config(self):
-        """The checkpoint's ``transformers.BitsAndBytesConfig``."""
-        import transformers
-
-        return transformers.BitsAndBytesConfig.from_dict(dict(self.config))
-
     def quantized_linears(self, model) -> dict[str, Any]:
         """The linears of ``model`` (a meta skeleton) stored 4-bit in this checkpoint, by name: transformers'
         own rule (``replace_with_bnb_linear``) with this checkpoint's ``llm_int8_skip_modules``."""
