@@ -29,6 +29,7 @@ _LAZY = {
     "prepare_trainer": "poros.dropin.integrations",
     "PorosTrainer": "poros.training.trainer",
     "prepare": "poros.dropin.model",
+    "from_pretrained": "poros.loading.host_blocks",
     "patch_hf_model": "poros.dropin.model",
     "registry": "poros.registry",
     "errors": "poros.errors",

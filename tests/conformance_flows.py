@@ -196,14 +196,14 @@ def sft_dataset(seed: int):
     return Dataset.from_list([{"text": text} for text in texts(12, seed=seed)])
 
 
-def run_sft(checkpoint, output_dir, line: str | None) -> dict:
+def run_sft(checkpoint, output_dir, line: str | None, model=None) -> dict:
     """TRL's SFT flow; ``line``: None (plain), ``"prepare_trainer"`` (after construction) or ``"callback"``
-    (PorosCallback)."""
+    (PorosCallback); ``model``: the base to train (default: ``load(checkpoint)``, the recipes' QLoRA load)."""
     import trl
 
     import poros
 
-    model = load(checkpoint, peft_wrap=False)
+    model = load(checkpoint, peft_wrap=False) if model is None else model
     args = trl.SFTConfig(
         output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         per_device_eval_batch_size=2, learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1,

@@ -13,13 +13,16 @@
 #   DEVICE=cpu tools/gpu_run.sh gate:tiny bench:tiny:steps=2:warmup=1     # dry run without a GPU
 #   DEVICE=cpu tools/gpu_run.sh doctor:quick doctor:model=poros-tiny-qwen3:vram-budget=2GiB
 #   tools/gpu_run.sh cache:qwen2.5-32b:layers=4 cache:qwen2.5-72b:layers=4:host-budget-gib=1
+#   tools/gpu_run.sh prequant:qwen2.5-72b:layers=8:cap-gib=8     # poros quantize, bnb-4bit starts, the drop-in at 8 GiB
 #   tools/gpu_run.sh gate:cuda-graphs:no-diagnose:grad-accum=2:schedule=layer-major:steps=4        # graphs' gate
 #   tools/gpu_run.sh bench:qwen2.5-72b:cuda-graphs:schedule=layer-major:deterministic:profile:arms=resident,poros-device,poros
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
 # --model SHAPE: poros merge RAM/time and poros generate tokens/s), `cache:SHAPE` (tools/cache_bench.py
-# --model SHAPE: NF4 block cache start times and host tiers), `load` (tools/load_check.py), `eval`
+# --model SHAPE: NF4 block cache start times and host tiers), `prequant:SHAPE` (tools/prequant_bench.py
+# --model SHAPE: poros quantize, starts from a bnb-4bit checkpoint, the drop-in under a cap), `load`
+# (tools/load_check.py), `eval`
 # (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
 # (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
 # `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds) or `ddp`
@@ -154,6 +157,11 @@ main() {
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.cache_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"}) ;;
+      prequant)
+        model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.prequant_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")

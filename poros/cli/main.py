@@ -26,6 +26,7 @@ SUBCOMMANDS = (
     "poros.cli.plugins",
     "poros.cli.doctor",
     "poros.cli.cache",
+    "poros.cli.quantize",
 )
 
 EPILOG = """\

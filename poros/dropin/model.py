@@ -207,11 +207,14 @@ class Detection:
     deterministic: bool
     guarantee: str
     reason: str
+    prequantized: bool = False  # the base was loaded from a pre-quantized (bnb-4bit) checkpoint
 
     def summary(self) -> str:
+        base = (f"pre-quantized ({self.quantization}{', double quant' if self.double_quant else ''})"
+                if self.prequantized else f"{self.quantization}{' + double quant' if self.double_quant else ''}")
         return "\n".join([
             f"poros: family {self.family} ({self.provider})",
-            f"poros: base {self.quantization}{' + double quant' if self.double_quant else ''}, "
+            f"poros: base {base}, "
             f"compute {self.compute_dtype}; adapters {', '.join(self.adapters) or 'none'} on "
             f"{', '.join(self.targets) or '-'}",
             f"poros: platform {self.platform} ({self.platform_class}), deterministic algorithms "
@@ -417,7 +420,7 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
             "its unpatch() before preparing again."
         )
     descriptor, layers, detection = _detect(model, causal_lm, options.require)
-    device = compute_device(causal_lm)
+    device = getattr(causal_lm, "poros_compute_device", None) or compute_device(causal_lm)  # poros.from_pretrained's mark
     options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options)
     return _stream(model, causal_lm, descriptor, layers, device, {"detection": detection, "budget_plan": budget_plan},
                    options, resident, num_slots)
@@ -454,12 +457,15 @@ def _detect(model: nn.Module, causal_lm: nn.Module, require: str | None):
     adapters, targets = _adapters(model, causal_lm)
     _check_frozen(model, layers)
     _check_checkpointing(layers)
-    platform, platform_class = platform_of(compute_device(causal_lm))
+    # poros.from_pretrained keeps the blocks (and so PEFT their adapters) on the host and names the device
+    device = getattr(causal_lm, "poros_compute_device", None) or compute_device(causal_lm)
+    platform, platform_class = platform_of(device)
     deterministic = torch.are_deterministic_algorithms_enabled()
     label, reason = guarantee_label(descriptor.name, adapters, quantization, platform_class, deterministic)
     detection = Detection(descriptor.name, f"{registration.plugin} ({registration.provider})", quantization,
                           double_quant, compute_dtype, adapters, targets, platform, platform_class,
-                          deterministic, label, reason)
+                          deterministic, label, reason,
+                          prequantized=bool(getattr(getattr(causal_lm, "hf_quantizer", None), "pre_quantized", False)))
     if require is not None and LABEL_STRENGTH[label] < LABEL_STRENGTH[require]:
         raise GuaranteeError(
             f"prepare(require={require!r}) but this run is {label!r}: {reason}. Meet the condition, or "
@@ -510,6 +516,10 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     """Past the gates: the blocks move into the store, the executor is built whole and installed, and
     ``model`` becomes its streamed class. ``found``: the detection and the budget plan."""
     chunked_loss = use_chunked_loss(causal_lm, options.loss_chunks) if options.loss_chunks > 1 else None
+    if device.type != "cpu":
+        from poros.loading.load import adapters_to_device
+
+        adapters_to_device(model, device)  # a no-op unless PEFT put adapters beside host-kept base layers
     restore_flags = [(layer, bool(getattr(layer, "gradient_checkpointing", False))) for layer in layers]
     for layer in layers:
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
@@ -517,6 +527,8 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
             layer.gradient_checkpointing = False
     host_plan, tier = _host_tier(causal_lm, layers, resident, options)
     options = options.replace(host_tier=host_plan.tier, read_ahead=host_plan.read_ahead or options.read_ahead)
+    blocks_on_device = any(p.device.type == "cuda" and not p.requires_grad for layer in layers
+                           for p in layer.parameters())
     store = BlockStore(layers, device, num_slots=num_slots, resident=resident, host_tier=tier)
     host_tables = [HostEmbedding(table, device) for table in host_embedding_tables(causal_lm, descriptor)] \
         if options.embeddings_on_host else []
@@ -539,6 +551,11 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back
+        if blocks_on_device:  # loaded onto the card: the rest shares the load's one big segment with them
+            from poros.loading.host_blocks import release_stranded_segments
+
+            logger.info("poros: device segments after moving the blocks off: %s",
+                        release_stranded_segments(model, layers, device))
     prepared = _become_streamed(model, {
         **found, "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,

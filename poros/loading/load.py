@@ -19,8 +19,14 @@ resident reference loads. Two things differ, both around that machinery, never i
   text config is loaded into the family's causal LM with the text keys renamed, the vision keys are
   left unread, and a load that leaves any weight uninitialised is an error, not a warning.
 
+* **Pre-quantized checkpoints load as they are.** A ``*-bnb-4bit`` checkpoint (``quantization_config``
+  in its ``config.json``, :mod:`poros.loading.prequantized`) holds the packed bytes the store streams:
+  transformers unpacks them (no quantize pass, no bf16), each block tensor is read from the shard
+  straight into host memory, and nothing is cached (the checkpoint is the packed blocks).
+
 Before any weight is read, the checkpoint is checked: config present and of a registered family,
-every shard of the index present, safetensors (pickle ``.bin`` only with ``allow_pickle=True``).
+every shard of the index present, safetensors (pickle ``.bin`` only with ``allow_pickle=True``), and
+for a pre-quantized one every tensor its 4-bit weights need.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch import nn
 from poros.descriptor import ArchitectureDescriptor
 from poros.devices import resolve_device
 from poros.errors import CheckpointLoadError
+from poros.loading.prequantized import Prequantized, check_tensors, read_prequantized
 
 logger = logging.getLogger("poros")
 
@@ -70,6 +77,8 @@ class CheckpointInfo:
     weight_format: str  # "safetensors" or "pickle"
     multimodal: bool
     has_tokenizer: bool
+    #: a pre-quantized bitsandbytes 4-bit checkpoint's quantization (``poros.loading.prequantized``), else None
+    prequantized: Prequantized | None = None
 
     @property
     def key_mapping(self) -> dict[str, str] | None:
@@ -173,19 +182,27 @@ def read_config(path: pathlib.Path) -> tuple[Any, Any]:
 def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool = False) -> CheckpointInfo:
     """Check a checkpoint directory without reading weights: config, family, shards, format, tokenizer.
 
+    A checkpoint whose ``config.json`` holds a ``quantization_config`` is pre-quantized
+    (:mod:`poros.loading.prequantized`): only bitsandbytes 4-bit (nf4/fp4) is accepted, and the text
+    config of a multimodal one gets the quantization config too (the text tower loads pre-quantized).
+
     Raises:
         CheckpointLoadError: no or unreadable ``config.json``; an index naming a shard that is missing;
-            no weights; only pickle weights without ``allow_pickle=True``.
+            no weights; only pickle weights without ``allow_pickle=True``; a quantization Poros does not
+            stream (another method, 8-bit, a 4-bit type other than nf4/fp4).
         UnknownArchitectureError: no registered family claims the config's ``model_type``.
     """
     from poros import registry
 
     config, text_config = read_config(path)
     descriptor = registry.for_config(text_config)  # UnknownArchitectureError lists the known families
+    prequantized = read_prequantized(config, path)
+    if prequantized is not None and getattr(text_config, "quantization_config", None) is None:
+        text_config.quantization_config = dict(prequantized.config)  # the text tower loads it as the VLM would
     weight_format, weight_files = _weight_files(path, allow_pickle)
     has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
     return CheckpointInfo(path, config, text_config, descriptor, weight_files, weight_format,
-                          multimodal=text_config is not config, has_tokenizer=has_tokenizer)
+                          multimodal=text_config is not config, has_tokenizer=has_tokenizer, prequantized=prequantized)
 
 
 def _weight_files(path: pathlib.Path, allow_pickle: bool) -> tuple[str, list[pathlib.Path]]:
@@ -252,7 +269,14 @@ def load_pretrained(
         cache_dir: the NF4 block cache root (``docs/cache-and-host-memory.md``): the first load writes
             the packed blocks there, later loads map them instead of reading and quantizing the
             checkpoint's block weights. None: no cache (every load quantizes). The blocks of the
-            returned model are then views of the mapped entry (``model.poros_block_file``).
+            returned model are then views of the mapped entry (``model.poros_block_file``). A
+            pre-quantized checkpoint already holds the packed blocks: it is read as it is, never cached.
+
+    A pre-quantized bitsandbytes 4-bit checkpoint (a ``*-bnb-4bit`` repo: ``quantization_config`` in its
+    ``config.json``) loads its packed bytes as they are -- no quantize pass, no bf16 copy -- with the
+    checkpoint's own quant type, double quantization and skipped modules (``quantization`` and
+    ``double_quant`` are then not used; a different ``quantization`` is logged). Its decoder-block tensors
+    are read straight into host memory: they never visit the device.
 
     Raises:
         CheckpointLoadError: see :func:`inspect_checkpoint`; a weight the checkpoint does not provide
@@ -268,23 +292,28 @@ def load_pretrained(
     device = resolve_device(device or None, with_index=True)
     path = resolve_checkpoint(name_or_path, revision=revision)
     info = inspect_checkpoint(path, allow_pickle=allow_pickle)
-    quantization_config = transformers.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_use_double_quant=double_quant,
-    )
+    prequantized = info.prequantized
+    if prequantized is None:
+        quantization_config = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=compute_dtype,
+            bnb_4bit_use_double_quant=double_quant,
+        )
+    else:  # the checkpoint's own config decides; passing one would only make transformers warn
+        quantization_config = None
+        _note_checkpoint_quantization(info, quantization)
     extra: dict[str, Any] = {}
     if attn_implementation is not None:
         extra["attn_implementation"] = attn_implementation
     if info.multimodal:
         extra["key_mapping"] = info.key_mapping
-    _check_shapes(info)
+    check_shapes(info)
     blocks_prefix = info.descriptor.decoder_layers + "."
     move = device.type != "cpu" or _blocks_to_host_on_cpu
 
     def load(skip_blocks=contextlib.nullcontext()):
         # On CPU the blocks are already on the host; tests pass _blocks_to_host_on_cpu=True to run the
         # CUDA path's moves (each tensor replaced by a host copy) where there is no GPU.
-        with _blocks_to_host(blocks_prefix, move=move), skip_blocks:
+        with blocks_to_host(blocks_prefix, move=move, read_to_host=prequantized is not None), skip_blocks:
             try:
                 model, loading_info = transformers.AutoModelForCausalLM.from_pretrained(
                     path, config=info.text_config, quantization_config=quantization_config,
@@ -295,12 +324,12 @@ def load_pretrained(
                 if "mismatch" in str(exc):
                     raise CheckpointLoadError(_mismatch_message(info, str(exc))) from exc
                 raise
-        _check_loading_info(info, model, loading_info)
+        check_loading_info(info, model, loading_info)
         if device.type != "cpu":
-            _sweep_blocks_to_host(model, info.descriptor)
+            sweep_blocks_to_host(model, info.descriptor)
         return model, loading_info
 
-    if cache_dir is None:
+    if cache_dir is None or prequantized is not None:
         model, loading_info = load()
     else:
         from poros.loading.cache_blocks import load_through_cache
@@ -385,12 +414,23 @@ def adapters_to_device(model: nn.Module, device: torch.device | str) -> int:
     return moved
 
 
-def _check_shapes(info: CheckpointInfo) -> None:
+def _note_checkpoint_quantization(info: CheckpointInfo, quantization: str) -> None:
+    prequantized = info.prequantized
+    if quantization != prequantized.quant_type:
+        logger.warning("poros: %s is %s; quantization=%r is not used (its packed bytes are loaded as they are)",
+                       info.path, prequantized.describe(), quantization)
+    else:
+        logger.info("poros: %s is %s: its packed bytes are loaded as they are", info.path, prequantized.describe())
+
+
+def check_shapes(info: CheckpointInfo) -> None:
     """Compare every checkpoint tensor's shape (safetensors headers only) with the model the config builds.
 
     transformers skips this check for the weights it quantizes on load: a shard of another model size
     would be quantized as it is and fail (or worse, not fail) later. Keys the model does not have
-    (a vision tower, or names transformers converts itself) are left to transformers.
+    (a vision tower, or names transformers converts itself) are left to transformers. A pre-quantized
+    checkpoint's packed weights are checked with the shape their quant state records, after
+    :func:`poros.loading.prequantized.check_tensors` found every tensor they need.
     """
     if info.weight_format != "safetensors":
         return
@@ -399,6 +439,7 @@ def _check_shapes(info: CheckpointInfo) -> None:
     import transformers
     from safetensors import safe_open
 
+    logical = {} if info.prequantized is None else check_tensors(info.weight_files, info.prequantized, info.path)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(info.text_config)
     expected = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
@@ -410,8 +451,14 @@ def _check_shapes(info: CheckpointInfo) -> None:
                 name = key
                 for pattern, replacement in mapping.items():
                     name = re.sub(pattern, replacement, name, count=1)
-                shape = tuple(shard.get_slice(key).get_shape())
+                shape = tuple(logical.get(key) or shard.get_slice(key).get_shape())
                 if name in expected and expected[name] != shape:
+                    if info.prequantized is not None and len(shape) == 2 and shape[1] == 1:
+                        raise CheckpointLoadError(
+                            f"{info.path}: {key} in {file.name} is packed 4-bit ({list(shape)}) but the checkpoint has "
+                            f"no {key}.quant_state.bitsandbytes__{info.prequantized.quant_type} (nor absmax, quant_map) "
+                            f"to unpack it with; the download is partial or the shards were edited. Download the "
+                            f"checkpoint again, or start from its bf16 source.")
                     mismatched.append(f"{key} is {list(shape)} in {file.name}, the config makes {list(expected[name])}")
     if mismatched:
         raise CheckpointLoadError(
@@ -421,7 +468,7 @@ def _check_shapes(info: CheckpointInfo) -> None:
         )
 
 
-def _check_loading_info(info: CheckpointInfo, model: nn.Module, loading_info: dict) -> None:
+def check_loading_info(info: CheckpointInfo, model: nn.Module, loading_info: dict) -> None:
     missing = sorted(loading_info.get("missing_keys", ()))
     if missing:
         hint = ""
@@ -451,7 +498,7 @@ def _mismatch_message(info: CheckpointInfo, detail: str) -> str:
 
 
 @contextlib.contextmanager
-def _blocks_to_host(prefix: str, *, move: bool):
+def blocks_to_host(prefix: str, *, move: bool, read_to_host: bool = False, on_block_done=None):
     """While transformers loads: move each decoder-block tensor to the host right after it is set.
 
     transformers quantizes a tensor on its target device, then calls ``set_param_for_module``; the
@@ -460,12 +507,21 @@ def _blocks_to_host(prefix: str, *, move: bool):
     handed back to the OS (glibc keeps freed bf16/fp32 temporaries in its heap otherwise, and the
     load's RSS would grow with the model instead of staying at NF4 + one tensor). The allocator
     warm-up, which reserves device memory for the whole model up front, is skipped.
+
+    ``read_to_host``: nothing in a block is quantized on load (a pre-quantized checkpoint, or an
+    unquantized base), so each block tensor is read from the shard straight into host memory instead of
+    to the device (transformers' ``get_device`` answers ``"cpu"`` for it): it never visits the device.
+
+    ``on_block_done(model, block)``: called with the block's index (a string) once every tensor of that
+    block is set, i.e. when the next block's first tensor arrives (transformers loads the checkpoint in
+    key order, block after block); the last block is the caller's to finish after the load.
+    ``poros quantize`` writes and drops each block there (the warm-up is skipped then too).
     """
     import transformers
     from transformers import core_model_loading, modeling_utils
 
     if not hasattr(core_model_loading, "set_param_for_module"):
-        if not move:  # on the CPU the blocks are on the host already: load as transformers does
+        if not move and on_block_done is None:  # on the CPU the blocks are on the host already: load as transformers does
             yield
             return
         raise CheckpointLoadError(
@@ -483,19 +539,31 @@ def _blocks_to_host(prefix: str, *, move: bool):
             return
         block = target_name[len(prefix):].split(".", 1)[0]
         if block != current_block[0]:
-            current_block[0] = block
+            finished, current_block[0] = current_block[0], block
+            if on_block_done is not None and finished is not None:
+                on_block_done(model, finished)
             _trim_host_heap()
         if move:
             module_path, _, name = target_name.rpartition(".")
             _to_host(model.get_submodule(module_path), name)
 
+    get_device = core_model_loading.get_device
+
+    def device_of(device_map, param_name, *args, **kwargs):
+        if param_name.startswith(prefix):
+            return "cpu"
+        return get_device(device_map, param_name, *args, **kwargs)
+
     core_model_loading.set_param_for_module = set_param_then_host
-    if move:
+    if move or on_block_done is not None:
         modeling_utils.caching_allocator_warmup = lambda *args, **kwargs: None
+    if move and read_to_host:
+        core_model_loading.get_device = device_of
     try:
         yield
     finally:
         core_model_loading.set_param_for_module = set_param
+        core_model_loading.get_device = get_device
         modeling_utils.caching_allocator_warmup = warmup
         _trim_host_heap()
 
@@ -549,7 +617,7 @@ def _keep_marks(old: torch.Tensor, new: torch.Tensor) -> None:
         new._is_hf_initialized = old._is_hf_initialized
 
 
-def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) -> None:
+def sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) -> None:
     """Anything transformers created in a block after loading (non-persistent buffers) goes to the host too."""
     from poros.descriptor import resolve_path
 
@@ -560,6 +628,7 @@ def _sweep_blocks_to_host(model: nn.Module, descriptor: ArchitectureDescriptor) 
                     _to_host(module, name)
 
 
-__all__ = ["AdapterInfo", "adapters_to_device", "read_adapter", "read_config", "CheckpointInfo",
-           "LoadedModel", "MULTIMODAL_KEY_MAPPING", "inspect_checkpoint", "load_pretrained",
-           "resolve_checkpoint"]
+__all__ = ["AdapterInfo", "adapters_to_device", "blocks_to_host", "read_adapter", "read_config", "CheckpointInfo",
+           "LoadedModel", "MULTIMODAL_KEY_MAPPING", "check_loading_info", "check_shapes", "inspect_checkpoint",
+           "load_pretrained",
+           "resolve_checkpoint", "sweep_blocks_to_host"]

@@ -25,6 +25,7 @@ from poros.distributed import check_batch_divides
 from poros.errors import CheckpointLoadError, ConfigError
 from poros.loading import host_tiers
 from poros.stream import graphs
+from poros.loading.prequantized import read_prequantized
 from poros.stream.footprint import (
     BlockShapes,
     activation_bytes,
@@ -256,13 +257,16 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     compute_dtype = getattr(torch, config.compute_dtype)
     model = meta_skeleton(text_config, compute_dtype)
     blocks = list(resolve_path(model, descriptor.decoder_layers))
-    quantized = quantized_linears(model)
+    # a pre-quantized (bnb-4bit) checkpoint: its own quant type, double quantization and skipped modules
+    prequantized = read_prequantized(full_config, directory)
+    quantized = prequantized.quantized_linears(model) if prequantized else quantized_linears(model)
+    double_quant = prequantized.double_quant if prequantized else config.double_quant
     quantized_weights = {id(module.weight) for module in quantized.values()}
-    sizes = block_bytes(blocks, quantized_weights, double_quant=config.double_quant)
+    sizes = block_bytes(blocks, quantized_weights, double_quant=double_quant)
 
     in_blocks = {id(t) for block in blocks for t in [*block.parameters(), *block.buffers()]}
     outside = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks}
-    non_block = sum(tensor_bytes(t, quantized_weights, config.double_quant) for t in outside.values())
+    non_block = sum(tensor_bytes(t, quantized_weights, double_quant) for t in outside.values())
 
     device = str(resolve_device(config.device))
     on_host = embeddings_on_host(config.embeddings_on_host, device)
@@ -282,7 +286,8 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         model_type=text_config.model_type,
         text_tower_of=full_config.model_type if text_config is not full_config else None,
         num_blocks=len(blocks), hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
-        quantization=config.quantization, double_quant=config.double_quant, compute_dtype=config.compute_dtype,
+        quantization=prequantized.quant_type if prequantized else config.quantization, double_quant=double_quant,
+        compute_dtype=config.compute_dtype,
         block_bytes=tuple(sizes), non_block_bytes=non_block, embedding_table_bytes=tables,
         host_embedding_bytes=tables if on_host else 0, lora_rank=config.lora_rank,
         use_dora=config.use_dora, lora_modules=len(targets), lora_parameters=lora_parameters,
@@ -334,7 +339,7 @@ def _times(config: Any, options: PlanOptions, plan: Plan, text_config: Any, work
         try:
             compute = options.prober.probe_compute(
                 text_config, workload, device, compute_dtype=getattr(torch, config.compute_dtype),
-                quant_type=config.quantization, double_quant=config.double_quant,
+                quant_type=plan.quantization, double_quant=plan.double_quant,  # a bnb-4bit checkpoint: its own
                 attn_implementation=config.attn_implementation, lora_rank=config.lora_rank,
                 lora_alpha=config.lora_alpha, target_modules=config.target_modules,
                 lora_parameters=plan.lora_parameters)
