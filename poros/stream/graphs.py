@@ -16,7 +16,9 @@ cost of queueing ~500 kernels per block disappears.
   numbers, strings, and dicts / lists of them such as PEFT's per-adapter ``scaling`` —
   the store layout of its frozen tensors, addresses of tensors the store does not stream) × each
   argument's shape, strides and dtype (plain arguments by value) × training mode, adapter state
-  (enabled, active, merged) and the autocast state. Blocks of one kind in one slot share a graph.
+  (enabled, active, merged) and the autocast state. Under autocast the capture runs with the cast
+  cache off (``replay.uncached``: each cast is an op the replay reruns, the same bits as a cached
+  one), so mixed precision replays too. Blocks of one kind in one slot share a graph.
 * **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
   capture points the block's trainable parameters at static buffers (``.data``), each replay
   copies the running block's values in. Backward returns their gradients from static buffers; the
@@ -30,7 +32,7 @@ cost of queueing ~500 kernels per block disappears.
   ``micro-major``.
 * **Fallback, per call, named**: carried mappings (KV sharing), an active dropout (its RNG draws;
   ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on the trainable parameters,
-  autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
+  Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values,
   and a family's ``graph_unsafe`` features (e.g. MoE routing) run eagerly; a capture that fails
   (a host sync inside third-party code) marks its key eager for the run. Past :data:`MAX_GRAPHS`
@@ -55,7 +57,7 @@ from torch import nn
 
 from poros.errors import ConfigError
 from poros.stream.executor import dropout_p
-from poros.stream.replay import autocast_state, replayed_autocast
+from poros.stream.replay import autocast_state, replayed_autocast, uncached
 
 #: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
 #: autotuning caches — happens in eager mode first, never inside a capture)
@@ -165,8 +167,9 @@ class BlockGraphs:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
-        key = self._key("forward", index, layer, leaves, (_hashable_autocast(autocast_state(self.store.device)),))
-        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten))
+        autocast = uncached(autocast_state(self.store.device))
+        key = self._key("forward", index, layer, leaves, (_hashable_autocast(autocast),))
+        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten, autocast))
         if graph is None:
             return None
         graph.load(leaves, self._parameters(index))
@@ -184,6 +187,7 @@ class BlockGraphs:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
+        autocast = uncached(autocast)
         extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output))
         key = self._key("backward", index, layer, leaves, extra)
         graph = self._graph(key, index, lambda: self._capture_backward(
@@ -221,8 +225,6 @@ class BlockGraphs:
             return "carried state"
         if layer.training and any(dropout_p(m) > 0 for m in self._dropouts_of(index)):
             return "dropout"
-        if torch.is_autocast_enabled(self.store.device.type) and torch.is_autocast_cache_enabled():
-            return "autocast cache"
         if _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
                                   or m._backward_hooks or m._backward_pre_hooks for _, m in self._modules_of(index)):
             return "module hooks"
@@ -337,7 +339,7 @@ class BlockGraphs:
         return graph
 
     # -- capture --------------------------------------------------------------------------------
-    def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable) -> _Graph:
+    def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable, autocast: Any) -> _Graph:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         layer = self.layers[index]
         statics = [_static(leaf) for leaf in leaves]
@@ -345,7 +347,8 @@ class BlockGraphs:
         params = [p.detach().clone() for p in parameters]
         graph = torch.cuda.CUDAGraph()
         with _pointed_at(parameters, params), torch.no_grad(), \
-                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), \
+                replayed_autocast(autocast, self.store.device):
             args, kwargs = unflatten(statics)
             output = layer(*args, **kwargs)
         return _Graph(graph, statics, params, [output])
