@@ -30,7 +30,8 @@ def test_the_cast_cache_does_not_change_a_bit(tmp_path, family):
     with the cast cache off (what a graph capture runs) and on (eager's default)."""
     model = load_qlora(save_tiny_checkpoint(tmp_path / family, family), lora_rank=4, lora_alpha=8)
     assert any(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)  # the casts exist
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     loss_on, grads_on = _forward_backward(model, batch, cache=True)
     loss_off, grads_off = _forward_backward(model, batch, cache=False)
