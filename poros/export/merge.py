@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from poros.errors import CheckpointLoadError, ConfigError, UnsupportedAdapterError
+from poros.export.adapter_fit import PEFT_PREFIX, check_adapter_fits
 
 #: adapter tensor names PEFT's LoRA merge consumes (``lora_bias`` and embedding LoRA are refused)
 ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")
@@ -67,7 +68,6 @@ SAFETENSORS_DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.
 COPIED_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "tokenizer*")
 WEIGHT_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -138,6 +138,7 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     target = pathlib.Path(output).expanduser()
     dtype = _dtype(dtype)
     _check_output(target, base_path, info.path, overwrite)
+    check_adapter_fits(info.path, info.weights, info.base_model, checkpoint.text_config)  # before a weight is read
     if checkpoint.weight_format != "safetensors":
         raise CheckpointLoadError(f"{base_path} has pickle weights; poros merge reads safetensors. Convert the "
                                   "base with save_pretrained(safe_serialization=True) first.")
