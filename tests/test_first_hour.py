@@ -133,3 +133,59 @@ def test_an_adapter_of_another_intermediate_size_names_the_module(small64, tmp_p
     with pytest.raises(errors.CheckpointLoadError, match=r"mlp\.down_proj maps 128 -> 64 features, the base's "
                                                          r"layer 256 -> 64"):
         check_adapter_fits(small64["adapter"], small64["adapter"] / "adapter_model.safetensors", "wide", config)
+
+
+@pytest.fixture
+def tmpfs_or_patch(monkeypatch):
+    """``make(directory)``: ``directory`` becomes unwritable -- a read-only tmpfs mounted on it where this
+    process may mount, else ``os.open`` refusing writes inside it (the tests run as root, which chmod does not
+    stop). Returns whether a real mount was made."""
+    import shutil
+
+    mounted: list[Path] = []
+
+    def make(directory: Path) -> bool:
+        directory.mkdir(parents=True, exist_ok=True)
+        if shutil.which("mount") and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs",
+                                                     str(directory)], capture_output=True).returncode == 0:
+            mounted.append(directory)
+            return True
+        real_open = os.open
+
+        def guarded_open(path, flags, *args, **kwargs):
+            if str(path).startswith(str(directory)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", guarded_open)
+        return False
+
+    yield make
+    for directory in mounted:
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True)
+
+
+@pytest.mark.parametrize("where", ["read-only-file-system", "under-a-regular-file"])
+def test_an_unwritable_cache_dir_warns_naming_both_fixes_and_trains(where, tmp_path, tmpfs_or_patch, monkeypatch,
+                                                                     capsys, caplog):
+    """On a read-only file system the run stopped with a raw OSError naming neither POROS_CACHE_DIR nor
+    --no-cache; under a regular file it warned and trained. Now both warn alike, naming both, and train."""
+    if where == "read-only-file-system":
+        tmpfs_or_patch(tmp_path / "ro")
+        cache = tmp_path / "ro"  # the directory exists: mkdir passes, the lock file is where it failed
+    else:
+        (tmp_path / "notes").write_text("a file")
+        cache = tmp_path / "notes" / "cache"
+    monkeypatch.setenv("POROS_CACHE_DIR", str(cache))
+    out_dir = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="poros"):
+        status, out, err = run_cli(["train", *TRAIN_FAST, "--steps", "1", "--dataset",
+                                    str(write_jsonl(tmp_path / "chat.jsonl", CHAT)), "--output-dir", str(out_dir)],
+                                   capsys)
+    assert status == 0, err[-3000:]
+    warnings = [r.getMessage() for r in caplog.records if "NF4 block cache" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"at {cache} (" in warnings[0] and "comes from POROS_CACHE_DIR" in warnings[0]
+    assert "training without the cache" in warnings[0]
+    assert "set POROS_CACHE_DIR" in warnings[0] and "--no-cache" in warnings[0]
+    assert (out_dir / "adapter_model.safetensors").is_file()
