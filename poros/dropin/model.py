@@ -38,6 +38,7 @@ from poros.errors import (
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
+from poros.dropin import banner
 from poros.stream import graphs
 from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
@@ -208,8 +209,8 @@ class Detection:
             f"poros: base {self.quantization}{' + double quant' if self.double_quant else ''}, "
             f"compute {self.compute_dtype}; adapters {', '.join(self.adapters) or 'none'} on "
             f"{', '.join(self.targets) or '-'}",
-            f"poros: platform {self.platform} ({self.platform_class}), deterministic algorithms "
-            f"{'on' if self.deterministic else 'off'}",
+            f"poros: platform {self.platform} ({self.platform_class}), "
+            f"{banner.determinism(self.platform_class, self.deterministic)}",
             f"poros: guarantee {self.guarantee}: {self.reason}",
         ])
 
@@ -545,6 +546,7 @@ def prepare(model: nn.Module, *, num_slots: int | None = None, embeddings_on_hos
         "lora_placement": placement,
         "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
+    banner.announce(prepared)  # one stderr line: Poros took effect
     return prepared
 
 
