@@ -475,3 +475,11 @@ def test_poros_trainer_prints_its_detection_instead_of_the_banner(capsys):
     out, err = capsys.readouterr()
     assert "poros: streaming" not in out + err
     assert "poros: family qwen3" in out
+
+
+# -- 4. noise: plural forms -------------------------------------------------------------------------------
+def test_one_new_token_is_singular():
+    from poros.export.generate import Generation
+
+    assert Generation("hi", "x", [5], 3, 0.5).summary().startswith("poros: 1 new token after a 3-token prompt")
+    assert Generation("hi", "xy", [5, 6], 3, 0.5).summary().startswith("poros: 2 new tokens after")

@@ -143,23 +143,10 @@ def test_the_metadata_llama_cpp_reads(merged):
 
 
 def test_gguf_holds_one_base_tensor_at_a_time(merged, monkeypatch):
-    import gc
-    import weakref
-
-    from poros.export.merge import ShardReader
+    from test_merge import track_reads
 
     family, base, adapter, tensors, tmp = merged
-    alive, read = [], ShardReader.read
-
-    def tracked(self, name):
-        if any(ref() is not None for ref in alive):
-            gc.collect()  # PEFT's layers hold reference cycles: what they held goes with a collection
-        assert [ref for ref in alive if ref() is not None] == []
-        tensor = read(self, name)
-        alive.append(weakref.ref(tensor))
-        return tensor
-
-    monkeypatch.setattr(ShardReader, "read", tracked)
+    alive = track_reads(monkeypatch)
     result = merge_to_gguf(adapter, tmp / "one-at-a-time.gguf", model=base, progress=None)
     assert len(alive) == result.tensors
 
