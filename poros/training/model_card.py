@@ -116,7 +116,7 @@ def render_model_card(record: dict[str, Any], result: Any, command: str) -> str:
     history = list(getattr(result, "log_history", None) or [])
     logged = ", ".join([f"{row['loss']:.4f} (step {row['step']})" for row in history if "loss" in row][-5:])
     losses = (f"{_loss_text(result.losses, int(config.get('logging_steps') or 1))}; logged: {logged or 'none'}"
-              if result is not None else "not trained in this session")
+              if result is not None else "not recorded (saved before train() returned, or without training)")
     best = best_eval(history)
     evaluations = sum("eval_loss" in row for row in history)
     targets = config.get("target_modules")
