@@ -1,29 +1,43 @@
 """Known third-party noise that says nothing to a Poros user: hidden by the CLI unless ``--verbose``.
 
-Each entry is a message that every run prints and that needs no action:
+Each entry is a message that runs print and that needs no action:
 
 * bitsandbytes' ``Failed to load CPU gemm_4bit_forward from kernels-community`` (a WARNING on its
-  ``bitsandbytes.backends.cpu.ops`` logger when the optional ``kernels`` package is absent: the CPU
-  falls back to bitsandbytes' own kernel, which is the one Poros's parity is gated on);
+  ``bitsandbytes.backends.cpu.ops`` logger when the optional ``kernels`` package is absent, printed
+  as bitsandbytes is imported -- by ``poros doctor`` too: the CPU falls back to bitsandbytes' own
+  kernel, which is the one Poros's parity is gated on);
+* transformers' ``Token indices sequence length is longer than the specified maximum sequence length``
+  (the tokenizer's ``model_max_length``; Poros cuts every example to ``seq_len`` itself);
 * transformers' ``is_gradient_checkpointing`` FutureWarning (PEFT reads the deprecated property
-  while wrapping the model).
+  while wrapping the model);
+* the progress bars of transformers (``Loading weights``) and huggingface_hub (downloads) when
+  stderr is not a terminal: in a piped log each redraw is another line of carriage returns. On a
+  terminal they stay.
 
-Only these exact messages are hidden; every other warning still shows.
+Only these exact messages are hidden; every other warning still shows. :func:`quiet_known_noise`
+imports nothing heavy (``poros doctor`` stays torch-free): a library that is not imported yet reads
+``HF_HUB_DISABLE_PROGRESS_BARS`` when it is.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 #: (logger name, message start) of third-party log records hidden by default.
 QUIET_LOG_RECORDS = (
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
+    ("transformers.tokenization_utils_base",
+     "Token indices sequence length is longer than the specified maximum sequence length"),
 )
 #: (category, message regex) of third-party warnings hidden by default.
 QUIET_WARNINGS = (
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
 )
+#: the variable huggingface_hub (and so transformers) reads for its progress bars
+PROGRESS_BARS_VARIABLE = "HF_HUB_DISABLE_PROGRESS_BARS"
 
 
 class _DropMessage(logging.Filter):
@@ -35,8 +49,9 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.start)
 
 
-def quiet_known_noise(verbose: bool = False) -> None:
-    """Hide :data:`QUIET_LOG_RECORDS` and :data:`QUIET_WARNINGS` for this process (nothing with ``verbose``)."""
+def quiet_known_noise(verbose: bool = False, *, stream=None) -> None:
+    """Hide :data:`QUIET_LOG_RECORDS`, :data:`QUIET_WARNINGS` and, when ``stream`` (default stderr) is not a
+    terminal, the third-party progress bars, for this process (nothing with ``verbose``)."""
     if verbose:
         return
     for category, pattern in QUIET_WARNINGS:
@@ -45,6 +60,23 @@ def quiet_known_noise(verbose: bool = False) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
             logger.addFilter(_DropMessage(start))
+    stream = sys.stderr if stream is None else stream
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        hide_progress_bars()
 
 
-__all__ = ["QUIET_LOG_RECORDS", "QUIET_WARNINGS", "quiet_known_noise"]
+def hide_progress_bars() -> None:
+    """No transformers or huggingface_hub progress bar in this process (and the processes it starts)."""
+    os.environ.setdefault(PROGRESS_BARS_VARIABLE, "1")
+    if "huggingface_hub" in sys.modules:  # imported already: its flag was read at import
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers.utils.logging" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+__all__ = ["PROGRESS_BARS_VARIABLE", "QUIET_LOG_RECORDS", "QUIET_WARNINGS", "hide_progress_bars",
+           "quiet_known_noise"]

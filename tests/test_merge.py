@@ -197,15 +197,14 @@ def test_merge_in_float32(kind, tmp_path):
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "float32"
 
 
-def test_merge_holds_one_base_tensor_at_a_time(tmp_path, monkeypatch):
-    """Host memory: when a tensor is read, no tensor read before it is still alive (read, merged, written, dropped)."""
+def track_reads(monkeypatch) -> list:
+    """Patch ``ShardReader.read`` to fail when a tensor is read while one read before it is still alive;
+    returns the list of (weak references to) the tensors read. tests/test_gguf.py uses it too."""
     import gc
     import weakref
 
     from poros.export.merge import ShardReader
 
-    base = save_tiny_checkpoint(tmp_path / "base", "qwen2")
-    adapter = _adapter(base, tmp_path / "adapter", "dora")
     alive, read = [], ShardReader.read
 
     def tracked(self, name):
@@ -217,5 +216,13 @@ def test_merge_holds_one_base_tensor_at_a_time(tmp_path, monkeypatch):
         return tensor
 
     monkeypatch.setattr(ShardReader, "read", tracked)
+    return alive
+
+
+def test_merge_holds_one_base_tensor_at_a_time(tmp_path, monkeypatch):
+    """Host memory: when a tensor is read, no tensor read before it is still alive (read, merged, written, dropped)."""
+    base = save_tiny_checkpoint(tmp_path / "base", "qwen2")
+    adapter = _adapter(base, tmp_path / "adapter", "dora")
+    alive = track_reads(monkeypatch)
     result = merge_adapter(adapter, tmp_path / "merged", model=base, progress=None)
     assert len(alive) == result.tensors

@@ -355,6 +355,9 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"--vram-budget {args.vram_budget} plans a model: add --model ID_OR_DIR (e.g. --model "
                           "Qwen/Qwen2.5-32B), or leave --vram-budget out.")
+    from poros.noise import quiet_known_noise
+
+    quiet_known_noise()  # bitsandbytes' kernels-community notice, printed as the GPU part imports it
     data = report()
     data.update(gpu_report(data, quick=args.quick, model=args.model, vram_budget=args.vram_budget))
     if getattr(args, "disk", False):  # the disk host tier's drive (poros.loading.host_tiers)

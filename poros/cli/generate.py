@@ -57,12 +57,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from poros.export.generate import generate_text
+    from poros.export.generate import check_prompt, generate_text
     from poros.dropin.with_adapter import load_with_adapter
     from poros.noise import quiet_known_noise
 
     quiet_known_noise(verbose=getattr(args, "verbose", False))  # third-party notices, as in poros train
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    check_prompt(prompt)  # before minutes of loading
     device = None if args.device == "auto" else args.device
     model, tokenizer = load_with_adapter(args.adapter, model=args.model, device=device,
                                          resident_blocks=args.resident_blocks)

@@ -11,7 +11,9 @@ model it is given), so nothing inside the trainer has to be re-pointed::
 
     trainer = SFTTrainer(..., peft_config=lora, callbacks=[poros.PorosCallback()])   # or: at init end
 
-Both refuse ``TrainingArguments(torch_compile=True)`` with :class:`~poros.errors.TorchCompileError`.
+Either prints one line on stderr when the model streams (:mod:`poros.dropin.banner`: family, blocks
+streamed, guarantee label), as the Trainer prints its own banner. Both refuse
+``TrainingArguments(torch_compile=True)`` with :class:`~poros.errors.TorchCompileError`.
 Importing this module imports transformers; ``import poros`` does not.
 """
 

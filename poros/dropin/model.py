@@ -39,6 +39,7 @@ from poros.errors import (
     UnsupportedAdapterError,
     UnsupportedModelError,
 )
+from poros.dropin import banner
 from poros.stream import graphs
 from poros.stream.chunked_loss import use_chunked_loss
 from poros.stream.executor import StreamingExecutor
@@ -217,8 +218,8 @@ class Detection:
             f"poros: base {base}, "
             f"compute {self.compute_dtype}; adapters {', '.join(self.adapters) or 'none'} on "
             f"{', '.join(self.targets) or '-'}",
-            f"poros: platform {self.platform} ({self.platform_class}), deterministic algorithms "
-            f"{'on' if self.deterministic else 'off'}",
+            f"poros: platform {self.platform} ({self.platform_class}), "
+            f"{banner.determinism(self.platform_class, self.deterministic)}",
             f"poros: guarantee {self.guarantee}: {self.reason}",
         ])
 
@@ -561,6 +562,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,
         "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
+    banner.announce(prepared)  # one stderr line: Poros took effect
     return prepared
 
 

@@ -8,6 +8,7 @@ import os
 import torch
 
 from poros.dropin.model import prepare
+from poros.export.adapter_fit import check_adapter_base
 from poros.loading.load import TOKENIZER_FILES, load_pretrained, read_adapter
 
 
@@ -32,9 +33,9 @@ def load_with_adapter(adapter: str | os.PathLike, *, model: str | os.PathLike | 
     import peft
     import transformers
 
-
     info = read_adapter(adapter, model)
     trained = info.poros_config
+    check_adapter_base(info, revision=trained.get("revision"))  # another base's adapter: one line, no weight read
     loaded = load_pretrained(
         info.base_model, quantization=trained.get("quantization", "nf4"),
         compute_dtype=trained.get("compute_dtype", "bfloat16"), double_quant=trained.get("double_quant", False),

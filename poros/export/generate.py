@@ -59,7 +59,8 @@ class Generation:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
 
     def summary(self) -> str:
-        return (f"poros: {len(self.token_ids)} new tokens after a {self.prompt_tokens}-token prompt in "
+        new = len(self.token_ids)
+        return (f"poros: {new} new token{'' if new == 1 else 's'} after a {self.prompt_tokens}-token prompt in "
                 f"{self.seconds:.2f} s: {self.tokens_per_second:.1f} tokens/s")
 
 
@@ -91,6 +92,19 @@ def generate(model: nn.Module, input_ids: torch.Tensor | None = None, **generate
         return model.generate(input_ids=input_ids, **generate_kwargs)
 
 
+def check_prompt(prompt: str) -> None:
+    """Refuse a prompt with nothing in it, before a model is loaded or a kernel runs: raw, it is zero tokens
+    (bitsandbytes' CPU 4-bit kernel divides by the row count); wrapped in a chat template, the model
+    answers a turn the user never wrote.
+
+    Raises:
+        ConfigError: ``prompt`` is empty or only whitespace.
+    """
+    if not prompt.strip():
+        raise ConfigError(f"the prompt is {'empty' if not prompt else 'only whitespace'} ({prompt!r}); expected "
+                          "some text to continue. Fix: pass --prompt \"your text\" (or --prompt - and text on stdin).")
+
+
 def generate_text(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, chat: bool | None = None,
                   streamer: Any = None) -> Generation:
@@ -108,9 +122,11 @@ def generate_text(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_toke
         streamer: an HF streamer (e.g. ``transformers.TextStreamer``) that prints tokens as they come.
 
     Raises:
-        ConfigError: no tokenizer, ``max_new_tokens < 1``, a negative temperature, ``top_p`` outside
-            (0, 1], or ``chat=True`` with a tokenizer that has no chat template.
+        ConfigError: an empty prompt (:func:`check_prompt`), no tokenizer, ``max_new_tokens < 1``, a negative
+            temperature, ``top_p`` outside (0, 1], ``chat=True`` with a tokenizer that has no chat template,
+            or a prompt the tokenizer turns into no token.
     """
+    check_prompt(prompt)
     if tokenizer is None:
         raise ConfigError("generating text needs the tokenizer, and this model has none. Pass the checkpoint's "
                           "tokenizer, or call model.generate(input_ids=...) with token ids.")
@@ -128,6 +144,9 @@ def generate_text(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_toke
     device = _input_device(model)
     encoded = tokenizer(text, return_tensors="pt", add_special_tokens=not (chat or (chat is None and has_template)))
     input_ids = encoded["input_ids"].to(device)
+    if input_ids.shape[1] == 0:  # a kernel would run on an empty input
+        raise ConfigError(f"the prompt {prompt!r} tokenizes to no token; expected at least one. Fix: pass a prompt "
+                          "the tokenizer keeps, or leave --chat on to wrap it in the chat template.")
     options: dict[str, Any] = dict(attention_mask=encoded["attention_mask"].to(device),
                                    max_new_tokens=max_new_tokens, streamer=streamer)
     if temperature > 0:

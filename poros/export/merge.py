@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from poros.errors import CheckpointLoadError, ConfigError, UnsupportedAdapterError
+from poros.export.adapter_fit import PEFT_PREFIX, check_adapter_fits
 from poros.stream.units import human_bytes
 
 #: adapter tensor names PEFT's LoRA merge consumes (``lora_bias`` and embedding LoRA are refused)
@@ -68,7 +69,6 @@ SAFETENSORS_DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.
 COPIED_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "tokenizer*")
 WEIGHT_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -128,30 +128,12 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
         ConfigError: ``output`` exists (without ``overwrite``) or is the base or adapter directory;
             an unknown ``dtype``.
     """
-    import peft
-
-    from poros.loading.load import inspect_checkpoint, read_adapter, resolve_checkpoint
-
     start = time.perf_counter()
-    info = read_adapter(adapter, model)
-    base_path = resolve_checkpoint(info.base_model)
-    checkpoint = inspect_checkpoint(base_path)
+    dtype = floating_dtype(dtype)
+    plan = plan_merge(adapter, model, dtype)
     target = pathlib.Path(output).expanduser()
-    dtype = _dtype(dtype)
-    _check_output(target, base_path, info.path, overwrite)
-    if checkpoint.weight_format != "safetensors":
-        raise CheckpointLoadError(f"{base_path} has pickle weights; poros merge reads safetensors. Convert the "
-                                  "base with save_pretrained(safe_serialization=True) first.")
-    if getattr(checkpoint.config, "quantization_config", None):
-        raise CheckpointLoadError(
-            f"{base_path} is a quantized checkpoint (its config.json has a quantization_config); merging needs the "
-            "original bf16/fp16 weights. Pass the unquantized base with --model.")
-    lora_config = peft.PeftConfig.from_pretrained(info.path)
-    adapter_tensors = _adapter_tensors(info.weights, lora_config)
-    modules = sorted({_adapted_module(name) for name in adapter_tensors})
-    _check_tied(modules, checkpoint.text_config)
-    mapping = checkpoint.key_mapping or {}
-    shards = checkpoint.weight_files
+    _check_output(target, plan.base_path, plan.info.path, overwrite)
+    shards = plan.checkpoint.weight_files
     staging = target.with_name(f".{target.name}.partial")
     if staging.exists():
         shutil.rmtree(staging)
@@ -167,37 +149,102 @@ def merge_adapter(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
                        for key, (stored, shape) in reader.tensors.items()]
             with reader, ShardWriter(staging / name, entries, {**reader.metadata, "format": "pt"}) as writer:
                 for key in writer.names:  # one tensor in memory at a time
-                    tensor = _cast(reader.read(key), dtype)
-                    module_path = _module_of(_mapped(key, mapping))
-                    if module_path in modules and key.endswith(".weight"):
-                        tensor = merge_weight(tensor, module_path, adapter_tensors, lora_config, device)
-                        merged_modules.add(module_path)
+                    tensor = plan.merged(key, reader.read(key), device, merged_modules)
                     writer.write(key, tensor)
                     del tensor
             total_bytes += writer.data_bytes
             tensors_written += len(entries)
             weight_map.update({key: name for key, _, _ in entries})
             if progress is not None:
-                _progress_line(progress, number, len(shards), len(merged_modules), len(modules), start)
+                progress_line(progress, number, len(shards), len(merged_modules), len(plan.modules), start)
+        plan.check_all_merged(merged_modules)
     except BaseException:  # nothing half-written is left behind
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    missing = sorted(set(modules) - merged_modules)
-    if missing:
-        shutil.rmtree(staging)
-        raise UnsupportedAdapterError(
-            f"the adapter adapts {len(missing)} modules the checkpoint {base_path} has no weight for (e.g. "
-            f"{missing[0]}); expected every adapted module's '<path>.weight' in the checkpoint. Is --model the base "
-            "this adapter was trained on?")
     if len(shards) > 1:
         _write_json(staging / WEIGHT_INDEX, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
-    files = _copy_side_files(base_path, info.path, staging, dtype)
+    files = _copy_side_files(plan.base_path, plan.info.path, staging, dtype)
     if target.exists():
         shutil.rmtree(target)
     staging.rename(target)
-    return MergeResult(target, base_path, len(shards), tensors_written, len(merged_modules), total_bytes,
-                       time.perf_counter() - start, _peak_rss(), sorted(files))
+    return MergeResult(target, plan.base_path, len(shards), tensors_written, len(merged_modules), total_bytes,
+                       time.perf_counter() - start, peak_rss(), sorted(files))
 
+
+@dataclass
+class MergePlan:
+    """What a merge reads, every check done before a base tensor is: the adapter, its base, the LoRA config
+    and tensors, the adapted module paths. :func:`merge_adapter` writes safetensors from it,
+    :func:`poros.export.gguf.merge_to_gguf` GGUF.
+
+    Attributes:
+        info: the adapter (:class:`poros.loading.load.AdapterInfo`).
+        base_path: the base checkpoint directory.
+        checkpoint: the base's :class:`poros.loading.load.CheckpointInfo` (config, shards, key mapping).
+        dtype: the dtype floating tensors are read and merged in.
+        lora_config: the adapter's PEFT ``LoraConfig``.
+        adapter_tensors: the adapter's tensors, as PEFT saved them.
+        modules: the module paths the adapter adapts.
+    """
+
+    info: Any
+    base_path: pathlib.Path
+    checkpoint: Any
+    dtype: torch.dtype
+    lora_config: Any
+    adapter_tensors: dict[str, torch.Tensor]
+    modules: list[str]
+
+    def merged(self, key: str, tensor: torch.Tensor, device: str, merged_modules: set[str]) -> torch.Tensor:
+        """The checkpoint tensor ``key`` in :attr:`dtype`, the adapter merged in when it adapts it (its module
+        path then goes into ``merged_modules``)."""
+        tensor = _cast(tensor, self.dtype)
+        module_path = _module_of(model_key(key, self.checkpoint.key_mapping or {}))
+        if module_path in self.modules and key.endswith(".weight"):
+            merged_modules.add(module_path)
+            return merge_weight(tensor, module_path, self.adapter_tensors, self.lora_config, device)
+        return tensor
+
+    def check_all_merged(self, merged_modules: set[str]) -> None:
+        """Raise when an adapted module had no weight in the checkpoint (after every tensor was read).
+
+        Raises:
+            UnsupportedAdapterError: naming how many and one of them, and the likely cause.
+        """
+        missing = sorted(set(self.modules) - merged_modules)
+        if missing:
+            raise UnsupportedAdapterError(
+                f"the adapter adapts {len(missing)} modules the checkpoint {self.base_path} has no weight for (e.g. "
+                f"{missing[0]}); expected every adapted module's '<path>.weight' in the checkpoint. Is --model the "
+                "base this adapter was trained on?")
+
+
+def plan_merge(adapter: str | os.PathLike, model: str | os.PathLike | None, dtype: torch.dtype) -> MergePlan:
+    """Read and check the adapter and its base for a merge, before any base tensor is read.
+
+    Raises:
+        CheckpointLoadError, UnsupportedAdapterError: as :func:`merge_adapter` says.
+    """
+    import peft
+
+    from poros.loading.load import inspect_checkpoint, read_adapter, resolve_checkpoint
+
+    info = read_adapter(adapter, model)
+    base_path = resolve_checkpoint(info.base_model)
+    checkpoint = inspect_checkpoint(base_path)
+    check_adapter_fits(info.path, info.weights, info.base_model, checkpoint.text_config)  # before a weight is read
+    if checkpoint.weight_format != "safetensors":
+        raise CheckpointLoadError(f"{base_path} has pickle weights; poros merge reads safetensors. Convert the "
+                                  "base with save_pretrained(safe_serialization=True) first.")
+    if getattr(checkpoint.config, "quantization_config", None):
+        raise CheckpointLoadError(
+            f"{base_path} is a quantized checkpoint (its config.json has a quantization_config); merging needs the "
+            "original bf16/fp16 weights. Pass the unquantized base with --model.")
+    lora_config = peft.PeftConfig.from_pretrained(info.path)
+    adapter_tensors = _adapter_tensors(info.weights, lora_config)
+    modules = sorted({_adapted_module(name) for name in adapter_tensors})
+    _check_tied(modules, checkpoint.text_config)
+    return MergePlan(info, base_path, checkpoint, dtype, lora_config, adapter_tensors, modules)
 
 
 def merge_weight(weight: torch.Tensor, module_path: str, adapter_tensors: dict[str, torch.Tensor], lora_config: Any,
@@ -382,8 +429,9 @@ def _check_output(target: pathlib.Path, base: pathlib.Path, adapter: pathlib.Pat
         raise ConfigError(f"--output {target} exists; pass --overwrite to replace it, or choose a new directory.")
 
 
-def _mapped(key: str, mapping: dict[str, str]) -> str:
-    """A checkpoint tensor name as the causal LM names it (a multimodal checkpoint's text tower renamed)."""
+def model_key(key: str, mapping: dict[str, str]) -> str:
+    """A checkpoint tensor name as the causal LM names it (a multimodal checkpoint's text tower renamed by
+    ``mapping``, the checkpoint's ``key_mapping``)."""
     for pattern, replacement in mapping.items():
         renamed, count = re.subn(pattern, replacement, key)
         if count:
@@ -402,7 +450,12 @@ def _module_of(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+def floating_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``--dtype`` as a torch floating dtype.
+
+    Raises:
+        ConfigError: not the name of a floating torch dtype.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     found = getattr(torch, str(dtype), None)
@@ -451,7 +504,8 @@ def _write_json(path: pathlib.Path, payload: Any) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
 
-def _peak_rss() -> int | None:
+def peak_rss() -> int | None:
+    """The process's peak resident memory in bytes (None off POSIX)."""
     try:
         import resource
     except ImportError:  # not on POSIX
@@ -460,7 +514,7 @@ def _peak_rss() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
-def _progress_line(stream: TextIO, done: int, total: int, merged: int, modules: int, start: float) -> None:
+def progress_line(stream: TextIO, done: int, total: int, merged: int, modules: int, start: float) -> None:
     """One plain line per shard (a pipe or a log file reads it as well as a terminal). A minimal stand-in
     for a shared progress helper; kept here so that merge needs nothing else."""
     elapsed = time.perf_counter() - start

@@ -54,6 +54,34 @@ def cache_root(configured: str | os.PathLike | None = None) -> Path:
     return Path(configured or os.environ.get("POROS_CACHE_DIR") or DEFAULT_ROOT).expanduser()
 
 
+def prepare_root(root: Path) -> None:
+    """Create the cache root and prove it writable (a file created and removed: ``os.access`` says yes to
+    root on a read-only mount, and an existing directory passes ``mkdir``).
+
+    Raises:
+        OSError: the root cannot be created or written (read-only file system, under a file, no permission).
+    """
+    import tempfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    descriptor, name = tempfile.mkstemp(prefix=".poros-write-test-", dir=root)
+    os.close(descriptor)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
+def unusable_root_warning(root: Path, problem: OSError) -> str:
+    """The one WARNING line for a cache root that cannot be written: where the root came from, that the run
+    goes on without the cache, and both fixes. A cache is an optimisation: a run never stops for it."""
+    environment = os.environ.get("POROS_CACHE_DIR")
+    source = ("POROS_CACHE_DIR" if environment and Path(environment).expanduser() == Path(root)
+              else f"the default {DEFAULT_ROOT}" if Path(root) == Path(DEFAULT_ROOT).expanduser() else "cache_dir")
+    return (f"poros: cannot use the NF4 block cache at {root} ({problem.strerror or problem}; the directory comes "
+            f"from {source}); training without the cache, so this start quantizes the checkpoint as every start "
+            "will. Fix: set POROS_CACHE_DIR (or cache_dir) to a writable directory, or pass --no-cache to skip the "
+            "cache and this warning.")
+
+
 def package_versions() -> dict[str, str]:
     """The entry format and the versions that decide the packed bytes (part of an entry's key)."""
     from poros.packages import versions
@@ -303,4 +331,4 @@ def _alive(temporary: Path) -> bool:
 
 __all__ = ["CacheEntry", "CacheEntryError", "EntrySummary", "FORMAT_VERSION", "build_lock", "cache_root",
            "checkpoint_identity", "clear", "entry_key", "entry_name", "list_entries", "open_entry", "package_versions",
-           "read_manifest", "remove_entry", "write_entry"]
+           "prepare_root", "read_manifest", "remove_entry", "unusable_root_warning", "write_entry"]

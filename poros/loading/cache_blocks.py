@@ -267,10 +267,9 @@ def load_through_cache(load, cache_dir, *, model: str, info, revision: str | Non
     name = cache.entry_name(model, cache.entry_key(fields))
     prefix = info.descriptor.decoder_layers + "."
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        cache.prepare_root(root)  # created and written once: a read-only root warns here, not at the lock
     except OSError as problem:
-        logger.warning("poros: cannot use the NF4 block cache at %s (%s); loading without it. Set cache_dir or "
-                       "POROS_CACHE_DIR to a writable directory, or pass --no-cache.", root, problem.strerror)
+        logger.warning(cache.unusable_root_warning(root, problem))
         return load()
     with cache.build_lock(root, name):
         entry = None

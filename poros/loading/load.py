@@ -219,7 +219,8 @@ def _weight_files(path: pathlib.Path, allow_pickle: bool) -> tuple[str, list[pat
             missing = [shard.name for shard in shards if not shard.is_file()]
             if missing:
                 raise CheckpointLoadError(
-                    f"{index_file.name} lists {len(shards)} shards but {len(missing)} are missing from {path}: "
+                    f"{index_file.name} lists {len(shards)} shards but {len(missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} missing from {path}: "
                     f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. The download or copy is "
                     f"incomplete: fetch the missing files again."
                 )

@@ -85,12 +85,24 @@ def _hidden_sibling(target: pathlib.Path, kind: str) -> pathlib.Path:
 
 
 def _fsync_tree(directory: pathlib.Path) -> None:
-    """Flush every file under ``directory`` and the directories themselves to disk."""
+    """Flush every file under ``directory`` and the directories themselves to disk, each file readable as a
+    plain ``open()`` would have made it (0644 under the usual umask: safetensors writes 0600 files)."""
+    mode = plain_file_mode()
     for root, _, files in os.walk(directory):
         for name in files:
-            with open(os.path.join(root, name), "rb") as handle:
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):  # a file system without modes keeps its own
+                os.chmod(path, mode)
+            with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         _fsync_directory(pathlib.Path(root))
+
+
+def plain_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file here: 0666 less the process's umask."""
+    umask = os.umask(0o022)  # read it (os.umask only reads by setting) and put it back
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _fsync_directory(directory: pathlib.Path) -> None:
@@ -186,18 +198,64 @@ def _disk_full(error: BaseException, directory: pathlib.Path) -> bool:
         return False
 
 
+#: errno -> what makes the output_dir take writes again (the default: check the disk and the path)
+WRITE_FIXES = {errno.ENOSPC: "free disk space (or pass an --output-dir on another disk)",
+               errno.EDQUOT: "free space within your disk quota",
+               errno.EROFS: "pass an --output-dir on a writable file system",
+               errno.EACCES: "pass an --output-dir you can write to, or fix its permissions",
+               errno.EPERM: "pass an --output-dir you can write to, or fix its permissions"}
+
+
+def _found(error: OSError) -> str:
+    code = f", errno {error.errno}" if error.errno is not None else ""
+    return f"{error.strerror or error} ({type(error).__name__}{code})"
+
+
 def write_error(error: OSError, target: pathlib.Path) -> PorosError:
     """The :class:`~poros.errors.OutputDirError` for an ``OSError`` while writing ``target``, with the fix."""
-    fixes = {errno.ENOSPC: "free disk space (or pass an --output-dir on another disk) and resume with "
-                           "--resume_from auto",
-             errno.EDQUOT: "free space within your disk quota, then resume with --resume_from auto",
-             errno.EROFS: "pass an --output-dir on a writable file system",
-             errno.EACCES: "pass an --output-dir you can write to, or fix its permissions",
-             errno.EPERM: "pass an --output-dir you can write to, or fix its permissions"}
-    fix = fixes.get(error.errno, "check the disk and the path, then resume with --resume_from auto")
-    code = f", errno {error.errno}" if error.errno is not None else ""
-    return OutputDirError(f"could not write {target}: {error.strerror or error} ({type(error).__name__}{code}); "
-                          f"nothing was replaced: earlier saves are intact. Fix: {fix}.")
+    fix = WRITE_FIXES.get(error.errno, "check the disk and the path")
+    if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):  # a transient failure: the run can go on
+        fix += (" and resume with --resume_from auto" if error.errno == errno.ENOSPC
+                else ", then resume with --resume_from auto")
+    return OutputDirError(f"could not write {target}: {_found(error)}; nothing was replaced: earlier saves are "
+                          f"intact. Fix: {fix}.")
+
+
+def failed_save(error: OutputDirError, output_dir: str | os.PathLike, step: int, *,
+                keep_adapter: Callable[[pathlib.Path], Any], resume_command: Callable[[pathlib.Path], str]
+                ) -> OutputDirError:
+    """The error for a checkpoint save that failed at ``step`` (a full disk...), saying honestly what is left.
+
+    With a complete checkpoint in ``output_dir`` the message names it, the steps after it that are
+    lost, and ``resume_command(checkpoint)`` -- the command that continues from it. With none, the
+    steps are lost and there is nothing to resume; the adapter of ``step`` is then kept if it still
+    fits (``keep_adapter(output_dir)``: PorosTrainer.save, a few MB where the checkpoint also holds
+    optimizer state), and the message says whether it was.
+    """
+    output_dir = pathlib.Path(output_dir)
+    cause = error.__cause__ if isinstance(error.__cause__, OSError) else None
+    found = _found(cause) if cause is not None else str(error)
+    space = WRITE_FIXES.get(cause.errno if cause is not None else None, "check the disk and the path")
+    latest = latest_checkpoint(output_dir)
+    head = f"could not write {output_dir / f'{CHECKPOINT_PREFIX}{step}'} at step {step}: {found}"
+    if latest is not None:
+        done = checkpoint_step(latest)
+        lost = f"step {step} is" if done + 1 == step else f"steps {done + 1}-{step} are"
+        return OutputDirError(
+            f"{head}; nothing was replaced: earlier saves are intact, the newest is {latest.name} and {lost} "
+            f"lost. Fix: {space}, then resume from it with: {resume_command(latest)}")
+    try:
+        keep_adapter(output_dir)
+        kept = (f"the adapter of step {step} was saved to {output_dir} (PEFT loads it; it cannot resume: the "
+                "optimizer state did not fit)")
+        again = "train again with the same command and --overwrite"
+    except (PorosError, OSError) as second:
+        kept = f"the adapter could not be kept either ({type(second).__name__})"
+        again = "run the same command again"
+    return OutputDirError(
+        f"{head}; no checkpoint was written before it, so there is nothing to resume and the {step} steps' "
+        f"optimizer state is lost; {kept}. Fix: {space}, then {again} (it starts from step 0; a smaller "
+        "save_steps keeps more of a run).")
 
 
 def _merge_into(source: pathlib.Path, target: pathlib.Path, written_last: str | None) -> None:

@@ -26,9 +26,10 @@ import torch
 from poros.training import checkpoint as checkpoints
 from poros import distributed
 from poros.training import evaluation
+from poros.training import model_card
 from poros.training import tracking
 from poros.devices import compute_device
-from poros.errors import DataError, TrainingCheckpointError
+from poros.errors import DataError, OutputDirError, TrainingCheckpointError
 from poros.training.progress import echo, progress_bar, showing
 from poros.training.stop import StopRequest
 
@@ -118,6 +119,7 @@ class TrainingRun:
         self.parallel = distributed.DataParallel(self.model, self.device, config.batch_size)
         self.eval_set: evaluation.EvalSet | None = None  # set with the data
         self.trackers = tracking.Trackers()  # opened when the loop starts
+        self.started, self.tokens_before = time.perf_counter(), 0  # for the summary line: this call's time, tokens
 
     # -- setup ---------------------------------------------------------------------------------
     def _data(self):
@@ -188,7 +190,7 @@ class TrainingRun:
         state = checkpoint.trainer_state
         self.global_step = checkpoint.step
         self.losses = [float(loss) for loss in state.get("losses", [])]
-        self.num_tokens = int(state.get("num_tokens", 0))
+        self.num_tokens = self.tokens_before = int(state.get("num_tokens", 0))
         self.log_history = list(state.get("log_history", []))
         # the logging window in progress at the checkpoint (a resume between two logging steps): its
         # first row must average the same steps as the uninterrupted run's
@@ -364,9 +366,11 @@ class TrainingRun:
         """The last losses synced, how the run ended said (and what CUDA graphs replayed); the result."""
         self._sync()
         final = self.losses[-1] if self.losses else None
-        if not interrupted:
-            echo(f"poros: trained {self.global_step} steps"
-                  + (f", final loss {final:.4f}" if final is not None else ""))
+        if not interrupted:  # the final loss as the log lines show it: the last window's mean
+            echo(model_card.summary_line(
+                steps=self.global_step, losses=self.losses, log_history=self.log_history,
+                logging_steps=self.config.logging_steps, tokens=self.num_tokens - self.tokens_before,
+                seconds=time.perf_counter() - self.started))
         graphs = getattr(getattr(self.model, "executor", None), "graphs", None)
         if graphs is not None:  # cuda_graphs: what was replayed, what ran eagerly and why
             echo(f"poros: {graphs.report.summary()}")
@@ -457,11 +461,16 @@ class TrainingRun:
             "log_history": self.log_history,
         }
         if self.parallel.is_main:  # data parallel: rank 0 writes; the others wait for it
-            self.last_checkpoint = checkpoints.write_checkpoint(
-                self.output_dir, self.global_step, write_adapter=self.trainer._write_adapter, optimizer=optimizer,
-                scheduler=scheduler, trainer_state=trainer_state, data_state=batches.state_dict(),
-                poros_config=self.trainer._poros_config_record(), save_total_limit=config.save_total_limit,
-            )
+            try:
+                self.last_checkpoint = checkpoints.write_checkpoint(
+                    self.output_dir, self.global_step, write_adapter=self.trainer._write_adapter, optimizer=optimizer,
+                    scheduler=scheduler, trainer_state=trainer_state, data_state=batches.state_dict(),
+                    poros_config=self.trainer._poros_config_record(), save_total_limit=config.save_total_limit,
+                )
+            except OutputDirError as error:  # a full disk: say what is left and the command that truly resumes
+                raise checkpoints.failed_save(error, self.output_dir, self.global_step, keep_adapter=self.trainer.save,
+                                              resume_command=lambda path: self.trainer.resume_commands(path)[0]
+                                              ) from error
             logger.info("poros: wrote %s", self.last_checkpoint)
         else:
             self.last_checkpoint = self.output_dir / f"{checkpoints.CHECKPOINT_PREFIX}{self.global_step}"

@@ -211,6 +211,7 @@ def hold(output_dir: str | os.PathLike, *, command: str | None = None) -> Iterat
     if directory.exists() and not directory.is_dir():
         raise OutputDirError(f"output_dir {directory} is a file; expected a directory for the adapter, checkpoints "
                              "and metrics. Fix: pass --output-dir a new or existing directory.")
+    created = _first_missing(directory)  # a run that fails before writing anything leaves no empty directory
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -236,6 +237,30 @@ def hold(output_dir: str | os.PathLike, *, command: str | None = None) -> Iterat
         _HELD.pop(key, None)
         with contextlib.suppress(OSError):
             (directory / LOCK_FILE).unlink()
+        _remove_if_empty(directory, created)
+
+
+def _first_missing(directory: pathlib.Path) -> pathlib.Path | None:
+    """The outermost of ``directory`` and its ancestors that does not exist yet (None: it exists)."""
+    missing = None
+    for path in (directory, *directory.parents):
+        if path.exists():
+            break
+        missing = path
+    return missing
+
+
+def _remove_if_empty(directory: pathlib.Path, created: pathlib.Path | None) -> None:
+    """Remove ``directory`` and its ancestors up to ``created`` (what :func:`hold` made) while they are empty."""
+    if created is None:
+        return
+    for path in (directory, *directory.parents):
+        try:
+            path.rmdir()  # only an empty directory goes
+        except OSError:
+            return
+        if path == created:
+            return
 
 
 def previous_results(output_dir: str | os.PathLike) -> list[str]:

@@ -48,6 +48,7 @@ import torch
 from poros.training import checkpoint as checkpoints
 from poros import distributed
 from poros.training import evaluation
+from poros.training import model_card
 from poros.training import tracking
 from poros.adapters import lora_target_modules
 from poros.devices import resolve_device
@@ -90,6 +91,8 @@ class PorosTrainer:
         eval_set: the eval batches of the last ``train()`` (``eval_split`` or ``eval_dataset``), or None.
         launch_command: set by the CLI to the ``argv`` it ran; the resume command printed on an
             interrupt is that command with ``--resume_from <checkpoint>``.
+        last_result: the :class:`TrainResult` of the last ``train()`` (None before); the model card
+            :meth:`save` writes reports it.
     """
 
     def __init__(self, model: PorosModel, tokenizer: Any, config: PorosConfig):
@@ -102,6 +105,7 @@ class PorosTrainer:
         self.global_step = 0
         self.launch_command: list[str] | None = None
         self.eval_set: evaluation.EvalSet | None = None
+        self.last_result: TrainResult | None = None
 
     # -- creation ------------------------------------------------------------------------------
     @classmethod
@@ -144,8 +148,9 @@ class PorosTrainer:
         import peft
 
         from poros.loading.cache import cache_root
-        from poros.loading.load import adapters_to_device, load_pretrained
+        from poros.dropin import banner
         from poros.dropin.model import prepare
+        from poros.loading.load import adapters_to_device, load_pretrained
         from poros.stream.options import StreamOptions
 
         config.validate()
@@ -170,7 +175,8 @@ class PorosTrainer:
         peft_model = peft.get_peft_model(loaded.model, lora_config)
         adapters_to_device(peft_model, loaded.device)  # PEFT puts block adapters beside their host base layer
         options = StreamOptions.from_config(config, schedule=stream_schedule(config, peft_model))
-        model = prepare(peft_model, options=options)  # loss_chunks > 1: prepare installs the chunked loss
+        with banner.silenced():  # the detection summary below says it in full
+            model = prepare(peft_model, options=options)  # loss_chunks > 1: prepare installs the chunked loss
         if config.loss_chunks > 1:
             echo(f"poros: loss_chunks={config.loss_chunks}: the loss is computed over {config.loss_chunks} token "
                   "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
@@ -237,8 +243,10 @@ class PorosTrainer:
         self.run_config = config
         from poros.training import run_lock
 
+        self.last_result = None
         with run_lock.hold(config.output_dir):  # one run per output_dir (re-entrant: the CLI holds it through save)
-            return TrainingRun(self, config, data_source).execute()
+            self.last_result = TrainingRun(self, config, data_source).execute()  # the model card reads it
+            return self.last_result
 
     def evaluate(self, dataset: Any = None, *, max_batches: int | None = None) -> dict[str, Any]:
         """The eval loss of the adapter now, computed as ``train()`` computes it between steps.
@@ -290,6 +298,8 @@ class PorosTrainer:
             new_files = sorted(p.name for p in temporary.iterdir())
             checkpoints.write_json(temporary / checkpoints.POROS_CONFIG_FILE,
                                    self._poros_config_record(files=[*new_files, checkpoints.POROS_CONFIG_FILE]))
+            model_card.write_model_card(temporary, self._poros_config_record(), self.last_result,
+                                        launch_command=self.launch_command)  # over PEFT's template
         for name in previous_files - {*new_files, checkpoints.POROS_CONFIG_FILE}:
             stale = target / name
             if stale.is_file():
@@ -311,7 +321,7 @@ class PorosTrainer:
         previous = {name: config.base_model_name_or_path for name, config in peft_model.peft_config.items()}
         try:
             for adapter_config in peft_model.peft_config.values():
-                adapter_config.base_model_name_or_path = self.run_config.model
+                adapter_config.base_model_name_or_path = model_card.base_model_reference(self.run_config.model)
             # save_embedding_layers=False: "auto" asks the hub whether the vocabulary was resized; the
             # embeddings are frozen base weights here, never trained.
             peft_model.save_pretrained(directory, save_embedding_layers=False)
@@ -329,7 +339,7 @@ class PorosTrainer:
             "guarantee": detection.guarantee if detection else None,
             "guarantee_reason": detection.reason if detection else None,
             "steps_done": self.global_step,
-            "base_model_name_or_path": self.run_config.model,
+            "base_model_name_or_path": model_card.base_model_reference(self.run_config.model),
             "config": self.run_config.to_dict(),
             **extra,
         }

@@ -9,19 +9,25 @@ before any weight is read, so a typo in a path fails in a second, not after minu
                  live run, no other run's results (unless
                  overwrite or resume_from)
     resume_from  complete, intact, same math               TrainingCheckpointError
-    model        config.json found, a registered family    CheckpointLoadError, UnknownArchitectureError
+    model        config.json found, a registered family;   CheckpointLoadError, UnknownArchitectureError
+                 a local checkpoint's shards all there
     dataset      readable; format detected and the first   DataError
                  records normalized; a hub id cached or
-                 reachable (no retries)
+                 reachable (no retries); a local file
+                 leaves some example a trainable token
+                 (the checkpoint's tokenizer, seq_len)
 
 Each check raises the first problem it finds as a :class:`~poros.errors.PorosError` whose
 message names what was found and the fix. Nothing is written (the writability probe removes its
-file) and nothing is loaded but the checkpoint's ``config.json`` and the dataset file.
+file) and nothing is loaded but the checkpoint's ``config.json``, its tokenizer and the dataset file.
+The trainable-token check tokenizes the first :data:`SAMPLE_RECORDS` records, and the whole file only
+when none of those has a trainable token (what the run would do before it fails the same way).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import sys
@@ -99,41 +105,53 @@ def check_output_dir(output_dir: str, *, overwrite: bool = False, resuming: bool
             run_lock.check_fresh_start(directory, overwrite=False)
 
 
-def check_model(model: str, *, revision: str | None = None, download_allowed: bool = True) -> None:
-    """The model's ``config.json`` is found and a registered family claims it.
+def check_model(model: str, *, revision: str | None = None, download_allowed: bool = True) -> pathlib.Path | None:
+    """The model's ``config.json`` is found and a registered family claims it; a local checkpoint (a
+    directory, the bundled model) with a shard index has every shard it lists. Returns the checkpoint
+    directory (None for a hub id that is downloaded later).
 
     A hub id that is not in the HF cache passes when ``download_allowed`` (``poros train`` downloads
-    it) unless ``HF_HUB_OFFLINE`` is set; ``--dry-run`` reads only the cache.
+    it) unless ``HF_HUB_OFFLINE`` is set; ``--dry-run`` reads only the cache. A cached hub snapshot's
+    weights are not checked: the run fetches the ones missing.
 
     Raises:
-        CheckpointLoadError: no such local directory, no ``config.json``, or a hub id that is not
-            cached where it cannot be downloaded.
+        CheckpointLoadError: no such local directory, no ``config.json``, a hub id that is not
+            cached where it cannot be downloaded, or a local index naming a shard that is not there.
         UnknownArchitectureError: no registered family claims the checkpoint's ``model_type``.
     """
     from poros import registry
     from poros.training.plan import load_text_config, locate_checkpoint_config
 
     try:
-        directory, _ = locate_checkpoint_config(model, revision=revision)
+        directory, where = locate_checkpoint_config(model, revision=revision)
     except CheckpointLoadError:
         hub_like = model.count("/") == 1 and not model.startswith((".", "/", "~"))
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
         if hub_like and download_allowed and not offline and not pathlib.Path(model).expanduser().exists():
-            return  # loaded (downloaded) later; its config is checked then
+            return None  # loaded (downloaded) later; its config is checked then
         raise
-    _, text_config = load_text_config(directory)
-    registry.for_config(text_config)
+    from poros.loading.load import PICKLE_INDEX, SAFE_INDEX, inspect_checkpoint
+
+    if where != "HF cache" and any((directory / name).is_file() for name in (SAFE_INDEX, PICKLE_INDEX)):
+        inspect_checkpoint(directory)  # the family, and every shard of the index (a copy cut short fails here)
+    else:  # a config.json alone plans (`--dry-run` reads no weights); a hub snapshot fetches what it lacks
+        _, text_config = load_text_config(directory)
+        registry.for_config(text_config)
+    return directory
 
 
-def check_dataset(dataset: str, *, split: str = "train") -> str:
+def check_dataset(dataset: str, *, split: str = "train", tokenizer: Any = None, seq_len: int | None = None,
+                  chat_template: str | None = None) -> str:
     """The dataset is readable and its format is detected on its first records; returns the format.
 
-    Local files are read whole and their first :data:`SAMPLE_RECORDS` records normalized; a hub id
-    is only checked to be cached or reachable (it is loaded once, by the run).
+    Local files are read whole and their first :data:`SAMPLE_RECORDS` records normalized; with a
+    ``tokenizer`` and ``seq_len``, some example must keep a trainable token (:func:`check_trainable`).
+    A hub id is only checked to be cached or reachable (it is loaded once, by the run).
 
     Raises:
         DataError: as :func:`poros.data.load_records`, :func:`~poros.data.detect_format` and
-            :func:`~poros.data.to_examples` raise it; or the first records' roles are all unknown.
+            :func:`~poros.data.to_examples` raise it; the first records' roles are all unknown; or no
+            example has a trainable token (the run's own message: no assistant turn, or beyond seq_len).
     """
     from poros.data.formats import detect_format, to_examples, unknown_roles, unknown_roles_hint
     from poros.data.sources import SYNTHETIC, check_hub_dataset, is_hub_id, load_records
@@ -152,7 +170,38 @@ def check_dataset(dataset: str, *, split: str = "train") -> str:
         if roles and not any(m["role"] == "assistant" for example in examples for m in example.messages):
             raise DataError(f"{dataset}: no assistant turn in the first {len(sample)} records: "
                             f"{unknown_roles_hint(roles)}")
+    if tokenizer is not None and seq_len is not None:
+        check_trainable(records, fmt, tokenizer, seq_len=seq_len, chat_template=chat_template)
     return fmt
+
+
+def check_trainable(records: list[Any], fmt: str, tokenizer: Any, *, seq_len: int,
+                    chat_template: str | None = None) -> None:
+    """Some example of ``records`` keeps a trainable token at ``seq_len``, as the run tokenizes them: the
+    first :data:`SAMPLE_RECORDS` records are tried, and all of them only when none of those has one.
+    The run's WARNINGs (dropped examples) are left to the run, which counts the whole dataset.
+
+    Raises:
+        DataError: as :func:`poros.data.tokenize_examples` raises it (no trainable token in any example,
+            a chat template that fails).
+    """
+    from poros.data.formats import to_examples
+    from poros.data.tokenize import tokenize_examples
+
+    data_logger = logging.getLogger("poros")
+    level = data_logger.level
+    data_logger.setLevel(logging.ERROR)  # a sample's "dropped N of M" would count the sample, not the data
+    try:
+        for sample in ((records[:SAMPLE_RECORDS], records) if len(records) > SAMPLE_RECORDS else (records,)):
+            try:
+                tokenize_examples(to_examples(sample, fmt), tokenizer, seq_len=seq_len, chat_template=chat_template,
+                                  fmt=fmt)
+                return
+            except DataError:
+                if sample is records:
+                    raise
+    finally:
+        data_logger.setLevel(level)
 
 
 def check_resume(config: Any) -> None:
@@ -185,11 +234,27 @@ def validate_run(config: Any, *, dry_run: bool = False) -> None:
         config.resume_from == "auto" and output_dir.is_dir() and latest_checkpoint(output_dir) is not None)
     check_output_dir(config.output_dir, overwrite=config.overwrite, resuming=resuming)
     check_resume(config)
-    check_model(config.model, revision=config.revision, download_allowed=not dry_run)
-    check_dataset(config.dataset, split=config.dataset_split)
+    directory = check_model(config.model, revision=config.revision, download_allowed=not dry_run)
+    tokenizer = checkpoint_tokenizer(directory)
+    check_dataset(config.dataset, split=config.dataset_split, tokenizer=tokenizer, seq_len=config.seq_len,
+                  chat_template=config.chat_template)
     if config.eval_dataset:
-        check_dataset(config.eval_dataset, split=config.eval_dataset_split)
+        check_dataset(config.eval_dataset, split=config.eval_dataset_split, tokenizer=tokenizer,
+                      seq_len=config.seq_len, chat_template=config.chat_template)
+
+
+def checkpoint_tokenizer(directory: pathlib.Path | None) -> Any:
+    """The tokenizer of the checkpoint in ``directory`` (``AutoTokenizer``, as the run loads it), or None when
+    it has none (the run then trains 'synthetic' only and says so)."""
+    from poros.loading.load import TOKENIZER_FILES
+
+    if directory is None or not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(directory)
 
 
 __all__ = ["RUN_PACKAGES", "check_dataset", "check_device", "check_model", "check_output_dir", "check_resume",
-           "missing_dependency", "missing_packages", "require_run_packages", "validate_run"]
+           "check_trainable", "checkpoint_tokenizer", "missing_dependency", "missing_packages", "require_run_packages",
+           "validate_run"]
