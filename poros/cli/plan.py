@@ -68,8 +68,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="time one block at the run's shapes on the device (default: on CUDA, unless "
                              "--block-ms is given)")
     parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                        help="data parallel over N ranks per node: plan each GPU for its share of batch_size, and "
-                             "report the host RAM of the node")
+                        help="data parallel over N ranks per node: plan each GPU for its batch_size (per device, "
+                             "as HF's per_device_train_batch_size), and report the host RAM of the node")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--verbose", action="store_true",
                         help="also show the known third-party notices Poros hides (see poros.noise)")
@@ -129,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
     from poros.cli.output import print_json
     from poros.cli.report import format_budget_plan
     from poros.devices import resolve_device
-    from poros.distributed import check_batch_divides
     from poros.errors import ConfigError
     from poros.training.plan import load_text_config, plan_run
     from poros.stream import planner
@@ -149,8 +148,7 @@ def run(args: argparse.Namespace) -> int:
         budget = torch.cuda.get_device_properties(device).total_memory
     plan = plan_run(config)
     ranks = args.nproc_per_node
-    per_rank_batch = check_batch_divides(config.batch_size, ranks)  # each GPU runs its share of the batch
-    workload = planner.Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule,
+    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule,
                                 config.loss_chunks)
 
     compute = link = None
@@ -207,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
             how = ("one copy shared by the ranks (mapped tier)" if host.tier == "mapped" else
                    f"one {host.tier} copy per rank" + ("" if host.tier != "pinned" or config.host_tier else
                                                        "; with the block cache on they would share one"))
-            print(f"data parallel: {ranks} ranks per node, batch {config.batch_size} = {per_rank_batch} per GPU; the "
+            print(f"data parallel: {ranks} ranks per node, batch {config.batch_size} per GPU = {config.batch_size * ranks} "
+                  "on the node; the "
                   f"peak above is per GPU. Host RAM of the node for the frozen base: "
                   f"{planner.format_gb(node['host_bytes_per_node'])}, {how} (docs/multi-gpu.md)")
     return 0
