@@ -3,7 +3,8 @@
 The same object comes from a commented ``poros.yaml`` (written by ``poros init``), from a dict,
 from ``--key value`` overrides on the ``poros train`` command line, or from Python. Every way in
 is type-checked against the dataclass annotations, and an unknown key fails by name with the
-closest field as a suggestion (nanoGPT's configurator, made strict)::
+closest field as a suggestion (nanoGPT's configurator, made strict); HF / TRL / axolotl names
+(``learning_rate``, ``max_steps``...) mean their Poros field everywhere (:mod:`poros.spellings`)::
 
     config = PorosConfig.from_yaml("poros.yaml").apply_overrides(["--steps", "50", "--lr", "1e-4"])
     config.to_yaml("poros.yaml")          # commented: every field with its doc line and choices
@@ -14,8 +15,8 @@ Torch-free: ``import poros.config`` imports only the standard library and PyYAML
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
+import math
 import re
 import shlex
 import textwrap
@@ -28,6 +29,7 @@ from typing import Any, Iterable
 import yaml
 
 from poros.errors import ConfigError
+from poros.spellings import FIELD_ALIASES, known_fields, parse_budget, suggestion
 
 __all__ = ["HOST_TIERS", "PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget", "report_to_names"]
 
@@ -107,9 +109,14 @@ class PorosConfig:
         "a list allowed, e.g. [tensorboard, wandb]. Each needs its extra: pip install 'poros-train[tensorboard]'.",
         choices=("none", "tensorboard", "wandb", "mlflow", "trackio", "all"))
     # -- optimisation -------------------------------------------------------------------------------
-    batch_size: int = _field(1, "Examples per micro-batch.", section="optimisation")
+    batch_size: int = _field(1, "Examples per micro-batch on each device (HF's per_device_train_batch_size): data "
+                             "parallel over N ranks trains N x batch_size per micro-batch.", section="optimisation")
     grad_accum: int = _field(1, "Micro-batches accumulated per optimizer step.")
-    steps: int = _field(100, "Optimizer steps to train.")
+    steps: int = _field(100, "Optimizer steps to train; 0 with epochs: as many as epochs takes. A set steps "
+                        "overrides epochs (as HF's max_steps overrides num_train_epochs).")
+    epochs: float | None = _field(None, "Passes over the training data (HF's num_train_epochs); given without "
+                                  "steps, the run trains ceil(epochs x (batches per epoch // grad_accum)) steps. "
+                                  "null: steps decides.")
     lr: float = _field(2e-4, "Peak learning rate of AdamW.")
     schedule: str = _field("cosine", "Learning-rate schedule (transformers get_scheduler names).",
                            choices=("constant", "constant_with_warmup", "linear", "cosine"))
@@ -193,6 +200,10 @@ class PorosConfig:
                                    "blocks, later loads map them); null: $POROS_CACHE_DIR, else ~/.cache/poros.")
     no_cache: bool = _field(False, "Bypass the NF4 block cache: quantize the checkpoint on every load and write "
                             "nothing.")
+    cpu_threads: int | str = _field("auto", "Threads of torch's CPU ops (torch.set_num_threads, for the process): "
+                                    "'auto' takes 1 on the CPU for a model narrower than poros.devices."
+                                    "ONE_THREAD_BELOW_HIDDEN (its ops are too small to share) and torch's default "
+                                    "otherwise or when OMP_NUM_THREADS is set; an integer sets it.")
 
     def __post_init__(self) -> None:
         hints = _type_hints()
@@ -216,9 +227,14 @@ class PorosConfig:
             if not ok:
                 problems.append(f"{name}={getattr(self, name)!r}: expected {expected}; {fix}")
 
-        for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "steps", "num_slots",
+        for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "num_slots",
                      "logging_steps", "loss_chunks"):
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
+        need(self.steps >= 1 or (self.steps == 0 and self.epochs is not None), "steps", "an integer >= 1 (0 only "
+             "with epochs)", "set steps to a positive integer, or epochs to train for passes over the data")
+        need(self.epochs is None or self.epochs > 0, "epochs", "a number > 0 or null", "e.g. epochs: 3")
+        need(self.cpu_threads == "auto" or (isinstance(self.cpu_threads, int) and self.cpu_threads >= 1),
+             "cpu_threads", "'auto' or an integer >= 1", "e.g. cpu_threads: 1")
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
         for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule",
@@ -317,8 +333,19 @@ class PorosConfig:
         Raises:
             ConfigError: an unknown key (named, with the closest field) or an invalid value.
         """
-        _reject_unknown(changes, "PorosConfig.replace()")
+        changes = _given(changes, "PorosConfig.replace()")
         return PorosConfig(**{**self.to_dict(), **changes})
+
+    def steps_for_epochs(self, batches_per_epoch: int) -> tuple[int, str | None]:
+        """``(steps, note)`` of the run: ``steps`` when set (the note says when it overrides ``epochs``), else
+        ``ceil(epochs x max(batches_per_epoch // grad_accum, 1))``, HF Trainer's count (of the global batch)."""
+        counted = None if self.epochs is None else math.ceil(self.epochs * max(batches_per_epoch // self.grad_accum, 1))
+        if counted is None or self.steps == counted:
+            return self.steps, None
+        if self.steps:
+            return self.steps, (f"steps={self.steps} overrides epochs={self.epochs:g} ({counted} steps), as HF's "
+                                "max_steps overrides num_train_epochs; set steps: 0 to train by epochs")
+        return counted, f"{self.epochs:g} epochs of {batches_per_epoch} batches, {self.grad_accum} per step: {counted} steps"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "the configuration") -> PorosConfig:
@@ -336,7 +363,7 @@ class PorosConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source} holds a {type(data).__name__}, expected a mapping of PorosConfig fields "
                               "(key: value lines). Run `poros init` for a commented example.")
-        _reject_unknown(data, source)
+        data = _given(data, source)
         try:
             return cls(**data)
         except ConfigError as error:
@@ -429,13 +456,14 @@ class PorosConfig:
                 )
             key, has_value, value = argument[2:].partition("=")
             key = key.replace("-", "_")
+            key = FIELD_ALIASES.get(key, key) if key not in names else key  # --learning-rate: lr
             negated = False
             if key not in names and key.startswith("no_") and key[3:] in names \
                     and bool in _allowed_types(hints[key[3:]]):
                 key, negated = key[3:], True
             if key not in names:
                 raise ConfigError(f"unknown override --{argument[2:].partition('=')[0]}: PorosConfig has no field "
-                                  f"{key!r}{_suggestion(key)}")
+                                  f"{key!r}{suggestion(key, names)}")
             allowed = _allowed_types(hints[key])
             if negated:
                 if has_value:
@@ -464,36 +492,6 @@ class PorosConfig:
 
 
 # -- fields and types --------------------------------------------------------------------------------
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-               "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
-
-
-def parse_budget(value: str | int, name: str = "vram_budget") -> int:
-    """Bytes of a VRAM budget: ``"7GiB"`` (2^30), ``"7GB"`` (10^9), ``"7000MiB"``, ``"7.5G"`` (a bare
-    K/M/G/T is binary, as in ``ls -h``), ``"24 GiB"``, or an int of bytes.
-
-    Raises:
-        ConfigError: not a positive size in one of those forms.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected a size such as '7GiB', "
-                          "'7GB', '7000MiB', '7.5G' or an int of bytes.")
-    if isinstance(value, int):
-        number, unit = float(value), ""
-    else:
-        match = _SIZE.fullmatch(value)
-        if not match or match.group(2).lower() not in _SIZE_UNITS:
-            raise ConfigError(f"{name}={value!r} is not a size: expected a number and a unit such as '7GiB' "
-                              "(2^30 bytes), '7GB' (10^9), '7000MiB', '7.5G' (binary) or an int of bytes, e.g. "
-                              f"--{name.replace('_', '-')} 7GiB.")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    nbytes = int(number * _SIZE_UNITS[unit])
-    if nbytes <= 0:
-        raise ConfigError(f"{name}={value!r} is {nbytes} bytes; a budget must be positive, e.g. 7GiB.")
-    return nbytes
-
 
 def report_to_names(value: str | list[str]) -> list[str]:
     """``"tensorboard"`` -> ``["tensorboard"]``; ``"tensorboard, wandb"`` and lists -> the names, stripped."""
@@ -624,18 +622,26 @@ def _choice_list(choices: Iterable[Any]) -> str:
     return ", ".join("null" if choice is None else str(choice) for choice in choices)
 
 
-def _suggestion(key: str) -> str:
-    names = [f.name for f in dataclasses.fields(PorosConfig)]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else "."
-    return hint + " Every field is listed in docs/configuration.md (or run `poros init` for a commented poros.yaml)."
+def _given(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """``data`` keyed by field names (:func:`~poros.spellings.known_fields`); ``epochs`` given without
+    ``steps`` sets steps 0 (the run counts them from epochs)."""
+    data = known_fields(data, [f.name for f in dataclasses.fields(PorosConfig)], source)
+    if data.get("epochs") is not None and "steps" not in data:
+        data["steps"] = 0
+    return data
 
 
-def _reject_unknown(data: dict[str, Any], source: str) -> None:
-    names = {f.name for f in dataclasses.fields(PorosConfig)}
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{source}: unknown key {key!r}; PorosConfig has no such field{_suggestion(str(key))}")
+def _accepting_aliases(init):
+    """``PorosConfig(learning_rate=1e-4, ...)``: the dataclass ``__init__`` behind :func:`_given`."""
+
+    @functools.wraps(init)
+    def __init__(self, **fields: Any) -> None:
+        init(self, **_given(fields, "PorosConfig()"))
+
+    return __init__
+
+
+PorosConfig.__init__ = _accepting_aliases(PorosConfig.__init__)  # type: ignore[method-assign]
 
 
 def _yaml_line(name: str, value: Any) -> str:

@@ -2,7 +2,7 @@
 None, ``"cuda"``, ``"cuda:1"``, ``"cpu"``) into a ``torch.device`` -- the one rule the trainer, the
 loader, the planner's dry run, the bench, the CLI and :mod:`poros.training.validation` share -- and, asked to
 ``check``, refuses a CUDA device this machine cannot use before anything is loaded;
-:func:`compute_device` reads the device off a model. torch is imported inside the functions
+:func:`compute_device` reads the device off a model; :func:`cpu_threads` is the ``cpu_threads`` rule. torch is imported inside the functions
 (``poros plan``'s parser imports this module); :mod:`poros.errors` is the only other import."""
 
 from __future__ import annotations
@@ -61,6 +61,23 @@ def _check_cuda(named: str, resolved: "torch.device") -> None:
                           f"--device cuda:0 .. cuda:{count - 1}.")
 
 
+#: ``cpu_threads: auto`` takes one thread on the CPU for a model narrower than this hidden size: its
+#: ops are too small to share between threads (``python -m tools.cpu_threads`` measures the crossing).
+ONE_THREAD_BELOW_HIDDEN = 1024
+
+
+def cpu_threads(setting: int | str, device: "torch.device", hidden_size: int) -> int | None:
+    """The torch CPU thread count for the ``cpu_threads`` option, or None to leave torch's own.
+
+    ``"auto"``: 1 on the CPU below :data:`ONE_THREAD_BELOW_HIDDEN`, unless ``OMP_NUM_THREADS`` is set
+    (the user chose); None otherwise. An integer is taken as it is."""
+    if setting != "auto":
+        return int(setting)
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return 1 if hidden_size < ONE_THREAD_BELOW_HIDDEN else None
+
+
 def compute_device(module: Any) -> "torch.device":
     """The device ``module`` computes on: its first trainable parameter's, else its first parameter's."""
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -69,4 +86,4 @@ def compute_device(module: Any) -> "torch.device":
     return next(module.parameters()).device
 
 
-__all__ = ["compute_device", "resolve_device"]
+__all__ = ["ONE_THREAD_BELOW_HIDDEN", "compute_device", "cpu_threads", "resolve_device"]

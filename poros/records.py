@@ -38,6 +38,10 @@ Family-specific facts use the config's own key (``global_head_dim``, ``num_kv_sh
 comment in the file. Every id (``hf_id``, ``instruct_id``, ``base_id``) resolves to its entry
 through :func:`find_checkpoint`.
 
+:func:`config_json` turns an entry's facts into the ``config.json`` they were read from, as far as
+they go: what ``poros plan`` plans a known model from when its own ``config.json`` is not in the
+HF cache.
+
 The folder is ``$POROS_REGISTRY_DIR`` when that is set (tests, or a checkout of newer records),
 else the installed ``poros.registry_data`` package, else ``registry/`` beside the package.
 """
@@ -56,6 +60,15 @@ REGISTRY_DIR_ENV = "POROS_REGISTRY_DIR"
 ID_FIELDS = ("hf_id", "instruct_id", "base_id")
 #: Sub-table of facts that differ in a sibling's config, per sibling id field.
 OVERRIDE_FIELDS = {"instruct_id": "instruct_overrides", "base_id": "base_overrides"}
+#: Checkpoint facts that are ``config.json`` keys, by the key they are (``layers`` is ``num_hidden_layers``).
+CONFIG_KEYS = {"layers": "num_hidden_layers", **{key: key for key in (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "vocab_size", "tie_word_embeddings", "max_position_embeddings", "sliding_window",
+    "query_pre_attn_scalar", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+    "num_kv_shared_layers", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_experts",
+    "top_k_experts", "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim",
+)}}
 
 
 def data_dir() -> Path:
@@ -140,3 +153,13 @@ def family_of_checkpoint(hf_id: str) -> str | None:
     """Family that lists ``hf_id`` (or it as an instruct/base sibling) among its known checkpoints."""
     found = find_checkpoint(hf_id)
     return found[0] if found else None
+
+
+def config_json(facts: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of an entry's facts (:func:`find_checkpoint`), as far as they go: ``model_type``
+    and the :data:`CONFIG_KEYS` facts, under ``text_config`` for a multimodal checkpoint (whose facts
+    are its text tower's). Whatever the entry does not record is left to the model type's defaults."""
+    fields = {CONFIG_KEYS[key]: value for key, value in facts.items() if key in CONFIG_KEYS}
+    if facts.get("multimodal"):
+        return {"model_type": facts["model_type"], "text_config": fields}
+    return {"model_type": facts["model_type"], **fields}

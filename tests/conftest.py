@@ -44,6 +44,14 @@ def block_cache_in_a_temporary_directory(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def each_test_in_its_own_working_directory(tmp_path_factory, monkeypatch):
+    """Every test runs in an empty working directory of its own (not its ``tmp_path``, which some tests
+    list), so the checkout's own ``./poros_output`` -- what the README's ``poros train`` leaves there --
+    is never a test's default output_dir. Tests name repository files by absolute path (``repo_root``)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(autouse=True)
 def nothing_written_into_the_working_directory():
     """A test that trains with the default ``output_dir`` would leave ``poros_output/`` in the checkout."""
     default = Path.cwd() / "poros_output"

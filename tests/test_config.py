@@ -30,6 +30,7 @@ CHANGED = dict(
     attn_implementation="eager", embeddings_on_host=False, vram_budget="7GiB", stream_schedule="micro-major",
     optimizer_states="host", lora_placement="device", loss_chunks=4, cuda_graphs="auto", pad_to_multiple_of=64,
     host_tier="disk", host_budget="24GiB", read_ahead=4, cache_dir="/data/poros-cache", no_cache=True,
+    epochs=2.5, cpu_threads=3,
 )
 
 
@@ -165,8 +166,8 @@ def test_target_modules_string_of_names_becomes_a_list():
 def test_replace_and_from_dict_reject_unknown_keys_by_name():
     with pytest.raises(ConfigError, match=r"unknown key 'lora_rnak'.*did you mean 'lora_rank'"):
         PorosConfig().replace(lora_rnak=8)
-    with pytest.raises(ConfigError, match=r"unknown key 'learning_rate'"):
-        PorosConfig.from_dict({"learning_rate": 1e-4})
+    with pytest.raises(ConfigError, match=r"unknown key 'learning_rat'"):  # learning_rate is HF's lr (see below)
+        PorosConfig.from_dict({"learning_rat": 1e-4})
     assert PorosConfig().replace(steps=5).steps == 5
 
 
@@ -305,3 +306,98 @@ def test_configuration_docs_hold_the_generated_field_table():
         "docs/configuration.md is stale: paste poros.config.fields_markdown() between the fields markers")
     for name in FIELD_NAMES:
         assert f"| `{name}` |" in match.group(1)
+
+
+# -- other trainers' names, epochs, CPU threads -----------------------------------------------------
+
+#: HF TrainingArguments / TRL SFTConfig / axolotl keys and the PorosConfig field each one sets.
+OTHER_NAMES = [("learning_rate", 3e-4, "lr"), ("max_steps", 7, "steps"), ("num_train_epochs", 2.0, "epochs"),
+               ("per_device_train_batch_size", 4, "batch_size"), ("gradient_accumulation_steps", 8, "grad_accum"),
+               ("max_seq_length", 256, "seq_len"), ("lora_r", 8, "lora_rank"), ("output_dir", "runs/x", "output_dir"),
+               ("micro_batch_size", 2, "batch_size"), ("num_epochs", 3.0, "epochs"), ("sequence_len", 128, "seq_len")]
+
+
+@pytest.mark.parametrize(("alias", "value", "name"), OTHER_NAMES, ids=[alias for alias, _, _ in OTHER_NAMES])
+def test_other_trainers_names_set_the_poros_field_everywhere(tmp_path, alias, value, name):
+    expected = PorosConfig(**{name: value})
+    assert getattr(expected, name) == value
+    path = tmp_path / "poros.yaml"
+    path.write_text(yaml.safe_dump({alias: value}))
+    assert PorosConfig.from_yaml(path) == expected
+    assert PorosConfig().apply_overrides([f"--{alias.replace('_', '-')}", str(value)]) == expected
+    assert PorosConfig().apply_overrides([f"--{alias}={value}"]) == expected
+    assert PorosConfig(**{alias: value}) == expected
+    assert PorosConfig().replace(**{alias: value}) == expected
+    assert alias not in PorosConfig(**{alias: value}).to_dict() or alias == name  # the config keeps Poros's names
+
+
+@pytest.mark.parametrize(("typo", "suggested"), [
+    ("--learning-rat", "did you mean 'learning_rate' (PorosConfig's 'lr')?"),
+    ("--max-step", "did you mean 'max_steps' (PorosConfig's 'steps')?"),
+    ("--num-train-epoch", "did you mean 'num_train_epochs' (PorosConfig's 'epochs')?"),
+    ("--per-device-batch-size", "did you mean 'per_device_train_batch_size' (PorosConfig's 'batch_size')?"),
+])
+def test_a_misspelt_other_name_suggests_it_and_its_field(typo, suggested):
+    with pytest.raises(ConfigError) as error:
+        PorosConfig().apply_overrides([typo, "1"])
+    assert suggested in str(error.value)
+
+
+def test_one_field_under_two_names_is_refused(tmp_path):
+    path = tmp_path / "poros.yaml"
+    path.write_text("lr: 1.0e-4\nlearning_rate: 2.0e-4\n")
+    with pytest.raises(ConfigError, match="'lr' and 'learning_rate' both set PorosConfig's 'lr'"):
+        PorosConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match="'steps' and 'max_steps' both set"):
+        PorosConfig().replace(steps=3, max_steps=4)
+
+
+@pytest.mark.parametrize(("config", "batches_per_epoch", "steps"), [
+    (PorosConfig(epochs=2), 400, 800),                       # steps 0: as many as 2 passes take
+    (PorosConfig(epochs=2, grad_accum=4), 400, 200),         # 4 batches per optimizer step
+    (PorosConfig(epochs=0.5, grad_accum=3), 10, 2),          # ceil(0.5 x (10 // 3))
+    (PorosConfig(epochs=1, grad_accum=8), 3, 1),             # fewer batches than one step: one step per epoch
+    (PorosConfig(epochs=3, steps=10), 400, 10),              # a set steps overrides epochs (HF's max_steps)
+    (PorosConfig(), 400, 100),                               # no epochs: steps
+])
+def test_epochs_count_the_steps_of_that_many_passes(config, batches_per_epoch, steps):
+    assert config.steps_for_epochs(batches_per_epoch)[0] == steps
+
+
+def test_epochs_without_steps_and_the_later_source_wins(tmp_path):
+    assert PorosConfig(epochs=2).steps == 0 and PorosConfig(num_train_epochs=2, max_steps=5).steps == 5
+    assert "overrides epochs=3" in PorosConfig(epochs=3, steps=10).steps_for_epochs(400)[1]
+    path = tmp_path / "poros.yaml"
+    path.write_text("epochs: 3\n")
+    by_epochs = PorosConfig.from_yaml(path)
+    assert (by_epochs.steps, by_epochs.epochs) == (0, 3.0)
+    assert by_epochs.apply_overrides(["--max-steps", "10"]).steps_for_epochs(400)[0] == 10  # steps given later
+    path.write_text("steps: 50\n")
+    assert PorosConfig.from_yaml(path).apply_overrides(["--num-train-epochs", "2"]).steps_for_epochs(400)[0] == 800
+    by_epochs.to_yaml(path)
+    assert PorosConfig.from_yaml(path) == by_epochs  # steps: 0 and epochs: 3 read back the same
+    with pytest.raises(ConfigError, match=r"steps=0: expected an integer >= 1 \(0 only with epochs\)"):
+        PorosConfig(steps=0)
+    with pytest.raises(ConfigError, match="epochs=-1.0: expected a number > 0"):
+        PorosConfig(epochs=-1)
+
+
+@pytest.mark.parametrize(("setting", "device", "hidden", "omp", "threads"), [
+    ("auto", "cpu", 128, None, 1),       # a tiny model on the CPU: one thread
+    ("auto", "cpu", 4096, None, None),   # a wide one: torch's default
+    ("auto", "cpu", 128, "4", None),     # OMP_NUM_THREADS set: the user chose
+    ("auto", "cuda", 128, None, None),   # the CPU is not where it computes
+    (3, "cpu", 128, None, 3),            # an integer is taken as it is
+])
+def test_cpu_threads_follow_the_models_width(monkeypatch, setting, device, hidden, omp, threads):
+    import torch
+
+    from poros.devices import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if omp is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert cpu_threads(setting, torch.device(device), hidden) == threads
+    assert PorosConfig().apply_overrides(["--cpu-threads", str(setting)]).cpu_threads == setting
+    with pytest.raises(ConfigError, match="cpu_threads=0: expected 'auto' or an integer >= 1"):
+        PorosConfig(cpu_threads=0)

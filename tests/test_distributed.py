@@ -98,7 +98,7 @@ def poros_train(child_env, *arguments: str, timeout: int = TIMEOUT_S):
 
 def test_poros_train_nproc_per_node_2_trains_saves_once_and_resumes_only_with_two(child_env, tmp_path):
     out = tmp_path / "run"
-    common = ["--steps", "3", "--save-steps", "2", "--batch-size", "2", "--grad-accum", "2", "--seq-len", "48",
+    common = ["--steps", "3", "--save-steps", "2", "--batch-size", "1", "--grad-accum", "2", "--seq-len", "48",
               "--logging-steps", "1", "--output-dir", str(out)]
     done = poros_train(child_env, "--nproc-per-node", "2", *common)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -132,13 +132,16 @@ def test_poros_train_nproc_per_node_2_trains_saves_once_and_resumes_only_with_tw
     assert (micro / "checkpoint-3" / "adapter_model.safetensors").read_bytes() == uninterrupted
 
 
-def test_poros_train_refuses_a_batch_the_ranks_do_not_divide(child_env, tmp_path):
+def test_poros_train_nproc_per_node_2_with_the_default_batch(child_env, tmp_path):
+    """batch_size is per device (HF's per_device_train_batch_size): the default batch of 1 trains on two ranks,
+    a global batch of 2, and poros_config.json records both."""
     out = tmp_path / "run"
-    done = poros_train(child_env, "--nproc-per-node", "2", "--steps", "1", "--batch-size", "3", "--output-dir",
-                       str(out))
-    assert done.returncode == 1
-    assert done.stderr.count("a global batch of 3 sequences cannot be split over 2 ranks") == 2  # every rank
-    assert not out.exists()
+    done = poros_train(child_env, "--nproc-per-node", "2", "--steps", "2", "--seq-len", "48", "--output-dir", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "global batch 2 = 1 per rank x 2 ranks, x 1 accumulation = 2 sequences per optimizer step" in done.stdout
+    record = json.loads((out / "poros_config.json").read_text())
+    assert (record["per_device_batch_size"], record["global_batch_size"], record["world_size"]) == (1, 2, 2)
+    assert record["config"]["batch_size"] == 1
 
 
 SHARED_HOST_COPY_RANK = """
@@ -214,7 +217,7 @@ def test_plan_per_gpu_and_host_ram_per_node(capsys):
     report = json.loads(capsys.readouterr().out)
     node = report["data_parallel"]
     assert report["plan"]["resident_blocks"] == []  # 76 MB: every block streams through the host tier
-    assert report["plan"]["workload"]["batch_size"] == 2  # each GPU plans for its share
+    assert report["plan"]["workload"]["batch_size"] == 4  # batch_size is per GPU (HF's per_device_train_batch_size)
     assert node["ranks_per_node"] == 2
     assert node["host_bytes_per_node_one_copy_per_rank"] == 2 * node["host_bytes_per_node_shared"] > 0
     # the block cache is on: the ranks map its one entry, and the node holds the blocks once
@@ -230,8 +233,8 @@ def test_plan_per_gpu_and_host_ram_per_node(capsys):
     assert (report["host"]["tier"], node["host_tier"]) == ("pinned", "pinned")
     assert node["host_bytes_per_node"] == node["host_bytes_per_node_one_copy_per_rank"]
     assert "each of the node's 2 ranks holds its own copy" in report["host"]["reason"]
-    assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--batch-size", "4", "--nproc-per-node", "3"]) == 1
-    assert "cannot be split over 3 ranks" in capsys.readouterr().err
+    assert main(["plan", "--vram-budget", "8GiB", "--no-probe", "--batch-size", "3", "--nproc-per-node", "3"]) == 0
+    assert "3 ranks per node, batch 3 per GPU = 9 on the node" in capsys.readouterr().out  # any batch, any ranks
 
 
 def test_node_host_ram_counts_shared_host_tables_once():

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -571,6 +572,26 @@ def test_probe_segments_per_micro_batch():
                         "optimizer": 1.0}
     with pytest.raises(poros.errors.StreamingError, match="do not follow the executor's order"):
         probe._segments(labels[:3] + labels[5:], [float(t) for t in times[:3] + times[5:]], layers=2, micro=2)
+
+
+def test_plan_of_a_known_model_is_made_offline_from_its_registry_record(tmp_path, child_env):
+    """Qwen/Qwen2.5-72B with HF_HUB_OFFLINE=1 and an empty HF cache: the shape registry/qwen2.toml records is
+    planned, the output says so, and nothing is written to the cache; an unknown hub id still fails by name."""
+    cache = tmp_path / "hf"
+    cache.mkdir()
+    env = child_env(HF_HUB_OFFLINE="1", HF_HOME=str(cache), HF_HUB_CACHE=str(cache / "hub"), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "poros", "plan", "--vram-budget", "24GiB", "--device", "cpu"]
+    done = subprocess.run([*command, "--model", "Qwen/Qwen2.5-72B"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "model       Qwen/Qwen2.5-72B (not in the HF cache; planned offline from its record in registry/qwen2.toml" \
+        in done.stdout
+    assert "family      qwen2 (model_type qwen2): 80 decoder blocks, hidden 8192, vocab 152064" in done.stdout
+    assert "predicted peak allocated" in done.stdout
+    assert list(cache.rglob("*")) == []
+    unknown = subprocess.run([*command, "--model", "poros-test/not-a-known-model"], env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert unknown.returncode == 1 and "is not in the HF cache" in unknown.stderr
 
 
 def test_plan_errors_exit_1(capsys, tiny_checkpoint):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from poros import records
+
 #: Where a synthetic shape's facts come from, as the records write it (the bench's ``--model`` shapes).
 SYNTHETIC_SOURCE = "tools/bench.py"
 
@@ -36,17 +38,7 @@ class Shape:
 
 
 #: Registry keys -> config keyword (the registry writes ``layers`` for ``num_hidden_layers``).
-REGISTRY_TO_CONFIG = {
-    "layers": "num_hidden_layers",
-    **{key: key for key in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "vocab_size", "tie_word_embeddings", "max_position_embeddings", "sliding_window",
-        "query_pre_attn_scalar", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
-        "num_kv_shared_layers", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_experts",
-        "top_k_experts", "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
-        "linear_key_head_dim", "linear_value_head_dim",
-    )},
-}
+REGISTRY_TO_CONFIG = records.CONFIG_KEYS
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, max_position_embeddings=512)

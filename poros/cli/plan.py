@@ -69,8 +69,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="time one block at the run's shapes on the device (default: on CUDA, unless "
                              "--block-ms is given)")
     parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                        help="data parallel over N ranks per node: plan each GPU for its share of batch_size, and "
-                             "report the host RAM of the node")
+                        help="data parallel over N ranks per node: plan each GPU for its batch_size (per device, "
+                             "as HF's per_device_train_batch_size), and report the host RAM of the node")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--verbose", action="store_true",
                         help="also show the known third-party notices Poros hides (see poros.noise)")

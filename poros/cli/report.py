@@ -169,8 +169,8 @@ def format_budget_report(plan: Plan) -> str:
         how = ("one copy shared by the ranks (mapped tier)" if host.tier == "mapped" else
                f"one {host.tier} copy per rank" + ("" if host.tier != "pinned" or report.host_tier_requested else
                                                    "; with the block cache on they would share one"))
-        lines.append(f"data parallel: {report.ranks_per_node} ranks per node, batch {plan.batch_size} = "
-                     f"{report.per_rank_batch} per GPU; the peak above is per GPU. Host RAM of the node for the "
+        lines.append(f"data parallel: {report.ranks_per_node} ranks per node, batch {report.per_rank_batch} per GPU = "
+                     f"{report.per_rank_batch * report.ranks_per_node} on the node; the peak above is per GPU. Host RAM of the node for the "
                      f"frozen base: {format_gb(report.data_parallel['host_bytes_per_node'])}, {how} "
                      "(docs/multi-gpu.md)")
     return "\n".join(lines)

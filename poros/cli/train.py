@@ -22,7 +22,9 @@ Train a LoRA adapter on a frozen 4-bit base that streams through the device bloc
                   field has its default (the bundled tiny model and chat data, on the CPU)
   --KEY VALUE     override any PorosConfig field after CONFIG: --steps 50, --seq-len 256,
                   --lr 1e-4, --target-modules q_proj,v_proj, --max-grad-norm null,
-                  --use-dora / --no-use-dora. Keys take dashes or underscores; values are
+                  --use-dora / --no-use-dora. Keys take dashes or underscores, and HF / TRL /
+                  axolotl names mean the same field (--learning-rate, --max-steps,
+                  --num-train-epochs, --per-device-train-batch-size ...); values are
                   checked against the field's type; an unknown key fails by name (exit 1)
 
 On success the adapter (adapter_model.safetensors + adapter_config.json, PEFT's format), the
@@ -39,7 +41,8 @@ EPILOG = textwrap.dedent("""\
       $ poros train poros.yaml --model Qwen/Qwen2.5-7B --dataset data/chat.jsonl --seq-len 1024
       $ poros train --eval-split 0.1 --eval-steps 50 --report-to tensorboard   # held-out eval_loss
 
-      $ poros train --nproc-per-node 2 --batch-size 4   # 2 ranks (torch.distributed.run), 2 rows each
+      $ poros train --num-train-epochs 2 --learning-rate 1e-4   # HF's names: 2 passes over the data
+      $ poros train --nproc-per-node 2 --batch-size 4   # 2 ranks (torch.distributed.run), 4 rows each
       $ torchrun --nproc-per-node 8 -m poros train poros.yaml    # the same, started by torchrun
 
       $ poros train --dry-run                        # validate, print the memory plan; nothing loaded
@@ -57,6 +60,39 @@ EPILOG = textwrap.dedent("""\
       'steps'? ...
     """)
 
+#: The fields ``poros train --help`` lists, by group (every field: docs/configuration.md).
+COMMON_FIELDS = ("model", "quantization", "lora_rank", "lora_alpha", "target_modules", "dataset", "seq_len",
+                 "chat_template", "eval_split", "eval_steps", "report_to", "batch_size", "grad_accum", "steps",
+                 "epochs", "lr", "schedule", "warmup", "logging_steps", "save_steps", "output_dir", "resume_from",
+                 "device", "vram_budget", "cpu_threads")
+
+
+def common_fields_help() -> str:
+    """The common fields by group, each as ``--key DEFAULT``, its doc's first clause and its other names."""
+    import re
+
+    from poros.config import field_docs
+    from poros.spellings import aliases_of
+
+    lines, section = ["common fields by group: --KEY DEFAULT, what it is [the field's HF / TRL / axolotl names]",
+                      "(every field: docs/configuration.md, or the commented poros.yaml `poros init` writes):"], None
+    for doc in field_docs():
+        if doc["name"] not in COMMON_FIELDS:
+            continue
+        if doc["section"] != section:
+            section = doc["section"]
+            lines.append(f"  {section}")
+        default = "null" if doc["default"] is None else str(doc["default"]).lower() if isinstance(
+            doc["default"], bool) else doc["default"]
+        short = re.split(r"(?<=[a-z0-9)'])(?:[.;:] | \(|, e\.g\.)", doc["doc"], maxsplit=1)[0].rstrip(".")
+        others = " ".join(f"--{alias.replace('_', '-')}" for alias in aliases_of(doc["name"]))
+        text = f"{short} [{others}]" if others else short
+        key = f"    --{doc['name'].replace('_', '-')} {default}"
+        lines += textwrap.wrap(text, width=100, initial_indent=f"{key:<40}" if len(key) < 40 else key + " ",
+                               subsequent_indent=" " * 40, break_on_hyphens=False)
+    return "\n".join(lines) + "\n"
+
+
 USAGE = "poros train [-h] [--dry-run] [--verbose] [--nproc-per-node N] [CONFIG] [--KEY VALUE ...]"
 
 
@@ -64,7 +100,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "train",
         help="train a LoRA adapter (bundled tiny model by default; --dry-run prints the memory plan)",
-        description=DESCRIPTION,
+        description=DESCRIPTION + "\n" + common_fields_help(),
         epilog=EPILOG,
         usage=USAGE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -100,16 +136,10 @@ def run(args: argparse.Namespace) -> int:
     require_run_packages("poros train" + (" --dry-run" if args.dry_run else ""))
     validate_run(config, dry_run=args.dry_run)  # before any weight is read, and before any rank starts
     if args.dry_run:
-        if (getattr(args, "nproc_per_node", None) or 1) > 1:  # what each rank of the real run refuses
-            from poros.distributed import check_batch_divides
-
-            check_batch_divides(config.batch_size, args.nproc_per_node)
         return dry_run(config)
     if args.nproc_per_node is not None and args.nproc_per_node > 1 and not distributed.launched_by_torchrun():
         return distributed.launch(args.nproc_per_node, ["train", *(["--verbose"] if args.verbose else []), *arguments])
     world = distributed.world()
-    if world.distributed:  # every rank refuses a batch the ranks do not divide before anything is written
-        distributed.check_batch_divides(config.batch_size, world.size)
     ranks = world.local_size if world.distributed else 1  # the resume command starts as many ranks
     launch_command = ["poros", "train", *(["--nproc-per-node", str(ranks)] if ranks > 1 else []), *arguments]
     # one run per output_dir, through the final save (data parallel: rank 0 holds it for the job's ranks)

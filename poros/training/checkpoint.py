@@ -585,6 +585,8 @@ def check_resumable(checkpoint: TrainingCheckpoint, config: dict[str, Any]) -> N
         if name in saved and _normalized(saved[name]) != _normalized(config.get(name)):
             differences.append((name, saved[name], config.get(name)))
     saved_steps = saved.get("steps", config.get("steps"))
+    if config.get("steps") == 0 and saved.get("epochs") == config.get("epochs"):  # steps: as many as the same epochs
+        config = {**config, "steps": saved_steps}
     if saved_steps != config.get("steps") and config.get("schedule") not in STEP_INDEPENDENT_SCHEDULES:
         differences.append(("steps", saved_steps, config.get("steps")))
     if differences:

@@ -84,10 +84,38 @@ def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tupl
 
 
 def load_text_config(directory: pathlib.Path) -> tuple[Any, Any]:
-    """``(config, text_config)`` of a checkpoint directory (:func:`poros.loading.load.read_config`)."""
+    """``(config, text_config)`` of a checkpoint directory (:func:`poros.loading.load.read_config`), or of a
+    known hub id that is no directory: the shape its registry record holds (:func:`poros.records.config_json`)."""
+    from poros import records
     from poros.loading.load import read_config
 
-    return read_config(directory)
+    known = None if pathlib.Path(directory).is_dir() else records.find_checkpoint(str(directory))
+    if known is None:
+        return read_config(directory)
+    import transformers
+
+    fields = records.config_json(known[1])
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return config, config.get_text_config()
+
+
+def config_source(model: str, *, revision: str | None = None) -> tuple[pathlib.Path, str]:
+    """:func:`locate_checkpoint_config`, else, for a hub id the registry knows, ``(model, where)``: the plan
+    is then made from the shape its record holds, offline, and ``where`` says so.
+
+    Raises:
+        CheckpointLoadError: as :func:`locate_checkpoint_config`, for a model the registry does not know.
+    """
+    from poros import records
+
+    try:
+        return locate_checkpoint_config(model, revision=revision)
+    except CheckpointLoadError:
+        known = records.find_checkpoint(model)
+        if known is None:
+            raise
+        return pathlib.Path(model), (f"not in the HF cache; planned offline from its record in registry/{known[0]}"
+                                     f".toml (the shape of {known[1].get('config', model)})")
 
 
 @dataclass(frozen=True)
@@ -251,7 +279,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     """The memory plan and the text config it was made from."""
     from poros import registry
 
-    directory, found_in = locate_checkpoint_config(config.model, revision=config.revision)
+    directory, found_in = config_source(config.model, revision=config.revision)  # a known model: offline
     full_config, text_config = load_text_config(directory)
     descriptor = registry.for_config(text_config)
     compute_dtype = getattr(torch, config.compute_dtype)
@@ -303,7 +331,7 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
                    budget: Any) -> BudgetReport:
     """The plan for ``budget`` on ``device``, the host tier and the node's host RAM (see :func:`plan_run`)."""
     ranks = options.ranks_per_node
-    per_rank_batch = check_batch_divides(config.batch_size, ranks)  # each GPU runs its share of the batch
+    per_rank_batch = config.batch_size  # per device, as HF / axolotl / torchtune count it
     workload = Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule, config.loss_chunks)
     compute, link, link_source, notices = _times(config, options, plan, text_config, workload, device)
     footprint = plan.footprint()
@@ -376,5 +404,5 @@ def parse_block_ms(text: str) -> tuple[float, float]:
     return values[0] / 1000, values[1] / 1000
 
 
-__all__ = ["BudgetReport", "Plan", "PlanOptions", "load_text_config", "locate_checkpoint_config", "parse_block_ms",
-           "plan_run"]
+__all__ = ["BudgetReport", "Plan", "PlanOptions", "config_source", "load_text_config", "locate_checkpoint_config",
+           "parse_block_ms", "plan_run"]

@@ -115,8 +115,10 @@ class TrainingRun:
         self.num_tokens = 0
         self.global_step = 0
         self.last_checkpoint: pathlib.Path | None = None
-        #: ranks, shards, DDP and rank-0 writing (inactive on one process); refuses a batch the ranks do not divide
-        self.parallel = distributed.DataParallel(self.model, self.device, config.batch_size)
+        #: batch_size is per device: the ranks draw batch_size x ranks rows together and each trains its share
+        self.global_batch = config.batch_size * (distributed.world().size if distributed.reducing() else 1)
+        #: ranks, shards, DDP and rank-0 writing (inactive on one process)
+        self.parallel = distributed.DataParallel(self.model, self.device, self.global_batch)
         self.eval_set: evaluation.EvalSet | None = None  # set with the data
         self.trackers = tracking.Trackers()  # opened when the loop starts
         self.started, self.tokens_before = time.perf_counter(), 0  # for the summary line: this call's time, tokens
@@ -138,8 +140,12 @@ class TrainingRun:
         data, self.eval_set = evaluation.eval_set_for_run(config, data, tokenizer, pad_token_id=pad_token_id,
                                                           vocab_size=self.model.config.vocab_size)
         self.trainer.eval_set = self.eval_set
-        batches = BatchIterator(data, batch_size=config.batch_size, pad_token_id=pad_token_id, seed=config.seed,
+        batches = BatchIterator(data, batch_size=self.global_batch, pad_token_id=pad_token_id, seed=config.seed,
                                 shuffle=True, pad_to_multiple_of=config.pad_to_multiple_of)
+        steps, note = config.steps_for_epochs(batches.batches_per_epoch)  # epochs: the steps of that many passes
+        if note is not None:
+            echo(f"poros: {note}")
+        self.config = self.trainer.run_config = config.replace(steps=steps)
         return data, batches
 
     def _optimizer(self):
@@ -219,6 +225,7 @@ class TrainingRun:
         if checkpoint is not None:
             parallel.check_resume(checkpoint.trainer_state, checkpoint.path)
         data, batches = self._data()
+        config = self.config  # with the steps epochs make
         optimizer, scheduler = self._optimizer()
         self.trainer.optimizer, self.trainer.scheduler = optimizer, scheduler
         if checkpoint is not None:
@@ -231,7 +238,7 @@ class TrainingRun:
             self._rewrite_metrics()
         echo(data.summary())
         if parallel.active:
-            echo(parallel.describe(config.batch_size, config.grad_accum))
+            echo(parallel.describe(self.global_batch, config.grad_accum))
         if self.eval_set is not None:
             echo(self.eval_set.summary())
         return optimizer, scheduler, batches

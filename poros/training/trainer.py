@@ -51,7 +51,7 @@ from poros.training import evaluation
 from poros.training import model_card
 from poros.training import tracking
 from poros.adapters import lora_target_modules
-from poros.devices import resolve_device
+from poros.devices import cpu_threads, resolve_device
 from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
 from poros.training.progress import echo
 from poros.training.run import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
@@ -166,6 +166,10 @@ class PorosTrainer:
                 double_quant=config.double_quant, device=device, attn_implementation=config.attn_implementation,
                 revision=config.revision, cache_dir=None if config.no_cache else cache_root(config.cache_dir),
             )
+        threads = cpu_threads(config.cpu_threads, device, loaded.model.config.get_text_config().hidden_size)
+        if threads is not None and threads != torch.get_num_threads():  # for the process, as OMP_NUM_THREADS would
+            torch.set_num_threads(threads)
+            echo(f"poros: {threads} CPU thread{'s' if threads > 1 else ''} (cpu_threads={config.cpu_threads!r})")
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(loaded.model, config.target_modules),
@@ -333,6 +337,7 @@ class PorosTrainer:
         from poros import __version__
 
         detection = self.model.detection
+        ranks = distributed.world().size if distributed.reducing() else 1
         return {
             "poros_version": __version__,
             "family": self.model.descriptor.name,
@@ -341,6 +346,10 @@ class PorosTrainer:
             "steps_done": self.global_step,
             "base_model_name_or_path": model_card.base_model_reference(self.run_config.model),
             "config": self.run_config.to_dict(),
+            # batch_size is per device (HF's per_device_train_batch_size); the ranks together train the global batch
+            "per_device_batch_size": self.run_config.batch_size,
+            "global_batch_size": self.run_config.batch_size * ranks,
+            "world_size": ranks,
             **extra,
         }
 
