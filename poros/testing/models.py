@@ -14,26 +14,6 @@ from poros.testing.descriptor_check import assert_descriptor_matches, check_desc
 from poros.testing.plugins import registered_plugin  # noqa: F401 (re-exported)
 from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, tiny_multimodal, tiny_variants  # noqa: F401 (re-exported)
 
-__all__ = [
-    "MULTIMODAL_FAMILIES",
-    "tiny_vlm",
-    "TINY_VARIANTS",
-    "all_linear_targets",
-    "assert_bitwise_training",
-    "assert_descriptor_matches",
-    "check_descriptor",
-    "load_qlora",
-    "mapping_memory",
-    "qlora_model",
-    "registered_plugin",
-    "save_tiny_checkpoint",
-    "tiny_config",
-    "tiny_model",
-    "train_adamw",
-    "trainable_parameters",
-]
-
-
 
 def _builtin_tiny_variants() -> dict[str, tuple[str, ...]]:
     from poros import registry
