@@ -1,6 +1,6 @@
 """What a block does with a carried mapping: the descriptor's word, resolved on the layer.
 
-A carried mapping (``CarriedState(kind="mapping")``, e.g. Gemma 4's ``shared_kv_states``) is handed to
+A carried mapping (``CarriedState(kind="mapping")``, e.g. K/V some layers store for later ones) is handed to
 every block; some blocks write an entry, later ones read it. Eager mode needs to know nothing more (the
 executor sees writes as they happen and hands readers every entry). A captured graph does: it must hold
 the entries a block reads as static inputs and what it writes as static outputs, decided before the block

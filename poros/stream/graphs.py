@@ -30,7 +30,7 @@ cost of queueing ~500 kernels per block disappears.
   autograd engine, where a capture can be invalidated by the engine's other work (seen on the
   H200: the gate's first micro-major capture failed); its blocks run eagerly, counted as
   ``micro-major``.
-* **Carried mappings** (Gemma 4's ``shared_kv_states``) are never captured by reference: the capture
+* **Carried mappings** (K/V one layer stores for later ones) are never captured by reference: the capture
   hands the block a mapping of its own, holding static copies of the entries the block reads (what
   :meth:`StreamingExecutor.carried_access` says, from the descriptor), copied in before each replay like
   the hidden states; what the block writes there is a static output, cloned into the live mapping after
@@ -584,7 +584,7 @@ def _dense(tensor: torch.Tensor) -> bool:
 
 def _non_overlapping(tensor: torch.Tensor) -> bool:
     """Whether no two of ``tensor``'s elements share memory (no expanded view), gaps allowed: a slice such
-    as Gemma 4's per-layer input ``[:, :, i]`` is; a static buffer of its shape and strides holds it."""
+    as a per-layer input ``[:, :, i]`` sliced from one tensor is; a static buffer of its shape and strides holds it."""
     reach = 0  # the farthest offset the smaller dimensions reach
     for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
         if stride <= reach:
