@@ -16,9 +16,7 @@ cost of queueing ~500 kernels per block disappears.
   numbers, strings, and dicts / lists of them such as PEFT's per-adapter ``scaling`` —
   the store layout of its frozen tensors, addresses of tensors the store does not stream) × each
   argument's shape, strides and dtype (plain arguments by value) × training mode, adapter state
-  (enabled, active, merged) and the autocast state. Under autocast the capture runs with the cast
-  cache off (``replay.uncached``: each cast is an op the replay reruns, the same bits as a cached
-  one), so mixed precision replays too. Blocks of one kind in one slot share a graph.
+  (enabled, active, merged) and the autocast state. Blocks of one kind in one slot share a graph.
 * **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
   capture points the block's trainable parameters at static buffers (``.data``), each replay
   copies the running block's values in. Backward returns their gradients from static buffers; the
@@ -41,7 +39,7 @@ cost of queueing ~500 kernels per block disappears.
   block reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry),
   an active dropout (its RNG draws; ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on
   the trainable parameters,
-  Python hooks on
+  autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values, or
   whose elements overlap (an expanded view: a static copy cannot hold it), and a family's
   ``graph_unsafe`` features (e.g. MoE routing through transformers' eager experts loop, which syncs
@@ -71,7 +69,7 @@ from poros.errors import ConfigError, StreamingError
 from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.executor import dropout_p
 from poros.stream.options import check_cuda_graphs as check  # the setting's one check, as graphs.check
-from poros.stream.replay import autocast_state, replayed_autocast, uncached
+from poros.stream.replay import autocast_state, replayed_autocast
 
 #: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
 #: autotuning caches — happens in eager mode first, never inside a capture)
@@ -191,10 +189,9 @@ class BlockGraphs:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
-        autocast = uncached(autocast_state(self.store.device))  # captured with the cast cache off: same bits
-        extra = (_hashable_autocast(autocast), _carried_signature(leaves, carried))
+        extra = (_hashable_autocast(autocast_state(self.store.device)), _carried_signature(leaves, carried))
         key = self._key("forward", index, layer, leaves, extra, carried)
-        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten, carried, autocast))
+        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten, carried))
         if graph is None:
             return None
         graph.load(leaves, self._parameters(index), _read_tensors(leaves, carried))
@@ -218,7 +215,6 @@ class BlockGraphs:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
-        autocast = uncached(autocast)
         pending = tuple((name, key, tuple(None if g is None else _signature(g) for g in grads))
                         for name, key, grads in written_grads)
         extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output),
@@ -269,6 +265,8 @@ class BlockGraphs:
                 return reason
         if layer.training and any(dropout_p(m) > 0 for m in self._dropouts_of(index)):
             return "dropout"
+        if torch.is_autocast_enabled(self.store.device.type) and torch.is_autocast_cache_enabled():
+            return "autocast cache"
         if _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
                                   or m._backward_hooks or m._backward_pre_hooks for _, m in self._modules_of(index)):
             return "module hooks"
@@ -400,15 +398,14 @@ class BlockGraphs:
         return graph.replay, outputs
 
     def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable,
-                         carried: dict[int, CarriedAccess], autocast: Any = None) -> _Graph:
+                         carried: dict[int, CarriedAccess]) -> _Graph:
         statics = [_static(leaf) for leaf in leaves]
         reads = _own_mappings(statics, leaves, carried)
         params = [p.detach().clone() for p in self._parameters(index)]
         writes: list[tuple[int, Any, Any, int, int]] = []
 
         def body(block: int) -> list:
-            with _pointed_at(self._parameters(block), params), torch.no_grad(), \
-                    replayed_autocast(autocast, self.store.device):
+            with _pointed_at(self._parameters(block), params), torch.no_grad():
                 args, kwargs = unflatten(statics)
                 output = self.layers[block](*args, **kwargs)
             written = _written(index, statics, carried)

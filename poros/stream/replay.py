@@ -39,15 +39,6 @@ def replayed_autocast(state, device: torch.device):
         yield
 
 
-def uncached(state):
-    """``state`` with the cast cache off: what a CUDA graph captures under (a cached cast would be
-    baked into the graph as a stale tensor; an uncached one is an op the replay reruns). The cast of
-    an fp32 LoRA weight gives the same bits either way (tests/test_graphs_autocast.py)."""
-    if state is None:
-        return None
-    return [(kind, {**kwargs, "cache_enabled": False}) for kind, kwargs in state]
-
-
 @contextlib.contextmanager
 def restored_rng(state, device: torch.device):
     """Replay the forward's RNG state during recompute (dropout), leaving the caller's RNG untouched."""
@@ -62,4 +53,4 @@ def restored_rng(state, device: torch.device):
         yield
 
 
-__all__ = ["autocast_state", "replayed_autocast", "restored_rng", "rng_state", "uncached"]
+__all__ = ["autocast_state", "replayed_autocast", "restored_rng", "rng_state"]
