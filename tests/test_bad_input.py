@@ -303,10 +303,7 @@ CLI_CASES = [
     Case("override-unknown-device", lambda tmp, ctx: ["train", "--dry-run", "--device", "tpu"], "ConfigError",
          "e.g. device: cuda:0"),
     Case("plan-usage-error", lambda tmp, ctx: ["plan", "--head-ms", "abc"], None, code=2),
-    # -- data parallel (poros train over ranks refuses it on every rank: tests/test_distributed.py)
-    Case("plan-batch-the-ranks-do-not-divide", lambda tmp, ctx: ["plan", "--vram-budget", "8GiB", "--no-probe",
-                                                                 "--batch-size", "3", "--nproc-per-node", "2"],
-         "DistributedError", "a multiple of 2"),
+    # -- data parallel: batch_size is per device, so no batch is refused for the ranks (tests/test_run_checks.py)
     # -- datasets (each fails in validation, before any weight is read)
     Case("dataset-missing", lambda tmp, ctx: ["train", *TRAIN_FAST, "--dataset", str(tmp / "nope.jsonl"),
                                               "--output-dir", str(tmp / "out")], "DataError", "check the path",
