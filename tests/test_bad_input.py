@@ -797,7 +797,8 @@ ROWS_TESTED_ELSEWHERE = {
     "cannot resume the data position: num_examples ... (saved) vs ... (now)": "tests/test_checkpoint.py",
 }
 #: error classes of the api-reference table raised elsewhere (the prepare gates, plugins, the engine)
-CLASSES_TESTED_ELSEWHERE = {"UnsupportedModelError and the prepare gates": "tests/test_streaming.py, test_adapters.py"}
+CLASSES_TESTED_ELSEWHERE = {"UnsupportedModelError and the prepare gates": "tests/test_streaming.py, test_adapters.py",
+                            "DistributedError": "tests/test_distributed.py (ranks with different versions)"}
 
 
 def doc_pattern(row: str) -> str:
