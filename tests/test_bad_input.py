@@ -303,10 +303,6 @@ CLI_CASES = [
     Case("override-unknown-device", lambda tmp, ctx: ["train", "--dry-run", "--device", "tpu"], "ConfigError",
          "e.g. device: cuda:0"),
     Case("plan-usage-error", lambda tmp, ctx: ["plan", "--head-ms", "abc"], None, code=2),
-    # -- data parallel (poros train over ranks refuses it on every rank: tests/test_distributed.py)
-    Case("plan-batch-the-ranks-do-not-divide", lambda tmp, ctx: ["plan", "--vram-budget", "8GiB", "--no-probe",
-                                                                 "--batch-size", "3", "--nproc-per-node", "2"],
-         "DistributedError", "a multiple of 2"),
     # -- datasets (each fails in validation, before any weight is read)
     Case("dataset-missing", lambda tmp, ctx: ["train", *TRAIN_FAST, "--dataset", str(tmp / "nope.jsonl"),
                                               "--output-dir", str(tmp / "out")], "DataError", "check the path",
@@ -797,7 +793,8 @@ ROWS_TESTED_ELSEWHERE = {
     "cannot resume the data position: num_examples ... (saved) vs ... (now)": "tests/test_checkpoint.py",
 }
 #: error classes of the api-reference table raised elsewhere (the prepare gates, plugins, the engine)
-CLASSES_TESTED_ELSEWHERE = {"UnsupportedModelError and the prepare gates": "tests/test_streaming.py, test_adapters.py"}
+CLASSES_TESTED_ELSEWHERE = {"UnsupportedModelError and the prepare gates": "tests/test_streaming.py, test_adapters.py",
+                            "DistributedError": "tests/test_distributed.py (ranks' versions, a resume over other ranks)"}
 
 
 def doc_pattern(row: str) -> str:
