@@ -272,3 +272,33 @@ def test_train_end_to_end_through_the_entry_point(tmp_path, child_env):
     exec(textwrap.dedent(snippet.group(1)), namespace)  # noqa: S102 - our own printed snippet
     names = [name for name, _ in namespace["model"].named_parameters() if "lora_A" in name]
     assert names and all(".default." in name for name in names)
+
+
+def test_the_first_run_learns_visibly_on_one_cpu_thread(tmp_path, child_env):
+    """``poros train`` with the defaults (the pretrained bundled model, 100 steps) on the CPU: one torch thread
+    for the tiny model (cpu_threads auto), and the loss the run prints ends below 60 % of its first logged value
+    (the last logged window and the final step)."""
+    env = child_env(POROS_LOAD_PLUGINS="")
+    env.pop("OMP_NUM_THREADS", None)  # set, it would be the user's choice and cpu_threads auto would keep it
+    done = subprocess.run([sys.executable, "-m", "poros", "train", "--device", "cpu", "--output-dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "poros: 1 CPU thread (cpu_threads='auto')" in done.stdout
+    logged = [float(loss) for loss in re.findall(r"^step \d+/100 \| loss ([0-9.]+)", done.stdout, re.M)]
+    final = float(re.search(r"trained 100 steps, final loss ([0-9.]+)", done.stdout).group(1))
+    assert len(logged) == 10
+    assert logged[-1] < 0.6 * logged[0] and final < 0.6 * logged[0], (logged, final)
+
+
+def test_train_help_lists_the_common_fields_by_group_with_defaults_and_other_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    groups = [line.strip() for line in out.splitlines() if line.startswith("  ") and not line.startswith("   ")]
+    for section in ("model", "LoRA adapter", "data", "optimisation", "logging and checkpoints", "runtime and streaming"):
+        assert section in groups, section
+    for fragment in ("--batch-size 1", "[--per-device-train-batch-size --micro-batch-size]", "--lr 0.0002",
+                     "[--learning-rate]", "--steps 100", "[--max-steps]", "--epochs null", "[--num-train-epochs",
+                     "--lora-rank 16", "[--lora-r]", "--seq-len 512", "[--max-seq-length", "--output-dir ./poros_output",
+                     "--cpu-threads auto"):
+        assert fragment in out, fragment

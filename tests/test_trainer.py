@@ -366,3 +366,24 @@ def test_lora_targets_resolve_through_the_family_descriptor():
     assert lora_target_modules(model, ["q_proj", "down_proj"]) == ["q_proj", "down_proj"]
     with pytest.raises(ConfigError, match=r"\['qproj'\] match no nn.Linear of this gemma4 model"):
         lora_target_modules(model, ["q_proj", "qproj"])
+
+
+def test_epochs_train_that_many_passes_under_hf_names_and_resume(tmp_path, qwen3_checkpoint, chat_file):
+    """num_train_epochs=2 over 16 examples, 4 per device, 2 micro-batches a step: 2 steps per pass, 4 steps;
+    the HF names reach the trainer, the saved config holds the steps the epochs made, and a resume from
+    checkpoint-2 with the same epochs finishes the run with the uninterrupted adapter, byte for byte."""
+    hf_names = dict(num_train_epochs=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                    max_seq_length=SEQ_LEN, learning_rate=1e-2, save_steps=2)
+    trainer = PorosTrainer.from_pretrained(qwen3_checkpoint, **LORA, output_dir=str(tmp_path / "run"), logging_steps=1)
+    result = trainer.train(chat_file, **hf_names)
+    assert result.steps == 4 and len(result.losses) == 4
+    assert (trainer.run_config.steps, trainer.run_config.epochs, trainer.run_config.batch_size) == (4, 2.0, 4)
+    uninterrupted = (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
+    record = json.loads((tmp_path / "run" / "checkpoint-4" / "poros_config.json").read_text())
+    assert (record["config"]["steps"], record["config"]["epochs"]) == (4, 2.0)
+
+    checkpoints.remove_directory(tmp_path / "run" / "checkpoint-4")
+    again = PorosTrainer.from_pretrained(qwen3_checkpoint, **LORA, output_dir=str(tmp_path / "run"), logging_steps=1)
+    resumed = again.train(chat_file, **hf_names, resume_from="auto")
+    assert resumed.steps == 4
+    assert (tmp_path / "run" / "checkpoint-4" / "adapter_model.safetensors").read_bytes() == uninterrupted

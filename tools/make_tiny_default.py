@@ -14,8 +14,17 @@ What it writes (deterministically: the same bytes on every run; `--check` verifi
 * ``poros/assets/tiny-qwen3/`` -- a byte-level BPE tokenizer (vocab 2048) trained with
   ``tokenizers`` on that text, saved through ``PreTrainedTokenizerFast.save_pretrained`` with a
   ChatML chat template (eos ``<|im_end|>``, pad ``<|endoftext|>``); and a ``Qwen3ForCausalLM``
-  (hidden 128, 4 layers, 4 heads, 2 KV heads, head_dim 32, intermediate 384, untied head) with
-  random weights from a fixed seed, saved in bfloat16 as multi-shard safetensors (1 MB shards).
+  (hidden 128, 4 layers, 4 heads, 2 KV heads, head_dim 32, intermediate 384, untied head),
+  initialised from a fixed seed and pretrained a little (:func:`pretrain`), saved in bfloat16 as
+  multi-shard safetensors (1 MB shards).
+
+The pretraining is what makes ``poros train``'s first run learn visibly: a random base gives LoRA
+nothing to build on, while this one knows the language of the bundled kind of text (other
+conversations from the same templates, ``PRETRAIN_SEED``, as plain text with role names and no
+special token), so the fine-tune has the ChatML turns and the bundled answers to learn. It is a
+full-parameter AdamW pass in float32 on one CPU thread, every order from a fixed seed: the same
+bytes on every run of one machine type (another CPU's float kernels may round differently; then
+``--check`` reports the weight shards, and the regenerated ones are as good).
 
 ``poros.assets.asset_path("poros-tiny-qwen3")`` and ``asset_path("poros-tiny-chat")`` resolve
 the two names. Importing this script imports nothing heavy; ``main`` imports torch,
@@ -45,6 +54,14 @@ SEED = 0
 NUM_CONVERSATIONS = 400
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: The pretraining: other conversations of the same templates (seed 1, not the bundled seed 0), packed
+#: into blocks of PRETRAIN_BLOCK tokens, PRETRAIN_BATCH blocks per AdamW step, cosine from PRETRAIN_LR.
+PRETRAIN_SEED = 1
+PRETRAIN_CONVERSATIONS = 8000
+PRETRAIN_STEPS = 800
+PRETRAIN_BATCH = 16
+PRETRAIN_BLOCK = 128
+PRETRAIN_LR = 3e-3
 
 # -- facts the templates draw from (checked by hand; every answer must be correct) --------------
 CAPITALS = {
@@ -307,6 +324,45 @@ def write_tokenizer(records: list[dict], directory: pathlib.Path):
     return fast
 
 
+def pretraining_texts(records: list[dict]) -> list[str]:
+    """Each conversation as plain text: every message its role and its content on lines of their own
+    (the tokenizer's training text), no chat template and no special token."""
+    return ["".join(f"{message['role']}\n{message['content']}\n" for message in record["messages"])
+            for record in records]
+
+
+def pretrain(model, tokenizer) -> None:
+    """Train every parameter of ``model`` (float32) on :func:`pretraining_texts` of ``PRETRAIN_CONVERSATIONS``
+    conversations from ``PRETRAIN_SEED``: ``PRETRAIN_STEPS`` AdamW steps (warm-up a tenth, cosine, clip 1.0)
+    over shuffled ``PRETRAIN_BLOCK``-token blocks, on one CPU thread."""
+    import torch
+    import transformers
+
+    texts = pretraining_texts(conversations(PRETRAIN_SEED, PRETRAIN_CONVERSATIONS))
+    ids = [token for text in texts for token in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    blocks = torch.tensor(ids[: len(ids) // PRETRAIN_BLOCK * PRETRAIN_BLOCK]).view(-1, PRETRAIN_BLOCK)
+    generator = torch.Generator().manual_seed(SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR, weight_decay=0.0)
+    schedule = transformers.get_scheduler("cosine", optimizer, num_warmup_steps=PRETRAIN_STEPS // 10,
+                                          num_training_steps=PRETRAIN_STEPS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one summation order
+    try:
+        model.train()
+        order: list[int] = []
+        for _ in range(PRETRAIN_STEPS):
+            if len(order) < PRETRAIN_BATCH:
+                order += torch.randperm(len(blocks), generator=generator).tolist()
+            batch, order = blocks[order[:PRETRAIN_BATCH]], order[PRETRAIN_BATCH:]
+            model(input_ids=batch, labels=batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def write_model(tokenizer, directory: pathlib.Path) -> None:
     import torch
     import transformers
@@ -319,9 +375,9 @@ def write_model(tokenizer, directory: pathlib.Path) -> None:
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
     torch.manual_seed(SEED)
-    # Built in bf16 directly (the model's own dtype), never .to(bfloat16) afterwards.
-    model = transformers.Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory, max_shard_size="1MB")
+    model = transformers.Qwen3ForCausalLM._from_config(config, dtype=torch.float32)
+    pretrain(model, tokenizer)
+    model.to(torch.bfloat16).save_pretrained(directory, max_shard_size="1MB")  # bf16: the model's own dtype
     for path in directory.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; installed assets must be readable by every user
 

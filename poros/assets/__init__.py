@@ -3,9 +3,10 @@
 Two names resolve to files inside the installed package, so that a quickstart, a smoke test or
 CI can train end to end with nothing downloaded:
 
-* ``"poros-tiny-qwen3"`` (:data:`TINY_MODEL`): a directory in HF layout -- a random-weight
-  ``Qwen3ForCausalLM`` (hidden 128, 4 layers, bf16, multi-shard safetensors) and a byte-level
-  BPE tokenizer (vocab 2048) with a ChatML chat template.
+* ``"poros-tiny-qwen3"`` (:data:`TINY_MODEL`): a directory in HF layout -- a ``Qwen3ForCausalLM``
+  (hidden 128, 4 layers, bf16, multi-shard safetensors) pretrained a little on plain text of the
+  bundled kind, so that a first LoRA run on the chat data visibly learns, and a byte-level BPE
+  tokenizer (vocab 2048) with a ChatML chat template.
 * ``"poros-tiny-chat"`` (:data:`TINY_CHAT`): a JSON-lines chat dataset, one
   ``{"messages": [...]}`` conversation per line.
 

@@ -68,7 +68,7 @@ FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
     "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks",
-    "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache",
+    "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -138,7 +138,8 @@ class PorosTrainer:
         :func:`poros.loading.load.load_pretrained`, then ``torch.manual_seed(seed)`` and PEFT's
         ``get_peft_model`` with its default initialization (``lora_B`` zero), moves the adapters to
         the compute device (:func:`poros.loading.load.adapters_to_device`), streams the model with
-        :func:`poros.prepare`, and prints the detection summary with the guarantee label.
+        :func:`poros.prepare`, and prints the detection summary with the guarantee label. After loading,
+        ``cpu_threads`` sets torch's CPU thread count for the process (:func:`poros.devices.cpu_threads`).
 
         Raises:
             ConfigError: ``config.validate()`` fails, or ``target_modules`` names no linear.
