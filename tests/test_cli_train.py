@@ -285,7 +285,8 @@ def test_the_first_run_learns_visibly_on_one_cpu_thread(tmp_path, child_env):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "poros: 1 CPU thread (cpu_threads='auto')" in done.stdout
     logged = [float(loss) for loss in re.findall(r"^step \d+/100 \| loss ([0-9.]+)", done.stdout, re.M)]
-    final = float(re.search(r"trained 100 steps, final loss ([0-9.]+)", done.stdout).group(1))
+    # the end-of-run summary: "trained 100 steps in ... s (...); loss X (mean of steps 91-100)"
+    final = float(re.search(r"trained 100 steps in .*; loss ([0-9.]+) \(mean of steps 91-100\)", done.stdout).group(1))
     assert len(logged) == 10
     assert logged[-1] < 0.6 * logged[0] and final < 0.6 * logged[0], (logged, final)
 

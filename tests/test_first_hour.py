@@ -428,7 +428,7 @@ def test_the_model_card_says_what_trained_the_adapter(piped_run):
     assert f"| base model | `{record['base_model_name_or_path']}` |" in card
     assert f"`{piped_run['root'] / 'chat.jsonl'}`" in card and "seq_len 64" in card
     assert "| steps | 3 of 3 |" in card and "(mean of steps 2-3)" in card and "logged: " in card
-    assert re.search(r"\| eval loss \| best \d\.\d{4} at step [23] of 2 evaluations \|", card), card
+    assert re.search(r"\| eval loss \| best \d+\.\d{4} at step [23] of 2 evaluations \|", card), card
     assert f"| guarantee | `{record['guarantee']}`: " in card and f"| Poros | {record['poros_version']} |" in card
     assert "poros train --model small64 " in card and "--output-dir out" in card
 
