@@ -31,6 +31,7 @@ from poros.errors import (
     CacheDuringTrainingError,
     CheckpointingError,
     ConfigError,
+    DeviceError,
     GuaranteeError,
     OffloadedModelError,
     QuantizationError,
@@ -132,6 +133,36 @@ class PorosModel:
         ``embeddings_on_host`` is the input embedding table kept on the host."""
         return self.store.device
 
+    def to(self, *args: Any, **kwargs: Any):
+        """Placement is the streaming's: a move to the compute device is a no-op that returns the model.
+
+        HF ``Trainer`` and accelerate call ``model.to(args.device)`` on a model whose ``hf_device_map``
+        they do not find (one loaded without a ``device_map``, or through :func:`poros.from_pretrained`).
+        ``nn.Module.to`` would bring back to the card what streaming keeps on the host on purpose: the
+        embedding table held there (its lookups then fail: the ids go to the host, the table is not
+        there), host-placed adapters. Everything that computes is already on the compute device.
+
+        Raises:
+            DeviceError: another device or a dtype: the blocks live in the store, not in the modules;
+                ``unpatch()`` first.
+        """
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None or (device is not None and not _same_device(device, self.store.device)):
+            raise DeviceError(
+                f"model.to({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])}): a prepared "
+                f"model computes on {self.store.device} and its frozen blocks live in the block store, so it moves "
+                "neither to another device nor to another dtype. Call model.unpatch() first (or prepare it on the "
+                "device you want).")
+        return self
+
+    def cuda(self, device: Any = None):
+        """See :meth:`to`: a no-op on the compute device."""
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
+    def cpu(self):
+        """See :meth:`to`: a no-op when the model computes on the CPU."""
+        return self.to("cpu")
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
@@ -163,6 +194,17 @@ class PorosModel:
             self.__dict__.pop(name, None)
         self.__class__ = original
         return self
+
+
+def _same_device(asked: torch.device, compute: torch.device) -> bool:
+    """``cuda`` (no index) names the current CUDA device."""
+    if asked.type != compute.type:
+        return False
+    if asked.index is None or compute.index is None:
+        current = torch.cuda.current_device() if asked.type == "cuda" and torch.cuda.is_available() else None
+        return (asked.index if asked.index is not None else current) == (
+            compute.index if compute.index is not None else current)
+    return asked.index == compute.index
 
 
 _STREAMED_CLASSES: dict[type, type] = {}
