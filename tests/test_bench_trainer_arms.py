@@ -190,3 +190,17 @@ def test_the_child_writes_its_json_when_unsloth_is_missing(tmp_path):
     assert unsloth_child.main([str(spec), str(tmp_path / "out.json")]) == 1
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["status"] == "error" and "unsloth" in out["error"] and out["versions"]["unsloth"] is None
+
+
+def test_the_results_page_shows_the_arms_side_by_side(report, monkeypatch):
+    """The generated table of docs/results-h200.md: one row per arm of the run, the one-line arms with their
+    parity and ratio; a 'pending' row while no run exists."""
+    from tools import gen_results_docs
+
+    monkeypatch.setattr(gen_results_docs, "bench_reports", lambda: [])
+    assert "pending the H200 run" in gen_results_docs.render_trainer()
+    path = gen_results_docs.ROOT / "registry" / "results" / "h200-x" / "bench-trainer.json"
+    monkeypatch.setattr(gen_results_docs, "bench_reports", lambda: [(path, report)])
+    rows = gen_results_docs.render_trainer().splitlines()[2:]
+    assert [row.split(" | ")[5] for row in rows] == ["trl-resident", "trl-poros", "hf-resident", "hf-poros", "unsloth"]
+    assert all("bitwise (0.0)" in row for row in rows if "-poros" in row)

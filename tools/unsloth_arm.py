@@ -151,6 +151,7 @@ def save_checkpoint(model, args, device: torch.device) -> dict[str, Any]:
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
+    config.architectures = [type(model).__name__]  # from_pretrained and Unsloth dispatch on it
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types)[:layers]
     config.save_pretrained(directory)
