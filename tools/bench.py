@@ -239,7 +239,9 @@ def main(argv=None) -> int:
     if checkpoint is not None:  # the child's turn: the device is freed of this process's model first
         del model, peft_model
         free_memory(device)
+        parent = round(torch.cuda.memory_allocated(device) / GB, 4) if device.type == "cuda" else None
         report["arms"][unsloth_arm.ARM] = unsloth_arm.run(args, checkpoint, token_rows(batches), setup)
+        report["arms"][unsloth_arm.ARM]["parent_allocated_gb"] = parent  # what this process still held meanwhile
         report["unsloth"] = unsloth_arm.compare(report["arms"], config.num_hidden_layers)
     achieved = report["arms"].get("poros", {}).get("h2d_gb_per_s")
     if link and achieved is not None:
