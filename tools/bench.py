@@ -130,6 +130,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def write_report(report: dict, path: Path | None) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+
+
 def trainer_setup(args, device) -> TrainerSetup:
     """The Trainer arms' settings (the Unsloth child's too); ``output_dir`` is not created here."""
     import tempfile
@@ -237,6 +244,7 @@ def main(argv=None) -> int:
     report["trainer"] = trainer_arms_report(args, peft_model, batches, setup, report["arms"])
     report["unsloth"] = None
     if checkpoint is not None:  # the child's turn: the device is freed of this process's model first
+        write_report({**report, "partial": "the unsloth arm was running"}, args.json)  # kept if the step is killed
         del model, peft_model
         free_memory(device)
         parent = round(torch.cuda.memory_allocated(device) / GB, 4) if device.type == "cuda" else None
@@ -247,10 +255,7 @@ def main(argv=None) -> int:
     if link and achieved is not None:
         report["arms"]["poros"]["h2d_fraction_of_link"] = round(achieved / link, 4)
     print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     failed = any(arm["status"] == "error" for arm in report["arms"].values())
     mismatch = not all(c.get("bitwise", True) for c in (report["comparison"] or {}, *report["trainer"].values()))
     return 1 if failed or mismatch else 0

@@ -16,8 +16,8 @@
 #   tools/gpu_run.sh prequant:qwen2.5-72b:layers=8:cap-gib=8     # poros quantize, bnb-4bit starts, the drop-in at 8 GiB
 #   tools/gpu_run.sh gate:cuda-graphs:no-diagnose:grad-accum=2:schedule=layer-major:steps=4        # graphs' gate
 #   tools/gpu_run.sh bench:qwen2.5-72b:cuda-graphs:schedule=layer-major:deterministic:profile:arms=resident,poros-device,poros
-#   tools/gpu_run.sh bench:qwen2.5-32b:arms=trl-resident,trl-poros,unsloth:grad-accum=8:deterministic:steps=2:warmup=1
-#   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros,unsloth:deterministic:steps=3:warmup=1  # micro-batch 1
+#   tools/gpu_run.sh bench:qwen2.5-32b:arms=trl-resident,trl-poros,unsloth:grad-accum=8:deterministic:steps=2:warmup=1:unsloth-timeout=240
+#   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros,unsloth:deterministic:steps=5:warmup=2:unsloth-timeout=300
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
