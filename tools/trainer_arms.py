@@ -120,17 +120,16 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
 
 def run_trainer_arms(peft_model, batches: list[dict], arms, setup: TrainerSetup) -> dict[str, ArmResult]:
     """The Trainer arms of ``arms`` on ``peft_model``, in :data:`TRAINER_ARMS` order, each from the LoRA
-    state the model has now."""
+    state the model has now; the model leaves as it came (unpatched, that LoRA state)."""
     named = trainable(peft_model)
     initial = snapshot(named)
     rows = token_rows(batches)
     tokenizer = bundled_tokenizer()
-    order = [arm for arm in TRAINER_ARMS if arm in arms]
     results: dict[str, ArmResult] = {}
-    for name in order:
+    for name in (arm for arm in TRAINER_ARMS if arm in arms):
         results[name], handle = run_trainer_arm(name, peft_model, named, initial, rows, setup, tokenizer)
-        if handle is not None and name != order[-1]:
-            handle.unpatch()  # the next arm runs the model as it was
+        if handle is not None:
+            handle.unpatch()  # the next arm (or the Unsloth child, once this model is freed) gets it as it was
         handle = None
     restore_lora(named, initial)
     return results
