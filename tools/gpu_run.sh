@@ -16,6 +16,8 @@
 #   tools/gpu_run.sh prequant:qwen2.5-72b:layers=8:cap-gib=8     # poros quantize, bnb-4bit starts, the drop-in at 8 GiB
 #   tools/gpu_run.sh gate:cuda-graphs:no-diagnose:grad-accum=2:schedule=layer-major:steps=4        # graphs' gate
 #   tools/gpu_run.sh bench:qwen2.5-72b:cuda-graphs:schedule=layer-major:deterministic:profile:arms=resident,poros-device,poros
+#   tools/gpu_run.sh bench:qwen2.5-32b:arms=trl-resident,trl-poros,unsloth:grad-accum=8:deterministic:steps=2:warmup=1:unsloth-timeout=240
+#   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros,unsloth:deterministic:steps=5:warmup=2:unsloth-timeout=300
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
@@ -41,7 +43,9 @@
 #   DEVICE         cuda (default) or cpu.
 #
 # Wheels: if .whl/ holds wheels (bitsandbytes, transformers, peft: ../shared/tools/gpu-wheelhouse),
-# they are installed into /tmp/site (once per set of wheels) and put first on PYTHONPATH.
+# they are installed into /tmp/site (once per set of wheels) and put first on PYTHONPATH. If
+# .whl-unsloth/ holds wheels (tools/unsloth-wheelhouse), they and .whl/'s bitsandbytes and peft go into
+# /tmp/site-unsloth for the `unsloth` bench arm's child process (POROS_UNSLOTH_SITE), never on PYTHONPATH.
 set -uo pipefail
 
 OUT=${OUT:-./out}
@@ -76,6 +80,23 @@ install_wheels() {
     echo "$stamp" > /tmp/site/.poros-wheels
   fi
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  install_unsloth_wheels
+}
+
+# .whl-unsloth/ (tools/unsloth-wheelhouse) + bitsandbytes and peft from .whl/ -> /tmp/site-unsloth, for the
+# Unsloth arm's child process only (tools/unsloth_arm.py reads POROS_UNSLOTH_SITE); the host's transformers.
+install_unsloth_wheels() {
+  compgen -G ".whl-unsloth/*.whl" > /dev/null || return 0
+  local stamp
+  local -a wheels=(.whl-unsloth/*.whl)
+  wheels+=($(ls .whl/bitsandbytes-*.whl .whl/peft-*.whl 2>/dev/null))
+  stamp=$(ls -l "${wheels[@]}" | md5sum | cut -d' ' -f1)
+  if [ "$(cat /tmp/site-unsloth/.poros-wheels 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-unsloth "${wheels[@]}" \
+      || { echo "unsloth wheel install failed: the unsloth arm will fail"; return 0; }
+    echo "$stamp" > /tmp/site-unsloth/.poros-wheels
+  fi
+  export POROS_UNSLOTH_SITE=/tmp/site-unsloth
 }
 
 print_environment() {
