@@ -32,7 +32,7 @@ to train a model you keep.
 EPILOG = textwrap.dedent("""\
     examples:
       $ poros quantize poros-tiny-qwen3 /tmp/tiny-bnb-4bit --double-quant
-      poros: wrote /tmp/tiny-bnb-4bit: nf4 + double quant (quantized on cpu), 2 blocks, 1 shard, 95 tensors, ...
+      poros: wrote /tmp/tiny-bnb-4bit: nf4 + double quant (quantized on cpu), 4 blocks, 1 shard, 187 tensors, ...
 
       $ poros quantize Qwen/Qwen2.5-72B ./qwen72b-bnb-4bit --double-quant
       $ poros train --model ./qwen72b-bnb-4bit      # loads the packed bytes as they are
