@@ -254,6 +254,28 @@ def test_another_quantization_method_is_refused(tmp_path):
     assert_one_line_error(checkpoint, "quant_method='gptq'")
 
 
+def test_poros_train_names_a_missing_quant_state_in_one_line(tmp_path, capsys):
+    """The CLI's exit 1 with the loader's one line (nothing read or trained), for the three refusals."""
+    from poros.cli.main import main
+
+    _, checkpoint = bnb_checkpoint(tmp_path, seed=20)
+    removed = edit_shards(checkpoint, lambda key: key == "model.layers.0.self_attn.k_proj.weight.quant_state."
+                                                        "bitsandbytes__nf4")
+    capsys.readouterr()
+    arguments = ["--device", "cpu", "--dataset", "synthetic", "--steps", "1", "--output-dir", str(tmp_path / "run")]
+    assert main(["train", "--model", str(checkpoint), *arguments]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and removed in error and "missing" in error
+    edit_config(checkpoint, bnb_4bit_quant_type="int4")
+    assert main(["train", "--model", str(checkpoint), *arguments]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "bnb_4bit_quant_type='int4'" in error
+    edit_config(checkpoint, load_in_4bit=False, _load_in_4bit=False, load_in_8bit=True, _load_in_8bit=True)
+    assert main(["train", "--model", str(checkpoint), *arguments]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "8-bit" in error
+
+
 # -- poros.from_pretrained: the plain script, every block on the host as it loads -------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_drop_in_from_poros_from_pretrained_is_the_plain_script(family, tmp_path):
