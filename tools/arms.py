@@ -21,6 +21,7 @@ steps and the planner's prediction for the setup ``prepare`` made. GB = 1e9 byte
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -102,15 +103,19 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
             forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None,
-            optimizer_states: str = "device", placement=None) -> ArmResult:
+            optimizer_states: str = "device", placement=None, autocast=None) -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
     given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch.
     ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing.
     ``optimizer_states="host"``: ``poros.HostAdamW`` (the state in pinned host memory) instead of
     ``torch.optim.AdamW``; ``placement``: the model's ``LoraPlacement`` (``lora_placement="host"``), which
-    HostAdamW steps with the LoRA tensors."""
+    HostAdamW steps with the LoRA tensors. ``autocast``: a context factory entered around each micro-batch's
+    forward (its backward outside, as HF Trainer's ``bf16=True`` does) or around a layer-major
+    ``forward_backward``; each entry is a region of its own, so torch's cast cache never outlives a step."""
     from poros.stream.host_optimizer import adamw
+
+    mixed = autocast or contextlib.nullcontext
 
     result = ArmResult(name)
     params = [p for _, p in named_params]
@@ -130,11 +135,13 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
             items = torch.tensor(sum(int((b["labels"][..., 1:] != -100).sum()) for b in group), device=device)
             group = [{**b, "num_items_in_batch": items} for b in group]
         if forward_backward is not None:  # layer-major: the executor drives all micro-batches
-            losses = forward_backward(group)
+            with mixed():
+                losses = forward_backward(group)
         else:
             losses = []
             for batch in group:
-                output = call(**batch, use_cache=False)
+                with mixed():
+                    output = call(**batch, use_cache=False)
                 output.loss.backward()
                 losses.append(output.loss.detach())
                 del output
@@ -210,11 +217,13 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                  schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                  optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
-                 loss_chunks: int = 1, cuda_graphs: bool = False, lora_placement: str = "device") -> dict[str, Any]:
+                 loss_chunks: int = 1, cuda_graphs: bool = False, lora_placement: str = "device",
+                 autocast=None) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
-    ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all).
+    ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all). ``autocast``: every arm's
+    per-forward autocast context factory (:func:`run_arm`).
 
     ``vram_budget`` goes to ``poros.prepare`` (the planner picks slots and resident blocks); the
     poros arm records the planner's prediction for the setup prepare made (``prediction``: peak,
@@ -239,7 +248,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         restore(named, initial)
         if name in ("resident", "control"):
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
-                                    vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile)
+                                    vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile,
+                                    autocast=autocast)
             continue
         results[name], handle = run_poros_arm(
             peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit(name),
@@ -248,7 +258,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             link_bytes_per_s=link_bytes_per_s, timeline=timeline,
             optimizer_states=optimizer_states if name == "poros" else "device", loss_chunks=loss_chunks,
             cuda_graphs=cuda_graphs and name == "poros",
-            lora_placement=lora_placement if name == "poros" else "device")
+            lora_placement=lora_placement if name == "poros" else "device", autocast=autocast)
         results[name].name = name
         if handle is not None and name != order[-1]:
             handle.unpatch()  # the next arm runs the model as it was
@@ -264,7 +274,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                   compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                   optimizer_states: str = "device", loss_chunks: int = 1, cuda_graphs: bool = False,
-                  lora_placement: str = "device"):
+                  lora_placement: str = "device", autocast=None):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -300,7 +310,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                      forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
                      profile=profile, step_hooks=copies.hooks(warmup) if copies else None,
                      timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)},
-                     optimizer_states=optimizer_states, placement=streamed.lora_placement)
+                     optimizer_states=optimizer_states, placement=streamed.lora_placement, autocast=autocast)
     if copies is not None:
         copies.detach()
         result.extra["copy_timeline"] = copies.summary()

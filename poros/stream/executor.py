@@ -74,7 +74,7 @@ from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_root
 from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  # noqa: F401 (the last two re-exported)
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
-from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
+from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
 from poros.stream.stash import HostStash
 from poros.stream.store import BlockStore
 
@@ -265,8 +265,9 @@ class StreamingExecutor:
             known = self._use_order.get(index)
             with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
                 # graphs replay layer-major's phases only (see graphs.py: micro-major's backward runs inside
-                # the autograd engine, where a capture is not safe)
-                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last, graphable=False)
+                # the autograd engine, where a capture failed on the H200; MICRO_MAJOR_SWITCH probes it)
+                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last,
+                                         graphable=self.graphs is not None and self.graphs.micro_major)
             self._use_order[index] = used
             # The block's trainable parameters are inputs of its node, each through a view made in
             # the order the block used them: the engine runs the later-made view first, so their
@@ -390,7 +391,7 @@ class StreamingExecutor:
         # what later readers sent back to the entries this block wrote: more output gradients of its recompute
         written_grads = [(name, key, pending) for name, key in step.written_by.get(index, [])
                          if (pending := step.pending.pop((name, key, index), None)) is not None]
-        if self.graphs is not None and return_parameter_grads:
+        if self.graphs is not None and return_parameter_grads and not self.graphs.micro_major:
             self.graphs.note_eager("micro-major")
         elif self.graphs is not None:
             replayed = self.graphs.backward(
@@ -417,11 +418,12 @@ class StreamingExecutor:
                     if isinstance(t, torch.Tensor) and t.requires_grad]
         targets += parameters
         captured: dict[int, torch.Tensor | None] = {}
-        if live and targets and return_parameter_grads:
+        if live and targets and return_parameter_grads:  # micro-major: inside the engine, in its state
             grads = torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live], allow_unused=True)
             captured = {id(t): g for t, g in zip(targets, grads)}
         elif live:
-            torch.autograd.backward([r for r, _ in live], [g for _, g in live])
+            with outside_autocast(hidden.device):  # layer-major: as HF's loss.backward(), outside autocast
+                torch.autograd.backward([r for r, _ in live], [g for _, g in live])
         if not return_parameter_grads:
             captured = {id(t): t.grad for t in targets}
         add_reader_grads(step.pending, readers, captured)
@@ -438,7 +440,8 @@ class StreamingExecutor:
         ``model_call(**micro_batch)`` is the full model (e.g. the PEFT wrapper) and must return an
         output with ``.loss``; pass ``num_items_in_batch`` in each micro-batch for HF's accumulation
         semantics. Gradients accumulate into ``.grad`` exactly as ``for mb: model(**mb).loss.backward()``
-        would leave them. Boundary states: the M x L block inputs stay on the device, or with
+        would leave them; under autocast, as HF Trainer's loop does (autocast around each forward, every
+        backward outside it). Boundary states: the M x L block inputs stay on the device, or with
         ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
         one block ahead of backward, on their own stream; exact copies, so bitwise the same).
 
@@ -449,6 +452,8 @@ class StreamingExecutor:
         check_no_dropout(self.causal_lm)
         if not micro_batches:
             return []
+        if self.graphs is not None:  # an autocast region that outlived the last step keeps its blocks eager
+            self.graphs.begin_step()
         count, last = len(self.layers), len(self.layers) - 1
         # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
         steps = [self._prelude(model_call, batch) for batch in micro_batches]
@@ -478,7 +483,8 @@ class StreamingExecutor:
             leaf = output.detach().requires_grad_(True)
             with self._switched(TrunkState(Phase.HEAD, hidden=leaf)):
                 loss = model_call(**batch).loss
-            loss.backward()
+            with outside_autocast(leaf.device):  # every backward here runs outside autocast, as HF Trainer's
+                loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
         hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
@@ -510,7 +516,8 @@ class StreamingExecutor:
                         roots.append(tensor)
                         grads.append(grad)
             if roots:
-                torch.autograd.backward(roots, grads)
+                with outside_autocast(self.store.device):
+                    torch.autograd.backward(roots, grads)
         return losses
 
     @contextlib.contextmanager
