@@ -358,7 +358,7 @@ def test_the_gpu_measurement_tool_dry_runs_on_the_cpu(tmp_path, repo_root, child
     done = subprocess.run([sys.executable, "-m", "tools.prequant_bench", "--model", "tiny", "--layers", "2", "--device",
                            "cpu", "--seq", "16", "--grad-accum", "1", "--steps", "1", "--threads", "1", "--source",
                            "random", "--arms", "quantize,starts,dropin,stranded,train", "--starts", "prequantized",
-                           "--optimizer-states", "host", "--loss-chunks", "2",
+                           "--optimizer-states", "host", "--loss-chunks", "2", "--vram-budget", "2GiB",
                            "--train-steps", "2", "--dir", str(tmp_path / "work"), "--json", str(report_file)],
                           cwd=repo_root, env=child_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -182,7 +182,9 @@ def dropin_child(args, device: torch.device, config, work: Path) -> dict:
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                                                            target_modules=list(SEVEN_PROJECTIONS)))
         options = {"loss_chunks": args.loss_chunks, "optimizer_states": args.optimizer_states,
-                   **({"vram_budget": args.vram_budget} if args.vram_budget else {})}
+                   **({"vram_budget": args.vram_budget,  # the step it plans for: the Trainer's, micro-major
+                       "workload": {"seq_len": args.seq, "batch_size": 1, "grad_accum": args.grad_accum,
+                                    "schedule": "micro-major", "loss_chunks": args.loss_chunks}} if args.vram_budget else {})}
         row["prepare_options"] = options
         poros.prepare(model, **options)
         marks["prepared"], row["after_prepare"] = time.perf_counter(), memory(device)
