@@ -411,7 +411,7 @@ class BlockGraphs:
         return graph
 
     # -- capture --------------------------------------------------------------------------------
-    def _record(self, index: int, body: Callable[[int], list]) -> tuple[Callable[[], None], list]:
+    def _record(self, index: int, body: Callable[[int], list], autocast: Any = None) -> tuple[Callable[[], None], list]:
         """Capture ``body(index)`` — block ``index``'s kernels — into a CUDA graph: ``(replay, body's
         outputs)``; each replay reruns those kernels on the same buffers, for whichever block of the key
         has its bytes there now (``body(i)`` is block ``i``'s). The one CUDA-only step of a capture."""
@@ -422,7 +422,7 @@ class BlockGraphs:
         backup, stream = generator.clone_state(), torch.cuda.current_stream(device)
         graph = torch.cuda.CUDAGraph()
         side = None
-        if self.autocast_capture and torch.is_autocast_enabled(device.type):
+        if self.autocast_capture and (torch.is_autocast_enabled(device.type) or _autocast_on(autocast)):
             # torch's recipe: one eager run on the capture's own stream first, so that what kernels set
             # up lazily per stream (cuBLAS workspaces of the bf16 GEMMs autocast adds) exists before it
             side = self._capture_stream = self._capture_stream or torch.cuda.Stream(device)
@@ -474,7 +474,7 @@ class BlockGraphs:
                          in _numbered(written)]
             return [output, *(t for _, _, _, tensors in written for t in tensors)]
 
-        replay, outputs = self._record(index, body)
+        replay, outputs = self._record(index, body, autocast)
         return _Graph(replay, statics, params, outputs, inputs=reads, writes=writes)
 
     def _capture_backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
@@ -508,7 +508,7 @@ class BlockGraphs:
                 grads.insert(0, None)
             return grads
 
-        replay, outputs = self._record(index, body)
+        replay, outputs = self._record(index, body, autocast)  # the recompute's state: warm-up too
         inputs = [static_grad, *reads, *(g for _, _, grads in sent for g in grads if g is not None)]
         return _Graph(replay, statics, params, outputs, inputs=inputs)
 
@@ -660,6 +660,11 @@ def _signature(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
     return ("value", type(leaf).__name__, leaf)
+
+
+def _autocast_on(state: Any) -> bool:
+    """Whether a recorded autocast state (``replay.autocast_state``) has a kind enabled."""
+    return bool(state) and any(kwargs.get("enabled") for _, kwargs in state)
 
 
 def _hashable_autocast(state: Any) -> Any:
