@@ -173,6 +173,11 @@ class PorosConfig:
                               "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
                               "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
                               "only numerically HF's default loss (another summation order).")
+    mlp_chunks: int = _field(1, "Run each decoder block's MLP over this many chunks of the sequence in forward, "
+                             "recompute and backward, saving only its input (a tiled MLP: one chunk's batch x seq "
+                             "x intermediate_size activations on the device at a time); 1: the MLP over the whole "
+                             "sequence. Above 1 a run is bitwise a resident run with the same mlp_chunks "
+                             "(poros.stream.tiling.tile_mlp), and only numerically the untiled MLP.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. A few "
                                             "lengths instead of many: what cuda_graphs replays (each length is "
@@ -228,7 +233,7 @@ class PorosConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: expected {expected}; {fix}")
 
         for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "num_slots",
-                     "logging_steps", "loss_chunks"):
+                     "logging_steps", "loss_chunks", "mlp_chunks"):
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
         need(self.steps >= 1 or (self.steps == 0 and self.epochs is not None), "steps", "an integer >= 1 (0 only "
              "with epochs)", "set steps to a positive integer, or epochs to train for passes over the data")
