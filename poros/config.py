@@ -91,7 +91,8 @@ class PorosConfig:
                           "bundled 'poros-tiny-chat'.", section="data")
     dataset_split: str = _field("train", "Split of an HF dataset (or of a local file loaded with datasets).")
     chat_template: str | None = _field(None, "Jinja chat template for conversations; null: the tokenizer's own.")
-    seq_len: int = _field(512, "Tokens per example; longer examples are truncated.")
+    seq_len: int = _field(512, "Tokens per example, up to the model's max_position_embeddings (a run above it is "
+                          "refused); longer examples are truncated to it, and one WARNING says how many.")
     # -- evaluation and tracking ------------------------------------------------------------------------
     eval_dataset: str | None = _field(None, "Held-out data for eval_loss: an HF dataset id or a .jsonl/.json/.csv "
                                       "file, read like dataset; null: none (or eval_split).",
