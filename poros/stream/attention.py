@@ -10,7 +10,7 @@ layer kind / mask          what the layer gets                                  
 =========================  ===================================================  ==================
 full, no padding/packing   ``None``: ``is_causal=True`` (and ``enable_gqa``)    flash (or efficient)
 full, padded or packed     ``[batch, 1, seq, seq]`` bool, K/V repeated per head efficient, never flash
-sliding, seq >= window     ``[1 or batch, 1, seq, seq]`` bool (no window arg)   efficient, never flash
+sliding, seq >= window     ``[batch, 1, seq, seq]`` bool (no window arg)        efficient, never flash
 linear attention           ``[batch, seq]`` padding mask (chunked delta rule)   none: no ``seq x seq``
 eager, any kind            ``[batch, 1, seq, seq]`` float and the scores        none (math)
 =========================  ===================================================  ==================
@@ -74,16 +74,17 @@ def attention_by_kind(descriptor: ArchitectureDescriptor, text_config: Any, seq:
         value_bytes: bytes per value of the compute dtype (2: bf16).
     """
     implementation = getattr(text_config, "_attn_implementation", None) or "sdpa"
-    heads = getattr(text_config, "num_attention_heads", 1) or 1
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    window = getattr(text_config, "sliding_window", None)
+    fields = plain_fields(text_config)
+    heads = fields.get("num_attention_heads") or 1
+    kv_heads = fields.get("num_key_value_heads") or heads
+    window = fields.get("sliding_window")
     forced = dict(descriptor.seq_by_seq_masks)
     head_attributes = dict(descriptor.head_dims)
     square = seq * seq
     out = []
     for kind in layer_kinds_of(descriptor, text_config):
-        head_dim = (getattr(text_config, head_attributes[kind], None) if kind in head_attributes else None) \
-            or getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        head_dim = (fields.get(head_attributes[kind]) if kind in head_attributes else None) \
+            or fields.get("head_dim") or fields["hidden_size"] // heads
         if kind == LINEAR_ATTENTION:
             out.append(KindAttention(kind, KERNELS[0], 0, 0, "a [batch, seq] padding mask, "
                                      "no seq x seq tensor"))
@@ -97,7 +98,8 @@ def attention_by_kind(descriptor: ArchitectureDescriptor, text_config: Any, seq:
         mask_rows = 0
         reason = ""
         if kind in forced and window is not None and seq >= window:
-            mask_rows, reason = (batch if padded else 1), forced[kind]
+            # one row per batch row once a 2-D attention_mask is passed (Poros's batches always pass one)
+            mask_rows, reason = batch, forced[kind]
         elif padded:
             mask_rows, reason = batch, ("padded or packed rows: transformers materialises a [batch, 1, seq, seq] "
                                         "bool mask (flash takes no mask)")
@@ -123,12 +125,19 @@ def attention_working_set(descriptor: ArchitectureDescriptor, text_config: Any, 
     return AttentionWorkingSet(total, kernel, "; ".join(f"{k.kind}: {k.kernel}: {k.reason}" for k in kinds))
 
 
+def plain_fields(text_config: Any) -> dict[str, Any]:
+    """The config's values as a plain dict (``to_dict()``: per-layer configs refuse some attributes as
+    attributes; an object without it, its ``vars``)."""
+    to_dict = getattr(text_config, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(vars(text_config))
+
+
 def layer_kinds_of(descriptor: ArchitectureDescriptor, text_config: Any) -> list[str]:
     """The layer kinds ``text_config`` has, in order of first appearance (the descriptor's first kind when
     the config lists none)."""
-    listed = getattr(text_config, descriptor.layer_kinds_attr, None) if descriptor.layer_kinds_attr else None
+    listed = plain_fields(text_config).get(descriptor.layer_kinds_attr) if descriptor.layer_kinds_attr else None
     return list(dict.fromkeys(listed)) if listed else [descriptor.layer_kinds[0]]
 
 
 __all__ = ["FLASH_MAX_HEAD_DIM", "KERNELS", "AttentionWorkingSet", "KindAttention", "attention_by_kind",
-           "attention_working_set", "layer_kinds_of"]
+           "attention_working_set", "layer_kinds_of", "plain_fields"]
