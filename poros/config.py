@@ -91,8 +91,8 @@ class PorosConfig:
                           "bundled 'poros-tiny-chat'.", section="data")
     dataset_split: str = _field("train", "Split of an HF dataset (or of a local file loaded with datasets).")
     chat_template: str | None = _field(None, "Jinja chat template for conversations; null: the tokenizer's own.")
-    seq_len: int = _field(512, "Tokens per example, up to the model's max_position_embeddings (a run above it is "
-                          "refused); longer examples are truncated to it, and one WARNING says how many.")
+    seq_len: int = _field(512, "Tokens per example, up to the model's max_position_embeddings; longer examples "
+                          "are truncated to it (one WARNING says how many).")
     # -- evaluation and tracking ------------------------------------------------------------------------
     eval_dataset: str | None = _field(None, "Held-out data for eval_loss: an HF dataset id or a .jsonl/.json/.csv "
                                       "file, read like dataset; null: none (or eval_split).",
@@ -174,11 +174,9 @@ class PorosConfig:
                               "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
                               "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
                               "only numerically HF's default loss (another summation order).")
-    mlp_chunks: int = _field(1, "Run each decoder block's MLP over this many chunks of the sequence in forward, "
-                             "recompute and backward, saving only its input (a tiled MLP: one chunk's batch x seq "
-                             "x intermediate_size activations on the device at a time); 1: the MLP over the whole "
-                             "sequence. Above 1 a run is bitwise a resident run with the same mlp_chunks "
-                             "(poros.stream.tiling.tile_mlp), and only numerically the untiled MLP.")
+    mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: "
+                             "whole. Above 1 bitwise a resident run with the same mlp_chunks "
+                             "(poros.stream.tiling.tile_mlp), only numerically the untiled MLP.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. A few "
                                             "lengths instead of many: what cuda_graphs replays (each length is "
