@@ -188,7 +188,8 @@ class PorosTrainer:
                   "default loss")
         if config.mlp_chunks > 1:
             echo(f"poros: mlp_chunks={config.mlp_chunks}: each block's MLP runs over {config.mlp_chunks} sequence "
-                  "chunks: bitwise a resident run with the same mlp_chunks, numerically (not bitwise) the whole MLP")
+                  "chunks: bitwise a resident run with the same mlp_chunks, numerically (not bitwise) the whole MLP"
+                  + (f"; not tiled: {model._tiled_mlp.untiled}" if model._tiled_mlp.untiled else ""))
         if model.budget_plan is not None:
             echo(model.budget_plan.summary())
         if model.host_plan.notable:
