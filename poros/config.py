@@ -91,7 +91,8 @@ class PorosConfig:
                           "bundled 'poros-tiny-chat'.", section="data")
     dataset_split: str = _field("train", "Split of an HF dataset (or of a local file loaded with datasets).")
     chat_template: str | None = _field(None, "Jinja chat template for conversations; null: the tokenizer's own.")
-    seq_len: int = _field(512, "Tokens per example; longer examples are truncated.")
+    seq_len: int = _field(512, "Tokens per example, up to the model's max_position_embeddings; longer examples "
+                          "are truncated to it (one WARNING says how many).")
     # -- evaluation and tracking ------------------------------------------------------------------------
     eval_dataset: str | None = _field(None, "Held-out data for eval_loss: an HF dataset id or a .jsonl/.json/.csv "
                                       "file, read like dataset; null: none (or eval_split).",
@@ -173,6 +174,9 @@ class PorosConfig:
                               "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
                               "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
                               "only numerically HF's default loss (another summation order).")
+    mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: "
+                             "whole. Above 1 bitwise a resident run with the same mlp_chunks "
+                             "(poros.stream.tiling.tile_mlp), only numerically the untiled MLP.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. A few "
                                             "lengths instead of many: what cuda_graphs replays (each length is "
@@ -228,7 +232,7 @@ class PorosConfig:
                 problems.append(f"{name}={getattr(self, name)!r}: expected {expected}; {fix}")
 
         for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "num_slots",
-                     "logging_steps", "loss_chunks"):
+                     "logging_steps", "loss_chunks", "mlp_chunks"):
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
         need(self.steps >= 1 or (self.steps == 0 and self.epochs is not None), "steps", "an integer >= 1 (0 only "
              "with epochs)", "set steps to a positive integer, or epochs to train for passes over the data")

@@ -218,8 +218,11 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                  optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
                  loss_chunks: int = 1, cuda_graphs: bool = False, lora_placement: str = "device",
-                 autocast=None) -> dict[str, Any]:
+                 autocast=None, mlp_chunks: int = 1, boundary_states: str | None = None) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
+
+    ``mlp_chunks`` > 1: every arm runs the tiled MLP (``poros.stream.tiling.tile_mlp`` on the model,
+    ``prepare(mlp_chunks=...)`` for the Poros arms), so the parity check compares like with like.
 
     ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
     ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all). ``autocast``: every arm's
@@ -258,10 +261,15 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             link_bytes_per_s=link_bytes_per_s, timeline=timeline,
             optimizer_states=optimizer_states if name == "poros" else "device", loss_chunks=loss_chunks,
             cuda_graphs=cuda_graphs and name == "poros",
-            lora_placement=lora_placement if name == "poros" else "device", autocast=autocast)
+            lora_placement=lora_placement if name == "poros" else "device", autocast=autocast,
+            mlp_chunks=mlp_chunks, boundary_states=boundary_states if name == "poros" else None)
         results[name].name = name
         if handle is not None and name != order[-1]:
             handle.unpatch()  # the next arm runs the model as it was
+            if mlp_chunks > 1:  # unpatch took the tiling away with the rest: the next arm tiles the same
+                from poros.stream.tiling import tile_mlp
+
+                tile_mlp(peft_model, mlp_chunks)
         handle = None
         free_memory(device)
     if "poros" in arms and results["poros"].status == "error" and "poros.prepare" in (results["poros"].error or ""):
@@ -274,7 +282,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                   compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                   optimizer_states: str = "device", loss_chunks: int = 1, cuda_graphs: bool = False,
-                  lora_placement: str = "device", autocast=None):
+                  lora_placement: str = "device", autocast=None, mlp_chunks: int = 1,
+                  boundary_states: str | None = None):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -294,7 +303,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
                                  workload=workload if vram_budget is not None else None,
                                  optimizer_states=optimizer_states, cuda_graphs=cuda_graphs,
-                                 lora_placement=lora_placement)
+                                 lora_placement=lora_placement, mlp_chunks=mlp_chunks,
+                                 boundary_states=boundary_states)
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None

@@ -81,6 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loss-chunks", type=int, default=1, metavar="N",
                         help="both arms compute the loss over N token chunks (poros.stream.chunked_loss; bitwise "
                              "between the arms, numerically HF's default loss); 1: HF's loss")
+    parser.add_argument("--mlp-chunks", type=int, default=1, metavar="N",
+                        help="every arm runs each block's MLP over N sequence chunks (poros.stream.tiling.tile_mlp, "
+                             "prepare(mlp_chunks=N); bitwise between the arms, numerically the whole MLP); 1: whole")
+    parser.add_argument("--boundary-states", choices=("device", "host"),
+                        help="Poros arm, layer-major: where the M x L block inputs wait for backward "
+                             "(prepare(boundary_states=...)); default: the planner's choice under --vram-budget, "
+                             "else the device")
     parser.add_argument("--optimizer-states", default="device", choices=("device", "host"),
                         help="Poros arm: AdamW's state on the device (torch.optim.AdamW) or in pinned host memory "
                              "(poros.HostAdamW, stepped a chunk at a time); the reference keeps torch's AdamW")
@@ -195,6 +202,10 @@ def main(argv=None) -> int:
         from poros.stream.chunked_loss import use_chunked_loss
 
         use_chunked_loss(peft_model, args.loss_chunks)
+    if args.mlp_chunks > 1:  # likewise the tiled MLP: the resident arms run it from here, the Poros arm's prepare too
+        from poros.stream.tiling import tile_mlp
+
+        tile_mlp(peft_model, args.mlp_chunks)
     free_memory(device)
     build_s = time.perf_counter() - start
     allocated = torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else None
@@ -209,6 +220,7 @@ def main(argv=None) -> int:
                            timeline=args.timeline, optimizer_states=args.optimizer_states,
                            capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
                            loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs, lora_placement=args.lora_placement,
+                           mlp_chunks=args.mlp_chunks, boundary_states=args.boundary_states,
                            link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
@@ -218,7 +230,9 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
             "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
-            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
+            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "mlp_chunks": args.mlp_chunks,
+            "boundary_states": args.boundary_states,
+            "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,

@@ -43,6 +43,7 @@ from poros.errors import (
 from poros.dropin import banner
 from poros.stream import graphs
 from poros.stream.chunked_loss import use_chunked_loss
+from poros.stream.tiling import tile_mlp
 from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
 from poros.stream.optimizer_states import resolve as resolve_optimizer_states
@@ -89,7 +90,7 @@ class PorosModel:
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
                      "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
-                     "_ddp_ignored", "_chunked_loss")
+                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
@@ -180,6 +181,8 @@ class PorosModel:
             self.lora_placement.restore()
         if self._chunked_loss is not None:
             self._chunked_loss.remove()
+        if self._tiled_mlp is not None:
+            self._tiled_mlp.remove()
         self.store.restore()
         for layer, flag in self._restore_flags:
             layer.gradient_checkpointing = flag
@@ -439,7 +442,7 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
         **keywords: the options by name, each documented on ``StreamOptions`` (``num_slots``,
             ``embeddings_on_host``, ``require``, ``resident_blocks``, ``vram_budget``, ``workload``,
             ``boundary_states``, ``optimizer_states``, ``host_tier``, ``host_budget``, ``read_ahead``,
-            ``cache_dir``, ``cuda_graphs``, ``lora_placement``, ``loss_chunks``); beside ``options`` they
+            ``cache_dir``, ``cuda_graphs``, ``lora_placement``, ``loss_chunks``, ``mlp_chunks``); beside ``options`` they
             override its values. What prepare and the planner decide for the choices left open is
             ``PorosModel.stream_options``, the object the executor is built with.
 
@@ -559,6 +562,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     """Past the gates: the blocks move into the store, the executor is built whole and installed, and
     ``model`` becomes its streamed class. ``found``: the detection and the budget plan."""
     chunked_loss = use_chunked_loss(causal_lm, options.loss_chunks) if options.loss_chunks > 1 else None
+    tiled_mlp = tile_mlp(causal_lm, options.mlp_chunks) if options.mlp_chunks > 1 else None
     if device.type != "cpu":
         from poros.loading.load import adapters_to_device
 
@@ -602,7 +606,8 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     prepared = _become_streamed(model, {
         **found, "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,
-        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss})
+        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss,
+        "_tiled_mlp": tiled_mlp})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     banner.announce(prepared)  # one stderr line: Poros took effect
     return prepared

@@ -2,7 +2,7 @@
 
 How a run streams -- the slot ring, the resident blocks, the VRAM budget and the step it is planned
 for (:class:`Workload`), where the embedding tables, the boundary states, AdamW's state and the LoRA
-tensors live, the host tier, CUDA graphs, the chunked loss, the guarantee the run must earn -- is
+tensors live, the host tier, CUDA graphs, the chunked loss, the tiled MLP, the guarantee the run must earn -- is
 made once and carried whole::
 
     PorosConfig ──StreamOptions.from_config──┐
@@ -150,6 +150,11 @@ class StreamOptions:
         loss_chunks: the loss over this many token chunks, each chunk's fp32 working set recomputed
             in backward (``poros.stream.chunked_loss``; ``prepare`` installs it, ``unpatch`` removes
             it); 1: HF's own loss.
+        mlp_chunks: each decoder block's MLP over this many sequence chunks in forward, recompute and
+            backward, saving only its input (``poros.stream.tiling``; ``prepare`` installs it, ``unpatch``
+            removes it): one chunk's ``batch x seq x intermediate_size`` activations alive at a time;
+            1: the MLP over the whole sequence. Bitwise a resident run with the same tiling
+            (``poros.stream.tiling.tile_mlp``), not the untiled one.
 
     Raises:
         ConfigError: a value of the wrong kind or out of range; ``resident_blocks`` with
@@ -171,6 +176,7 @@ class StreamOptions:
     cuda_graphs: bool | str = False
     lora_placement: str = "device"
     loss_chunks: int = 1
+    mlp_chunks: int = 1
 
     def __post_init__(self) -> None:
         normal = {"num_slots": 2 if self.num_slots is None else self.num_slots,
@@ -301,6 +307,9 @@ def _check_counts(options: StreamOptions) -> None:
     if not _integer(options.loss_chunks) or options.loss_chunks < 1:
         raise ConfigError(f"loss_chunks={options.loss_chunks!r}: expected an integer >= 1 (1: HF's own loss). Fix: "
                           "e.g. loss_chunks: 8.")
+    if not _integer(options.mlp_chunks) or options.mlp_chunks < 1:
+        raise ConfigError(f"mlp_chunks={options.mlp_chunks!r}: expected an integer >= 1 (1: the MLP over the whole "
+                          "sequence). Fix: e.g. mlp_chunks: 8.")
 
 
 def _check_choices(options: StreamOptions) -> None:

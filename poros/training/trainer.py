@@ -68,7 +68,7 @@ FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
     "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks",
-    "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
+    "mlp_chunks", "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -186,6 +186,10 @@ class PorosTrainer:
             echo(f"poros: loss_chunks={config.loss_chunks}: the loss is computed over {config.loss_chunks} token "
                   "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
                   "default loss")
+        if config.mlp_chunks > 1:
+            echo(f"poros: mlp_chunks={config.mlp_chunks}: each block's MLP runs over {config.mlp_chunks} sequence "
+                  "chunks: bitwise a resident run with the same mlp_chunks, numerically (not bitwise) the whole MLP"
+                  + (f"; not tiled: {model._tiled_mlp.untiled}" if model._tiled_mlp.untiled else ""))
         if model.budget_plan is not None:
             echo(model.budget_plan.summary())
         if model.host_plan.notable:
