@@ -190,6 +190,26 @@ def nf4_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     return final_hidden_states
 
 
+def quantize_experts_for_run(model: nn.Module, requested: bool | None) -> str | None:
+    """The trainer's choice (config ``quantize_experts``): ``None`` on a model without fused experts, else the
+    line that says what was done. ``requested`` None or True quantizes (a model loaded through the NF4 block
+    cache then streams its blocks from pinned buffers: the cache entry holds the bf16 experts), False keeps bf16.
+    """
+    modules = experts_modules(model)
+    if not modules:
+        return None
+    stored = sum(expert_bytes(m)["bytes"] for _, m in modules)
+    if requested is False:
+        return (f"poros: MoE experts kept in bf16 (quantize_experts=false): {len(modules)} experts modules, "
+                f"{stored / 1e9:.2f} GB")
+    quantize_experts(model)
+    if getattr(model, "poros_block_file", None) is not None:
+        del model.poros_block_file  # the entry's layout is the bf16 experts': pack the blocks anew
+    packed = sum(expert_bytes(m)["bytes"] for _, m in modules)
+    return (f"poros: MoE experts in NF4 (quantize_experts={'true' if requested else 'auto'}): {len(modules)} experts "
+            f"modules, {stored / 1e9:.2f} GB bf16 -> {packed / 1e9:.2f} GB")
+
+
 def expert_bytes(module: nn.Module) -> dict[str, Any]:
     """What one experts module holds: ``experts``, ``dtype`` (``"nf4"`` once quantized) and ``bytes``."""
     if is_quantized(module):
@@ -202,4 +222,4 @@ def expert_bytes(module: nn.Module) -> dict[str, Any]:
 
 __all__ = ["DequantizedLinear", "EXPERTS_IMPLEMENTATION", "FUSED_EXPERT_TENSORS", "NF4_BLOCKSIZE",
            "dequantized_expert", "expert_bytes", "experts_modules", "is_quantized", "nf4_experts_forward",
-           "quantize_experts"]
+           "quantize_experts", "quantize_experts_for_run"]

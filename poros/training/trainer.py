@@ -151,6 +151,7 @@ class PorosTrainer:
         from poros.loading.cache import cache_root
         from poros.dropin import banner
         from poros.dropin.model import prepare
+        from poros.loading.experts import quantize_experts_for_run
         from poros.loading.load import adapters_to_device, load_pretrained
         from poros.stream.options import StreamOptions
 
@@ -171,6 +172,11 @@ class PorosTrainer:
         if threads is not None and threads != torch.get_num_threads():  # for the process, as OMP_NUM_THREADS would
             torch.set_num_threads(threads)
             echo(f"poros: {threads} CPU thread{'s' if threads > 1 else ''} (cpu_threads={config.cpu_threads!r})")
+        experts = quantize_experts_for_run(loaded.model, config.quantize_experts)
+        if experts is not None:
+            echo(experts)
+        if config.output_router_logits is not None:
+            loaded.model.config.output_router_logits = config.output_router_logits
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(loaded.model, config.target_modules),
