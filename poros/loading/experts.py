@@ -80,10 +80,11 @@ def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE) -> nn.
             f"{type(model).__name__} has no fused MoE experts (3-D gate_up_proj / down_proj parameters); "
             "quantize_experts is for mixture-of-experts models (qwen3_5_moe, gemma4 with enable_moe_block)."
         )
+    wrapped = _adapted_experts(model)
     for name, module in modules:
         if is_quantized(module):
             continue
-        _check_layout(name, module)
+        _check_layout(name, module, id(module) in wrapped)
         module.poros_nf4 = {}
         code = None
         for tensor_name in FUSED_EXPERT_TENSORS:
@@ -106,11 +107,20 @@ def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE) -> nn.
     return model
 
 
-def _check_layout(name: str, module: nn.Module) -> None:
+def _adapted_experts(model: nn.Module) -> set[int]:
+    """``id`` of every module under a PEFT ``ParamWrapper`` (LoRA on a parameter: ``target_parameters``)."""
+    found = set()
+    for module in model.modules():
+        if isinstance(getattr(module, "parameter_name", None), str) and hasattr(module, "base_layer"):
+            found.update(id(m) for m in module.base_layer.modules())
+    return found
+
+
+def _check_layout(name: str, module: nn.Module, adapted: bool) -> None:
     for tensor_name in FUSED_EXPERT_TENSORS:
-        if getattr(module, tensor_name).requires_grad:
+        if adapted or getattr(module, tensor_name).requires_grad:
             raise PorosError(
-                f"{name}.{tensor_name} requires grad (LoRA on the experts through PEFT's target_parameters, or an "
+                f"{name}.{tensor_name} trains (LoRA on the experts through PEFT's target_parameters, or an "
                 "unfrozen model); NF4 experts are frozen. Quantize before get_peft_model and keep LoRA on the "
                 "linears, or keep the experts in bf16 (quantize_experts=False) to train LoRA on them."
             )

@@ -303,8 +303,13 @@ class StreamingExecutor:
         device = self.store.device
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies):
-            return self._trunk_class_forward(*args, **kwargs)
+        # HF's recorders look for the routers in the module tree, where the proxies stand: record them here
+        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies), \
+                self.routers.recording(self.layers, self.routers.wanted(kwargs)) as logits:
+            output = self._trunk_class_forward(*args, **kwargs)
+        if logits:
+            output["router_logits"] = tuple(logits)
+        return output
 
     # -- prelude: HF's own code ----------------------------------------------------------------
     def _record(self, raw: list, *args, **kwargs) -> None:
