@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), help="MoE experts implementation")
+    parser.add_argument("--quantize-experts", action="store_true",
+                        help="MoE experts in NF4 (poros.quantize_experts) in every arm: the resident NF4-expert model "
+                        "is the reference")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--targets", default=",".join(SEVEN_PROJECTIONS), help="comma list, or all-linear")
@@ -141,7 +144,8 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
-                        attn_implementation=args.attn, experts_implementation=args.experts)
+                        attn_implementation=args.attn, experts_implementation=args.experts,
+                        quantize_experts=args.quantize_experts)
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
     if args.loss_chunks > 1:  # on the model both arms run, so the parity check compares like with like
         from poros.stream.chunked_loss import use_chunked_loss
@@ -173,7 +177,8 @@ def main(argv=None) -> int:
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
-            "experts_implementation": args.experts, "lora": {"rank": args.rank, "alpha": args.alpha,
+            "experts_implementation": args.experts, "quantize_experts": args.quantize_experts,
+            "lora": {"rank": args.rank, "alpha": args.alpha,
                                                              "dropout": 0.0, "targets": targets},
             "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
             "quantization": {"quant_type": "nf4", "double_quant": not args.no_double_quant,
@@ -186,6 +191,9 @@ def main(argv=None) -> int:
         "arms": {name: result.summary(args.warmup) for name, result in outcome["arms"].items()},
         "comparison": outcome["comparison"],
     }
+    for arm in report["arms"].values():  # tokens trained per second: batch x seq x grad_accum per step
+        if arm.get("median_step_s"):
+            arm["tokens_per_s"] = round(args.batch * args.seq * args.grad_accum / arm["median_step_s"], 1)
     achieved = report["arms"].get("poros", {}).get("h2d_gb_per_s")
     if link and achieved is not None:
         report["arms"]["poros"]["h2d_fraction_of_link"] = round(achieved / link, 4)
