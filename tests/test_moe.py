@@ -212,3 +212,18 @@ def test_plan_of_qwen3_5_122b_a10b_counts_its_experts_offline(tmp_path):
                           timeout=300)
     assert kept.returncode == 0, kept.stderr[-3000:]
     assert "(quantize_experts=false)" in kept.stdout
+
+
+def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
+    """tools/bench.py --quantize-experts on the tiny MoE shape: the resident NF4-expert arm and the streamed
+    arm, bitwise, with tokens/s per arm (the H200 steps in the report run the same code at real shapes)."""
+    import json
+
+    report = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "tools.bench", "--model", "tiny-qwen3_5_moe", "--quantize-experts",
+                           "--device", "cpu", "--steps", "1", "--warmup", "1", "--commit", "test", "--json",
+                           str(report)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["config"]["quantize_experts"] is True and result["comparison"]["bitwise"] is True
+    assert all(arm["status"] == "ok" and arm["tokens_per_s"] > 0 for arm in result["arms"].values())
