@@ -371,11 +371,12 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
     budget_plan = plan_budget(footprint, workload, stream_options, compute=compute, link_bytes_per_s=link,
                               context_bytes=context)
     # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
-    # the same from the loaded model's entry)
+    # the same from the loaded model's entry), unless the run packs MoE experts after loading (pinned buffers)
+    cached = not config.no_cache and not (plan.experts and config.quantize_experts is not False)
     host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks, host_tier=config.host_tier,
                                      host_budget=config.host_budget, read_ahead=config.read_ahead,
-                                     ranks_per_node=ranks, shared_file=not config.no_cache)
-    node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=not config.no_cache)
+                                     ranks_per_node=ranks, shared_file=cached)
+    node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
     return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,
                         tuple(notices))
 
