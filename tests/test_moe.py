@@ -87,7 +87,7 @@ def run_moe_parity(family, variant, setup, directory, experts, **config):
 @pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
 def test_streamed_moe_training_is_bitwise_resident(family, variant, experts):
     """bf16 experts are drawn by tests/test_parity.py (every tiny variant); here NF4 and LoRA'd experts."""
-    @settings(max_examples=3, deadline=None, derandomize=True,
+    @settings(max_examples=2, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(setup=parity_setups(family, variant).filter(lambda s: s["config"]["num_layers"] >= 2))
     def check(setup):

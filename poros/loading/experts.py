@@ -42,12 +42,13 @@ NF4_BLOCKSIZE = 64
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of every experts module: one holding the fused 3-D ``gate_up_proj`` and
-    ``down_proj`` (as parameters, or as NF4 buffers once quantized)."""
+    """``(name, module)`` of every experts module: one that owns the fused ``gate_up_proj`` and ``down_proj``
+    parameters (3-D, or the store's placeholders while streamed) and says ``num_experts``, or their NF4
+    buffers once quantized. PEFT's ``ParamWrapper`` around one is not listed (its base layer is)."""
     found = []
     for name, module in model.named_modules():
-        tensors = [getattr(module, t, None) for t in FUSED_EXPERT_TENSORS]
-        if all(isinstance(t, torch.Tensor) and t.ndim == 3 for t in tensors) or is_quantized(module):
+        owned = all(t in module._parameters for t in FUSED_EXPERT_TENSORS) and hasattr(module, "num_experts")
+        if owned or is_quantized(module):
             found.append((name, module))
     return found
 
