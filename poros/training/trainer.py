@@ -138,7 +138,9 @@ class PorosTrainer:
         :func:`poros.loading.load.load_pretrained`, then ``torch.manual_seed(seed)`` and PEFT's
         ``get_peft_model`` with its default initialization (``lora_B`` zero), moves the adapters to
         the compute device (:func:`poros.loading.load.adapters_to_device`), streams the model with
-        :func:`poros.prepare`, and prints the detection summary with the guarantee label. After loading,
+        :func:`poros.prepare`, and prints the detection summary with the guarantee label. A mixture-of-experts
+        model gets its fused experts packed to NF4 first (``quantize_experts``, :func:`poros.quantize_experts`;
+        the choice is printed), and ``output_router_logits`` (when set) is written into its config. After loading,
         ``cpu_threads`` sets torch's CPU thread count for the process (:func:`poros.devices.cpu_threads`).
 
         Raises:
