@@ -69,9 +69,9 @@ def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE) -> nn.
         blocksize: NF4 block size (bitsandbytes' default 64).
 
     Raises:
-        PorosError: the model has no fused experts; an expert tensor trains (LoRA through PEFT's
-            ``target_parameters``: those need the bf16 experts); the experts layout is one this forward
-            does not compute (transposed, biased or ungated experts).
+        PorosError: the model has no fused experts; the experts carry LoRA (PEFT's ``target_parameters``:
+            those need the bf16 experts); the experts layout is one this forward does not compute
+            (transposed, biased or ungated experts).
     """
     import bitsandbytes.functional as bnb_functional
 
@@ -118,13 +118,12 @@ def _adapted_experts(model: nn.Module) -> set[int]:
 
 
 def _check_layout(name: str, module: nn.Module, adapted: bool) -> None:
-    for tensor_name in FUSED_EXPERT_TENSORS:
-        if adapted or getattr(module, tensor_name).requires_grad:
-            raise PorosError(
-                f"{name}.{tensor_name} trains (LoRA on the experts through PEFT's target_parameters, or an "
-                "unfrozen model); NF4 experts are frozen. Quantize before get_peft_model and keep LoRA on the "
-                "linears, or keep the experts in bf16 (quantize_experts=False) to train LoRA on them."
-            )
+    if adapted:
+        raise PorosError(
+            f"{name} carries LoRA on its experts (PEFT's target_parameters); NF4 experts are frozen buffers. "
+            "Quantize before get_peft_model and keep LoRA on the linears, or keep the experts in bf16 "
+            "(quantize_experts=False) to train LoRA on them."
+        )
     odd = [flag for flag, wanted in (("is_transposed", False), ("has_bias", False), ("has_gate", True),
                                      ("is_concatenated", True)) if getattr(module, flag, wanted) != wanted]
     if odd or not hasattr(module, "config"):
