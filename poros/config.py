@@ -76,6 +76,10 @@ class PorosConfig:
                                 "about 0.4 bits less per weight.")
     compute_dtype: str = _field("bfloat16", "Dtype of the computation and of every unquantized base tensor.",
                                 choices=("bfloat16", "float16", "float32"))
+    quantize_experts: bool | None = _field(None, "MoE models: pack the fused expert tensors to NF4 per expert "
+                                           "(poros.quantize_experts); null: on for MoE, printed; false: bf16 experts.")
+    output_router_logits: bool | None = _field(None, "MoE models: add the router aux loss (load_balancing_loss_func); "
+                                               "null: the model config's own.")
     # -- adapter ---------------------------------------------------------------------------------
     lora_rank: int = _field(16, "LoRA rank r.", section="LoRA adapter")
     lora_alpha: int = _field(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).")

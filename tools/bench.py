@@ -115,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), help="MoE experts implementation")
+    parser.add_argument("--quantize-experts", action="store_true",
+                        help="MoE experts in NF4 (poros.quantize_experts) in every arm: the resident NF4-expert model "
+                        "is the reference")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--targets", default=",".join(SEVEN_PROJECTIONS), help="comma list, or all-linear")
@@ -194,7 +197,8 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
-                        attn_implementation=args.attn, experts_implementation=args.experts)
+                        attn_implementation=args.attn, experts_implementation=args.experts,
+                        quantize_experts=args.quantize_experts)
     # Unsloth loads a checkpoint: these very weights, written before LoRA goes in (tools.unsloth_arm)
     checkpoint = unsloth_arm.save_checkpoint(model, args, device) if unsloth_arm.ARM in args.arms else None
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
@@ -237,7 +241,8 @@ def main(argv=None) -> int:
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
-            "experts_implementation": args.experts, "lora": {"rank": args.rank, "alpha": args.alpha,
+            "experts_implementation": args.experts, "quantize_experts": args.quantize_experts,
+            "lora": {"rank": args.rank, "alpha": args.alpha,
                                                              "dropout": 0.0, "targets": targets},
             "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
             "quantization": {"quant_type": "nf4", "double_quant": not args.no_double_quant,
@@ -253,6 +258,9 @@ def main(argv=None) -> int:
         "arms": {name: result.summary(args.warmup) for name, result in outcome["arms"].items()},
         "comparison": outcome["comparison"],
     }
+    for arm in report["arms"].values():  # tokens trained per second: batch x seq x grad_accum per step
+        if arm.get("median_step_s"):
+            arm["tokens_per_s"] = round(args.batch * args.seq * args.grad_accum / arm["median_step_s"], 1)
     setup = trainer_setup(args, device)
     report["trainer_setup"] = {**setup.to_dict(), "tokens_per_step": setup.tokens_per_step}
     report["trainer"] = trainer_arms_report(args, peft_model, batches, setup, report["arms"])

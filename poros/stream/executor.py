@@ -75,6 +75,7 @@ from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  #
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
+from poros.stream.router_logits import RouterRecorder
 from poros.stream.stash import HostStash
 from poros.stream.store import BlockStore
 
@@ -103,6 +104,8 @@ class TrunkState:
     phase: Phase
     calls: list | None = None  # PRELUDE: where the recorders put HF's layer calls
     hidden: torch.Tensor | None = None  # HEAD: the last block's output, a leaf the head's backward fills
+    router_logits: tuple | None = None  # HEAD: every block's router logits, leaves (output_router_logits)
+    asked: dict = field(default_factory=dict)  # PRELUDE: what HF asked the trunk for ("router": its logits)
 
 
 STREAMING = TrunkState(Phase.STREAM)
@@ -145,10 +148,11 @@ class _StreamingLayer(nn.Module):
 
 
 class _TrunkOutput:
-    """What callers read from the text model: ``last_hidden_state``; anything else is None."""
+    """What callers read from the text model: ``last_hidden_state`` (and ``router_logits`` when asked for);
+    anything else is None."""
 
-    def __init__(self, last_hidden_state: torch.Tensor) -> None:
-        self.last_hidden_state = last_hidden_state
+    def __init__(self, last_hidden_state: torch.Tensor, router_logits: tuple | None = None) -> None:
+        self.last_hidden_state, self.router_logits = last_hidden_state, router_logits
 
     def __getattr__(self, name: str) -> None:
         return None
@@ -182,6 +186,8 @@ class _Step:
     rng_states: dict[int, Any] = field(default_factory=dict)
     # block index -> the autocast state its forward ran under (replayed by its recompute)
     autocast_states: dict[int, Any] = field(default_factory=dict)
+    router: bool = False  # output_router_logits: each block's router logits are outputs of its node
+    router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> its forward's logits
 
 
 class StreamingExecutor:
@@ -211,6 +217,7 @@ class StreamingExecutor:
         self._layers_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
         self.final_norm = resolve_path(causal_lm, descriptor.final_norm)
         self.mapping_kwargs = frozenset(c.kwarg for c in descriptor.carried_state if c.kind == "mapping")
+        self.routers = RouterRecorder(self.trunk)  # the modules whose logits output_router_logits collects
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
         self._state = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
         self._stash_stream = None  # the host stash's side stream, made once
@@ -245,18 +252,21 @@ class StreamingExecutor:
     def trunk_forward(self, *args, **kwargs) -> "_TrunkOutput":
         state = self._state
         if state.phase is Phase.HEAD:  # layer-major, second call: the blocks already ran
-            return _TrunkOutput(self.final_norm(state.hidden))
+            return _TrunkOutput(self.final_norm(state.hidden), state.router_logits)
         if self.before_forward is not None:
             self.before_forward(kwargs)
         if state.phase is Phase.STREAM and not torch.is_grad_enabled():
             return self._trunk_without_grad(*args, **kwargs)
         kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
         if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
+            state.asked["router"] = self.routers.wanted(kwargs)
             self._record(state.calls, *args, **kwargs)
             self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
+        step.router = self.routers.wanted(kwargs)
         hidden = step.calls[0].leaves[0]
         last = len(self.layers) - 1
+        router_logits: list[torch.Tensor] = []
         for index in range(len(self.layers)):
             self._note_mapping_entry(step, index)
             # The last block stays resident: it is the first one backward needs.
@@ -272,9 +282,10 @@ class StreamingExecutor:
             # The block's trainable parameters are inputs of its node, each through a view made in
             # the order the block used them: the engine runs the later-made view first, so their
             # accumulators (and DDP's hooks) fire in reverse use order, as in the resident backward.
-            hidden = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
-                                          len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
-        return _TrunkOutput(self.final_norm(hidden))
+            hidden, *logits = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
+                                                   len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
+            router_logits.extend(logits)
+        return _TrunkOutput(self.final_norm(hidden), tuple(router_logits) if step.router else None)
 
     def _trunk_without_grad(self, *args, **kwargs):
         """A forward without grad (generation, evaluation): HF's own trunk forward, each decoder layer a
@@ -293,8 +304,13 @@ class StreamingExecutor:
         device = self.store.device
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies):
-            return self._trunk_class_forward(*args, **kwargs)
+        # HF's recorders look for the routers in the module tree, where the proxies stand: record them here
+        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies), \
+                self.routers.recording(self.layers, self.routers.wanted(kwargs)) as logits:
+            output = self._trunk_class_forward(*args, **kwargs)
+        if logits:
+            output["router_logits"] = tuple(logits)
+        return output
 
     # -- prelude: HF's own code ----------------------------------------------------------------
     def _record(self, raw: list, *args, **kwargs) -> None:
@@ -336,13 +352,16 @@ class StreamingExecutor:
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         leaves = call.leaves_with(hidden, grad_tensors)
         output = None
-        if self.graphs is not None and not graphable:
-            self.graphs.note_eager("micro-major")
+        if self.graphs is not None and (not graphable or step.router):
+            self.graphs.note_eager("router logits" if step.router else "micro-major")
         elif self.graphs is not None:
             output = self.graphs.forward(index, leaves, call.unflatten, self._carried_at(index, call))
         if output is None:
             args, kwargs = call.unflatten(leaves)
-            output = self.layers[index](*args, **kwargs)
+            with self.routers.recording(self.layers[index], step.router) as logits:
+                output = self.layers[index](*args, **kwargs)
+            if step.router:
+                step.router_logits[index] = logits
         if not isinstance(output, torch.Tensor):
             raise StreamingError(
                 f"decoder layer {index} returned {type(output).__name__}; Poros expects the new hidden states "
@@ -374,8 +393,11 @@ class StreamingExecutor:
         return {position: access[name] for position, name in call.mapping_at.items()}
 
     def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
-                        hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False):
+                        hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False,
+                        router_grads: list | None = None):
         """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release.
+        ``router_grads``: the gradients of the block's router logits (``output_router_logits``), one per logits
+        tensor or None, more roots of the recompute.
 
         With ``return_parameter_grads`` the block's parameter gradients are returned (third value)
         instead of accumulated into ``.grad`` here (else that list is empty): the caller's autograd node hands them to the
@@ -391,8 +413,8 @@ class StreamingExecutor:
         # what later readers sent back to the entries this block wrote: more output gradients of its recompute
         written_grads = [(name, key, pending) for name, key in step.written_by.get(index, [])
                          if (pending := step.pending.pop((name, key, index), None)) is not None]
-        if self.graphs is not None and return_parameter_grads and not self.graphs.micro_major:
-            self.graphs.note_eager("micro-major")
+        if self.graphs is not None and (step.router or (return_parameter_grads and not self.graphs.micro_major)):
+            self.graphs.note_eager("router logits" if step.router else "micro-major")
         elif self.graphs is not None:
             replayed = self.graphs.backward(
                 index, call.leaves_with(hidden, grad_inputs, mappings), call.unflatten, grad_output, hidden_needs_grad,
@@ -407,8 +429,10 @@ class StreamingExecutor:
         with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
                 replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
-            output = self.layers[index](*args, **kwargs)
-        live = recompute_roots(output, grad_output, [(mappings[name][key], sent) for name, key, sent in written_grads])
+            with self.routers.recording(self.layers[index], step.router) as logits:
+                output = self.layers[index](*args, **kwargs)
+        written = [(mappings[name][key], sent) for name, key, sent in written_grads]
+        live = recompute_roots(output, grad_output, written + ([(logits, router_grads)] if router_grads else []))
         parameters = self.block_parameters(index) if return_parameter_grads else []
         # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
         # sums inside the block are the engine's either way, so the values are backward's.
@@ -478,15 +502,18 @@ class StreamingExecutor:
                     keep = m < len(steps) - 1 or index == last
                     hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(), keep=keep)
         # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
-        losses, grad_hidden = [], []
-        for batch, output in zip(micro_batches, hidden):
+        losses, grad_hidden, router_grads = [], [], []
+        for batch, output, step in zip(micro_batches, hidden, steps):
             leaf = output.detach().requires_grad_(True)
-            with self._switched(TrunkState(Phase.HEAD, hidden=leaf)):
+            routers = {i: [t.detach().requires_grad_(True) for t in step.router_logits.get(i, [])] for i in range(count)}
+            leaves = tuple(t for i in range(count) for t in routers[i]) if step.router else None
+            with self._switched(TrunkState(Phase.HEAD, hidden=leaf, router_logits=leaves)):
                 loss = model_call(**batch).loss
             with outside_autocast(leaf.device):  # every backward here runs outside autocast, as HF Trainer's
                 loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
+            router_grads.append({i: [t.grad for t in ts] for i, ts in routers.items()})
         hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
         # 4. backward, block-major, micro-batch 0 first: the accumulation order of ordinary accumulation
         input_grads: list[list[list]] = [[[] for _ in range(count)] for _ in steps]
@@ -502,7 +529,7 @@ class StreamingExecutor:
                 block_input = stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
                 grad_hidden[m], input_grads[m][index], _ = self._backward_block(
                     step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
-                    keep=keep)
+                    keep=keep, router_grads=router_grads[m][index] if step.router else None)
                 del block_input
         # 5. the prelude of each micro-batch: its outputs' gradients into its own graph
         for m, step in enumerate(steps):
@@ -533,11 +560,13 @@ class StreamingExecutor:
         """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
         records the layer calls; the last recorder's :class:`_CaptureDone` unwinds the model's forward, so
         no block, head or loss runs."""
-        calls: list[tuple[tuple, dict]] = []
-        with self._switched(TrunkState(Phase.PRELUDE, calls=calls)), contextlib.suppress(_CaptureDone):
+        state = TrunkState(Phase.PRELUDE, calls=[])
+        with self._switched(state), contextlib.suppress(_CaptureDone):
             model_call(**batch)
             raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
-        return self._step_of(calls)
+        step = self._step_of(state.calls)
+        step.router = state.asked.get("router", False)
+        return step
 
     # -- carried mappings --------------------------------------------------------------------
     def _note_mapping_entry(self, step: _Step, index: int) -> None:
@@ -605,14 +634,15 @@ class _StreamedBlock(torch.autograd.Function):
         grad_inputs = inputs_and_parameters[:input_count]
         ctx.executor, ctx.step, ctx.index, ctx.used = executor, step, index, used
         ctx.save_for_backward(hidden, *grad_inputs)
-        return output
+        # with output_router_logits the block's router logits are outputs too (the aux loss reads them)
+        return (output, *step.router_logits.get(index, ())) if step.router else (output,)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, *router_grads):
         hidden, *grad_inputs = ctx.saved_tensors
         hidden_grad, input_grads, parameter_grads = ctx.executor._backward_block(
             ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5],
-            return_parameter_grads=True,
+            return_parameter_grads=True, router_grads=list(router_grads) if ctx.step.router else None,
         )
         by_parameter = dict(zip(map(id, ctx.executor.block_parameters(ctx.index)), parameter_grads))
         in_use_order = [by_parameter[id(p)] for p in ctx.used]
