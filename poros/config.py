@@ -174,13 +174,11 @@ class PorosConfig:
                                  "a time; bitwise the same; layer-major only, with optimizer_states auto or host) "
                                  "or 'auto' (on the host only when vram_budget cannot hold them on the device).",
                                  choices=("auto", "device", "host"))
-    loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set "
-                              "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
-                              "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
-                              "only numerically HF's default loss (another summation order).")
-    mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: "
-                             "whole. Above 1 bitwise a resident run with the same mlp_chunks "
-                             "(poros.stream.tiling.tile_mlp), only numerically the untiled MLP.")
+    loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set recomputed "
+                              "in backward (most of the head's loss memory off the device); 1: HF's own loss. Above 1 "
+                              "bitwise a resident run with the same loss_chunks, numerically HF's (another sum order).")
+    mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: whole. Above "
+                             "1 bitwise a resident run with the same mlp_chunks (tiling.tile_mlp), numerically untiled.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. A few "
                                             "lengths instead of many: what cuda_graphs replays (each length is "
@@ -616,8 +614,7 @@ def _example(name: str) -> str:
     default = _fields_by_name()[name].default
     examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
                 "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main", "cuda_graphs": "true",
-                "pad_to_multiple_of": "64",
-                "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
+                "pad_to_multiple_of": "64", "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
                 "eval_dataset": "data/val.jsonl", "eval_batches": "20", "report_to": "tensorboard"}
     if name in examples:
         return examples[name]
@@ -690,11 +687,8 @@ class _YamlDumper(yaml.SafeDumper):
 
 
 for _resolving in (_YamlLoader, _YamlDumper):
-    _resolving.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
+    _resolving.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 del _resolving
 
 _current = ""
