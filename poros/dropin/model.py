@@ -90,7 +90,8 @@ class PorosModel:
                      "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
                      "_ddp_ignored", "_chunked_loss")
 
-    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None,
+                         train_step: Any = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
         block fetched once per direction (instead of once per micro-batch per direction).
 
@@ -104,6 +105,12 @@ class PorosModel:
         DDP's ``no_sync()``, for a step made of several calls. Call it on this model, not through
         the DDP wrapper (DDP's forward is not involved).
 
+        ``train_step(**micro_batch)``, when given, replaces the model call: one micro-batch's whole training
+        step -- the model call inside a loss, its scaling and its backward (e.g. an HF ``Trainer``'s
+        ``training_step``, :mod:`poros.dropin.trainer_window`) -- returning the loss. It runs twice per
+        micro-batch: the first run stops at the trunk (HF builds the context), the second computes the head,
+        the loss and its backward from the streamed hidden states.
+
         Returns:
             The micro-batches' losses, detached, in order.
 
@@ -111,7 +118,8 @@ class PorosModel:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
         with self.lora_placement.accumulation() if self.lora_placement else contextlib.nullcontext():
-            losses = self.executor.forward_backward(self.forward, micro_batches)
+            losses = self.executor.forward_backward(train_step or self.forward, micro_batches,
+                                                    own_backward=train_step is not None)
         from poros import distributed
 
         if sync_gradients is not False and distributed.reducing():

@@ -103,6 +103,7 @@ class TrunkState:
     phase: Phase
     calls: list | None = None  # PRELUDE: where the recorders put HF's layer calls
     hidden: torch.Tensor | None = None  # HEAD: the last block's output, a leaf the head's backward fills
+    autocast: list | None = None  # PRELUDE: where the trunk notes the autocast state the model's forward set
 
 
 STREAMING = TrunkState(Phase.STREAM)
@@ -182,6 +183,8 @@ class _Step:
     rng_states: dict[int, Any] = field(default_factory=dict)
     # block index -> the autocast state its forward ran under (replayed by its recompute)
     autocast_states: dict[int, Any] = field(default_factory=dict)
+    # layer-major: the autocast state the model's forward set around its trunk call (the blocks run under it)
+    autocast: Any = None
 
 
 class StreamingExecutor:
@@ -252,6 +255,8 @@ class StreamingExecutor:
             return self._trunk_without_grad(*args, **kwargs)
         kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
         if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
+            if state.autocast is not None:  # e.g. accelerate's autocast around the model's forward only
+                state.autocast.append(autocast_state(self.store.device))
             self._record(state.calls, *args, **kwargs)
             self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
@@ -432,13 +437,19 @@ class StreamingExecutor:
         return hidden_grad, input_grads, [captured.get(id(p)) for p in parameters]
 
     # -- layer-major accumulation -------------------------------------------------------------
-    def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict]) -> list[torch.Tensor]:
+    def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict], *,
+                         own_backward: bool = False) -> list[torch.Tensor]:
         """Forward and backward of M micro-batches, block by block; returns their losses (detached).
 
         ``model_call(**micro_batch)`` is the full model (e.g. the PEFT wrapper) and must return an
-        output with ``.loss``; pass ``num_items_in_batch`` in each micro-batch for HF's accumulation
-        semantics. Gradients accumulate into ``.grad`` exactly as ``for mb: model(**mb).loss.backward()``
-        would leave them. Boundary states: the M x L block inputs stay on the device, or with
+        output with ``.loss`` (or the loss tensor); pass ``num_items_in_batch`` in each micro-batch for
+        HF's accumulation semantics. Gradients accumulate into ``.grad`` exactly as
+        ``for mb: model(**mb).loss.backward()`` would leave them. With ``own_backward``, ``model_call`` is a
+        whole training step of one micro-batch (a trainer's loss, its scaling and its backward call) and
+        returns the loss; it is called twice per micro-batch (the first call is unwound at the trunk), so
+        nothing before its model call may have effects a second run would repeat. The blocks run under the
+        autocast state the model's forward set around its trunk call (recorded in the first call), as they
+        would inside that forward. Boundary states: the M x L block inputs stay on the device, or with
         ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
         one block ahead of backward, on their own stream; exact copies, so bitwise the same).
 
@@ -471,14 +482,18 @@ class StreamingExecutor:
                     else:
                         inputs[m].append(hidden[m])
                     keep = m < len(steps) - 1 or index == last
-                    hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(), keep=keep)
+                    with replayed_autocast(step.autocast, self.store.device):
+                        hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(),
+                                                    keep=keep)
         # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
         losses, grad_hidden = [], []
         for batch, output in zip(micro_batches, hidden):
             leaf = output.detach().requires_grad_(True)
             with self._switched(TrunkState(Phase.HEAD, hidden=leaf)):
-                loss = model_call(**batch).loss
-            loss.backward()
+                loss = model_call(**batch)
+                loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+                if not own_backward:
+                    loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
         hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
@@ -527,10 +542,14 @@ class StreamingExecutor:
         records the layer calls; the last recorder's :class:`_CaptureDone` unwinds the model's forward, so
         no block, head or loss runs."""
         calls: list[tuple[tuple, dict]] = []
-        with self._switched(TrunkState(Phase.PRELUDE, calls=calls)), contextlib.suppress(_CaptureDone):
+        autocast: list = []
+        with self._switched(TrunkState(Phase.PRELUDE, calls=calls, autocast=autocast)), \
+                contextlib.suppress(_CaptureDone):
             model_call(**batch)
             raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
-        return self._step_of(calls)
+        step = self._step_of(calls)
+        step.autocast = autocast[0] if autocast else None
+        return step
 
     # -- carried mappings --------------------------------------------------------------------
     def _note_mapping_entry(self, step: _Step, index: int) -> None:
