@@ -88,7 +88,7 @@ class PorosModel:
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
                      "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
-                     "_ddp_ignored", "_chunked_loss")
+                     "_ddp_ignored", "_chunked_loss", "_streamed_counts")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None,
                          train_step: Any = None) -> list[torch.Tensor]:
@@ -139,6 +139,15 @@ class PorosModel:
         """The compute device. HF's ``model.device`` reads the first parameter, which with
         ``embeddings_on_host`` is the input embedding table kept on the host."""
         return self.store.device
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """HF's ``num_parameters``, the streamed blocks' frozen tensors counted (their modules hold empty
+        placeholders while evicted): the HF ``Trainer`` reckons ``total_flos`` (saved in
+        ``trainer_state.json``) from it, so the plain run's count."""
+        owner = self.causal_lm
+        method = (self._poros_class if owner is self else type(owner)).num_parameters
+        counted = method(owner, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+        return counted + (0 if only_trainable else self._streamed_counts[bool(exclude_embeddings)])
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -534,6 +543,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
+    counts = _parameter_counts(causal_lm)
     host_plan, tier = _host_tier(causal_lm, layers, resident, options)
     options = options.replace(host_tier=host_plan.tier, read_ahead=host_plan.read_ahead or options.read_ahead)
     blocks_on_device = any(p.device.type == "cuda" and not p.requires_grad for layer in layers
@@ -568,10 +578,17 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     prepared = _become_streamed(model, {
         **found, "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,
-        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss})
+        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss,
+        "_streamed_counts": tuple(a - b for a, b in zip(counts, _parameter_counts(causal_lm)))})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     banner.announce(prepared)  # one stderr line: Poros took effect
     return prepared
+
+
+def _parameter_counts(causal_lm: nn.Module) -> tuple[int, int]:
+    """HF's ``num_parameters()`` with and without the embeddings (0, 0 for a model without the method)."""
+    count = getattr(causal_lm, "num_parameters", None)
+    return (count(), count(exclude_embeddings=True)) if callable(count) else (0, 0)
 
 
 def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -> None:
