@@ -84,13 +84,13 @@ class PorosCallback(TrainerCallback):
         self.options = options
         self.model: PorosModel | None = None
 
-    def _prepare(self, args, model) -> None:
+    def _prepare(self, args, model) -> bool:
+        """Stream ``model`` (once) and drive the calling trainer's windows; False: no trainer found."""
         _check_args(args)
         if model is not None and not isinstance(model, PorosModel):
             self.model = prepare(model, **self.options)
         trainer = self._trainer()
-        if trainer is not None:
-            trainer_window.install(trainer)
+        return trainer is not None and trainer_window.install(trainer) is not None
 
     def _trainer(self) -> Any:
         """The trainer calling this callback: a caller's ``self`` whose callback handler holds it."""
@@ -110,4 +110,7 @@ class PorosCallback(TrainerCallback):
         self._prepare(args, model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._prepare(args, model)
+        if not self._prepare(args, model):
+            trainer_window.logger.warning(
+                "poros: gradient accumulation runs micro-major, not layer-major: PorosCallback found no "
+                "transformers Trainer calling it (use poros.prepare_trainer(trainer) instead)")

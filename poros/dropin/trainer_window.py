@@ -163,12 +163,15 @@ class WindowDriver:
                                                    sync_gradients=False, train_step=micro_step)
 
 
-def install(trainer: Any) -> WindowDriver:
+def install(trainer: Any) -> WindowDriver | None:
     """Wrap ``trainer.get_batch_samples`` and ``trainer.training_step`` (on the instance) with a
-    :class:`WindowDriver`; once per trainer (a second call returns the first driver)."""
+    :class:`WindowDriver`; once per trainer (a second call returns the first driver). None, and nothing
+    changed, for an object without those two methods (not a transformers 5 ``Trainer``)."""
     driver = getattr(trainer, "_poros_window", None)
     if isinstance(driver, WindowDriver):
         return driver
+    if not all(callable(getattr(trainer, name, None)) for name in ("get_batch_samples", "training_step")):
+        return None
     driver = WindowDriver(trainer)
     trainer._poros_window = driver
     trainer.get_batch_samples = driver.batch_samples
