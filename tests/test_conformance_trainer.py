@@ -93,14 +93,16 @@ def test_checkpoint_save_and_resume_is_bitwise(family, variant, tmp_path):
 
 
 def test_modules_to_save_is_bitwise(tmp_path):
-    """``LoraConfig(modules_to_save=["lm_head", "embed_tokens"])``: full copies trained next to the adapters."""
+    """``LoraConfig(modules_to_save=["lm_head", "embed_tokens"])``: full copies trained next to the adapters, their
+    gradients accumulated over layer-major windows of 2 micro-batches."""
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=7, tie_word_embeddings=False)
-    flow = dict(train_rows=rows(4, 29), save_strategy="steps", save_steps=2)
+    flow = dict(train_rows=rows(8, 29), save_strategy="steps", save_steps=2, gradient_accumulation_steps=2)
     options = dict(modules_to_save=["lm_head", "embed_tokens"])
     plain = run_trainer(load(checkpoint, **options), tmp_path / "plain", **flow)
     streamed = run_trainer(load(checkpoint, **options), tmp_path / "poros", line=poros.prepare_trainer, **flow)
     assert any("modules_to_save" in name for name in plain["params"])
     assert_same_outcome(plain, streamed)
+    assert _windows(streamed) == 2
     assert_same_files(tmp_path / "plain" / "checkpoint-2", tmp_path / "poros" / "checkpoint-2")
 
 
