@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import poros
 from conformance_flows import (
@@ -301,3 +303,21 @@ def test_callback_drives_the_windows_of_its_trainer(tmp_path):
     streamed = run_trainer(load(checkpoint), tmp_path / "poros", callbacks=[poros.PorosCallback()], **flow)
     assert isinstance(streamed["trainer"].model, poros.PorosModel) and _windows(streamed) == 2
     assert_same_outcome(plain, streamed)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(accumulation=st.integers(1, 4), micro_batches=st.integers(2, 7), batch=st.integers(1, 2),
+       seq=st.integers(9, 33), bf16=st.booleans())
+def test_drawn_accumulation_windows_are_bitwise(accumulation, micro_batches, batch, seq, bf16, tmp_path_factory):
+    """Hypothesis draws the accumulation, the epoch's micro-batches (so where it ends mid-window), the batch
+    and sequence sizes and bf16; one epoch with the line is the plain run's bits."""
+    root = tmp_path_factory.mktemp("drawn")
+    checkpoint = save_tiny_checkpoint(root / "ckpt", "qwen2", seed=7)
+    flow = dict(train_rows=rows(micro_batches * batch, seq), per_device_train_batch_size=batch,
+                gradient_accumulation_steps=accumulation, max_steps=-1, num_train_epochs=1, bf16=bf16)
+    plain = run_trainer(load(checkpoint), root / "plain", **flow)
+    streamed = run_trainer(load(checkpoint), root / "poros", line=poros.prepare_trainer, **flow)
+    assert_same_outcome(plain, streamed)
+    full, rest = divmod(micro_batches, accumulation)
+    assert _windows(streamed) == (full if accumulation > 1 else 0) + (rest > 1)
