@@ -294,15 +294,52 @@ class _SubstepCallback(transformers.TrainerCallback):
         return control
 
 
+class _Recorder(transformers.TrainerCallback):
+    """What a user's callback sees: each event with the step, and at ``on_pre_optimizer_step`` the gradients."""
+
+    def __init__(self):
+        self.events, self.grads = [], []
+
+    def _note(self, name, state):
+        self.events.append((name, state.global_step))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._note("step_begin", state)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self._note("pre_optimizer_step", state)
+        self.grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._note("step_end", state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("log", state.global_step, tuple(sorted(k for k in logs if not k.endswith("runtime")
+                                                                  and not k.endswith("per_second")))))
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._note("evaluate", state)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._note("save", state)
+
+
 def test_callback_drives_the_windows_of_its_trainer(tmp_path):
     """``callbacks=[poros.PorosCallback()]``: the callback finds the trainer it belongs to and drives its windows
-    as prepare_trainer does."""
+    as prepare_trainer does; a user's callback sees the same events, steps and gradients as in the plain run."""
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=7)
-    flow = dict(train_rows=rows(8, 29), gradient_accumulation_steps=2, max_steps=2, bf16=True)
-    plain = run_trainer(load(checkpoint), tmp_path / "plain", **flow)
-    streamed = run_trainer(load(checkpoint), tmp_path / "poros", callbacks=[poros.PorosCallback()], **flow)
+    flow = dict(train_rows=rows(8, 29), eval_rows=rows(2, 29, seed=100), gradient_accumulation_steps=2, max_steps=2,
+                bf16=True, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1)
+    seen = {"plain": _Recorder(), "poros": _Recorder()}
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", callbacks=[seen["plain"]], **flow)
+    streamed = run_trainer(load(checkpoint), tmp_path / "poros", callbacks=[poros.PorosCallback(), seen["poros"]],
+                           **flow)
     assert isinstance(streamed["trainer"].model, poros.PorosModel) and _windows(streamed) == 2
     assert_same_outcome(plain, streamed)
+    assert seen["plain"].events == seen["poros"].events and ("evaluate", 1) in seen["plain"].events
+    assert len(seen["poros"].grads) == 2
+    for expected, got in zip(seen["plain"].grads, seen["poros"].grads):
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
 @settings(max_examples=4, deadline=None, derandomize=True,
