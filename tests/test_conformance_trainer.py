@@ -269,10 +269,19 @@ class _OwnLossTrainer(transformers.Trainer):
         return loss * 0.5
 
 
-@pytest.mark.parametrize("case", ["dropout", "custom compute_loss", "callback on_substep_end"])
-def test_fallback_is_micro_major_bitwise_and_said_once(case, tmp_path, caplog):
+def _patched_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    return _TRAINER_COMPUTE_LOSS(self, model, inputs, return_outputs, num_items_in_batch)
+
+
+_TRAINER_COMPUTE_LOSS = transformers.Trainer.compute_loss
+
+
+@pytest.mark.parametrize("case", ["dropout", "custom compute_loss", "patched compute_loss", "callback on_substep_end"])
+def test_fallback_is_micro_major_bitwise_and_said_once(case, tmp_path, caplog, monkeypatch):
     """Where a window cannot be driven layer-major, the Trainer runs it (micro-major, bitwise) and one warning on
     the ``poros`` logger names the reason, however many windows follow."""
+    if case == "patched compute_loss":  # as a library patching the Trainer class would (both arms)
+        monkeypatch.setattr(transformers.Trainer, "compute_loss", _patched_compute_loss)
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
     options = dict(dropout=0.1) if case == "dropout" else {}
     flow = dict(train_rows=rows(12, 29), gradient_accumulation_steps=2, max_steps=3,
@@ -283,6 +292,7 @@ def test_fallback_is_micro_major_bitwise_and_said_once(case, tmp_path, caplog):
         streamed = run_trainer(load(checkpoint, **options), tmp_path / "poros", line=poros.prepare_trainer, **flow)
     said = [r.getMessage() for r in caplog.records if "micro-major" in r.getMessage()]
     expected = {"dropout": "dropout is active", "custom compute_loss": "_OwnLossTrainer.compute_loss",
+                "patched compute_loss": "Trainer.compute_loss is patched",
                 "callback on_substep_end": "_SubstepCallback.on_substep_end"}[case]
     assert len(said) == 1 and expected in said[0], said
     assert _windows(streamed) == 0

@@ -81,6 +81,10 @@ def fallback_reason(trainer: Any) -> str | None:
         if owner is not None and owner not in known:
             return (f"{owner.__qualname__}.{name} overrides the Trainer's (a custom step or loss: Poros cannot prove "
                     "it safe to run twice per micro-batch, as layer-major accumulation does)")
+        module = (getattr(owner.__dict__[name], "__module__", None) or "") if owner is not None else "transformers."
+        if not module.startswith(("transformers.", "trl.")):  # e.g. a library's monkeypatch of Trainer.compute_loss
+            return (f"{owner.__qualname__}.{name} is patched (by {module or 'unknown code'}): Poros cannot prove it "
+                    "safe to run twice per micro-batch")
     active = dropout_modules(model)
     if active:
         return (f"dropout is active ({active[0]} p={dropout_p(model.get_submodule(active[0]))}"
