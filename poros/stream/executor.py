@@ -472,6 +472,9 @@ class StreamingExecutor:
                 self._stash_stream = torch.cuda.Stream(device)
             stash = HostStash(device, self._stash_stream)
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
+        # the forward's autocast state where it differs from this thread's (None: run as the caller runs)
+        outer = autocast_state(self.store.device)
+        autocasts = [None if step.autocast is None or step.autocast == outer else step.autocast for step in steps]
         with torch.no_grad():
             for index in range(count):
                 for m, step in enumerate(steps):
@@ -482,7 +485,7 @@ class StreamingExecutor:
                     else:
                         inputs[m].append(hidden[m])
                     keep = m < len(steps) - 1 or index == last
-                    with replayed_autocast(step.autocast, self.store.device):
+                    with replayed_autocast(autocasts[m], self.store.device):
                         hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(),
                                                     keep=keep)
         # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
@@ -490,10 +493,10 @@ class StreamingExecutor:
         for batch, output in zip(micro_batches, hidden):
             leaf = output.detach().requires_grad_(True)
             with self._switched(TrunkState(Phase.HEAD, hidden=leaf)):
-                loss = model_call(**batch)
-                loss = loss if isinstance(loss, torch.Tensor) else loss.loss
-                if not own_backward:
-                    loss.backward()
+                loss = model_call(**batch)  # with own_backward, the loss's backward ran inside
+            loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+            if not own_backward:
+                loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
         hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
