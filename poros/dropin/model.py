@@ -90,9 +90,10 @@ class PorosModel:
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
                      "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
-                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp")
+                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp", "_streamed_counts")
 
-    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None,
+                         train_step: Any = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
         block fetched once per direction (instead of once per micro-batch per direction).
 
@@ -106,6 +107,12 @@ class PorosModel:
         DDP's ``no_sync()``, for a step made of several calls. Call it on this model, not through
         the DDP wrapper (DDP's forward is not involved).
 
+        ``train_step(**micro_batch)``, when given, replaces the model call: one micro-batch's whole training
+        step -- the model call inside a loss, its scaling and its backward (e.g. an HF ``Trainer``'s
+        ``training_step``, :mod:`poros.dropin.trainer_window`) -- returning the loss. It runs twice per
+        micro-batch: the first run stops at the trunk (HF builds the context), the second computes the head,
+        the loss and its backward from the streamed hidden states.
+
         Returns:
             The micro-batches' losses, detached, in order.
 
@@ -113,7 +120,8 @@ class PorosModel:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
         with self.lora_placement.accumulation() if self.lora_placement else contextlib.nullcontext():
-            losses = self.executor.forward_backward(self.forward, micro_batches)
+            losses = self.executor.forward_backward(train_step or self.forward, micro_batches,
+                                                    own_backward=train_step is not None)
         from poros import distributed
 
         if sync_gradients is not False and distributed.reducing():
@@ -163,6 +171,15 @@ class PorosModel:
     def cpu(self):
         """See :meth:`to`: a no-op when the model computes on the CPU."""
         return self.to("cpu")
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """HF's ``num_parameters``, the streamed blocks' frozen tensors counted (their modules hold empty
+        placeholders while evicted): the HF ``Trainer`` reckons ``total_flos`` (saved in
+        ``trainer_state.json``) from it, so the plain run's count."""
+        owner = self.causal_lm
+        method = (self._poros_class if owner is self else type(owner)).num_parameters
+        counted = method(owner, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+        return counted + (0 if only_trainable else self._streamed_counts[bool(exclude_embeddings)])
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -572,6 +589,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
+    counts = _parameter_counts(causal_lm)
     host_plan, tier = _host_tier(causal_lm, layers, resident, options)
     options = options.replace(host_tier=host_plan.tier, read_ahead=host_plan.read_ahead or options.read_ahead)
     blocks_on_device = any(p.device.type == "cuda" and not p.requires_grad for layer in layers
@@ -607,10 +625,17 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         **found, "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,
         "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss,
-        "_tiled_mlp": tiled_mlp})
+        "_tiled_mlp": tiled_mlp,
+        "_streamed_counts": tuple(a - b for a, b in zip(counts, _parameter_counts(causal_lm)))})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     banner.announce(prepared)  # one stderr line: Poros took effect
     return prepared
+
+
+def _parameter_counts(causal_lm: nn.Module) -> tuple[int, int]:
+    """HF's ``num_parameters()`` with and without the embeddings (0, 0 for a model without the method)."""
+    count = getattr(causal_lm, "num_parameters", None)
+    return (count(), count(exclude_embeddings=True)) if callable(count) else (0, 0)
 
 
 def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -> None:

@@ -106,6 +106,7 @@ class TrunkState:
     hidden: torch.Tensor | None = None  # HEAD: the last block's output, a leaf the head's backward fills
     router_logits: tuple | None = None  # HEAD: every block's router logits, leaves (output_router_logits)
     asked: dict = field(default_factory=dict)  # PRELUDE: what HF asked the trunk for ("router": its logits)
+    autocast: list | None = None  # PRELUDE: where the trunk notes the autocast state the model's forward set
 
 
 STREAMING = TrunkState(Phase.STREAM)
@@ -188,6 +189,8 @@ class _Step:
     autocast_states: dict[int, Any] = field(default_factory=dict)
     router: bool = False  # output_router_logits: each block's router logits are outputs of its node
     router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> its forward's logits
+    # layer-major: the autocast state the model's forward set around its trunk call (the blocks run under it)
+    autocast: Any = None
 
 
 class StreamingExecutor:
@@ -260,6 +263,8 @@ class StreamingExecutor:
         kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
         if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
             state.asked["router"] = self.routers.wanted(kwargs)
+            if state.autocast is not None:  # e.g. accelerate's autocast around the model's forward only
+                state.autocast.append(autocast_state(self.store.device))
             self._record(state.calls, *args, **kwargs)
             self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
@@ -458,14 +463,20 @@ class StreamingExecutor:
         return hidden_grad, input_grads, [captured.get(id(p)) for p in parameters]
 
     # -- layer-major accumulation -------------------------------------------------------------
-    def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict]) -> list[torch.Tensor]:
+    def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict], *,
+                         own_backward: bool = False) -> list[torch.Tensor]:
         """Forward and backward of M micro-batches, block by block; returns their losses (detached).
 
         ``model_call(**micro_batch)`` is the full model (e.g. the PEFT wrapper) and must return an
-        output with ``.loss``; pass ``num_items_in_batch`` in each micro-batch for HF's accumulation
-        semantics. Gradients accumulate into ``.grad`` exactly as ``for mb: model(**mb).loss.backward()``
-        would leave them; under autocast, as HF Trainer's loop does (autocast around each forward, every
-        backward outside it). Boundary states: the M x L block inputs stay on the device, or with
+        output with ``.loss`` (or the loss tensor); pass ``num_items_in_batch`` in each micro-batch for
+        HF's accumulation semantics. Gradients accumulate into ``.grad`` exactly as
+        ``for mb: model(**mb).loss.backward()`` would leave them; under autocast, as HF Trainer's loop does (autocast around each forward, every
+        backward outside it). With ``own_backward``, ``model_call`` is a
+        whole training step of one micro-batch (a trainer's loss, its scaling and its backward call) and
+        returns the loss; it is called twice per micro-batch (the first call is unwound at the trunk), so
+        nothing before its model call may have effects a second run would repeat. The blocks run under the
+        autocast state the model's forward set around its trunk call (recorded in the first call), as they
+        would inside that forward. Boundary states: the M x L block inputs stay on the device, or with
         ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
         one block ahead of backward, on their own stream; exact copies, so bitwise the same).
 
@@ -490,6 +501,9 @@ class StreamingExecutor:
                 self._stash_stream = torch.cuda.Stream(device)
             stash = HostStash(device, self._stash_stream)
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
+        # the forward's autocast state where it differs from this thread's (None: run as the caller runs)
+        outer = autocast_state(self.store.device)
+        autocasts = [None if step.autocast is None or step.autocast == outer else step.autocast for step in steps]
         with torch.no_grad():
             for index in range(count):
                 for m, step in enumerate(steps):
@@ -500,7 +514,9 @@ class StreamingExecutor:
                     else:
                         inputs[m].append(hidden[m])
                     keep = m < len(steps) - 1 or index == last
-                    hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(), keep=keep)
+                    with replayed_autocast(autocasts[m], self.store.device):
+                        hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(),
+                                                    keep=keep)
         # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
         losses, grad_hidden, router_grads = [], [], []
         for batch, output, step in zip(micro_batches, hidden, steps):
@@ -508,9 +524,11 @@ class StreamingExecutor:
             routers = {i: [t.detach().requires_grad_(True) for t in step.router_logits.get(i, [])] for i in range(count)}
             leaves = tuple(t for i in range(count) for t in routers[i]) if step.router else None
             with self._switched(TrunkState(Phase.HEAD, hidden=leaf, router_logits=leaves)):
-                loss = model_call(**batch).loss
-            with outside_autocast(leaf.device):  # every backward here runs outside autocast, as HF Trainer's
-                loss.backward()
+                loss = model_call(**batch)  # with own_backward, the loss's backward ran inside
+            loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+            if not own_backward:
+                with outside_autocast(leaf.device):  # every backward here runs outside autocast, as HF Trainer's
+                    loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
             router_grads.append({i: [t.grad for t in ts] for i, ts in routers.items()})
@@ -560,12 +578,13 @@ class StreamingExecutor:
         """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
         records the layer calls; the last recorder's :class:`_CaptureDone` unwinds the model's forward, so
         no block, head or loss runs."""
-        state = TrunkState(Phase.PRELUDE, calls=[])
+        state = TrunkState(Phase.PRELUDE, calls=[], autocast=[])
         with self._switched(state), contextlib.suppress(_CaptureDone):
             model_call(**batch)
             raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
         step = self._step_of(state.calls)
         step.router = state.asked.get("router", False)
+        step.autocast = state.autocast[0] if state.autocast else None
         return step
 
     # -- carried mappings --------------------------------------------------------------------
