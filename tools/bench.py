@@ -152,7 +152,7 @@ def trainer_setup(args, device) -> TrainerSetup:
     import tempfile
 
     return TrainerSetup(device=str(device), warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
-                        batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                        batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, cuda_graphs=args.cuda_graphs,
                         output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 

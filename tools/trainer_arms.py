@@ -91,7 +91,7 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         trainer = _trainer(flow, peft_model, rows, setup, clock, tokenizer if tokenizer is not None
                            else bundled_tokenizer())
         if line == "poros":
-            handle = poros.prepare_trainer(trainer)  # the one line
+            handle = poros.prepare_trainer(trainer, cuda_graphs=setup.cuda_graphs)  # the one line
             handle.store.stats.reset()
         trainer.train()
         result.losses = [torch.tensor(loss, dtype=torch.float64) for loss in logged_losses(trainer)]

@@ -44,6 +44,7 @@ class TrainerSetup:
         lr: AdamW's learning rate.
         seed: the Trainer's ``seed`` and ``data_seed`` (the same shuffle in every arm).
         output_dir: the Trainer's ``output_dir`` (nothing is saved into it).
+        cuda_graphs: the ``-poros`` arms' ``prepare_trainer(trainer, cuda_graphs=...)``.
     """
 
     device: str
@@ -55,6 +56,7 @@ class TrainerSetup:
     lr: float
     seed: int
     output_dir: str
+    cuda_graphs: bool = False
 
     @property
     def tokens_per_step(self) -> int:
