@@ -547,8 +547,11 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     elif options.cuda_graphs is not False:
         logger.info("cuda_graphs: off on %s (CUDA graphs exist on CUDA devices only); every block runs eagerly",
                     device)
+    from poros.loading import cache
+
     executor = StreamingExecutor(causal_lm, descriptor, store, options, graphs=block_graphs,
-                                 before_forward=_runtime_gates(causal_lm, layers, placement))
+                                 before_forward=_runtime_gates(causal_lm, layers, placement),
+                                 spill_dir=cache.cache_root(options.cache_dir) / "spill")
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back

@@ -75,7 +75,7 @@ from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  #
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
 from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
-from poros.stream.stash import HostStash
+from poros.stream.stash import DiskStash, HostStash
 from poros.stream.store import BlockStore
 
 
@@ -196,11 +196,13 @@ class StreamingExecutor:
         graphs: the block phases' CUDA graphs (``graphs.BlockGraphs``); None: every block runs eagerly
             (CPU, ``cuda_graphs=False``).
         before_forward: called with the trunk's kwargs before each streamed forward (prepare's runtime gates).
+        spill_dir: ``boundary_states="disk"``: the directory the state files go under (prepare: the
+            cache's ``spill/``; None: ``$TMPDIR``).
     """
 
     def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore,
                  options: StreamOptions = StreamOptions(), *, graphs: Any = None,
-                 before_forward: Callable[[dict], None] | None = None) -> None:
+                 before_forward: Callable[[dict], None] | None = None, spill_dir: Any = None) -> None:
         self.causal_lm, self.descriptor, self.store, self.options = causal_lm, descriptor, store, options
         self.graphs, self.before_forward = graphs, before_forward
         self.trunk = resolve_path(causal_lm, descriptor.text_model)
@@ -214,12 +216,14 @@ class StreamingExecutor:
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
         self._state = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
         self._stash_stream = None  # the host stash's side stream, made once
+        self.spill_dir = spill_dir  # boundary_states="disk": where the state files go
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
         self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
 
     @property
     def boundary_states(self) -> str:
-        """Layer-major: where the M x L boundary states wait for backward, ``"device"`` or ``"host"`` (pinned)."""
+        """Layer-major: where the M x L boundary states wait for backward, ``"device"``, ``"host"`` (pinned) or
+        ``"disk"`` (files under :attr:`spill_dir`)."""
         return self.options.boundary_states or "device"
 
     # -- installing ----------------------------------------------------------------------------
@@ -440,7 +444,9 @@ class StreamingExecutor:
         semantics. Gradients accumulate into ``.grad`` exactly as ``for mb: model(**mb).loss.backward()``
         would leave them. Boundary states: the M x L block inputs stay on the device, or with
         ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
-        one block ahead of backward, on their own stream; exact copies, so bitwise the same).
+        one block ahead of backward, on their own stream; exact copies, so bitwise the same), or with
+        ``"disk"`` in files under :attr:`spill_dir` (one per state, deleted as it is read back; the
+        directory is removed after the step and when it fails).
 
         Raises:
             StreamingError: a dropout with p > 0 is active (its random draws would come in another
@@ -449,17 +455,32 @@ class StreamingExecutor:
         check_no_dropout(self.causal_lm)
         if not micro_batches:
             return []
-        count, last = len(self.layers), len(self.layers) - 1
         # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
         steps = [self._prelude(model_call, batch) for batch in micro_batches]
+        stash = self._stash()
+        try:
+            return self._layer_major(model_call, micro_batches, steps, stash)
+        finally:
+            if isinstance(stash, DiskStash):
+                stash.close()  # after the step and when it fails: no state file is left behind
+
+    def _stash(self) -> HostStash | DiskStash | None:
+        """Where this step's boundary states wait: None (the device), pinned host memory or files."""
+        if self.boundary_states not in ("host", "disk"):
+            return None
+        device = self.store.device
+        if device.type == "cuda" and self._stash_stream is None:
+            self._stash_stream = torch.cuda.Stream(device)
+        if self.boundary_states == "disk":
+            return DiskStash(device, self._stash_stream, self.spill_dir)
+        return HostStash(device, self._stash_stream)
+
+    def _layer_major(self, model_call: Callable[..., Any], micro_batches: list[dict], steps: list[_Step],
+                     stash: HostStash | DiskStash | None) -> list[torch.Tensor]:
+        """:meth:`forward_backward` after the preludes: blocks forward, heads, blocks backward, preludes' backward."""
+        count, last = len(self.layers), len(self.layers) - 1
         # 2. forward, block-major: each block fetched once for all micro-batches
         hidden = [step.calls[0].leaves[0] for step in steps]
-        stash = None
-        if self.boundary_states == "host":
-            device = self.store.device
-            if device.type == "cuda" and self._stash_stream is None:
-                self._stash_stream = torch.cuda.Stream(device)
-            stash = HostStash(device, self._stash_stream)
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
         with torch.no_grad():
             for index in range(count):

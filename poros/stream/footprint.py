@@ -229,7 +229,7 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
     slots = max(store.num_slots, 1)
     peak = predict_peak(footprint, workload, resident=resident, num_slots=slots,
                         embeddings_on_host=bool(model.host_tables),
-                        boundary_on_host=model.executor.boundary_states == "host",
+                        boundary_on_host=model.executor.boundary_states in ("host", "disk"),
                         optimizer_on_host=optimizer_states == "host",
                         lora_on_host=getattr(model, "lora_placement", None) is not None)
     step = None
