@@ -68,6 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loss-chunks", type=int, default=1, metavar="N",
                         help="both arms compute the loss over N token chunks (poros.stream.chunked_loss; bitwise "
                              "between the arms, numerically HF's default loss); 1: HF's loss")
+    parser.add_argument("--mlp-chunks", type=int, metavar="N",
+                        help="Poros arm: prepare(mlp_chunks=N), each block's MLP over N sequence chunks (default: "
+                             "prepare's, or what --vram-budget's plan picks)")
+    parser.add_argument("--boundary-states", choices=("device", "host", "disk"),
+                        help="Poros arm, layer-major: where the M x L boundary states wait (default: the planner "
+                             "decides under --vram-budget, else the device)")
+    parser.add_argument("--host-budget", metavar="SIZE",
+                        help="Poros arm: prepare(host_budget=SIZE): the blocks' host tier, and with --vram-budget "
+                             "the boundary states go to disk when it cannot hold them beside the blocks")
     parser.add_argument("--optimizer-states", default="device", choices=("device", "host"),
                         help="Poros arm: AdamW's state on the device (torch.optim.AdamW) or in pinned host memory "
                              "(poros.HostAdamW, stepped a chunk at a time); the reference keeps torch's AdamW")
@@ -159,7 +168,9 @@ def main(argv=None) -> int:
                            timeline=args.timeline, optimizer_states=args.optimizer_states,
                            capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
                            loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs, lora_placement=args.lora_placement,
-                           link_bytes_per_s=link * GB if link else None)
+                           link_bytes_per_s=link * GB if link else None,
+                           long_context={"mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states,
+                                         "host_budget": args.host_budget})
     report = {
         "tool": "tools/bench.py",
         "environment": env,
@@ -170,6 +181,7 @@ def main(argv=None) -> int:
             "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
             "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
+            "mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states, "host_budget": args.host_budget,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,

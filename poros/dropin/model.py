@@ -507,7 +507,10 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
     decided = options.replace(
         embeddings_on_host=on_host, lora_placement=lora,
         boundary_states=options.boundary_states or (budget_plan.boundary_states if budget_plan else "device"),
-        optimizer_states=resolve_optimizer_states(options.optimizer_states, planned_states))
+        optimizer_states=resolve_optimizer_states(options.optimizer_states, planned_states),
+        # the chunk counts the budget needs (never fewer than asked: plan_budget only raises them)
+        loss_chunks=budget_plan.loss_chunks if budget_plan else options.loss_chunks,
+        mlp_chunks=budget_plan.mlp_chunks if budget_plan else options.mlp_chunks)
     return decided, budget_plan, resident, num_slots
 
 

@@ -149,7 +149,10 @@ class StreamOptions:
             the plan's ``lora_placement``); ``"auto"`` without a budget is ``"device"``.
         loss_chunks: the loss over this many token chunks, each chunk's fp32 working set recomputed
             in backward (``poros.stream.chunked_loss``; ``prepare`` installs it, ``unpatch`` removes
-            it); 1: HF's own loss.
+            it); 1: HF's own loss. With ``vram_budget`` the planner may raise it (and ``mlp_chunks``)
+            when the budget cannot hold the step otherwise: the plan's ``loss_chunks``.
+        mlp_chunks: each block's MLP over this many sequence chunks in forward, recompute and backward,
+            saving only the MLP input (the tiled MLP); 1: the MLP over the whole sequence at once.
 
     Raises:
         ConfigError: a value of the wrong kind or out of range; ``resident_blocks`` with
@@ -171,6 +174,7 @@ class StreamOptions:
     cuda_graphs: bool | str = False
     lora_placement: str = "device"
     loss_chunks: int = 1
+    mlp_chunks: int = 1
 
     def __post_init__(self) -> None:
         normal = {"num_slots": 2 if self.num_slots is None else self.num_slots,
@@ -301,6 +305,9 @@ def _check_counts(options: StreamOptions) -> None:
     if not _integer(options.loss_chunks) or options.loss_chunks < 1:
         raise ConfigError(f"loss_chunks={options.loss_chunks!r}: expected an integer >= 1 (1: HF's own loss). Fix: "
                           "e.g. loss_chunks: 8.")
+    if not _integer(options.mlp_chunks) or options.mlp_chunks < 1:
+        raise ConfigError(f"mlp_chunks={options.mlp_chunks!r}: expected an integer >= 1 (1: the MLP over the whole "
+                          "sequence). Fix: e.g. mlp_chunks: 8.")
 
 
 def _check_choices(options: StreamOptions) -> None:
