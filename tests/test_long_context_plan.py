@@ -119,3 +119,26 @@ def test_chunk_choice_doubles_the_part_that_helps_most_and_stops_when_nothing_he
     # below the caps (512 tokens)
     assert not never.fits and never.raised and never.loss_chunks <= 128 and never.mlp_chunks <= 64
     assert needed(never.footprint, never.loss_chunks, 1) == 100
+
+
+def test_prepare_with_a_budget_runs_the_chunks_its_plan_picked(tmp_path):
+    """prepare(vram_budget=...) a byte below what the step needs with the chunks asked for: the plan raises
+    loss_chunks (or mlp_chunks), prepare applies them (the chunked loss installed with the plan's count), and
+    the options the executor runs with say so."""
+    import poros
+    from poros.testing import load_qlora, save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=3, num_layers=3)
+    workload = {"seq_len": 256, "batch_size": 2, "schedule": "layer-major"}
+    # AdamW's state pinned to the device: a smaller budget can only be met by chunking
+    roomy = poros.prepare(load_qlora(path, seed=3), vram_budget=10**12, workload=workload, optimizer_states="device")
+    probe = roomy.budget_plan
+    assert (probe.loss_chunks, probe.mlp_chunks) == (1, 1)
+    streamed = poros.prepare(load_qlora(path, seed=3), vram_budget=probe.minimum_bytes - 1, workload=workload,
+                             optimizer_states="device")
+    plan = streamed.budget_plan
+    assert plan.loss_chunks * plan.mlp_chunks > 1 and plan.needed_bytes < probe.minimum_bytes
+    assert (streamed.stream_options.loss_chunks, streamed.stream_options.mlp_chunks) == (plan.loss_chunks,
+                                                                                          plan.mlp_chunks)
+    if plan.loss_chunks > 1:
+        assert streamed.get_base_model().loss_function.keywords["chunks"] == plan.loss_chunks

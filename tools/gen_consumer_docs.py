@@ -301,7 +301,7 @@ def render_long_context() -> str:
         host = host_tiers.plan_host_tier(bp.block_bytes, bp.resident_blocks)
         host_gb = sum(n for _, n in host_ram_parts(bp, host, plan.footprint()))
         parts = sorted(((n, label) for label, n in (*bp.peak.persistent, *bp.peak.transient) if n), reverse=True)[:2]
-        largest = "; ".join(f"{label} {_gb(n)}" for n, label in parts)
+        largest = "; ".join(f"{label.split(' (')[0]} {_gb(n)}" for n, label in parts)
         rows.append(f"| {name} | {seq:,} | {card} GiB | yes | {bp.loss_chunks} | {bp.mlp_chunks} | "
                     f"{bp.boundary_states} ({_gb(bp.boundary_bytes)} GB) | {_gb(bp.peak.total)} ({bp.peak.phase}) | "
                     f"{largest} | {_gb(host_gb)} | pending the H200 run |")
