@@ -198,6 +198,9 @@ def main(argv=None) -> int:
         "arms": {name: result.summary(args.warmup) for name, result in outcome["arms"].items()},
         "comparison": outcome["comparison"],
     }
+    for arm in report["arms"].values():  # tokens per second over the timed steps' median
+        if arm.get("median_step_s"):
+            arm["tokens_per_s"] = round(args.batch * args.seq * args.grad_accum / arm["median_step_s"], 1)
     achieved = report["arms"].get("poros", {}).get("h2d_gb_per_s")
     if link and achieved is not None:
         report["arms"]["poros"]["h2d_fraction_of_link"] = round(achieved / link, 4)
