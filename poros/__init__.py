@@ -30,6 +30,7 @@ _LAZY = {
     "PorosTrainer": "poros.training.trainer",
     "prepare": "poros.dropin.model",
     "from_pretrained": "poros.loading.host_blocks",
+    "quantize_experts": "poros.loading.experts",
     "patch_hf_model": "poros.dropin.model",
     "registry": "poros.registry",
     "errors": "poros.errors",

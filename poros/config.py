@@ -76,6 +76,10 @@ class PorosConfig:
                                 "about 0.4 bits less per weight.")
     compute_dtype: str = _field("bfloat16", "Dtype of the computation and of every unquantized base tensor.",
                                 choices=("bfloat16", "float16", "float32"))
+    quantize_experts: bool | None = _field(None, "MoE models: pack the fused expert tensors to NF4 per expert "
+                                           "(poros.quantize_experts); null: on for MoE, printed; false: bf16 experts.")
+    output_router_logits: bool | None = _field(None, "MoE models: add the router aux loss (load_balancing_loss_func); "
+                                               "null: the model config's own.")
     # -- adapter ---------------------------------------------------------------------------------
     lora_rank: int = _field(16, "LoRA rank r.", section="LoRA adapter")
     lora_alpha: int = _field(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).")
@@ -91,7 +95,8 @@ class PorosConfig:
                           "bundled 'poros-tiny-chat'.", section="data")
     dataset_split: str = _field("train", "Split of an HF dataset (or of a local file loaded with datasets).")
     chat_template: str | None = _field(None, "Jinja chat template for conversations; null: the tokenizer's own.")
-    seq_len: int = _field(512, "Tokens per example; longer examples are truncated.")
+    seq_len: int = _field(512, "Tokens per example, up to the model's max_position_embeddings; longer examples "
+                          "are truncated to it (one WARNING says how many).")
     # -- evaluation and tracking ------------------------------------------------------------------------
     eval_dataset: str | None = _field(None, "Held-out data for eval_loss: an HF dataset id or a .jsonl/.json/.csv "
                                       "file, read like dataset; null: none (or eval_split).",
@@ -169,14 +174,11 @@ class PorosConfig:
                                  "a time; bitwise the same; layer-major only, with optimizer_states auto or host) "
                                  "or 'auto' (on the host only when vram_budget cannot hold them on the device).",
                                  choices=("auto", "device", "host"))
-    loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set "
-                              "recomputed in backward (most of the head's loss memory off the device); 1: HF's "
-                              "own loss. Above 1 a run is bitwise a resident run with the same loss_chunks, and "
-                              "only numerically HF's default loss (another summation order).")
-    mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks in forward, recompute and "
-                             "backward, saving only the MLP input (the tiled MLP: its working set / mlp_chunks); 1: "
-                             "the whole sequence at once. With vram_budget the planner may raise it, and "
-                             "loss_chunks, when the budget cannot hold the step otherwise.")
+    loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set recomputed "
+                              "in backward (most of the head's loss memory off the device); 1: HF's own loss. Above 1 "
+                              "bitwise a resident run with the same loss_chunks, numerically HF's (another sum order).")
+    mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: whole. Above "
+                             "1 bitwise a resident run with the same mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. A few "
                                             "lengths instead of many: what cuda_graphs replays (each length is "
@@ -612,8 +614,7 @@ def _example(name: str) -> str:
     default = _fields_by_name()[name].default
     examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
                 "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main", "cuda_graphs": "true",
-                "pad_to_multiple_of": "64",
-                "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
+                "pad_to_multiple_of": "64", "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
                 "eval_dataset": "data/val.jsonl", "eval_batches": "20", "report_to": "tensorboard"}
     if name in examples:
         return examples[name]
@@ -686,11 +687,8 @@ class _YamlDumper(yaml.SafeDumper):
 
 
 for _resolving in (_YamlLoader, _YamlDumper):
-    _resolving.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
+    _resolving.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 del _resolving
 
 _current = ""

@@ -21,6 +21,13 @@ SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
 KNOWN_LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
 
+#: Why a sliding-window layer's SDPA attention needs a ``seq x seq`` tensor (``seq_by_seq_masks``).
+SLIDING_WINDOW_MASK = (
+    "sliding window: transformers materialises a [batch, 1, seq, seq] bool mask once seq >= sliding_window "
+    "(SDPA has no window argument and its flash kernel takes no mask), so these layers run SDPA's "
+    "memory-efficient kernel with the mask, which SDPA also converts to a float mask of the same shape"
+)
+
 #: Norm flavours (how a norm weight is applied), documented for users and the docs table.
 NORM_STYLES = {
     "llama": "weight * x_normed.to(input_dtype) (Llama-style RMSNorm)",
@@ -109,6 +116,19 @@ class ArchitectureDescriptor:
             and MoE block (``enable_moe_block``). Code that resolves these names skips the disabled ones
             (:meth:`disabled_names`); everything not listed here must exist on every model.
 
+    Long sequences (``mlp_chunks``, the attention working set; ``poros.stream.tiling``, ``poros.stream.attention``):
+        mlp: the per-token feed-forward module of a decoder layer (layer-relative path), called as
+            ``mlp(hidden_states)`` and returning a tensor of the same leading shape; ``mlp_chunks``
+            tiles it over the sequence. ``""``: the family has none to tile.
+        mlp_untiled: ``(config attribute, reason)`` pairs: sequence-proportional parts of a block
+            beside ``mlp`` that ``mlp_chunks`` leaves whole when that attribute is truthy (e.g. MoE
+            experts that route all tokens of the block together).
+        seq_by_seq_masks: ``(layer kind, reason)`` pairs: layer kinds whose SDPA attention gets a
+            materialised ``batch x 1 x seq x seq`` mask from transformers (so never the flash kernel),
+            and why; the planner prints the reason.
+        head_dims: ``(layer kind, config attribute)`` pairs: a layer kind whose heads are not
+            ``config.head_dim`` wide (e.g. Gemma 4's full layers, ``global_head_dim``).
+
     Identity:
         name: registry name (``qwen2``); aliases: other accepted names; model_types: HF
         ``config.model_type`` values; causal_lm_classes: transformers class names.
@@ -153,6 +173,11 @@ class ArchitectureDescriptor:
     #: one of those values (e.g. MoE routing: host syncs in transformers' eager experts loop, none in
     #: its grouped_mm); ``poros.stream.graphs`` reports the reason with what was found
     graph_unsafe: tuple[tuple, ...] = ()
+    # long sequences
+    mlp: str = "mlp"
+    mlp_untiled: tuple[tuple[str, str], ...] = ()
+    seq_by_seq_masks: tuple[tuple[str, str], ...] = ()
+    head_dims: tuple[tuple[str, str], ...] = ()
     # documentation
     notes: tuple[str, ...] = ()
     config_class: str = ""
@@ -191,6 +216,12 @@ class ArchitectureDescriptor:
                 return f"{reason} ({attribute}, {other.lstrip('_')}={getattr(config, other, None)!r})"
         return None
 
+    def mlp_untiled_reason(self, config: Any) -> str | None:
+        """What in this model's blocks is sequence-proportional and not tiled by ``mlp_chunks``
+        (:attr:`mlp_untiled`), naming the attributes found (``"MoE experts ... (enable_moe_block)"``), or None."""
+        found = [f"{reason} ({attribute})" for attribute, reason in self.mlp_untiled if getattr(config, attribute, None)]
+        return "; ".join(found) or None
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``--json`` listings and docs)."""
         out: dict[str, Any] = {}
@@ -225,6 +256,17 @@ def validate(descriptor: ArchitectureDescriptor) -> list[str]:
         value = getattr(descriptor, attr)
         if not isinstance(value, str) or not value or " " in value:
             problems.append(f"{attr} must be a dotted module path, got {value!r}")
+    if not isinstance(descriptor.mlp, str) or " " in descriptor.mlp:
+        problems.append(f"mlp must be a layer-relative dotted module path or '', got {descriptor.mlp!r}")
+    for attr in ("mlp_untiled", "seq_by_seq_masks", "head_dims"):
+        value = getattr(descriptor, attr)
+        if not isinstance(value, tuple) or not all(
+                isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, str) and x for x in v) for v in value):
+            problems.append(f"{attr} must be a tuple of (string, string) pairs, got {value!r}")
+    for attr in ("seq_by_seq_masks", "head_dims"):
+        for entry in getattr(descriptor, attr) if isinstance(getattr(descriptor, attr), tuple) else ():
+            if isinstance(entry, tuple) and entry and entry[0] not in kinds_of(descriptor):
+                problems.append(f"{attr} names layer kind {entry[0]!r} that layer_kinds lacks")
     if descriptor.norm_style not in NORM_STYLES:
         problems.append(f"norm_style {descriptor.norm_style!r} is not one of {sorted(NORM_STYLES)}")
     kinds = set(descriptor.layer_kinds) if isinstance(descriptor.layer_kinds, tuple) else set()
@@ -261,6 +303,11 @@ def validate(descriptor: ArchitectureDescriptor) -> list[str]:
     if repeated:
         problems.append(f"aliases/model_types repeat {repeated}; list each name once")
     return problems
+
+
+def kinds_of(descriptor: ArchitectureDescriptor) -> set[str]:
+    """The layer kinds a descriptor declares (empty when ``layer_kinds`` is malformed)."""
+    return set(descriptor.layer_kinds) if isinstance(descriptor.layer_kinds, tuple) else set()
 
 
 def decoder_family(**kwargs: Any) -> ArchitectureDescriptor:

@@ -107,7 +107,8 @@ class RunLockedError(OutputDirError):
 
 
 class DeviceError(PorosError, RuntimeError):
-    """The requested device is not available in this install (e.g. ``--device cuda`` on a CPU-only torch)."""
+    """The requested device is not available in this install (e.g. ``--device cuda`` on a CPU-only torch), or a
+    prepared model was asked to move to another device or dtype."""
 
 
 class MissingDependencyError(PorosError, ImportError):

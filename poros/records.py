@@ -67,7 +67,7 @@ CONFIG_KEYS = {"layers": "num_hidden_layers", **{key: key for key in (
     "query_pre_attn_scalar", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
     "num_kv_shared_layers", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_experts",
     "top_k_experts", "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
-    "linear_key_head_dim", "linear_value_head_dim",
+    "linear_key_head_dim", "linear_value_head_dim", "num_experts_per_tok", "shared_expert_intermediate_size",
 )}}
 
 

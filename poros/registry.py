@@ -33,6 +33,7 @@ DEFAULT_PLUGINS = (
     "poros.families.qwen2",
     "poros.families.qwen3",
     "poros.families.qwen3_5",
+    "poros.families.qwen3_5_moe",
     "poros.families.gemma3",
     "poros.families.gemma4",
 )

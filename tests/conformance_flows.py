@@ -13,6 +13,7 @@ Every helper builds tiny real models (poros.testing) and returns what the tests 
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import peft
@@ -103,10 +104,11 @@ def trainable(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def run_trainer(model, output_dir, *, train_rows, eval_rows=None, line=None, resume_from=None, **overrides):
+def run_trainer(model, output_dir, *, train_rows, eval_rows=None, line=None, resume_from=None,
+                trainer_class=transformers.Trainer, callbacks=None, **overrides):
     """HF Trainer as a user script runs it; ``line(trainer)`` is the one added Poros line (None: plain)."""
-    trainer = transformers.Trainer(model=model, args=training_args(output_dir, **overrides), train_dataset=train_rows,
-                                   eval_dataset=eval_rows)
+    trainer = trainer_class(model=model, args=training_args(output_dir, **overrides), train_dataset=train_rows,
+                            eval_dataset=eval_rows, callbacks=callbacks)
     if line is not None:
         line(trainer)
     trainer.train(resume_from_checkpoint=resume_from)
@@ -122,13 +124,26 @@ def outcome(trainer) -> dict:
               if p in optimizer.state}
     return {"loss": [e["loss"] for e in logs if "loss" in e], "eval_loss": [e["eval_loss"] for e in logs
                                                                             if "eval_loss" in e],
+            "grad_norm": [e["grad_norm"] for e in logs if "grad_norm" in e], "logs": untimed(logs),
             "params": {name: p.detach().clone() for name, p in params.items()}, "optimizer": states,
             "trainer": trainer}
+
+
+#: log keys that time the run (the only ones two runs of the same computation may differ in)
+TIMING_KEYS = ("_runtime", "_per_second")
+
+
+def untimed(logs: list[dict]) -> list[dict]:
+    """``log_history`` without its timings: the losses, ``grad_norm``, learning rates, TRL's metrics
+    (entropy, mean token accuracy, tokens), epochs, steps, ``total_flos``."""
+    return [{k: v for k, v in entry.items() if not k.endswith(TIMING_KEYS)} for entry in logs]
 
 
 def assert_same_outcome(expected: dict, got: dict) -> None:
     assert expected["loss"] == got["loss"] and expected["loss"], (expected["loss"], got["loss"])
     assert expected["eval_loss"] == got["eval_loss"], (expected["eval_loss"], got["eval_loss"])
+    assert expected["grad_norm"] == got["grad_norm"], (expected["grad_norm"], got["grad_norm"])
+    assert expected["logs"] == got["logs"], (expected["logs"], got["logs"])
     assert expected["params"].keys() == got["params"].keys()
     for name, tensor in expected["params"].items():
         assert torch.equal(tensor, got["params"][name]), name
@@ -150,6 +165,13 @@ def assert_same_files(expected_dir: pathlib.Path, got_dir: pathlib.Path, names=(
         assert left.keys() == right.keys() and left, name
         for key in left:
             assert same_bits(left[key], right[key]), (name, key)
+
+
+def assert_same_trainer_state(expected_dir: pathlib.Path, got_dir: pathlib.Path) -> None:
+    """``trainer_state.json``: the same, but for the timings in its log history."""
+    left, right = (json.loads((pathlib.Path(d) / "trainer_state.json").read_text()) for d in (expected_dir, got_dir))
+    left["log_history"], right["log_history"] = untimed(left["log_history"]), untimed(right["log_history"])
+    assert left == right and left["log_history"], (left, right)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -196,20 +218,21 @@ def sft_dataset(seed: int):
     return Dataset.from_list([{"text": text} for text in texts(12, seed=seed)])
 
 
-def run_sft(checkpoint, output_dir, line: str | None, model=None) -> dict:
+def run_sft(checkpoint, output_dir, line: str | None, model=None, **overrides) -> dict:
     """TRL's SFT flow; ``line``: None (plain), ``"prepare_trainer"`` (after construction) or ``"callback"``
-    (PorosCallback); ``model``: the base to train (default: ``load(checkpoint)``, the recipes' QLoRA load)."""
+    (PorosCallback); ``model``: the base to train (default: ``load(checkpoint)``, the recipes' QLoRA load);
+    ``overrides``: ``SFTConfig`` fields."""
     import trl
 
     import poros
 
     model = load(checkpoint, peft_wrap=False) if model is None else model
-    args = trl.SFTConfig(
+    args = trl.SFTConfig(**{**dict(
         output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         per_device_eval_batch_size=2, learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1,
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
         seed=11, data_seed=11, disable_tqdm=True, max_length=24, packing=True, dataloader_num_workers=0,
-    )  # bf16 and gradient_checkpointing: TRL's defaults (on)
+    ), **overrides})  # bf16 and gradient_checkpointing: TRL's defaults (on)
     trainer = trl.SFTTrainer(
         model=model, args=args, train_dataset=sft_dataset(1), eval_dataset=sft_dataset(2),
         processing_class=word_tokenizer(), peft_config=lora_config(model), callbacks=[poros.PorosCallback()] if line == "callback" else None)

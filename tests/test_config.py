@@ -20,6 +20,7 @@ FIELD_NAMES = [f.name for f in dataclasses.fields(PorosConfig)]
 #: A config where every field differs from its default (and every type is exercised).
 CHANGED = dict(
     model="Qwen/Qwen2.5-7B", revision="main", quantization="fp4", double_quant=True, compute_dtype="float16",
+    quantize_experts=False, output_router_logits=True,
     lora_rank=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], use_rslora=True,
     use_dora=True, dataset="data/chat.jsonl", dataset_split="validation", chat_template="{{ messages }}",
     eval_dataset="data/val.jsonl", eval_dataset_split="test", eval_steps=20, eval_batches=8,
@@ -28,7 +29,7 @@ CHANGED = dict(
     max_grad_norm=None, seed=7, logging_steps=1, save_steps=25, save_total_limit=2, output_dir="runs/a",
     resume_from="auto", overwrite=True, device="cuda:1", num_slots=3, deterministic=False, require="bitwise",
     attn_implementation="eager", embeddings_on_host=False, vram_budget="7GiB", stream_schedule="micro-major",
-    optimizer_states="host", lora_placement="device", loss_chunks=4, mlp_chunks=2, cuda_graphs="auto", pad_to_multiple_of=64,
+    optimizer_states="host", lora_placement="device", loss_chunks=4, mlp_chunks=4, cuda_graphs="auto", pad_to_multiple_of=64,
     host_tier="disk", host_budget="24GiB", read_ahead=4, cache_dir="/data/poros-cache", no_cache=True,
     epochs=2.5, cpu_threads=3,
 )

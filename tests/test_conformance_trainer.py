@@ -4,11 +4,14 @@ with ``torch.equal``."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import poros
 from conformance_flows import (
@@ -16,6 +19,7 @@ from conformance_flows import (
     FAMILY_VARIANTS,
     assert_same_files,
     assert_same_outcome,
+    assert_same_trainer_state,
     load,
     rows,
     run_trainer,
@@ -91,14 +95,16 @@ def test_checkpoint_save_and_resume_is_bitwise(family, variant, tmp_path):
 
 
 def test_modules_to_save_is_bitwise(tmp_path):
-    """``LoraConfig(modules_to_save=["lm_head", "embed_tokens"])``: full copies trained next to the adapters."""
+    """``LoraConfig(modules_to_save=["lm_head", "embed_tokens"])``: full copies trained next to the adapters, their
+    gradients accumulated over layer-major windows of 2 micro-batches."""
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=7, tie_word_embeddings=False)
-    flow = dict(train_rows=rows(4, 29), save_strategy="steps", save_steps=2)
+    flow = dict(train_rows=rows(8, 29), save_strategy="steps", save_steps=2, gradient_accumulation_steps=2)
     options = dict(modules_to_save=["lm_head", "embed_tokens"])
     plain = run_trainer(load(checkpoint, **options), tmp_path / "plain", **flow)
     streamed = run_trainer(load(checkpoint, **options), tmp_path / "poros", line=poros.prepare_trainer, **flow)
     assert any("modules_to_save" in name for name in plain["params"])
     assert_same_outcome(plain, streamed)
+    assert _windows(streamed) == 2
     assert_same_files(tmp_path / "plain" / "checkpoint-2", tmp_path / "poros" / "checkpoint-2")
 
 
@@ -182,3 +188,183 @@ def test_torch_compile_is_refused_with_the_workaround(tmp_path):
     with pytest.raises(errors.TorchCompileError, match="torch_compile=True.*torch_compile=False"):
         poros.prepare_trainer(trainer)
     assert not isinstance(trainer.model, poros.PorosModel)  # refused before any weight moved
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient accumulation, layer-major: prepare_trainer / PorosCallback drive each window as one forward_backward
+# ---------------------------------------------------------------------------------------------
+def _windows(run) -> int:
+    """How many accumulation windows the run's trainer ran layer-major."""
+    return run["trainer"]._poros_window.windows_run
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("family", "variant"), FAMILY_VARIANTS, ids=FAMILY_IDS)
+def test_accumulation_windows_run_layer_major_and_bitwise(family, variant, bf16, tmp_path):
+    """Two epochs of 5 micro-batches with ``gradient_accumulation_steps=3``: each epoch ends mid-window (windows
+    of 3 and 2), eval and checkpoint saves between steps; losses, grad_norm, eval losses, LoRA and AdamW tensors
+    and the saved files are the plain run's bits, and every window ran layer-major."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
+    flow = dict(train_rows=rows(10, 29), eval_rows=rows(2, 29, seed=100), gradient_accumulation_steps=3,
+                max_steps=-1, num_train_epochs=2, bf16=bf16, eval_strategy="steps", eval_steps=2,
+                save_strategy="steps", save_steps=2)
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", **flow)
+    streamed = run_trainer(load(checkpoint), tmp_path / "poros", line=poros.prepare_trainer, **flow)
+    assert len(plain["loss"]) == 4 and len(plain["eval_loss"]) == 2 and len(plain["grad_norm"]) == 4
+    assert_same_outcome(plain, streamed)
+    assert _windows(streamed) == 4 and streamed["trainer"]._poros_window.reason is None
+    for step in ("checkpoint-2", "checkpoint-4"):
+        assert_same_files(tmp_path / "plain" / step, tmp_path / "poros" / step,
+                          ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt"))
+        assert_same_trainer_state(tmp_path / "plain" / step, tmp_path / "poros" / step)
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b")], ids=["qwen3", "gemma4"])
+def test_accumulation_fetches_each_block_twice_per_optimizer_step(family, variant, tmp_path):
+    """Layer-major: each streamed block crosses to the device once per direction per optimizer step (the last
+    block once: backward starts with it), where the micro-major fallback fetches it per micro-batch."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
+    steps, micro = 2, 4
+    flow = dict(train_rows=rows(2 * steps * micro, 29), gradient_accumulation_steps=micro, max_steps=steps)
+    fetches = {}
+    for arm, dropout in (("layer-major", 0.0), ("micro-major", 0.1)):
+        run = run_trainer(load(checkpoint, dropout=dropout), tmp_path / arm, line=poros.prepare_trainer, **flow)
+        fetches[arm] = run["trainer"].model.store.stats.fetches
+        assert _windows(run) == (steps if arm == "layer-major" else 0)
+    blocks = len(fetches["layer-major"])
+    assert fetches["layer-major"] == [2 * steps] * (blocks - 1) + [steps]
+    assert fetches["micro-major"] == [2 * steps * micro] * (blocks - 1) + [steps * micro]
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b")], ids=["qwen3", "gemma4"])
+def test_accumulation_save_and_resume_is_bitwise(family, variant, tmp_path):
+    """``gradient_accumulation_steps=2`` over 5 micro-batches an epoch (the third window one micro-batch), bf16,
+    double quant: the checkpoints are the plain run's files, and resuming mid-epoch continues bitwise."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
+    flow = dict(train_rows=rows(10, 29), gradient_accumulation_steps=2, max_steps=-1, num_train_epochs=2,
+                save_strategy="steps", save_steps=2, bf16=True)
+    outcomes = {}
+    for arm, line in (("plain", None), ("poros", poros.prepare_trainer)):
+        first = run_trainer(load(checkpoint, double_quant=True), tmp_path / arm, line=line, **flow)
+        outcomes[arm] = run_trainer(load(checkpoint, double_quant=True), tmp_path / f"{arm}-resumed", line=line,
+                                    resume_from=str(tmp_path / arm / "checkpoint-2"), **flow)
+        if line is not None:
+            assert _windows(first) == 4 and _windows(outcomes[arm]) == 2  # windows of one micro-batch: micro-major
+    for step in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
+        assert_same_files(tmp_path / "plain" / step, tmp_path / "poros" / step,
+                          ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt"))
+        assert_same_trainer_state(tmp_path / "plain" / step, tmp_path / "poros" / step)
+    assert len(outcomes["plain"]["loss"]) == 6  # steps 1-2 from the checkpoint's history, 3-6 trained
+    assert_same_outcome(outcomes["plain"], outcomes["poros"])
+    assert_same_files(tmp_path / "plain-resumed" / "checkpoint-6", tmp_path / "poros-resumed" / "checkpoint-6",
+                      ("adapter_model.safetensors", "optimizer.pt"))
+
+
+class _OwnLossTrainer(transformers.Trainer):
+    """A user's subclass with its own ``compute_loss`` (here the Trainer's, rescaled): Poros cannot know it is
+    safe to run twice per micro-batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss * 0.5
+
+
+def _patched_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    return _TRAINER_COMPUTE_LOSS(self, model, inputs, return_outputs, num_items_in_batch)
+
+
+_TRAINER_COMPUTE_LOSS = transformers.Trainer.compute_loss
+
+
+@pytest.mark.parametrize("case", ["dropout", "custom compute_loss", "patched compute_loss", "callback on_substep_end"])
+def test_fallback_is_micro_major_bitwise_and_said_once(case, tmp_path, caplog, monkeypatch):
+    """Where a window cannot be driven layer-major, the Trainer runs it (micro-major, bitwise) and one warning on
+    the ``poros`` logger names the reason, however many windows follow."""
+    if case == "patched compute_loss":  # as a library patching the Trainer class would (both arms)
+        monkeypatch.setattr(transformers.Trainer, "compute_loss", _patched_compute_loss)
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    options = dict(dropout=0.1) if case == "dropout" else {}
+    flow = dict(train_rows=rows(12, 29), gradient_accumulation_steps=2, max_steps=3,
+                trainer_class=_OwnLossTrainer if case == "custom compute_loss" else transformers.Trainer,
+                callbacks=[_SubstepCallback()] if case == "callback on_substep_end" else None)
+    plain = run_trainer(load(checkpoint, **options), tmp_path / "plain", **flow)
+    with caplog.at_level(logging.WARNING, logger="poros"):
+        streamed = run_trainer(load(checkpoint, **options), tmp_path / "poros", line=poros.prepare_trainer, **flow)
+    said = [r.getMessage() for r in caplog.records if "micro-major" in r.getMessage()]
+    expected = {"dropout": "dropout is active", "custom compute_loss": "_OwnLossTrainer.compute_loss",
+                "patched compute_loss": "Trainer.compute_loss is patched",
+                "callback on_substep_end": "_SubstepCallback.on_substep_end"}[case]
+    assert len(said) == 1 and expected in said[0], said
+    assert _windows(streamed) == 0
+    assert_same_outcome(plain, streamed)
+
+
+class _SubstepCallback(transformers.TrainerCallback):
+    def on_substep_end(self, args, state, control, **kwargs):
+        return control
+
+
+class _Recorder(transformers.TrainerCallback):
+    """What a user's callback sees: each event with the step, and at ``on_pre_optimizer_step`` the gradients."""
+
+    def __init__(self):
+        self.events, self.grads = [], []
+
+    def _note(self, name, state):
+        self.events.append((name, state.global_step))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._note("step_begin", state)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self._note("pre_optimizer_step", state)
+        self.grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._note("step_end", state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("log", state.global_step, tuple(sorted(k for k in logs if not k.endswith("runtime")
+                                                                  and not k.endswith("per_second")))))
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._note("evaluate", state)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._note("save", state)
+
+
+def test_callback_drives_the_windows_of_its_trainer(tmp_path):
+    """``callbacks=[poros.PorosCallback()]``: the callback finds the trainer it belongs to and drives its windows
+    as prepare_trainer does; a user's callback sees the same events, steps and gradients as in the plain run."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=7)
+    flow = dict(train_rows=rows(8, 29), eval_rows=rows(2, 29, seed=100), gradient_accumulation_steps=2, max_steps=2,
+                bf16=True, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1)
+    seen = {"plain": _Recorder(), "poros": _Recorder()}
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", callbacks=[seen["plain"]], **flow)
+    streamed = run_trainer(load(checkpoint), tmp_path / "poros", callbacks=[poros.PorosCallback(), seen["poros"]],
+                           **flow)
+    assert isinstance(streamed["trainer"].model, poros.PorosModel) and _windows(streamed) == 2
+    assert_same_outcome(plain, streamed)
+    assert seen["plain"].events == seen["poros"].events and ("evaluate", 1) in seen["plain"].events
+    assert len(seen["poros"].grads) == 2
+    for expected, got in zip(seen["plain"].grads, seen["poros"].grads):
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(accumulation=st.integers(1, 4), micro_batches=st.integers(2, 7), batch=st.integers(1, 2),
+       seq=st.integers(9, 33), bf16=st.booleans())
+def test_drawn_accumulation_windows_are_bitwise(accumulation, micro_batches, batch, seq, bf16, tmp_path_factory):
+    """Hypothesis draws the accumulation, the epoch's micro-batches (so where it ends mid-window), the batch
+    and sequence sizes and bf16; one epoch with the line is the plain run's bits."""
+    root = tmp_path_factory.mktemp("drawn")
+    checkpoint = save_tiny_checkpoint(root / "ckpt", "qwen2", seed=7)
+    flow = dict(train_rows=rows(micro_batches * batch, seq), per_device_train_batch_size=batch,
+                gradient_accumulation_steps=accumulation, max_steps=-1, num_train_epochs=1, bf16=bf16)
+    plain = run_trainer(load(checkpoint), root / "plain", **flow)
+    streamed = run_trainer(load(checkpoint), root / "poros", line=poros.prepare_trainer, **flow)
+    assert_same_outcome(plain, streamed)
+    full, rest = divmod(micro_batches, accumulation)
+    assert _windows(streamed) == (full if accumulation > 1 else 0) + (rest > 1)

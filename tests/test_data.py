@@ -398,13 +398,19 @@ def test_local_files_with_a_byte_order_mark(tmp_path):
 
 
 
-def test_truncation_keeps_the_start_and_counts(tokenizer):
+def test_truncation_keeps_the_start_and_counts(tokenizer, caplog):
     long_answer = "The capital of France is Paris. " * 20
     records = [{"messages": [{"role": "user", "content": "Tell me about Paris."},
                              {"role": "assistant", "content": long_answer}]},
                {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
-    full = tokenize_records(records, tokenizer, seq_len=4096).examples[0]
-    data = tokenize_records(records, tokenizer, seq_len=40)
+    with caplog.at_level("WARNING", logger="poros.data"):
+        full = tokenize_records(records, tokenizer, seq_len=4096).examples[0]
+        assert not [r for r in caplog.records if "truncated" in r.getMessage()]  # nothing cut: nothing said
+        data = tokenize_records(records, tokenizer, seq_len=40)
+    said = [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()]
+    assert said == [f"poros: truncated 1 of 2 examples to seq_len=40 tokens (each keeps its first 40; the longest "
+                    f"has {len(full['input_ids'])}). Fix: raise seq_len (up to the model's max_position_embeddings) "
+                    "to train them whole"]  # one WARNING for the dataset, with the counts
     assert data.num_truncated == 1 and data.num_dropped == 0
     assert data.examples[0] == {"input_ids": full["input_ids"][:40], "labels": full["labels"][:40]}
     [run] = labelled_runs(tokenizer, data.examples[0])

@@ -51,7 +51,7 @@ class ReplayedOnCPU(BlockGraphs):
         self.running = index
         return super().backward(index, *args, **kwargs)
 
-    def _record(self, index, body):
+    def _record(self, index, body, autocast=None):
         outputs = body(index)
         _poison(outputs)
 

@@ -65,7 +65,7 @@ def test_poros_and_the_cli_run_without_the_ml_stack(child_env):
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     outcome = json.loads(line.removeprefix("RESULT "))
-    assert outcome["families"] == ["qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4"]
+    assert outcome["families"] == ["qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"]
     assert len(outcome["statuses"]) == 12
     assert all(status == 0 for status in outcome["statuses"].values()), outcome["statuses"]
     assert outcome["foreign"] == [], f"imported beyond stdlib + core deps: {outcome['foreign']}"

@@ -159,3 +159,32 @@ def test_gate_not_a_causal_lm(checkpoint):
     trunk = transformers.AutoModel.from_pretrained(checkpoint, dtype=torch.bfloat16)
     with pytest.raises(errors.UnsupportedModelError, match="Qwen3Model.*AutoModelForCausalLM"):
         poros.prepare(trunk)
+
+
+def test_to_the_compute_device_keeps_the_streamed_placement(checkpoint, monkeypatch, tmp_path):
+    """HF Trainer / accelerate call ``model.to(args.device)`` on a model without ``hf_device_map`` (one
+    loaded through poros.from_pretrained has none): on CUDA ``nn.Module.to`` brought the host-kept
+    embedding table back to the card and the first lookup failed. A prepared model's ``to`` on its
+    compute device moves nothing; another device or a dtype is refused by name."""
+    import transformers
+
+    from poros.testing.models import Rows
+
+    model = poros.prepare(load_qlora(checkpoint, seed=3), embeddings_on_host=True)
+    applied = []
+    original = torch.nn.Module._apply
+    monkeypatch.setattr(torch.nn.Module, "_apply", lambda self, fn, *a, **k: applied.append(self) or original(
+        self, fn, *a, **k))
+    assert model.to("cpu") is model and model.to(torch.device("cpu")) is model and model.cpu() is model
+    assert model.to(device="cpu", non_blocking=True) is model
+    for asked in [("meta",), (torch.bfloat16,), ("cpu", torch.float32)]:
+        with pytest.raises(errors.DeviceError, match=r"computes on cpu.*unpatch\(\) first"):
+            model.to(*asked)
+    ids = torch.randint(0, model.config.vocab_size, (4, 16))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args,
+                                   train_dataset=Rows([{"input_ids": i, "labels": i.clone()} for i in ids]))
+    trainer.train()
+    assert applied == [] and model.host_tables and all(
+        t.module.weight.device.type == "cpu" for t in model.host_tables)

@@ -97,6 +97,38 @@ def test_training_from_it_is_bitwise_resident_and_the_bf16_source(family, tmp_pa
         assert_bitwise_training(reference, streamed, expected, losses, expected_optimizer, optimizer)
 
 
+def poros_train(model: pathlib.Path, output_dir: pathlib.Path, *options: str) -> dict:
+    """``poros train`` (the CLI, in this process) for 2 steps; its losses, adapter and AdamW state."""
+    from poros.cli.main import main
+
+    assert main(["train", "--model", str(model), "--device", "cpu", "--dataset", "synthetic", "--steps", "2",
+                 "--seq-len", "16", "--batch-size", "2", "--lora-rank", "4", "--no-cache", "true", "--save-steps", "2",
+                 "--logging-steps", "1", "--output-dir", str(output_dir), *options]) == 0
+    checkpoint = output_dir / "checkpoint-2"
+    return {"losses": json.loads((checkpoint / "trainer_state.json").read_text())["losses"],
+            "adapter": load_file(output_dir / "adapter_model.safetensors"),
+            "optimizer": torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]}
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "single-quant"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_poros_train_on_a_save_pretrained_export_is_its_bf16_source(family, double_quant, tmp_path, capsys):
+    """The acceptance test: transformers' own save_pretrained of an NF4 load, double quant on and off, trained
+    with ``poros train`` is bitwise ``poros train`` on the bf16 source quantized the same way (every loss, every
+    LoRA tensor, every AdamW state tensor)."""
+    source, checkpoint = bnb_checkpoint(tmp_path, family, seed=19, config=bnb_config(double_quant=double_quant))
+    expected = poros_train(source, tmp_path / "from-bf16", "--double-quant", str(double_quant).lower())
+    capsys.readouterr()
+    got = poros_train(checkpoint, tmp_path / "from-bnb")
+    assert f"base pre-quantized (nf4{', double quant' if double_quant else ''})" in capsys.readouterr().out
+    assert len(got["losses"]) == 2 and got["losses"] == expected["losses"]
+    assert_same_state(got["adapter"], expected["adapter"])
+    assert sorted(got["optimizer"]) == sorted(expected["optimizer"])
+    for index, state in got["optimizer"].items():
+        assert sorted(state) == sorted(expected["optimizer"][index])
+        assert all(same_bits(value, expected["optimizer"][index][name]) for name, value in state.items()), index
+
+
 def test_skipped_modules_stay_bf16_and_train_bitwise(tmp_path):
     """Unsloth's "dynamic" repos keep some block linears unquantized (``llm_int8_skip_modules``)."""
     config = bnb_config(llm_int8_skip_modules=["lm_head", "model.layers.0.mlp.down_proj", "self_attn.o_proj"])
@@ -222,6 +254,28 @@ def test_another_quantization_method_is_refused(tmp_path):
     assert_one_line_error(checkpoint, "quant_method='gptq'")
 
 
+def test_poros_train_names_a_missing_quant_state_in_one_line(tmp_path, capsys):
+    """The CLI's exit 1 with the loader's one line (nothing read or trained), for the three refusals."""
+    from poros.cli.main import main
+
+    _, checkpoint = bnb_checkpoint(tmp_path, seed=20)
+    removed = edit_shards(checkpoint, lambda key: key == "model.layers.0.self_attn.k_proj.weight.quant_state."
+                                                        "bitsandbytes__nf4")
+    capsys.readouterr()
+    arguments = ["--device", "cpu", "--dataset", "synthetic", "--steps", "1", "--output-dir", str(tmp_path / "run")]
+    assert main(["train", "--model", str(checkpoint), *arguments]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and removed in error and "missing" in error
+    edit_config(checkpoint, bnb_4bit_quant_type="int4")
+    assert main(["train", "--model", str(checkpoint), *arguments]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "bnb_4bit_quant_type='int4'" in error
+    edit_config(checkpoint, load_in_4bit=False, _load_in_4bit=False, load_in_8bit=True, _load_in_8bit=True)
+    assert main(["train", "--model", str(checkpoint), *arguments]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "8-bit" in error
+
+
 # -- poros.from_pretrained: the plain script, every block on the host as it loads -------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_drop_in_from_poros_from_pretrained_is_the_plain_script(family, tmp_path):
@@ -294,18 +348,37 @@ def test_releasing_the_loads_segment_keeps_every_value_and_parameter(tmp_path):
 
 
 def test_the_gpu_measurement_tool_dry_runs_on_the_cpu(tmp_path, repo_root, child_env):
-    """``tools/prequant_bench.py`` at the tiny shape: ``poros quantize``, then the drop-in through
-    ``poros.from_pretrained`` and HF Trainer, and the plain load then prepare, each in its own process."""
+    """``tools/prequant_bench.py`` at the tiny shape, every arm as the full-depth H200 steps run them:
+    ``poros quantize --random-weights`` from the shape's config.json, the pre-quantized start, the drop-in
+    through ``poros.from_pretrained`` and HF Trainer, the plain load then prepare, and ``poros train``."""
     import subprocess
     import sys
 
     report_file = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "tools.prequant_bench", "--model", "tiny", "--layers", "2", "--device",
-                    "cpu", "--seq", "16", "--grad-accum", "1", "--steps", "1", "--threads", "1", "--arms",
-                    "quantize,dropin,stranded", "--dir", str(tmp_path / "work"), "--json", str(report_file)],
-                   check=True, cwd=repo_root, env=child_env(), capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "tools.prequant_bench", "--model", "tiny", "--layers", "2", "--device",
+                           "cpu", "--seq", "16", "--grad-accum", "1", "--steps", "1", "--threads", "1", "--source",
+                           "random", "--arms", "quantize,starts,dropin,stranded,train", "--starts", "prequantized",
+                           "--optimizer-states", "host", "--loss-chunks", "2", "--vram-budget", "2GiB",
+                           "--train-steps", "2", "--dir", str(tmp_path / "work"), "--json", str(report_file)],
+                          cwd=repo_root, env=child_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_file.read_text())
-    assert report["quantize"]["double_quant"] and report["quantize"]["blocks"] == 2
+    assert report["quantize"]["random_seed"] == 0 and report["quantize"]["double_quant"]
+    assert report["quantize"]["blocks"] == 2 and report["quantize"]["peak_rss_bytes"] > 0
+    assert not (tmp_path / "work" / "checkpoint").exists()  # no bf16 anywhere
+    assert "pre-quantized (nf4, double quant)" in report["starts"]["prequantized"]["detection"]
     assert report["dropin"]["fits"] and len(report["dropin"]["losses"]) == 1
+    assert report["dropin"]["optimizer_states"] == "host" and report["dropin"]["prepare_options"]["loss_chunks"] == 2
     assert "pre-quantized (nf4, double quant)" in report["dropin"]["detection"]
     assert report["stranded"]["slot_bytes"] > 0
+    train = report["train"]
+    assert train["returncode"] == 0 and len(train["step_s"]) == 2 and len(train["launch_to_step_lines_s"]) == 2
+    assert "base pre-quantized (nf4, double quant)" in train["detection"]
+
+
+def test_the_gpu_measurement_tool_refuses_a_bf16_start_without_a_bf16_source(tmp_path):
+    from tools import prequant_bench
+
+    with pytest.raises(SystemExit, match="--starts prequantized,prequantized_warm"):
+        prequant_bench.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--source", "random", "--arms",
+                             "starts", "--dir", str(tmp_path)])

@@ -157,3 +157,84 @@ def test_the_cli_writes_it_and_refuses_what_it_cannot(tmp_path, capsys):
     assert main(["quantize", str(source), str(out), "--device", "cpu", "--overwrite", "--quantization", "fp4"]) == 0
     assert json.loads((out / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] == "fp4"
     assert not list(tmp_path.glob(".out.partial-*"))  # the staging directory is gone
+
+
+# -- --random-weights: a benchmarking aid, from a config alone ---------------------------------------------------
+def config_only(directory: pathlib.Path, family: str, **tiny) -> pathlib.Path:
+    """A directory holding nothing but ``config.json`` (what a benchmark of a model too big for the disk has)."""
+    from poros.testing import tiny_config
+
+    tiny_config(family, **tiny).save_pretrained(directory)
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json"]
+    return directory
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_weights_are_the_random_bf16_model_quantized(family, tmp_path):
+    """The streamed writer's output is what ``quantize_checkpoint`` writes for the bf16 model the same seeds
+    make (keys, dtypes, bytes, config.json), and stock transformers loads it with nothing left to initialise."""
+    from poros.loading.random_weights import model_config_of, random_checkpoint, random_model
+
+    config = config_only(tmp_path / "config", family)
+    result = random_checkpoint(config, tmp_path / "random", seed=7, double_quant=True, device="cpu",
+                               max_shard_size=20_000)
+    assert result.random_seed == 7 and result.shards > 1 and "random weights (seed 7)" in result.summary()
+    random_model(model_config_of(config)[0], seed=7).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "reference", double_quant=True, device="cpu")
+    assert_same_checkpoint(tmp_path / "random", tmp_path / "reference")
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "random", device_map={"": "cpu"}, dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def test_random_weights_load_and_train_in_poros_from_the_cli(tmp_path, capsys):
+    import poros
+    from poros.testing import train_adamw
+
+    config = config_only(tmp_path / "config", "qwen3", num_layers=3)
+    capsys.readouterr()
+    assert main(["quantize", str(config / "config.json"), str(tmp_path / "out"), "--random-weights", "--seed", "2",
+                 "--double-quant", "--device", "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["random_seed"] == 2 and result["blocks"] == 3 and result["most_blocks_held"] == 1
+    loaded = load_pretrained(tmp_path / "out", device="cpu", load_tokenizer=False, _blocks_to_host_on_cpu=True)
+    assert loaded.info.prequantized.describe() == "pre-quantized (nf4, double quant)"
+    import peft
+
+    model = peft.get_peft_model(keep_cpu_layout(loaded.model), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    streamed = poros.prepare(model)
+    losses, _ = train_adamw(streamed, streamed.trainable_parameters(), [make_batch(1, 2, 9, "left")])
+    assert torch.isfinite(torch.tensor(losses)).all()
+    assert main(["quantize", str(config), str(tmp_path / "other"), "--random-weights", "--seed", "3", "--device", "cpu",
+                 "--json"]) == 0
+    other = tensors_of(tmp_path / "other")["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.equal(other, tensors_of(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"])  # the seed
+
+
+def test_random_weights_hold_one_block_at_a_time(tmp_path, monkeypatch):
+    """Every block is serialized while it is the only one with values (the others are meta tensors)."""
+    from poros.loading import random_weights
+
+    held = []
+    serialize = random_weights.serialize_modules
+
+    def counting(model, modules):
+        held.append(sum(any(t.device.type != "meta" for t in [*layer.parameters(), *layer.buffers()])
+                        for layer in model.model.layers))
+        return serialize(model, modules)
+
+    monkeypatch.setattr(random_weights, "serialize_modules", counting)
+    result = random_weights.random_checkpoint(config_only(tmp_path / "config", "qwen2", num_layers=5),
+                                              tmp_path / "out", device="cpu")
+    assert result.blocks == 5 and held == [1, 1, 1, 1, 1, 0]  # five blocks, then the modules outside them
+
+
+def test_random_weights_take_a_known_model_name_offline_and_refuse_an_unknown_one(tmp_path):
+    from poros.errors import CheckpointLoadError
+    from poros.loading.random_weights import model_config_of
+
+    config, directory = model_config_of("Qwen/Qwen2.5-72B")  # the registry's record: no download, no file
+    assert directory is None and config.num_hidden_layers == 80 and config.hidden_size == 8192
+    with pytest.raises(CheckpointLoadError, match="hf download nobody/nothing config.json") as error:
+        model_config_of("nobody/nothing")
+    assert "\n" not in str(error.value)

@@ -23,6 +23,7 @@ from poros.data import BatchIterator, load_dataset
 from poros.errors import OutputDirError
 from poros.testing import TINY_VARIANTS, all_linear_targets, save_tiny_checkpoint
 from poros.stream.chunked_loss import use_chunked_loss
+from poros.stream.tiling import tile_mlp
 from poros.training.trainer import METRIC_FIELDS, PorosTrainer
 
 LORA = {"lora_rank": 4, "lora_alpha": 8}
@@ -134,16 +135,17 @@ def test_saved_adapter_loads_in_stock_peft_with_equal_logits(family, tmp_path, t
 # ---------------------------------------------------------------------------------------------
 # Parity: PorosTrainer == a plain HF + bitsandbytes + PEFT loop, grad_accum 2, padded batches
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("loss_chunks", "states_on"), [(1, "device"), (3, "host")],
-                         ids=["hf-loss", "chunked-loss-host-adamw"])
+@pytest.mark.parametrize(("loss_chunks", "states_on", "mlp_chunks"), [(1, "device", 1), (3, "host", 1), (2, "device", 3)],
+                         ids=["hf-loss", "chunked-loss-host-adamw", "tiled-mlp"])
 def test_training_is_bitwise_a_plain_peft_loop(qwen3_checkpoint, tokenizer, chat_file, tmp_path, loss_chunks,
-                                               states_on):
+                                               states_on, mlp_chunks):
     """loss_chunks > 1: the reference loop uses the same chunked loss (bitwise only against that);
-    optimizer_states='host': the reference keeps torch's AdamW on the device."""
+    optimizer_states='host': the reference keeps torch's AdamW on the device; mlp_chunks > 1: the reference
+    runs the same tiled MLP (poros.stream.tiling.tile_mlp)."""
     settings = dict(steps=2, seq_len=SEQ_LEN, batch_size=2, grad_accum=2, lr=2e-2, schedule="linear", warmup=0,
                     weight_decay=0.01, max_grad_norm=0.5, seed=11, optimizer_states=states_on)
     trainer = PorosTrainer.from_pretrained(qwen3_checkpoint, **LORA, seed=11, output_dir=str(tmp_path / "out"),
-                                           loss_chunks=loss_chunks)
+                                           loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
     result = trainer.train(chat_file, **settings)
     assert (type(trainer.optimizer).__name__ == "HostAdamW") == (states_on == "host")
     # layer-major accumulation: block 0 crossed the link once per direction per step, not once per micro-batch
@@ -156,6 +158,7 @@ def test_training_is_bitwise_a_plain_peft_loop(qwen3_checkpoint, tokenizer, chat
     torch.manual_seed(11)
     reference = peft.get_peft_model(model, lora_config)
     use_chunked_loss(reference, loss_chunks)
+    tile_mlp(reference, mlp_chunks)
     reference.train()
     parameters = list(adapters(reference).values())
     optimizer = torch.optim.AdamW(parameters, lr=2e-2, weight_decay=0.01)

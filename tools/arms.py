@@ -21,6 +21,7 @@ steps and the planner's prediction for the setup ``prepare`` made. GB = 1e9 byte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -104,15 +105,19 @@ def _steps(batches: list[dict], grad_accum: int) -> list[list[dict]]:
 def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch.device, warmup: int, lr: float,
             vram_limit_gb: float | None = None, on_timed_start=None, grad_accum: int = 1,
             forward_backward=None, profile: bool = False, timed_stats=None, step_hooks=None,
-            optimizer_states: str = "device", placement=None) -> ArmResult:
+            optimizer_states: str = "device", placement=None, autocast=None) -> ArmResult:
     """AdamW steps of ``call`` over ``batches`` in groups of ``grad_accum`` micro-batches (the first
     ``warmup`` steps untimed); peak memory over the steps. ``forward_backward(micro_batches)``, when
     given, runs a step's forwards and backwards (Poros layer-major) instead of one call per micro-batch.
     ``step_hooks``: ``(begin, end)`` called with the step index around each step, outside its timing.
     ``optimizer_states="host"``: ``poros.HostAdamW`` (the state in pinned host memory) instead of
     ``torch.optim.AdamW``; ``placement``: the model's ``LoraPlacement`` (``lora_placement="host"``), which
-    HostAdamW steps with the LoRA tensors."""
+    HostAdamW steps with the LoRA tensors. ``autocast``: a context factory entered around each micro-batch's
+    forward (its backward outside, as HF Trainer's ``bf16=True`` does) or around a layer-major
+    ``forward_backward``; each entry is a region of its own, so torch's cast cache never outlives a step."""
     from poros.stream.host_optimizer import adamw
+
+    mixed = autocast or contextlib.nullcontext
 
     result = ArmResult(name)
     params = [p for _, p in named_params]
@@ -132,11 +137,13 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
             items = torch.tensor(sum(int((b["labels"][..., 1:] != -100).sum()) for b in group), device=device)
             group = [{**b, "num_items_in_batch": items} for b in group]
         if forward_backward is not None:  # layer-major: the executor drives all micro-batches
-            losses = forward_backward(group)
+            with mixed():
+                losses = forward_backward(group)
         else:
             losses = []
             for batch in group:
-                output = call(**batch, use_cache=False)
+                with mixed():
+                    output = call(**batch, use_cache=False)
                 output.loss.backward()
                 losses.append(output.loss.detach())
                 del output
@@ -213,14 +220,17 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                  optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
                  loss_chunks: int = 1, cuda_graphs: bool = False, lora_placement: str = "device",
-                 long_context: dict[str, Any] | None = None) -> dict[str, Any]:
+                 autocast=None, mlp_chunks: int = 1, boundary_states: str | None = None,
+                 host_budget: str | None = None) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
-    ``long_context``: the Poros arm's ``mlp_chunks``, ``boundary_states`` and ``host_budget`` (prepare's
-    options of the same names; None or missing: prepare's defaults).
+    ``mlp_chunks`` > 1: every arm runs the tiled MLP (``poros.stream.tiling.tile_mlp`` on the model,
+    ``prepare(mlp_chunks=...)`` for the Poros arms), so the parity check compares like with like.
+    ``boundary_states`` and ``host_budget``: the Poros arm's prepare options of those names.
 
     ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
-    ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all).
+    ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all). ``autocast``: every arm's
+    per-forward autocast context factory (:func:`run_arm`).
 
     ``vram_budget`` goes to ``poros.prepare`` (the planner picks slots and resident blocks); the
     poros arm records the planner's prediction for the setup prepare made (``prediction``: peak,
@@ -245,7 +255,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
         restore(named, initial)
         if name in ("resident", "control"):
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
-                                    vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile)
+                                    vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile,
+                                    autocast=autocast)
             continue
         results[name], handle = run_poros_arm(
             peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit(name),
@@ -254,11 +265,16 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             link_bytes_per_s=link_bytes_per_s, timeline=timeline,
             optimizer_states=optimizer_states if name == "poros" else "device", loss_chunks=loss_chunks,
             cuda_graphs=cuda_graphs and name == "poros",
-            lora_placement=lora_placement if name == "poros" else "device",
-            long_context=long_context if name == "poros" else None)
+            lora_placement=lora_placement if name == "poros" else "device", autocast=autocast,
+            mlp_chunks=mlp_chunks, boundary_states=boundary_states if name == "poros" else None,
+            host_budget=host_budget if name == "poros" else None)
         results[name].name = name
         if handle is not None and name != order[-1]:
             handle.unpatch()  # the next arm runs the model as it was
+            if mlp_chunks > 1:  # unpatch took the tiling away with the rest: the next arm tiles the same
+                from poros.stream.tiling import tile_mlp
+
+                tile_mlp(peft_model, mlp_chunks)
         handle = None
         free_memory(device)
     if "poros" in arms and results["poros"].status == "error" and "poros.prepare" in (results["poros"].error or ""):
@@ -271,7 +287,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                   schedule: str = "micro-major", profile: bool = False, vram_budget: str | None = None,
                   compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                   optimizer_states: str = "device", loss_chunks: int = 1, cuda_graphs: bool = False,
-                  lora_placement: str = "device", long_context: dict[str, Any] | None = None):
+                  lora_placement: str = "device", autocast=None, mlp_chunks: int = 1,
+                  boundary_states: str | None = None, host_budget: str | None = None):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -288,11 +305,12 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule,
                                 loss_chunks=loss_chunks)
     try:
-        extra = {k: v for k, v in (long_context or {}).items() if v is not None}
+        extra = {"host_budget": host_budget} if host_budget is not None else {}
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
                                  workload=workload if vram_budget is not None else None,
                                  optimizer_states=optimizer_states, cuda_graphs=cuda_graphs,
-                                 lora_placement=lora_placement, loss_chunks=loss_chunks, **extra)
+                                 lora_placement=lora_placement, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
+                                 boundary_states=boundary_states, **extra)
         # the chunk counts prepare applied (a budget plan may raise them): the prediction is for those
         workload = dataclasses.replace(workload, loss_chunks=streamed.stream_options.loss_chunks)
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
@@ -310,7 +328,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                      forward_backward=streamed.forward_backward if schedule == "layer-major" else None,
                      profile=profile, step_hooks=copies.hooks(warmup) if copies else None,
                      timed_stats=lambda: {"bytes": store.stats.bytes_copied, "fetches": sum(store.stats.fetches)},
-                     optimizer_states=optimizer_states, placement=streamed.lora_placement)
+                     optimizer_states=optimizer_states, placement=streamed.lora_placement, autocast=autocast)
     if copies is not None:
         copies.detach()
         result.extra["copy_timeline"] = copies.summary()

@@ -10,6 +10,8 @@ process, one model; prints a table and writes the JSON report.
     python -m tools.bench --model qwen2.5-32b --arms poros --vram-budget 12GiB  # planner: resident blocks
     python -m tools.bench --model qwen2.5-72b --arms resident,control,poros # + reference vs itself
     python -m tools.bench --model tiny --device cpu --steps 2 --warmup 1    # CPU smoke test
+    python -m tools.bench --model qwen2.5-32b --grad-accum 8 --deterministic \\
+        --arms trl-resident,trl-poros,unsloth                               # SFTTrainer +- the one line, Unsloth
 
 The pieces are modules of the ``tools`` package, which the other tools import too:
 
@@ -19,6 +21,10 @@ The pieces are modules of the ``tools`` package, which the other tools import to
   and the batches;
 * :mod:`tools.arms` -- the arms (``resident``, ``control``, ``poros-device``, ``poros``) on ONE
   model object from the same LoRA state, and their parity;
+* :mod:`tools.trainer_arms` -- the Trainer arms (``trl-resident``, ``trl-poros``, ``hf-resident``,
+  ``hf-poros``): TRL's ``SFTTrainer`` and HF's ``Trainer`` plain and with ``poros.prepare_trainer``;
+* :mod:`tools.unsloth_arm` -- the ``unsloth`` arm: the model saved as a bnb-4bit checkpoint, trained
+  by Unsloth's ``FastLanguageModel`` + ``SFTTrainer`` in a child process with its own packages;
 * :mod:`tools.timeline` -- ``--profile`` (one traced step) and ``--timeline`` (copy stalls);
 * :mod:`tools.provenance` -- device, versions, date and commit in every report;
 * :mod:`tools.report` -- the table printed here.
@@ -37,11 +43,17 @@ from pathlib import Path
 
 import torch
 
+from tools import unsloth_arm
 from tools.arms import ARMS, GB, compare_runs, free_memory, link_gb_per_s, trainable
 from tools.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
 from tools.provenance import start_tool
 from tools.report import print_table
 from tools.shapes import SHAPES, model_config
+from tools.trainer_arms import TRAINER_ARMS, compare_trainer_runs, run_trainer_arms, summaries, token_rows
+from tools.trainer_common import TrainerSetup
+
+#: every ``--arms`` name: the step arms, the Trainer arms, then Unsloth's (in its own process, last)
+ALL_ARMS = (*ARMS, *TRAINER_ARMS, unsloth_arm.ARM)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,8 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps after warm-up (median over these)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--arms", default="resident,poros",
-                        help="comma list of: " + ", ".join(ARMS) + " (control: resident again, the reference "
-                             "against itself); they run in that order")
+                        help="comma list of: " + ", ".join(ALL_ARMS) + " (control: resident again, the reference "
+                             "against itself; trl-*/hf-*: SFTTrainer / HF Trainer plain and with poros.prepare_trainer; "
+                             "unsloth: FastLanguageModel QLoRA in a child process); they run in that order")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8")
@@ -68,12 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--loss-chunks", type=int, default=1, metavar="N",
                         help="both arms compute the loss over N token chunks (poros.stream.chunked_loss; bitwise "
                              "between the arms, numerically HF's default loss); 1: HF's loss")
-    parser.add_argument("--mlp-chunks", type=int, metavar="N",
-                        help="Poros arm: prepare(mlp_chunks=N), each block's MLP over N sequence chunks (default: "
-                             "prepare's, or what --vram-budget's plan picks)")
+    parser.add_argument("--mlp-chunks", type=int, default=1, metavar="N",
+                        help="every arm runs each block's MLP over N sequence chunks (poros.stream.tiling.tile_mlp, "
+                             "prepare(mlp_chunks=N); bitwise between the arms, numerically the whole MLP); 1: whole")
     parser.add_argument("--boundary-states", choices=("device", "host", "disk"),
-                        help="Poros arm, layer-major: where the M x L boundary states wait (default: the planner "
-                             "decides under --vram-budget, else the device)")
+                        help="Poros arm, layer-major: where the M x L block inputs wait for backward "
+                             "(prepare(boundary_states=...)); default: the planner's choice under --vram-budget, "
+                             "else the device")
     parser.add_argument("--host-budget", metavar="SIZE",
                         help="Poros arm: prepare(host_budget=SIZE): the blocks' host tier, and with --vram-budget "
                              "the boundary states go to disk when it cannot hold them beside the blocks")
@@ -104,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), help="MoE experts implementation")
+    parser.add_argument("--quantize-experts", action="store_true",
+                        help="MoE experts in NF4 (poros.quantize_experts) in every arm: the resident NF4-expert model "
+                        "is the reference")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--targets", default=",".join(SEVEN_PROJECTIONS), help="comma list, or all-linear")
@@ -111,6 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for tiny shapes on CPU)")
+    unsloth_arm.add_arguments(parser)
     parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
@@ -119,10 +137,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq is None:
         args.seq = 64 if args.model.startswith("tiny") else 512
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = set(args.arms) - set(ARMS)
+    unknown = set(args.arms) - set(ALL_ARMS)
     if unknown or not args.arms:
-        parser.error(f"--arms {','.join(args.arms)}: expected a comma list of {', '.join(ARMS)}")
+        parser.error(f"--arms {','.join(args.arms)}: expected a comma list of {', '.join(ALL_ARMS)}")
     return args
+
+
+def write_report(report: dict, path: Path | None) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+
+
+def trainer_setup(args, device) -> TrainerSetup:
+    """The Trainer arms' settings (the Unsloth child's too); ``output_dir`` is not created here."""
+    import tempfile
+
+    return TrainerSetup(device=str(device), warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
+                        batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                        output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
+
+
+def trainer_arms_report(args, peft_model, batches, setup: TrainerSetup, arms: dict) -> dict:
+    """The Trainer arms on ``peft_model`` (their summaries go into ``arms``); returns each flow's parity."""
+    import shutil
+
+    from poros import PorosModel
+
+    if not any(arm in TRAINER_ARMS for arm in args.arms):
+        return {}
+    if isinstance(peft_model, PorosModel):
+        peft_model.unpatch()  # the last step arm left it streamed; the Trainer arms start from the plain model
+    results = run_trainer_arms(peft_model, batches, args.arms, setup)
+    arms.update(summaries(results, setup))
+    shutil.rmtree(setup.output_dir, ignore_errors=True)
+    return compare_trainer_runs(results, setup)
 
 
 def main(argv=None) -> int:
@@ -150,27 +200,35 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
-                        attn_implementation=args.attn, experts_implementation=args.experts)
+                        attn_implementation=args.attn, experts_implementation=args.experts,
+                        quantize_experts=args.quantize_experts)
+    # Unsloth loads a checkpoint: these very weights, written before LoRA goes in (tools.unsloth_arm)
+    checkpoint = unsloth_arm.save_checkpoint(model, args, device) if unsloth_arm.ARM in args.arms else None
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
     if args.loss_chunks > 1:  # on the model both arms run, so the parity check compares like with like
         from poros.stream.chunked_loss import use_chunked_loss
 
         use_chunked_loss(peft_model, args.loss_chunks)
+    if args.mlp_chunks > 1:  # likewise the tiled MLP: the resident arms run it from here, the Poros arm's prepare too
+        from poros.stream.tiling import tile_mlp
+
+        tile_mlp(peft_model, args.mlp_chunks)
     free_memory(device)
     build_s = time.perf_counter() - start
     allocated = torch.cuda.memory_allocated(device) / GB if device.type == "cuda" else None
     batches = make_batches(config, count=(args.warmup + args.steps) * args.grad_accum, batch=args.batch, seq=args.seq,
                            seed=args.seed + 1)
 
-    outcome = compare_runs(peft_model, batches, arms=args.arms, device=device, warmup=args.warmup, lr=args.lr,
+    step_arms = [arm for arm in args.arms if arm in ARMS]
+    outcome = {"arms": {}, "comparison": None} if not step_arms else compare_runs(
+                           peft_model, batches, arms=step_arms, device=device, warmup=args.warmup, lr=args.lr,
                            vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
                            timeline=args.timeline, optimizer_states=args.optimizer_states,
                            capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
                            loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs, lora_placement=args.lora_placement,
-                           link_bytes_per_s=link * GB if link else None,
-                           long_context={"mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states,
-                                         "host_budget": args.host_budget})
+                           mlp_chunks=args.mlp_chunks, boundary_states=args.boundary_states,
+                           host_budget=args.host_budget, link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
         "environment": env,
@@ -179,18 +237,24 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
             "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
-            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
+            "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "mlp_chunks": args.mlp_chunks,
+            "boundary_states": args.boundary_states,
+            "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
             "mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states, "host_budget": args.host_budget,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
-            "experts_implementation": args.experts, "lora": {"rank": args.rank, "alpha": args.alpha,
+            "experts_implementation": args.experts, "quantize_experts": args.quantize_experts,
+            "lora": {"rank": args.rank, "alpha": args.alpha,
                                                              "dropout": 0.0, "targets": targets},
             "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
             "quantization": {"quant_type": "nf4", "double_quant": not args.no_double_quant,
                              "compute_dtype": "bfloat16"},
             "seed": args.seed, "cpu_threads": torch.get_num_threads(),
+            "unsloth": None if unsloth_arm.ARM not in args.arms else {
+                "site": args.unsloth_site, "layers": args.unsloth_layers,
+                "gradient_checkpointing": args.unsloth_checkpointing},
         },
         "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
                   "allocated_after_build_gb": None if allocated is None else round(allocated, 4),
@@ -198,19 +262,28 @@ def main(argv=None) -> int:
         "arms": {name: result.summary(args.warmup) for name, result in outcome["arms"].items()},
         "comparison": outcome["comparison"],
     }
-    for arm in report["arms"].values():  # tokens per second over the timed steps' median
+    for arm in report["arms"].values():  # tokens trained per second: batch x seq x grad_accum per step
         if arm.get("median_step_s"):
             arm["tokens_per_s"] = round(args.batch * args.seq * args.grad_accum / arm["median_step_s"], 1)
+    setup = trainer_setup(args, device)
+    report["trainer_setup"] = {**setup.to_dict(), "tokens_per_step": setup.tokens_per_step}
+    report["trainer"] = trainer_arms_report(args, peft_model, batches, setup, report["arms"])
+    report["unsloth"] = None
+    if checkpoint is not None:  # the child's turn: the device is freed of this process's model first
+        write_report({**report, "partial": "the unsloth arm was running"}, args.json)  # kept if the step is killed
+        del model, peft_model
+        free_memory(device)
+        parent = round(torch.cuda.memory_allocated(device) / GB, 4) if device.type == "cuda" else None
+        report["arms"][unsloth_arm.ARM] = unsloth_arm.run(args, checkpoint, token_rows(batches), setup)
+        report["arms"][unsloth_arm.ARM]["parent_allocated_gb"] = parent  # what this process still held meanwhile
+        report["unsloth"] = unsloth_arm.compare(report["arms"], config.num_hidden_layers)
     achieved = report["arms"].get("poros", {}).get("h2d_gb_per_s")
     if link and achieved is not None:
         report["arms"]["poros"]["h2d_fraction_of_link"] = round(achieved / link, 4)
     print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     failed = any(arm["status"] == "error" for arm in report["arms"].values())
-    mismatch = not (report["comparison"] or {}).get("bitwise", True)
+    mismatch = not all(c.get("bitwise", True) for c in (report["comparison"] or {}, *report["trainer"].values()))
     return 1 if failed or mismatch else 0
 
 

@@ -17,12 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def accum_label(config: dict) -> str:
     """A run's micro-batches per optimizer step, with the Poros schedule when there are several, and
-    where the Poros arm kept AdamW's state when it was not the device, CUDA graphs, and a chunked loss."""
+    where the Poros arm kept AdamW's state when it was not the device, CUDA graphs, a chunked loss, a tiled
+    MLP and host-kept boundary states."""
     accum = config.get("grad_accum", 1)
     label = str(accum) if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
     label += ", AdamW state on the host" if config.get("optimizer_states") == "host" else ""
     label += ", CUDA graphs" if config.get("cuda_graphs") else ""
-    return label + (f", loss in {config['loss_chunks']} chunks" if config.get("loss_chunks", 1) > 1 else "")
+    label += f", loss in {config['loss_chunks']} chunks" if config.get("loss_chunks", 1) > 1 else ""
+    label += f", MLP in {config['mlp_chunks']} chunks" if config.get("mlp_chunks", 1) > 1 else ""
+    return label + (", boundary states on the host" if config.get("boundary_states") == "host" else "")
 
 
 def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:

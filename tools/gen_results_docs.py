@@ -249,6 +249,40 @@ def render_timeline() -> str:
     return "\n".join(rows)
 
 
+TRAINER_ARM_ORDER = ("trl-resident", "trl-poros", "hf-resident", "hf-poros", "unsloth")
+
+
+def render_trainer() -> str:
+    """``tools/bench.py --arms trl-*,hf-*,unsloth``: TRL SFTTrainer / HF Trainer plain and with the one line,
+    and Unsloth, side by side; a row saying so while no such run exists."""
+    rows = ["| shape | layers | seq | accum | det. | arm | peak GB | reserved GB | step s | tokens/s | vs resident "
+            "| parity | JSON |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, report in bench_reports():
+        arms = report["arms"]
+        if not any(name in arms for name in TRAINER_ARM_ORDER):
+            continue
+        config, trainer, unsloth = report["config"], report.get("trainer") or {}, report.get("unsloth") or {}
+        for name in (n for n in TRAINER_ARM_ORDER if n in arms):
+            arm, flow = arms[name], name.split("-")[0]
+            layers = arm.get("layers") or config["model_info"]["num_hidden_layers"]
+            if name == "unsloth":
+                reference = next((unsloth[r] for r in ("trl-resident", "hf-resident") if r in unsloth), {})
+                ratio, parity = _x(reference.get("ratio_median_step_s")), "- (other kernels)"
+            elif name.endswith("-poros"):
+                ratio, parity = _x((trainer.get(flow) or {}).get("ratio_median_step_s")), _parity(trainer.get(flow))
+            else:
+                ratio, parity = "1.00x" if arm.get("status") == "ok" else "-", "reference"
+            status = "" if arm.get("status") == "ok" else f" ({arm.get('status')})"
+            rows.append(f"| {config['model']} | {layers} | {config['seq']} | {config.get('grad_accum', 1)} | "
+                        f"{'on' if config['deterministic'] else 'off'} | {name}{status} | "
+                        f"{_gb(arm.get('peak_allocated_gb'))} | {_gb(arm.get('peak_reserved_gb'))} | "
+                        f"{_s(arm.get('median_step_s'))} | {arm.get('tokens_per_s') or '-'} | {ratio} | {parity} | "
+                        f"[{path.name}](../{path.relative_to(ROOT)}) |")
+    if len(rows) == 2:
+        rows.append("| pending the H200 run | | | | | | | | | | | | |")
+    return "\n".join(rows)
+
+
 def render_gate() -> str:
     rows = ["| variant | family | shape | label | max diff loss / LoRA / AdamW | JSON |", "|---|---|---|---|---|---|"]
     for directory in RESULTS:
@@ -272,6 +306,7 @@ BLOCKS = {
     "host": render_host,
     "curve": render_curve,
     "timeline": render_timeline,
+    "trainer": render_trainer,
 }
 
 

@@ -15,7 +15,11 @@
 #   tools/gpu_run.sh cache:qwen2.5-32b:layers=4 cache:qwen2.5-72b:layers=4:host-budget-gib=1
 #   tools/gpu_run.sh prequant:qwen2.5-72b:layers=8:cap-gib=8     # poros quantize, bnb-4bit starts, the drop-in at 8 GiB
 #   tools/gpu_run.sh gate:cuda-graphs:no-diagnose:grad-accum=2:schedule=layer-major:steps=4        # graphs' gate
+#   tools/gpu_run.sh autocast-probe autocast-probe:cases=blocks:only=qwen3      # graphs under autocast, step by step
+#   POROS_CUDA_GRAPHS_AUTOCAST=1 tools/gpu_run.sh gate:cuda-graphs:autocast=bf16:no-diagnose:grad-accum=2:schedule=layer-major:steps=4
 #   tools/gpu_run.sh bench:qwen2.5-72b:cuda-graphs:schedule=layer-major:deterministic:profile:arms=resident,poros-device,poros
+#   tools/gpu_run.sh bench:qwen2.5-32b:arms=trl-resident,trl-poros,unsloth:grad-accum=8:deterministic:steps=2:warmup=1:unsloth-timeout=240
+#   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros,unsloth:deterministic:steps=5:warmup=2:unsloth-timeout=300
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
@@ -26,7 +30,8 @@
 # (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
 # (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
 # `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds) or `ddp`
-# (tools/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`), each
+# (tools/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`) or
+# `autocast-probe` (tools/autocast_graph_probe.py: CUDA graphs under autocast vs eager, case by case), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -41,7 +46,9 @@
 #   DEVICE         cuda (default) or cpu.
 #
 # Wheels: if .whl/ holds wheels (bitsandbytes, transformers, peft: ../shared/tools/gpu-wheelhouse),
-# they are installed into /tmp/site (once per set of wheels) and put first on PYTHONPATH.
+# they are installed into /tmp/site (once per set of wheels) and put first on PYTHONPATH. If
+# .whl-unsloth/ holds wheels (tools/unsloth-wheelhouse), they and .whl/'s bitsandbytes and peft go into
+# /tmp/site-unsloth for the `unsloth` bench arm's child process (POROS_UNSLOTH_SITE), never on PYTHONPATH.
 set -uo pipefail
 
 OUT=${OUT:-./out}
@@ -76,6 +83,23 @@ install_wheels() {
     echo "$stamp" > /tmp/site/.poros-wheels
   fi
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  install_unsloth_wheels
+}
+
+# .whl-unsloth/ (tools/unsloth-wheelhouse) + bitsandbytes and peft from .whl/ -> /tmp/site-unsloth, for the
+# Unsloth arm's child process only (tools/unsloth_arm.py reads POROS_UNSLOTH_SITE); the host's transformers.
+install_unsloth_wheels() {
+  compgen -G ".whl-unsloth/*.whl" > /dev/null || return 0
+  local stamp
+  local -a wheels=(.whl-unsloth/*.whl)
+  wheels+=($(ls .whl/bitsandbytes-*.whl .whl/peft-*.whl 2>/dev/null))
+  stamp=$(ls -l "${wheels[@]}" | md5sum | cut -d' ' -f1)
+  if [ "$(cat /tmp/site-unsloth/.poros-wheels 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-unsloth "${wheels[@]}" \
+      || { echo "unsloth wheel install failed: the unsloth arm will fail"; return 0; }
+    echo "$stamp" > /tmp/site-unsloth/.poros-wheels
+  fi
+  export POROS_UNSLOTH_SITE=/tmp/site-unsloth
 }
 
 print_environment() {
@@ -172,8 +196,12 @@ main() {
       doctor)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+      autocast-probe)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.autocast_graph_probe --device "$DEVICE" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], cache:SHAPE[:k=v...], load[:k=v...], eval[:k=v...], doctor[:k=v...] or ddp[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], cache:SHAPE[:k=v...], load[:k=v...], eval[:k=v...], doctor[:k=v...], ddp[:k=v...] or autocast-probe[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

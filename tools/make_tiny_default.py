@@ -62,6 +62,10 @@ PRETRAIN_STEPS = 800
 PRETRAIN_BATCH = 16
 PRETRAIN_BLOCK = 128
 PRETRAIN_LR = 3e-3
+#: the declared context (config max_position_embeddings, tokenizer model_max_length): RoPE (theta 1e6, as
+#: Qwen3's 32K models) has no learned positions, and pretraining sees 128-token blocks only, so any length
+#: is as (un)trained as another; 32768 lets `poros train --seq-len 4096` (and longer) run on it.
+MAX_POSITIONS = 32768
 
 # -- facts the templates draw from (checked by hand; every answer must be correct) --------------
 CAPITALS = {
@@ -318,7 +322,7 @@ def write_tokenizer(records: list[dict], directory: pathlib.Path):
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"], chat_template=CHATML_TEMPLATE,
-        model_max_length=2048, clean_up_tokenization_spaces=False,
+        model_max_length=MAX_POSITIONS, clean_up_tokenization_spaces=False,
     )
     fast.save_pretrained(directory)
     return fast
@@ -370,7 +374,7 @@ def write_model(tokenizer, directory: pathlib.Path) -> None:
     config = transformers.Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, intermediate_size=384, tie_word_embeddings=False,
-        max_position_embeddings=2048, dtype="bfloat16",
+        max_position_embeddings=MAX_POSITIONS, dtype="bfloat16",
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )

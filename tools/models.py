@@ -28,13 +28,14 @@ SEVEN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 def build_model(config, device: str | torch.device, *, seed: int = 0, double_quant: bool = True,
                 attn_implementation: str = "sdpa", experts_implementation: str | None = None,
-                weight_std: float = 0.02, perturb: float = 0.05):
+                weight_std: float = 0.02, perturb: float = 0.05, quantize_experts: bool = False):
     """:func:`poros.doctor.probe.random_nf4_model` with the bench's defaults (bf16 compute, NF4, double
     quantization, SDPA): an HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights,
-    built on ``device`` the way ``from_pretrained`` builds one."""
+    built on ``device`` the way ``from_pretrained`` builds one; ``quantize_experts``: MoE experts in NF4
+    (:func:`poros.quantize_experts`), built one experts module at a time."""
     return random_nf4_model(config, resolve_device(device, with_index=True), seed=seed, double_quant=double_quant,
                             attn_implementation=attn_implementation, experts_implementation=experts_implementation,
-                            weight_std=weight_std, perturb=perturb)
+                            weight_std=weight_std, perturb=perturb, quantize_experts=quantize_experts)
 
 
 def add_lora(model, *, rank: int = 16, alpha: int = 32, targets: Any = SEVEN_PROJECTIONS,

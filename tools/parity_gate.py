@@ -23,7 +23,8 @@ reports as non-deterministic are listed by torch's own message.
 
 ``--autocast bf16`` (or ``fp16``) runs both arms under ``torch.autocast`` (as ``TrainingArguments(bf16=True)``
 does; PEFT keeps the LoRA weights in fp32, so autocast changes their ops and Poros's recompute must replay
-the forward's autocast state). ``--save-load`` then checks, on the trained streamed model (double quant,
+the forward's autocast state), entered around each forward as HF Trainer does (``--autocast-region
+run``: one region around everything, whose cast cache keeps step 1's casts of the LoRA weights). ``--save-load`` then checks, on the trained streamed model (double quant,
 the builder's default), that ``state_dict``, PEFT's ``save_pretrained`` and the base model's
 ``save_pretrained`` hold the resident model's bytes, and that a ``load_state_dict`` gives the resident
 logits; any difference labels the variant ``numerical``.
@@ -109,14 +110,19 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
     batches = make_batches(config, count=args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1,
                                  left_pad=args.pad)
     autocast = getattr(args, "autocast", "none")  # callers building their own Namespace may leave it out
-    mixed = contextlib.nullcontext() if autocast == "none" else \
-        torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[autocast])
-    with warnings.catch_warnings(record=True) as caught, mixed:
+    region = getattr(args, "autocast_region", "forward")
+
+    def mixed():
+        return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[autocast])
+
+    per_forward = mixed if autocast != "none" and region == "forward" else None
+    whole_run = mixed() if autocast != "none" and region == "run" else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, whole_run:
         warnings.simplefilter("always")
         outcome = compare_runs(peft_model, batches, device=device, warmup=0, lr=args.lr,
                                      cuda_graphs=getattr(args, "cuda_graphs", False),
                                      grad_accum=getattr(args, "grad_accum", 1),
-                                     schedule=getattr(args, "schedule", "micro-major"))
+                                     schedule=getattr(args, "schedule", "micro-major"), autocast=per_forward)
     checked = getattr(args, "save_load", False) and outcome["comparison"]
     save_load = save_load_check(peft_model, batches[0], device) if checked else None
     kernels = sorted({_kernel_name(str(w.message)) for w in caught if NONDETERMINISTIC_MARK in str(w.message)})
@@ -132,7 +138,8 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         "attn_implementation": attn, "experts_implementation": experts if variant.moe else None,
         "target_parameters": list(variant.target_parameters),
         "arms": arms, "comparison": outcome["comparison"], "nondeterministic_kernels": kernels,
-        "model_info": info, "autocast": autocast, "save_load": save_load,
+        "model_info": info, "autocast": autocast, "autocast_region": region if autocast != "none" else None,
+        "save_load": save_load,
         "cuda_graphs": (outcome["arms"]["poros"].extra.get("cuda_graphs") if "poros" in outcome["arms"] else None),
     }
     del outcome, peft_model, model
@@ -377,6 +384,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--autocast", default="none", choices=("none", "bf16", "fp16"),
                         help="run both arms under torch.autocast with this dtype (TrainingArguments(bf16=True))")
+    parser.add_argument("--autocast-region", default="forward", choices=("forward", "run"),
+                        help="forward: autocast around each forward (a layer-major step's forward_backward), "
+                             "backward outside, as HF Trainer does; run: one region around both arms and "
+                             "every step (torch then reuses step 1's casts of the LoRA weights in later "
+                             "steps: the stale reference the 2026-12-01 autocast graphs gate compared with)")
     parser.add_argument("--save-load", action="store_true",
                         help="also check state_dict / save_pretrained / load_state_dict of the streamed model")
     parser.add_argument("--no-deterministic", dest="deterministic", action="store_false",
@@ -437,6 +449,7 @@ def main(argv=None) -> int:
                                                                 "targets": args.targets},
                    "attn_implementation": args.attn, "experts_implementation": args.experts,
                    "deterministic": args.deterministic, "seed": args.seed, "autocast": args.autocast,
+                   "autocast_region": args.autocast_region,
                    "save_load": args.save_load},
         "variants": reports,
         "records": [{"family": family, **record} for family, record in records],

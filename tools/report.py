@@ -49,6 +49,33 @@ def print_table(report: dict[str, Any]) -> None:
         print(parity_line("parity poros vs resident", comparison))
     if "control" in comparison:
         print(parity_line("control resident vs resident", comparison["control"]))
+    for flow, diffs in (report.get("trainer") or {}).items():
+        print(f"{flow}-poros/{flow}-resident: step time x{format_value(diffs.get('ratio_median_step_s'))}, "
+              f"peak allocated x{format_value(diffs.get('ratio_peak_allocated_gb'))}")
+        print(parity_line(f"parity {flow}-poros vs {flow}-resident", diffs))
+    for name, arm in report["arms"].items():
+        if arm.get("tokens_per_s") is not None:
+            print(f"{name}: {arm['tokens_per_s']} tokens/s ({arm['tokens_per_step']} tokens per optimizer step)")
+    print_unsloth(report)
+
+
+def print_unsloth(report: dict[str, Any]) -> None:
+    """The Unsloth arm's depth and its ratios against the other arms (tools.unsloth_arm.compare)."""
+    arm, ratios = report["arms"].get("unsloth"), report.get("unsloth")
+    if arm is None:
+        return
+    if arm.get("depth_reason"):
+        print(f"unsloth: {arm['depth_reason']}")
+    if not ratios:
+        return
+    if not ratios.get("comparable"):
+        print(f"unsloth: not compared with the other arms ({ratios.get('reason')})")
+        return
+    for name, values in ratios.items():
+        if name != "comparable":
+            print(f"unsloth/{name}: step time x{format_value(values.get('ratio_median_step_s'))}, peak allocated "
+                  f"x{format_value(values.get('ratio_peak_allocated_gb'))}, tokens/s "
+                  f"x{format_value(values.get('ratio_tokens_per_s'))}")
 
 
 def prediction_lines(arm: dict[str, Any]) -> None:

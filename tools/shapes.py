@@ -73,6 +73,19 @@ SHAPES: dict[str, Shape] = {
         extra=dict(tie_word_embeddings=False, rms_norm_eps=1e-6, linear_key_head_dim=128, linear_value_head_dim=128,
                    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
                                         mrope_section=[11, 11, 10], mrope_interleaved=True))),
+    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json (text_config)
+    # rope theta 1e7: THUDM/slime scripts/models/qwen3.5-35B-A3B.sh (--rotary-base 10000000)
+    "qwen3.5-35b-a3b": Shape("qwen3_5_moe", "qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B",
+        extra=dict(rms_norm_eps=1e-6,
+                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
+    # https://huggingface.co/Qwen/Qwen3.5-122B-A10B/blob/main/config.json (text_config)
+    # rope theta 1e7: apxml.com/models/qwen35-122b-a10b; shared expert 1024 (its "dense FFN") and the DeltaNet heads
+    # (transformers' Qwen3_5MoeTextConfig defaults, 16 key / 32 value heads of 128) are unconfirmed in the registry
+    "qwen3.5-122b-a10b": Shape("qwen3_5_moe", "qwen3_5_moe_text", "Qwen/Qwen3.5-122B-A10B",
+        extra=dict(rms_norm_eps=1e-6, shared_expert_intermediate_size=1024, tie_word_embeddings=False,
+                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
     # https://huggingface.co/google/gemma-3-12b-pt/blob/main/config.json (text_config)
     "gemma3-12b": Shape("gemma3", "gemma3_text", "google/gemma-3-12b-pt",
         extra=dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
@@ -103,6 +116,10 @@ SHAPES: dict[str, Shape] = {
     "tiny-qwen3_5": Shape("qwen3_5", "qwen3_5_text", None, extra=dict(
         _TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16)),
+    "tiny-qwen3_5_moe": Shape("qwen3_5_moe", "qwen3_5_moe_text", None, extra=dict(
+        _TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64)),
     "tiny-gemma3": Shape("gemma3", "gemma3_text", None, extra=dict(
         _TINY, num_hidden_layers=4, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0,
         rope_scaling=dict(rope_type="linear", factor=8.0),

@@ -1,6 +1,7 @@
 """``poros quantize``: write a bf16 checkpoint as a pre-quantized bitsandbytes 4-bit one, block by block.
 
-A thin shell over :func:`poros.loading.quantize.quantize_checkpoint`. Exit status: 0 written, 1 a
+A thin shell over :func:`poros.loading.quantize.quantize_checkpoint` (and, with ``--random-weights``,
+:func:`poros.loading.random_weights.random_checkpoint`). Exit status: 0 written, 1 a
 Poros error (no checkpoint, already pre-quantized, an existing output), 2 a usage error.
 """
 
@@ -19,16 +20,25 @@ again (its blocks are byte for byte the NF4 blocks Poros makes from MODEL on the
 
 The model is never whole in memory: each decoder block is quantized on the device (CUDA when
 available), written to the shard being filled and dropped before the next one loads.
+
+--random-weights (a benchmarking aid) needs no weights at all: MODEL is then a config.json, a
+directory holding one, or a model name the registry knows (its recorded shape, offline), and each
+block is built with random weights (the model class's own init, seeded by --seed and the block),
+quantized and written in turn, so a checkpoint far larger than RAM or than its bf16 form's disk is
+written with about one block in memory. Its weights are noise: use it to time loads and steps, never
+to train a model you keep.
 """
 
 EPILOG = textwrap.dedent("""\
     examples:
       $ poros quantize poros-tiny-qwen3 /tmp/tiny-bnb-4bit --double-quant
-      poros: wrote /tmp/tiny-bnb-4bit: nf4 + double quant (quantized on cpu), 2 blocks, 1 shard, 95 tensors, ...
+      poros: wrote /tmp/tiny-bnb-4bit: nf4 + double quant (quantized on cpu), 4 blocks, 1 shard, 187 tensors, ...
 
       $ poros quantize Qwen/Qwen2.5-72B ./qwen72b-bnb-4bit --double-quant
       $ poros train --model ./qwen72b-bnb-4bit      # loads the packed bytes as they are
       $ python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('./qwen72b-bnb-4bit')"
+
+      $ poros quantize Qwen/Qwen2.5-72B /tmp/qwen72b-random --random-weights --double-quant   # benchmarks only
     """)
 
 
@@ -36,7 +46,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "quantize", help="write a bf16 checkpoint as a bnb-4bit one (nf4/fp4), block by block",
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", metavar="MODEL", help="the bf16 checkpoint: directory, hub id or poros-tiny-qwen3")
+    parser.add_argument("model", metavar="MODEL", help="the bf16 checkpoint: directory, hub id or poros-tiny-qwen3 "
+                                                       "(with --random-weights: a config.json, a directory holding "
+                                                       "one, or a known model name)")
     parser.add_argument("output", metavar="OUT", help="the directory to write the 4-bit checkpoint to (new or empty)")
     parser.add_argument("--quantization", default="nf4", choices=("nf4", "fp4"),
                         help="bnb_4bit_quant_type (default nf4)")
@@ -50,6 +62,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="bytes per safetensors shard, e.g. 5GB, 500MB (default 5GB; the host holds one)")
     parser.add_argument("--revision", default=None, help="hub revision of MODEL")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="benchmarks: random weights for MODEL's config instead of its weights (none are read)")
+    parser.add_argument("--seed", type=int, default=0, help="the random weights' seed (with --random-weights)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(run=run)
@@ -62,14 +77,17 @@ def run(args: argparse.Namespace) -> int:
     from poros.cli.output import print_json
     from poros.config import parse_budget
     from poros.loading.quantize import quantize_checkpoint
+    from poros.loading.random_weights import random_checkpoint
     from poros.noise import quiet_known_noise
 
     quiet_known_noise(verbose=getattr(args, "verbose", False))
-    result = quantize_checkpoint(args.model, args.output, quantization=args.quantization,
-                                 double_quant=args.double_quant, compute_dtype=args.compute_dtype,
-                                 device=args.device, revision=args.revision,
-                                 max_shard_size=parse_budget(args.max_shard_size, "max_shard_size"),
-                                 overwrite=args.overwrite)
+    common = dict(quantization=args.quantization, double_quant=args.double_quant, compute_dtype=args.compute_dtype,
+                  device=args.device, max_shard_size=parse_budget(args.max_shard_size, "max_shard_size"),
+                  overwrite=args.overwrite)
+    if args.random_weights:
+        result = random_checkpoint(args.model, args.output, seed=args.seed, **common)
+    else:
+        result = quantize_checkpoint(args.model, args.output, revision=args.revision, **common)
     if args.json:
         print_json(dataclasses.asdict(result))
     else:

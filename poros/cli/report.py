@@ -34,6 +34,7 @@ def _header(plan: Plan) -> list[str]:
         f"family      {plan.family} (model_type {plan.model_type}{tower}): {plan.num_blocks} decoder blocks, "
         f"hidden {plan.hidden_size}, vocab {plan.vocab_size}",
         f"base        {quant}, compute {plan.compute_dtype}",
+        *([f"experts     {plan.experts}"] if plan.experts else []),
         f"adapters    {adapter}",
     ]
 

@@ -320,6 +320,7 @@ def tokenize_examples(
         conversations = _ConversationTokenizer(tokenizer, resolve_chat_template(tokenizer, chat_template))
     kept: list[dict[str, list[int]]] = []
     num_truncated = 0
+    longest = 0  # the longest example before truncation
     untrainable = 0  # examples with no trainable token even before truncation
     first_trainable: list[int] = []  # per truncated-away example: the index of its first trainable token
     for input_ids, labels in _tokenized(examples, tokenizer, conversations):
@@ -332,6 +333,7 @@ def tokenize_examples(
         if trainable_at >= seq_len:
             first_trainable.append(trainable_at)
             continue
+        longest = max(longest, len(input_ids))
         if len(input_ids) > seq_len:
             num_truncated += 1
             input_ids, labels = input_ids[:seq_len], labels[:seq_len]
@@ -342,6 +344,10 @@ def tokenize_examples(
             "<think> from past assistant turns), so %d multi-turn conversations became one example per assistant "
             "turn. To train them whole, pass chat_template= a template that renders every turn the same way "
             "(for Qwen3: trl/chat_templates/qwen3_training.jinja)", conversations.split)
+    if num_truncated:  # once per dataset: the run trains on fewer tokens than the data has
+        logger.warning("poros: truncated %d of %d examples to seq_len=%d tokens (each keeps its first %d; the "
+                       "longest has %d). Fix: raise seq_len (up to the model's max_position_embeddings) to train "
+                       "them whole", num_truncated, len(examples), seq_len, seq_len, longest)
     reasons = []
     if untrainable:
         reasons.append(f"{untrainable} had nothing to train on (a conversation needs an assistant message "

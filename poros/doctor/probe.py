@@ -80,15 +80,18 @@ def _probe_layer_count(text_config: Any, limit: int = 8) -> int:
 def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: torch.dtype = torch.bfloat16,
                      quant_type: str = "nf4", double_quant: bool = True, seed: int = 0,
                      attn_implementation: str | None = "sdpa", experts_implementation: str | None = None,
-                     weight_std: float = 0.02, perturb: float = 0.05) -> nn.Module:
+                     weight_std: float = 0.02, perturb: float = 0.05, quantize_experts: bool = False) -> nn.Module:
     """An HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights, built on ``device``.
 
     The steps are those of ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
     load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=compute_dtype,
     bnb_4bit_use_double_quant=double_quant), device_map={"": device})``; only the checkpoint read
-    is replaced by a seeded ``randn * weight_std`` per quantized weight.
+    is replaced by a seeded ``randn * weight_std`` per quantized weight. With ``quantize_experts`` each MoE
+    experts module's fused tensors are made the same way and packed to NF4 at once
+    (:func:`poros.quantize_experts`), one module at a time: the bf16 experts never exist all together.
 
     Raises:
+        ValueError: ``quantize_experts`` with an ``experts_implementation`` (NF4 experts have their own).
         RuntimeError: a tensor was left on the meta device or holds NaN after initialisation.
     """
     import bitsandbytes as bnb
@@ -96,6 +99,9 @@ def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: 
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils.generic import ContextManagers
 
+    if quantize_experts and experts_implementation is not None:
+        raise ValueError(f"quantize_experts computes with its own experts forward; experts_implementation="
+                         f"{experts_implementation!r} would replace it: pass one or the other")
     device = resolve_device(device, with_index=True)
     dtype = compute_dtype
     quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=dtype,
@@ -124,6 +130,8 @@ def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: 
                 bias = torch.randn(module.bias.shape, generator=generator, device=device, dtype=dtype) * weight_std
                 module.bias = torch.nn.Parameter(bias, requires_grad=False)
             module._is_hf_initialized = True
+        if quantize_experts:
+            _random_nf4_experts(model, generator, device, dtype, weight_std)
         # Everything else, as _move_missing_keys_from_meta_to_device does, but NaN-filled so that a
         # tensor the model's own init misses cannot pass unnoticed.
         for name, param in list(model.named_parameters()):
@@ -150,6 +158,19 @@ def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: 
     if experts_implementation is not None:
         model.set_experts_implementation(experts_implementation)
     return model
+
+
+def _random_nf4_experts(model, generator, device, dtype, weight_std: float) -> None:
+    """Every experts module's fused tensors: seeded random bf16 on ``device``, packed to NF4 module by module."""
+    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules, quantize_experts
+
+    for _, module in experts_modules(model):
+        for name in FUSED_EXPERT_TENSORS:
+            old = getattr(module, name)
+            value = torch.randn(old.shape, generator=generator, device=device, dtype=dtype) * weight_std
+            setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+        quantize_experts(module)
+        module._is_hf_initialized = True
 
 
 def _placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

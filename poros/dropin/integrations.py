@@ -11,6 +11,12 @@ model it is given), so nothing inside the trainer has to be re-pointed::
 
     trainer = SFTTrainer(..., peft_config=lora, callbacks=[poros.PorosCallback()])   # or: at init end
 
+Either line also makes each gradient-accumulation window of the trainer one layer-major
+``forward_backward`` (:mod:`poros.dropin.trainer_window`): each streamed block is fetched once per direction
+per optimizer step instead of once per micro-batch, the Trainer's own code computing every loss, bitwise the
+plain run. Where that cannot be shown safe (dropout active, a custom ``compute_loss``...), the windows stay
+micro-major and one warning says why.
+
 Either prints one line on stderr when the model streams (:mod:`poros.dropin.banner`: family, blocks
 streamed, guarantee label), as the Trainer prints its own banner. Both refuse
 ``TrainingArguments(torch_compile=True)`` with :class:`~poros.errors.TorchCompileError`.
@@ -19,11 +25,13 @@ Importing this module imports transformers; ``import poros`` does not.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from poros.errors import TorchCompileError
+from poros.dropin import trainer_window
 from poros.dropin.model import COMPILE_WORKAROUND, PorosModel, prepare
 
 __all__ = ["PorosCallback", "prepare_trainer"]
@@ -38,7 +46,8 @@ def _check_args(args: Any) -> None:
 
 
 def prepare_trainer(trainer: Any, **options: Any) -> PorosModel:
-    """Stream ``trainer.model`` in place (an HF ``Trainer`` or TRL ``SFTTrainer``, after construction).
+    """Stream ``trainer.model`` in place (an HF ``Trainer`` or TRL ``SFTTrainer``, after construction), and
+    run each of its gradient-accumulation windows layer-major (:func:`poros.dropin.trainer_window.install`).
 
     Args:
         trainer: the trainer, before ``train()``/``evaluate()``.
@@ -53,14 +62,16 @@ def prepare_trainer(trainer: Any, **options: Any) -> PorosModel:
         PorosError: any gate of :func:`poros.prepare`.
     """
     _check_args(trainer.args)
-    if isinstance(trainer.model, PorosModel):
-        return trainer.model
-    return prepare(trainer.model, **options)
+    model = trainer.model if isinstance(trainer.model, PorosModel) else prepare(trainer.model, **options)
+    trainer_window.install(trainer)
+    return model
 
 
 class PorosCallback(TrainerCallback):
     """A ``TrainerCallback`` that streams the trainer's model when the trainer is built (``on_init_end``,
-    after TRL applied ``peft_config``), or at the latest when training starts.
+    after TRL applied ``peft_config``), or at the latest when training starts, and runs the trainer's
+    gradient-accumulation windows layer-major as :func:`prepare_trainer` does (it finds its trainer as the
+    trainer calls it: the caller whose ``callback_handler`` holds this callback).
 
     Args:
         **options: passed to :func:`poros.prepare`.
@@ -73,14 +84,33 @@ class PorosCallback(TrainerCallback):
         self.options = options
         self.model: PorosModel | None = None
 
-    def _prepare(self, args, model) -> None:
+    def _prepare(self, args, model) -> bool:
+        """Stream ``model`` (once) and drive the calling trainer's windows; False: no trainer found."""
         _check_args(args)
-        if model is None or isinstance(model, PorosModel):
-            return
-        self.model = prepare(model, **self.options)
+        if model is not None and not isinstance(model, PorosModel):
+            self.model = prepare(model, **self.options)
+        trainer = self._trainer()
+        return trainer is not None and trainer_window.install(trainer) is not None
+
+    def _trainer(self) -> Any:
+        """The trainer calling this callback: a caller's ``self`` whose callback handler holds it."""
+        frame = inspect.currentframe()
+        try:
+            while frame is not None:
+                candidate = frame.f_locals.get("self")
+                handler = getattr(candidate, "callback_handler", None)
+                if isinstance(candidate, Trainer) and self in getattr(handler, "callbacks", ()):
+                    return candidate
+                frame = frame.f_back
+            return None
+        finally:
+            del frame
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._prepare(args, model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._prepare(args, model)
+        if not self._prepare(args, model):
+            trainer_window.logger.warning(
+                "poros: gradient accumulation runs micro-major, not layer-major: PorosCallback found no "
+                "transformers Trainer calling it (use poros.prepare_trainer(trainer) instead)")

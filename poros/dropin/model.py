@@ -31,6 +31,7 @@ from poros.errors import (
     CacheDuringTrainingError,
     CheckpointingError,
     ConfigError,
+    DeviceError,
     GuaranteeError,
     OffloadedModelError,
     QuantizationError,
@@ -42,6 +43,7 @@ from poros.errors import (
 from poros.dropin import banner
 from poros.stream import graphs
 from poros.stream.chunked_loss import use_chunked_loss
+from poros.stream.tiling import tile_mlp
 from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
 from poros.stream.optimizer_states import resolve as resolve_optimizer_states
@@ -88,9 +90,10 @@ class PorosModel:
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
                      "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
-                     "_ddp_ignored", "_chunked_loss")
+                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp", "_streamed_counts")
 
-    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None,
+                         train_step: Any = None) -> list[torch.Tensor]:
         """Gradient accumulation, layer-major: forward and backward of all ``micro_batches`` with each
         block fetched once per direction (instead of once per micro-batch per direction).
 
@@ -104,6 +107,12 @@ class PorosModel:
         DDP's ``no_sync()``, for a step made of several calls. Call it on this model, not through
         the DDP wrapper (DDP's forward is not involved).
 
+        ``train_step(**micro_batch)``, when given, replaces the model call: one micro-batch's whole training
+        step -- the model call inside a loss, its scaling and its backward (e.g. an HF ``Trainer``'s
+        ``training_step``, :mod:`poros.dropin.trainer_window`) -- returning the loss. It runs twice per
+        micro-batch: the first run stops at the trunk (HF builds the context), the second computes the head,
+        the loss and its backward from the streamed hidden states.
+
         Returns:
             The micro-batches' losses, detached, in order.
 
@@ -111,7 +120,8 @@ class PorosModel:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
         with self.lora_placement.accumulation() if self.lora_placement else contextlib.nullcontext():
-            losses = self.executor.forward_backward(self.forward, micro_batches)
+            losses = self.executor.forward_backward(train_step or self.forward, micro_batches,
+                                                    own_backward=train_step is not None)
         from poros import distributed
 
         if sync_gradients is not False and distributed.reducing():
@@ -132,6 +142,45 @@ class PorosModel:
         ``embeddings_on_host`` is the input embedding table kept on the host."""
         return self.store.device
 
+    def to(self, *args: Any, **kwargs: Any):
+        """Placement is the streaming's: a move to the compute device is a no-op that returns the model.
+
+        HF ``Trainer`` and accelerate call ``model.to(args.device)`` on a model whose ``hf_device_map``
+        they do not find (one loaded without a ``device_map``, or through :func:`poros.from_pretrained`).
+        ``nn.Module.to`` would bring back to the card what streaming keeps on the host on purpose: the
+        embedding table held there (its lookups then fail: the ids go to the host, the table is not
+        there), host-placed adapters. Everything that computes is already on the compute device.
+
+        Raises:
+            DeviceError: another device or a dtype: the blocks live in the store, not in the modules;
+                ``unpatch()`` first.
+        """
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None or (device is not None and not _same_device(device, self.store.device)):
+            raise DeviceError(
+                f"model.to({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])}): a prepared "
+                f"model computes on {self.store.device} and its frozen blocks live in the block store, so it moves "
+                "neither to another device nor to another dtype. Call model.unpatch() first (or prepare it on the "
+                "device you want).")
+        return self
+
+    def cuda(self, device: Any = None):
+        """See :meth:`to`: a no-op on the compute device."""
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
+    def cpu(self):
+        """See :meth:`to`: a no-op when the model computes on the CPU."""
+        return self.to("cpu")
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """HF's ``num_parameters``, the streamed blocks' frozen tensors counted (their modules hold empty
+        placeholders while evicted): the HF ``Trainer`` reckons ``total_flos`` (saved in
+        ``trainer_state.json``) from it, so the plain run's count."""
+        owner = self.causal_lm
+        method = (self._poros_class if owner is self else type(owner)).num_parameters
+        counted = method(owner, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+        return counted + (0 if only_trainable else self._streamed_counts[bool(exclude_embeddings)])
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
@@ -149,6 +198,8 @@ class PorosModel:
             self.lora_placement.restore()
         if self._chunked_loss is not None:
             self._chunked_loss.remove()
+        if self._tiled_mlp is not None:
+            self._tiled_mlp.remove()
         self.store.restore()
         for layer, flag in self._restore_flags:
             layer.gradient_checkpointing = flag
@@ -163,6 +214,17 @@ class PorosModel:
             self.__dict__.pop(name, None)
         self.__class__ = original
         return self
+
+
+def _same_device(asked: torch.device, compute: torch.device) -> bool:
+    """``cuda`` (no index) names the current CUDA device."""
+    if asked.type != compute.type:
+        return False
+    if asked.index is None or compute.index is None:
+        current = torch.cuda.current_device() if asked.type == "cuda" and torch.cuda.is_available() else None
+        return (asked.index if asked.index is not None else current) == (
+            compute.index if compute.index is not None else current)
+    return asked.index == compute.index
 
 
 _STREAMED_CLASSES: dict[type, type] = {}
@@ -397,7 +459,7 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
         **keywords: the options by name, each documented on ``StreamOptions`` (``num_slots``,
             ``embeddings_on_host``, ``require``, ``resident_blocks``, ``vram_budget``, ``workload``,
             ``boundary_states``, ``optimizer_states``, ``host_tier``, ``host_budget``, ``read_ahead``,
-            ``cache_dir``, ``cuda_graphs``, ``lora_placement``, ``loss_chunks``); beside ``options`` they
+            ``cache_dir``, ``cuda_graphs``, ``lora_placement``, ``loss_chunks``, ``mlp_chunks``); beside ``options`` they
             override its values. What prepare and the planner decide for the choices left open is
             ``PorosModel.stream_options``, the object the executor is built with.
 
@@ -520,6 +582,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     """Past the gates: the blocks move into the store, the executor is built whole and installed, and
     ``model`` becomes its streamed class. ``found``: the detection and the budget plan."""
     chunked_loss = use_chunked_loss(causal_lm, options.loss_chunks) if options.loss_chunks > 1 else None
+    tiled_mlp = tile_mlp(causal_lm, options.mlp_chunks) if options.mlp_chunks > 1 else None
     if device.type != "cpu":
         from poros.loading.load import adapters_to_device
 
@@ -529,6 +592,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
+    counts = _parameter_counts(causal_lm)
     host_plan, tier = _host_tier(causal_lm, layers, resident, options)
     options = options.replace(host_tier=host_plan.tier, read_ahead=host_plan.read_ahead or options.read_ahead)
     blocks_on_device = any(p.device.type == "cuda" and not p.requires_grad for layer in layers
@@ -566,10 +630,18 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     prepared = _become_streamed(model, {
         **found, "causal_lm": causal_lm, "descriptor": descriptor, "store": store, "executor": executor,
         "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,
-        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss})
+        "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss,
+        "_tiled_mlp": tiled_mlp,
+        "_streamed_counts": tuple(a - b for a, b in zip(counts, _parameter_counts(causal_lm)))})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     banner.announce(prepared)  # one stderr line: Poros took effect
     return prepared
+
+
+def _parameter_counts(causal_lm: nn.Module) -> tuple[int, int]:
+    """HF's ``num_parameters()`` with and without the embeddings (0, 0 for a model without the method)."""
+    count = getattr(causal_lm, "num_parameters", None)
+    return (count(), count(exclude_embeddings=True)) if callable(count) else (0, 0)
 
 
 def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -> None:

@@ -8,7 +8,7 @@ scaling is ``query_pre_attn_scalar ** -0.5``; ``final_logit_softcapping`` after 
 (``gemma3``): ``Gemma3ForCausalLM.from_pretrained`` on them random-initialises every weight.
 """
 
-from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
+from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_WINDOW_MASK, decoder_family
 from poros.hookspecs import hookimpl
 from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant, layer_pattern
 
@@ -29,6 +29,7 @@ DESCRIPTOR = decoder_family(
         "layer(h, attention_mask=masks[lt], position_embeddings=pe[lt], position_ids=pos, cache=None)"
     ),
     norm_style="zero_centered",
+    seq_by_seq_masks=((SLIDING_ATTENTION, SLIDING_WINDOW_MASK),),
     embedding_scale="embed_tokens * sqrt(hidden_size) rounded to the weight dtype (55.43 -> 55.5 in bf16)",
     final_logit_softcapping="final_logit_softcapping",
     never_quantized=(

@@ -19,7 +19,7 @@ block: router ``proj`` (NF4, excluded from LoRA by default) and experts as raw 3
 that bitsandbytes does not quantize (they stream in the compute dtype).
 """
 
-from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, CarriedState, decoder_family
+from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_WINDOW_MASK, CarriedState, decoder_family
 from poros.hookspecs import hookimpl
 from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant
 
@@ -61,6 +61,12 @@ DESCRIPTOR = decoder_family(
         ),
     ),
     norm_style="plain_fp32",
+    seq_by_seq_masks=((SLIDING_ATTENTION, SLIDING_WINDOW_MASK),),
+    head_dims=((FULL_ATTENTION, "global_head_dim"),),
+    # the dense MLP (``mlp``) is tiled; the experts beside it route all tokens of the block together
+    mlp_untiled=(("enable_moe_block", "MoE experts: the router picks each token's experts over all tokens of "
+                  "the block and grouped_mm groups them by expert, so mlp_chunks leaves them whole (their working "
+                  "set is tokens x top_k_experts x moe_intermediate_size)"),),
     embedding_scale="embed_tokens * sqrt(hidden_size) rounded to the weight dtype",
     final_logit_softcapping="final_logit_softcapping",
     lora_targets_all_linear=(

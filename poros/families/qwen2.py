@@ -6,7 +6,7 @@ layers; q/k/v projections carry a (frozen) bias; Llama-style RMSNorm. Layers at 
 checkpoints). ``lm_head`` is tied to the embedding for 0.5B/1.5B/3B.
 """
 
-from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, decoder_family
+from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_WINDOW_MASK, decoder_family
 from poros.hookspecs import hookimpl
 from poros.tiny import TINY_SLIDING_WINDOW, TinyShape, TinyVariant
 
@@ -27,6 +27,7 @@ DESCRIPTOR = decoder_family(
     mask_kinds=((FULL_ATTENTION, "create_causal_mask"), (SLIDING_ATTENTION, "create_sliding_window_causal_mask")),
     layer_call=LAYER_CALL,
     norm_style="llama",
+    seq_by_seq_masks=((SLIDING_ATTENTION, SLIDING_WINDOW_MASK),),
     never_quantized=("input_layernorm", "post_attention_layernorm",
                      "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     notes=("q/k/v biases stay in the compute dtype inside Linear4bit and stream with the block.",

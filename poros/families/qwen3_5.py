@@ -44,7 +44,7 @@ DESCRIPTOR = decoder_family(
 )
 
 
-def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
+def tiny_fields(shape: TinyShape, overrides: dict) -> dict:
     """Partial rotary 0.25 (8 rotary channels at head_dim 32), interleaved mrope, a full layer every 4th."""
     rotary_pairs = int(shape.head_dim * 0.25) // 2
     return dict(
@@ -62,7 +62,7 @@ def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
 
 #: tiny test models (:mod:`poros.tiny`): partial rotary 0.25 -> 8 rotary channels, mrope [2, 1, 1].
 TINY_VARIANTS = (
-    TinyVariant("qwen3_5", "default", "Qwen3_5TextConfig", num_layers=4, head_dim=32, fields=_tiny_fields,
+    TinyVariant("qwen3_5", "default", "Qwen3_5TextConfig", num_layers=4, head_dim=32, fields=tiny_fields,
                 head_dim_multiple=8),
 )
 

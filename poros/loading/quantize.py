@@ -23,6 +23,7 @@ A multimodal checkpoint gives its text tower as the family's causal LM (what Por
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -60,9 +61,12 @@ class QuantizeResult:
     #: most decoder blocks whose tensors were in memory at once (the one written, the one starting)
     most_blocks_held: int = 0
     files: list[str] = field(default_factory=list)
+    #: the seed of ``--random-weights`` (None: the source's weights)
+    random_seed: int | None = None
 
     def summary(self) -> str:
-        return (f"poros: wrote {self.output}: {self.quant_type}{' + double quant' if self.double_quant else ''} "
+        weights = "" if self.random_seed is None else f"random weights (seed {self.random_seed}), "
+        return (f"poros: wrote {self.output}: {weights}{self.quant_type}{' + double quant' if self.double_quant else ''} "
                 f"(quantized on {self.device}), {self.blocks} blocks, {self.shards} shard"
                 f"{'s' if self.shards != 1 else ''}, {self.tensors} tensors, {self.bytes_written / 2**30:.2f} GiB "
                 f"in {self.seconds:.1f} s")
@@ -118,7 +122,7 @@ class ShardWriter:
         return [*names, SAFE_INDEX]
 
 
-def _parameter_count(modules: list[tuple[str, nn.Module]]) -> int:
+def parameter_count(modules: list[tuple[str, nn.Module]]) -> int:
     """``PreTrainedModel.num_parameters``'s count for ``modules`` (a 4-bit weight counts its unpacked values;
     a tied parameter once)."""
     import bitsandbytes as bnb
@@ -133,7 +137,7 @@ def _parameter_count(modules: list[tuple[str, nn.Module]]) -> int:
     return total
 
 
-def _serialize(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> dict[str, torch.Tensor]:
+def serialize_modules(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> dict[str, torch.Tensor]:
     """The state dict ``save_pretrained`` writes for ``modules``: each module's own tensors (a Linear4bit
     adds its QuantState), tied copies removed, transformers' weight conversions reverted (its default
     mapping, as for a model it did not load: the causal LM's names, whatever the source's)."""
@@ -152,7 +156,7 @@ def _serialize(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> dict[s
             model._weight_conversions = loaded_with
 
 
-def _drop(block: nn.Module) -> None:
+def free_tensors(block: nn.Module) -> None:
     """Free a written block: every tensor becomes a meta tensor of its shape (marked as initialised, so
     transformers' post-load initialisation leaves it alone)."""
     for module in block.modules():
@@ -170,7 +174,7 @@ def _drop(block: nn.Module) -> None:
             module.quant_state = None
 
 
-def _check_output(output: pathlib.Path, overwrite: bool) -> None:
+def check_output_dir(output: pathlib.Path, overwrite: bool) -> None:
     if output.exists() and not (output.is_dir() and not any(output.iterdir())) and not overwrite:
         raise ConfigError(f"{output} exists and is not empty; expected a new directory for the 4-bit checkpoint. "
                           "Pass another OUT, or --overwrite to replace it.")
@@ -209,7 +213,7 @@ def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, 
     if quantization not in ("nf4", "fp4"):
         raise ConfigError(f"--quantization {quantization!r}: bitsandbytes 4-bit is 'nf4' or 'fp4'.")
     output = pathlib.Path(output).expanduser()
-    _check_output(output, overwrite)
+    check_output_dir(output, overwrite)
     compute_dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
     device = resolve_device(device or None, with_index=True)
     path = resolve_checkpoint(model, revision=revision)
@@ -222,26 +226,23 @@ def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, 
     quantization_config = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=compute_dtype,
         bnb_4bit_use_double_quant=double_quant)
-    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    writer = ShardWriter(staging, max_shard_size)
     layers_path = info.descriptor.decoder_layers
     counted = {"parameters": 0, "blocks": 0, "most_held": 0}
-
-    def write_block(loaded: nn.Module, index: str) -> None:
-        layers = resolve_path(loaded, layers_path)
-        held = sum(any(t.device.type != "meta" for t in [*layer.parameters(), *layer.buffers()]) for layer in layers)
-        counted["most_held"] = max(counted["most_held"], held)
-        block = layers[int(index)]
-        modules = [(f"{layers_path}.{index}.{name}".rstrip("."), module) for name, module in block.named_modules()]
-        writer.add(_serialize(loaded, modules))
-        counted["parameters"] += _parameter_count(modules)
-        counted["blocks"] += 1
-        _drop(block)
-
     extra = {"key_mapping": info.key_mapping} if info.multimodal else {}
-    try:
+    with staging_for(output) as staging:
+        writer = ShardWriter(staging, max_shard_size)
+
+        def write_block(loaded: nn.Module, index: str) -> None:
+            layers = resolve_path(loaded, layers_path)
+            held = sum(any(t.device.type != "meta" for t in [*layer.parameters(), *layer.buffers()])
+                       for layer in layers)
+            counted["most_held"] = max(counted["most_held"], held)
+            modules = block_modules(layers, layers_path, int(index))
+            writer.add(serialize_modules(loaded, modules))
+            counted["parameters"] += parameter_count(modules)
+            counted["blocks"] += 1
+            free_tensors(layers[int(index)])
+
         with blocks_to_host(layers_path + ".", move=False, on_block_done=write_block):
             loaded, loading_info = transformers.AutoModelForCausalLM.from_pretrained(
                 path, config=info.text_config, quantization_config=quantization_config,
@@ -251,18 +252,10 @@ def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, 
         layers = resolve_path(loaded, layers_path)
         for index in range(counted["blocks"], len(layers)):  # the last block (or every one, if none was seen)
             write_block(loaded, str(index))
-        inside = {id(module) for layer in layers for module in layer.modules()} | {id(layers)}
-        outside = [(name, module) for name, module in loaded.named_modules() if id(module) not in inside]
-        writer.add(_serialize(loaded, outside))
-        counted["parameters"] += _parameter_count(outside)
-        files = writer.finish(counted["parameters"])
-        files += _write_config(loaded, staging)
-        files += _copy_side_files(path, staging)
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        outside = modules_outside(loaded, layers)
+        writer.add(serialize_modules(loaded, outside))
+        counted["parameters"] += parameter_count(outside)
+        files = finish_checkpoint(loaded, writer, counted["parameters"], staging, output, side_files_from=path)
     return QuantizeResult(
         output=str(output), source=str(path), quant_type=quantization, double_quant=double_quant, device=str(device),
         shards=sum(name.endswith(".safetensors") for name in files), tensors=sum(len(k) for _, k in writer.written),
@@ -270,7 +263,44 @@ def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, 
         most_blocks_held=counted["most_held"], files=sorted(files))
 
 
-def _write_config(model: nn.Module, directory: pathlib.Path) -> list[str]:
+def block_modules(layers: nn.ModuleList, layers_path: str, index: int) -> list[tuple[str, nn.Module]]:
+    """Block ``index``'s modules with their names in the model (the block itself first)."""
+    return [(f"{layers_path}.{index}.{name}".rstrip("."), module) for name, module in layers[index].named_modules()]
+
+
+def modules_outside(model: nn.Module, layers: nn.ModuleList) -> list[tuple[str, nn.Module]]:
+    """Every module of ``model`` that is not in a decoder block (the root, the embeddings, the norm, the head)."""
+    inside = {id(module) for layer in layers for module in layer.modules()} | {id(layers)}
+    return [(name, module) for name, module in model.named_modules() if id(module) not in inside]
+
+
+@contextlib.contextmanager
+def staging_for(output: pathlib.Path):
+    """A fresh staging directory beside ``output`` (``.OUT.partial-PID``), removed whatever happens."""
+    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def finish_checkpoint(model: nn.Module, writer: ShardWriter, parameters: int, staging: pathlib.Path,
+                      output: pathlib.Path, *, side_files_from: pathlib.Path | None) -> list[str]:
+    """Name the shards and write the index, ``config.json`` and the side files into ``staging``, then move it
+    to ``output`` (replacing what is there); returns the file names."""
+    files = writer.finish(parameters)
+    files += write_config(model, staging)
+    if side_files_from is not None:
+        files += copy_side_files(side_files_from, staging)
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(staging, output)
+    return files
+
+
+def write_config(model: nn.Module, directory: pathlib.Path) -> list[str]:
     """``config.json`` (with ``quantization_config``) and ``generation_config.json`` as ``save_pretrained``
     writes them."""
     model.config.dtype = str(model.dtype).split(".")[1]
@@ -284,7 +314,7 @@ def _write_config(model: nn.Module, directory: pathlib.Path) -> list[str]:
     return written
 
 
-def _copy_side_files(source: pathlib.Path, directory: pathlib.Path) -> list[str]:
+def copy_side_files(source: pathlib.Path, directory: pathlib.Path) -> list[str]:
     copied = []
     for name in SIDE_FILES:
         if (source / name).is_file():
@@ -293,4 +323,6 @@ def _copy_side_files(source: pathlib.Path, directory: pathlib.Path) -> list[str]
     return copied
 
 
-__all__ = ["DEFAULT_SHARD_BYTES", "QuantizeResult", "ShardWriter", "quantize_checkpoint"]
+__all__ = ["DEFAULT_SHARD_BYTES", "QuantizeResult", "ShardWriter", "block_modules", "check_output_dir",
+           "copy_side_files", "finish_checkpoint", "free_tensors", "modules_outside", "parameter_count",
+           "quantize_checkpoint", "serialize_modules", "staging_for", "write_config"]

@@ -72,9 +72,12 @@ from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
 from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
 from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  # noqa: F401 (the last two re-exported)
+from poros.stream.block_node import StreamedBlock as _StreamedBlock
+from poros.stream.block_node import recording_use as _recording_use
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
-from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
+from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
+from poros.stream.router_logits import RouterRecorder
 from poros.stream.stash import DiskStash, HostStash
 from poros.stream.store import BlockStore
 
@@ -103,6 +106,9 @@ class TrunkState:
     phase: Phase
     calls: list | None = None  # PRELUDE: where the recorders put HF's layer calls
     hidden: torch.Tensor | None = None  # HEAD: the last block's output, a leaf the head's backward fills
+    router_logits: tuple | None = None  # HEAD: every block's router logits, leaves (output_router_logits)
+    asked: dict = field(default_factory=dict)  # PRELUDE: what HF asked the trunk for ("router": its logits)
+    autocast: list | None = None  # PRELUDE: where the trunk notes the autocast state the model's forward set
 
 
 STREAMING = TrunkState(Phase.STREAM)
@@ -145,10 +151,11 @@ class _StreamingLayer(nn.Module):
 
 
 class _TrunkOutput:
-    """What callers read from the text model: ``last_hidden_state``; anything else is None."""
+    """What callers read from the text model: ``last_hidden_state`` (and ``router_logits`` when asked for);
+    anything else is None."""
 
-    def __init__(self, last_hidden_state: torch.Tensor) -> None:
-        self.last_hidden_state = last_hidden_state
+    def __init__(self, last_hidden_state: torch.Tensor, router_logits: tuple | None = None) -> None:
+        self.last_hidden_state, self.router_logits = last_hidden_state, router_logits
 
     def __getattr__(self, name: str) -> None:
         return None
@@ -182,6 +189,10 @@ class _Step:
     rng_states: dict[int, Any] = field(default_factory=dict)
     # block index -> the autocast state its forward ran under (replayed by its recompute)
     autocast_states: dict[int, Any] = field(default_factory=dict)
+    router: bool = False  # output_router_logits: each block's router logits are outputs of its node
+    router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> its forward's logits
+    # layer-major: the autocast state the model's forward set around its trunk call (the blocks run under it)
+    autocast: Any = None
 
 
 class StreamingExecutor:
@@ -213,6 +224,7 @@ class StreamingExecutor:
         self._layers_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
         self.final_norm = resolve_path(causal_lm, descriptor.final_norm)
         self.mapping_kwargs = frozenset(c.kwarg for c in descriptor.carried_state if c.kind == "mapping")
+        self.routers = RouterRecorder(self.trunk)  # the modules whose logits output_router_logits collects
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
         self._state = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
         self._stash_stream = None  # the host stash's side stream, made once
@@ -249,18 +261,23 @@ class StreamingExecutor:
     def trunk_forward(self, *args, **kwargs) -> "_TrunkOutput":
         state = self._state
         if state.phase is Phase.HEAD:  # layer-major, second call: the blocks already ran
-            return _TrunkOutput(self.final_norm(state.hidden))
+            return _TrunkOutput(self.final_norm(state.hidden), state.router_logits)
         if self.before_forward is not None:
             self.before_forward(kwargs)
         if state.phase is Phase.STREAM and not torch.is_grad_enabled():
             return self._trunk_without_grad(*args, **kwargs)
         kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
         if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
+            state.asked["router"] = self.routers.wanted(kwargs)
+            if state.autocast is not None:  # e.g. accelerate's autocast around the model's forward only
+                state.autocast.append(autocast_state(self.store.device))
             self._record(state.calls, *args, **kwargs)
             self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
+        step.router = self.routers.wanted(kwargs)
         hidden = step.calls[0].leaves[0]
         last = len(self.layers) - 1
+        router_logits: list[torch.Tensor] = []
         for index in range(len(self.layers)):
             self._note_mapping_entry(step, index)
             # The last block stays resident: it is the first one backward needs.
@@ -269,15 +286,17 @@ class StreamingExecutor:
             known = self._use_order.get(index)
             with torch.no_grad(), _recording_use(self.layers[index], parameters, known) as used:
                 # graphs replay layer-major's phases only (see graphs.py: micro-major's backward runs inside
-                # the autograd engine, where a capture is not safe)
-                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last, graphable=False)
+                # the autograd engine, where a capture failed on the H200; MICRO_MAJOR_SWITCH probes it)
+                output = self._run_block(step, index, hidden, grad_inputs, keep=index == last,
+                                         graphable=self.graphs is not None and self.graphs.micro_major)
             self._use_order[index] = used
             # The block's trainable parameters are inputs of its node, each through a view made in
             # the order the block used them: the engine runs the later-made view first, so their
             # accumulators (and DDP's hooks) fire in reverse use order, as in the resident backward.
-            hidden = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
-                                          len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
-        return _TrunkOutput(self.final_norm(hidden))
+            hidden, *logits = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
+                                                   len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
+            router_logits.extend(logits)
+        return _TrunkOutput(self.final_norm(hidden), tuple(router_logits) if step.router else None)
 
     def _trunk_without_grad(self, *args, **kwargs):
         """A forward without grad (generation, evaluation): HF's own trunk forward, each decoder layer a
@@ -296,8 +315,13 @@ class StreamingExecutor:
         device = self.store.device
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies):
-            return self._trunk_class_forward(*args, **kwargs)
+        # HF's recorders look for the routers in the module tree, where the proxies stand: record them here
+        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies), \
+                self.routers.recording(self.layers, self.routers.wanted(kwargs)) as logits:
+            output = self._trunk_class_forward(*args, **kwargs)
+        if logits:
+            output["router_logits"] = tuple(logits)
+        return output
 
     # -- prelude: HF's own code ----------------------------------------------------------------
     def _record(self, raw: list, *args, **kwargs) -> None:
@@ -339,13 +363,16 @@ class StreamingExecutor:
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         leaves = call.leaves_with(hidden, grad_tensors)
         output = None
-        if self.graphs is not None and not graphable:
-            self.graphs.note_eager("micro-major")
+        if self.graphs is not None and (not graphable or step.router):
+            self.graphs.note_eager("router logits" if step.router else "micro-major")
         elif self.graphs is not None:
             output = self.graphs.forward(index, leaves, call.unflatten, self._carried_at(index, call))
         if output is None:
             args, kwargs = call.unflatten(leaves)
-            output = self.layers[index](*args, **kwargs)
+            with self.routers.recording(self.layers[index], step.router) as logits:
+                output = self.layers[index](*args, **kwargs)
+            if step.router:
+                step.router_logits[index] = logits
         if not isinstance(output, torch.Tensor):
             raise StreamingError(
                 f"decoder layer {index} returned {type(output).__name__}; Poros expects the new hidden states "
@@ -377,8 +404,11 @@ class StreamingExecutor:
         return {position: access[name] for position, name in call.mapping_at.items()}
 
     def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
-                        hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False):
+                        hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False,
+                        router_grads: list | None = None):
         """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release.
+        ``router_grads``: the gradients of the block's router logits (``output_router_logits``), one per logits
+        tensor or None, more roots of the recompute.
 
         With ``return_parameter_grads`` the block's parameter gradients are returned (third value)
         instead of accumulated into ``.grad`` here (else that list is empty): the caller's autograd node hands them to the
@@ -394,8 +424,8 @@ class StreamingExecutor:
         # what later readers sent back to the entries this block wrote: more output gradients of its recompute
         written_grads = [(name, key, pending) for name, key in step.written_by.get(index, [])
                          if (pending := step.pending.pop((name, key, index), None)) is not None]
-        if self.graphs is not None and return_parameter_grads:
-            self.graphs.note_eager("micro-major")
+        if self.graphs is not None and (step.router or (return_parameter_grads and not self.graphs.micro_major)):
+            self.graphs.note_eager("router logits" if step.router else "micro-major")
         elif self.graphs is not None:
             replayed = self.graphs.backward(
                 index, call.leaves_with(hidden, grad_inputs, mappings), call.unflatten, grad_output, hidden_needs_grad,
@@ -410,8 +440,10 @@ class StreamingExecutor:
         with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
                 replayed_autocast(step.autocast_states.get(index), hidden.device):
             args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
-            output = self.layers[index](*args, **kwargs)
-        live = recompute_roots(output, grad_output, [(mappings[name][key], sent) for name, key, sent in written_grads])
+            with self.routers.recording(self.layers[index], step.router) as logits:
+                output = self.layers[index](*args, **kwargs)
+        written = [(mappings[name][key], sent) for name, key, sent in written_grads]
+        live = recompute_roots(output, grad_output, written + ([(logits, router_grads)] if router_grads else []))
         parameters = self.block_parameters(index) if return_parameter_grads else []
         # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
         # sums inside the block are the engine's either way, so the values are backward's.
@@ -421,11 +453,12 @@ class StreamingExecutor:
                     if isinstance(t, torch.Tensor) and t.requires_grad]
         targets += parameters
         captured: dict[int, torch.Tensor | None] = {}
-        if live and targets and return_parameter_grads:
+        if live and targets and return_parameter_grads:  # micro-major: inside the engine, in its state
             grads = torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live], allow_unused=True)
             captured = {id(t): g for t, g in zip(targets, grads)}
         elif live:
-            torch.autograd.backward([r for r, _ in live], [g for _, g in live])
+            with outside_autocast(hidden.device):  # layer-major: as HF's loss.backward(), outside autocast
+                torch.autograd.backward([r for r, _ in live], [g for _, g in live])
         if not return_parameter_grads:
             captured = {id(t): t.grad for t in targets}
         add_reader_grads(step.pending, readers, captured)
@@ -436,13 +469,20 @@ class StreamingExecutor:
         return hidden_grad, input_grads, [captured.get(id(p)) for p in parameters]
 
     # -- layer-major accumulation -------------------------------------------------------------
-    def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict]) -> list[torch.Tensor]:
+    def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict], *,
+                         own_backward: bool = False) -> list[torch.Tensor]:
         """Forward and backward of M micro-batches, block by block; returns their losses (detached).
 
         ``model_call(**micro_batch)`` is the full model (e.g. the PEFT wrapper) and must return an
-        output with ``.loss``; pass ``num_items_in_batch`` in each micro-batch for HF's accumulation
-        semantics. Gradients accumulate into ``.grad`` exactly as ``for mb: model(**mb).loss.backward()``
-        would leave them. Boundary states: the M x L block inputs stay on the device, or with
+        output with ``.loss`` (or the loss tensor); pass ``num_items_in_batch`` in each micro-batch for
+        HF's accumulation semantics. Gradients accumulate into ``.grad`` exactly as
+        ``for mb: model(**mb).loss.backward()`` would leave them; under autocast, as HF Trainer's loop does (autocast around each forward, every
+        backward outside it). With ``own_backward``, ``model_call`` is a
+        whole training step of one micro-batch (a trainer's loss, its scaling and its backward call) and
+        returns the loss; it is called twice per micro-batch (the first call is unwound at the trunk), so
+        nothing before its model call may have effects a second run would repeat. The blocks run under the
+        autocast state the model's forward set around its trunk call (recorded in the first call), as they
+        would inside that forward. Boundary states: the M x L block inputs stay on the device, or with
         ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
         one block ahead of backward, on their own stream; exact copies, so bitwise the same), or with
         ``"disk"`` in files under :attr:`spill_dir` (one per state, deleted as it is read back; the
@@ -455,11 +495,13 @@ class StreamingExecutor:
         check_no_dropout(self.causal_lm)
         if not micro_batches:
             return []
+        if self.graphs is not None:  # an autocast region that outlived the last step keeps its blocks eager
+            self.graphs.begin_step()
         # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
         steps = [self._prelude(model_call, batch) for batch in micro_batches]
         stash = self._stash()
         try:
-            return self._layer_major(model_call, micro_batches, steps, stash)
+            return self._layer_major(model_call, micro_batches, steps, stash, own_backward)
         finally:
             if isinstance(stash, DiskStash):
                 stash.close()  # after the step and when it fails: no state file is left behind
@@ -476,12 +518,15 @@ class StreamingExecutor:
         return HostStash(device, self._stash_stream)
 
     def _layer_major(self, model_call: Callable[..., Any], micro_batches: list[dict], steps: list[_Step],
-                     stash: HostStash | DiskStash | None) -> list[torch.Tensor]:
+                     stash: HostStash | DiskStash | None, own_backward: bool = False) -> list[torch.Tensor]:
         """:meth:`forward_backward` after the preludes: blocks forward, heads, blocks backward, preludes' backward."""
         count, last = len(self.layers), len(self.layers) - 1
         # 2. forward, block-major: each block fetched once for all micro-batches
         hidden = [step.calls[0].leaves[0] for step in steps]
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
+        # the forward's autocast state where it differs from this thread's (None: run as the caller runs)
+        outer = autocast_state(self.store.device)
+        autocasts = [None if step.autocast is None or step.autocast == outer else step.autocast for step in steps]
         with torch.no_grad():
             for index in range(count):
                 for m, step in enumerate(steps):
@@ -492,16 +537,24 @@ class StreamingExecutor:
                     else:
                         inputs[m].append(hidden[m])
                     keep = m < len(steps) - 1 or index == last
-                    hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(), keep=keep)
+                    with replayed_autocast(autocasts[m], self.store.device):
+                        hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(),
+                                                    keep=keep)
         # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
-        losses, grad_hidden = [], []
-        for batch, output in zip(micro_batches, hidden):
+        losses, grad_hidden, router_grads = [], [], []
+        for batch, output, step in zip(micro_batches, hidden, steps):
             leaf = output.detach().requires_grad_(True)
-            with self._switched(TrunkState(Phase.HEAD, hidden=leaf)):
-                loss = model_call(**batch).loss
-            loss.backward()
+            routers = {i: [t.detach().requires_grad_(True) for t in step.router_logits.get(i, [])] for i in range(count)}
+            leaves = tuple(t for i in range(count) for t in routers[i]) if step.router else None
+            with self._switched(TrunkState(Phase.HEAD, hidden=leaf, router_logits=leaves)):
+                loss = model_call(**batch)  # with own_backward, the loss's backward ran inside
+            loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+            if not own_backward:
+                with outside_autocast(leaf.device):  # every backward here runs outside autocast, as HF Trainer's
+                    loss.backward()
             losses.append(loss.detach())
             grad_hidden.append(leaf.grad)
+            router_grads.append({i: [t.grad for t in ts] for i, ts in routers.items()})
         hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
         # 4. backward, block-major, micro-batch 0 first: the accumulation order of ordinary accumulation
         input_grads: list[list[list]] = [[[] for _ in range(count)] for _ in steps]
@@ -517,7 +570,7 @@ class StreamingExecutor:
                 block_input = stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
                 grad_hidden[m], input_grads[m][index], _ = self._backward_block(
                     step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
-                    keep=keep)
+                    keep=keep, router_grads=router_grads[m][index] if step.router else None)
                 del block_input
         # 5. the prelude of each micro-batch: its outputs' gradients into its own graph
         for m, step in enumerate(steps):
@@ -531,7 +584,8 @@ class StreamingExecutor:
                         roots.append(tensor)
                         grads.append(grad)
             if roots:
-                torch.autograd.backward(roots, grads)
+                with outside_autocast(self.store.device):
+                    torch.autograd.backward(roots, grads)
         return losses
 
     @contextlib.contextmanager
@@ -547,11 +601,14 @@ class StreamingExecutor:
         """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
         records the layer calls; the last recorder's :class:`_CaptureDone` unwinds the model's forward, so
         no block, head or loss runs."""
-        calls: list[tuple[tuple, dict]] = []
-        with self._switched(TrunkState(Phase.PRELUDE, calls=calls)), contextlib.suppress(_CaptureDone):
+        state = TrunkState(Phase.PRELUDE, calls=[], autocast=[])
+        with self._switched(state), contextlib.suppress(_CaptureDone):
             model_call(**batch)
             raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
-        return self._step_of(calls)
+        step = self._step_of(state.calls)
+        step.router = state.asked.get("router", False)
+        step.autocast = state.autocast[0] if state.autocast else None
+        return step
 
     # -- carried mappings --------------------------------------------------------------------
     def _note_mapping_entry(self, step: _Step, index: int) -> None:
@@ -601,61 +658,3 @@ class StreamingExecutor:
         """Start bringing block ``index`` in if a slot is free (it is needed next)."""
         if 0 <= index < len(self.layers) and None in self.store.slot_owner:
             self.store.fetch(index)
-
-
-class _StreamedBlock(torch.autograd.Function):
-    """One decoder block as one autograd node: saves its input, recomputes in backward.
-
-    The block's trainable parameters are inputs of the node and their gradients its outputs, so
-    the graph the forward built reaches each parameter's accumulator exactly once, as in the
-    resident graph: DDP's reducer (``find_unused_parameters`` searches that graph; its hooks sit
-    on the accumulators) sees every adapter used, and ready once per backward.
-    """
-
-    @staticmethod
-    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, used: list, anchor, hidden, output,
-                input_count: int, *inputs_and_parameters):
-        # ``output`` was computed (without grad) by the caller: it had to see the use order first.
-        grad_inputs = inputs_and_parameters[:input_count]
-        ctx.executor, ctx.step, ctx.index, ctx.used = executor, step, index, used
-        ctx.save_for_backward(hidden, *grad_inputs)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        hidden, *grad_inputs = ctx.saved_tensors
-        hidden_grad, input_grads, parameter_grads = ctx.executor._backward_block(
-            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5],
-            return_parameter_grads=True,
-        )
-        by_parameter = dict(zip(map(id, ctx.executor.block_parameters(ctx.index)), parameter_grads))
-        in_use_order = [by_parameter[id(p)] for p in ctx.used]
-        return (None, None, None, None, None, hidden_grad, None, None, *input_grads, *in_use_order)
-
-
-@contextlib.contextmanager
-def _recording_use(layer: nn.Module, parameters: list[nn.Parameter], known: list[nn.Parameter] | None):
-    """Yields ``parameters`` in the order ``layer``'s forward uses them (forward pre-hooks on their
-    owning modules; parameters no hook saw follow in registration order). Once ``known`` holds the
-    same parameters, it is yielded as it is and nothing is hooked."""
-    if known is not None and {id(p) for p in known} == {id(p) for p in parameters}:
-        yield known
-        return
-    wanted = {id(p) for p in parameters}
-    order: list[nn.Parameter] = []
-    seen: set[int] = set()
-
-    def note(module, _args):
-        for parameter in module.parameters(recurse=False):
-            if id(parameter) in wanted and id(parameter) not in seen:
-                seen.add(id(parameter))
-                order.append(parameter)
-
-    handles = [module.register_forward_pre_hook(note) for module in layer.modules()
-               if any(id(p) in wanted for p in module.parameters(recurse=False))]
-    try:
-        yield order
-    finally:
-        for handle in handles:
-            handle.remove()
-        order.extend(p for p in parameters if id(p) not in seen)

@@ -116,6 +116,13 @@ def block_bytes(blocks: list[nn.Module], quantized_weights: set[int], *, double_
     return sizes
 
 
+def nf4_experts_bytes(shape: tuple[int, ...], blocksize: int = 64) -> int:
+    """Padded block bytes of one fused expert tensor ``[E, rows, cols]`` as ``poros.quantize_experts`` packs it:
+    the 4-bit codes ``[E, rows * cols / 2]`` and the fp32 block scales ``[E, rows * cols / blocksize]``."""
+    experts, numel = shape[0], math.prod(shape[1:])
+    return padded(experts * numel // 2) + padded(experts * -(-numel // blocksize) * 4)
+
+
 def tensor_bytes(tensor: torch.Tensor, quantized_weights: set[int], double_quant: bool) -> int:
     """Unpadded bytes of ``tensor``: its packed 4-bit form and quantization state when its ``id`` is
     in ``quantized_weights``, else its dtype's."""

@@ -17,6 +17,17 @@ cost of queueing ~500 kernels per block disappears.
   the store layout of its frozen tensors, addresses of tensors the store does not stream) × each
   argument's shape, strides and dtype (plain arguments by value) × training mode, adapter state
   (enabled, active, merged) and the autocast state. Blocks of one kind in one slot share a graph.
+* **Autocast** (HF Trainer's ``bf16=True``): with :data:`AUTOCAST_SWITCH` set (``=1``), a block under
+  autocast is captured with the cast cache off (``replay.uncached``: each cast of an fp32 LoRA weight is
+  an op the replay reruns; cached or not it gives the same bits, and autograd the same gradient, as
+  long as the weight has not changed since it was cached). The one case where the cache changes the
+  bits is an autocast region that outlives an optimizer step (torch keeps the first cast of each weight
+  for the whole region, so the eager path computes with stale casts; HF Trainer enters autocast per
+  forward): :meth:`BlockGraphs.begin_step` finds a region that lived through the previous
+  ``forward_backward`` (``replay.CastCacheWatch``) and its blocks run eagerly (``autocast cache across
+  steps``), matching a resident run in the same region. Without the switch, blocks under autocast
+  with the cache on run eagerly (``autocast cache``): the switch stays off until the H200 gate shows
+  the capture bitwise (tools/autocast_graph_probe.py, docs/limitations.md).
 * **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
   capture points the block's trainable parameters at static buffers (``.data``), each replay
   copies the running block's values in. Backward returns their gradients from static buffers; the
@@ -27,7 +38,7 @@ cost of queueing ~500 kernels per block disappears.
   (layer-major accumulation, ``PorosTrainer``'s default). Micro-major's backward runs inside the
   autograd engine, where a capture can be invalidated by the engine's other work (seen on the
   H200: the gate's first micro-major capture failed); its blocks run eagerly, counted as
-  ``micro-major``.
+  ``micro-major`` (:data:`MICRO_MAJOR_SWITCH` lets them replay, for the probe that measures it).
 * **Carried mappings** (K/V one layer stores for later ones) are never captured by reference: the capture
   hands the block a mapping of its own, holding static copies of the entries the block reads (what
   :meth:`StreamingExecutor.carried_access` says, from the descriptor), copied in before each replay like
@@ -39,7 +50,8 @@ cost of queueing ~500 kernels per block disappears.
   block reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry),
   an active dropout (its RNG draws; ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on
   the trainable parameters,
-  autocast with its cast cache on (a cached cast would be baked into the graph), Python hooks on
+  autocast with its cast cache on (without :data:`AUTOCAST_SWITCH`, or in a region that outlived a
+  step: see above), Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values, or
   whose elements overlap (an expanded view: a static copy cannot hold it), and a family's
   ``graph_unsafe`` features (e.g. MoE routing through transformers' eager experts loop, which syncs
@@ -56,6 +68,7 @@ has no ``BlockGraphs`` and runs as before.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,7 +82,7 @@ from poros.errors import ConfigError, StreamingError
 from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.executor import dropout_p
 from poros.stream.options import check_cuda_graphs as check  # the setting's one check, as graphs.check
-from poros.stream.replay import autocast_state, replayed_autocast
+from poros.stream.replay import CastCacheWatch, autocast_state, outside_autocast, replayed_autocast, uncached
 
 #: eager runs of a key before it is captured (lazy initialisation — cuBLAS handles, workspaces,
 #: autotuning caches — happens in eager mode first, never inside a capture)
@@ -78,6 +91,12 @@ WARMUP = 1
 #: keys, each with static buffers of its own; past this, new keys run eagerly ("graph limit")
 MAX_GRAPHS = 24
 _PLAIN = (int, float, str, bool, type(None))
+#: the environment variable that turns on the capture under autocast with its cast cache on (``1``);
+#: off by default until the H200 gate shows it bitwise (read when a :class:`BlockGraphs` is made)
+AUTOCAST_SWITCH = "POROS_CUDA_GRAPHS_AUTOCAST"
+#: the environment variable that lets micro-major's block phases (inside the autograd engine) replay
+#: too (``1``): a probe for the H200 (tools/autocast_graph_probe.py ``micro-major``), off by default
+MICRO_MAJOR_SWITCH = "POROS_CUDA_GRAPHS_MICRO_MAJOR"
 
 
 def enabled(value: Any, device: torch.device) -> bool:
@@ -176,6 +195,19 @@ class BlockGraphs:
         self._dropouts: dict[int, list[nn.Module]] = {}
         self._adapters: dict[int, list[nn.Module]] = {}
         self._own_hooks = {handle.id for handle in getattr(store, "_hooks", ())}
+        # autocast with its cast cache on: captured (cache off) only with the switch; a region that
+        # outlived the previous forward_backward holds stale casts, which only eager mode reproduces
+        self.autocast_capture = os.environ.get(AUTOCAST_SWITCH, "") == "1"
+        self.micro_major = os.environ.get(MICRO_MAJOR_SWITCH, "") == "1"
+        self._cache_watch = CastCacheWatch(store.device)
+        self._stale_casts = False
+        self._capture_stream = None  # one side stream, warmed up and captured on (made at the first capture)
+
+    def begin_step(self) -> None:
+        """Called at the start of each ``forward_backward``: whether the ambient autocast region has lived
+        since the previous one (its cast cache then holds casts of weights an optimizer step may have
+        changed since: the eager path reuses them, a capture would not; such blocks run eagerly)."""
+        self._stale_casts = self.autocast_capture and self._cache_watch.persisted()
 
     # -- the two phases -------------------------------------------------------------------------
     def forward(self, index: int, leaves: list[Any], unflatten: Callable,
@@ -189,9 +221,10 @@ class BlockGraphs:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
-        extra = (_hashable_autocast(autocast_state(self.store.device)), _carried_signature(leaves, carried))
+        autocast = uncached(autocast_state(self.store.device))
+        extra = (_hashable_autocast(autocast), _carried_signature(leaves, carried))
         key = self._key("forward", index, layer, leaves, extra, carried)
-        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten, carried))
+        graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten, carried, autocast))
         if graph is None:
             return None
         graph.load(leaves, self._parameters(index), _read_tensors(leaves, carried))
@@ -215,6 +248,7 @@ class BlockGraphs:
             self.note_eager(reason)
             return None
         layer = self.layers[index]
+        autocast = uncached(autocast)  # what the capture runs under: the forward's state, cast cache off
         pending = tuple((name, key, tuple(None if g is None else _signature(g) for g in grads))
                         for name, key, grads in written_grads)
         extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output),
@@ -266,7 +300,10 @@ class BlockGraphs:
         if layer.training and any(dropout_p(m) > 0 for m in self._dropouts_of(index)):
             return "dropout"
         if torch.is_autocast_enabled(self.store.device.type) and torch.is_autocast_cache_enabled():
-            return "autocast cache"
+            if not self.autocast_capture:
+                return "autocast cache"
+            if self._stale_casts:
+                return "autocast cache across steps"
         if _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
                                   or m._backward_hooks or m._backward_pre_hooks for _, m in self._modules_of(index)):
             return "module hooks"
@@ -374,7 +411,7 @@ class BlockGraphs:
         return graph
 
     # -- capture --------------------------------------------------------------------------------
-    def _record(self, index: int, body: Callable[[int], list]) -> tuple[Callable[[], None], list]:
+    def _record(self, index: int, body: Callable[[int], list], autocast: Any = None) -> tuple[Callable[[], None], list]:
         """Capture ``body(index)`` — block ``index``'s kernels — into a CUDA graph: ``(replay, body's
         outputs)``; each replay reruns those kernels on the same buffers, for whichever block of the key
         has its bytes there now (``body(i)`` is block ``i``'s). The one CUDA-only step of a capture."""
@@ -384,8 +421,17 @@ class BlockGraphs:
                                                   else torch.cuda.current_device()]
         backup, stream = generator.clone_state(), torch.cuda.current_stream(device)
         graph = torch.cuda.CUDAGraph()
+        side = None
+        if self.autocast_capture and (torch.is_autocast_enabled(device.type) or _autocast_on(autocast)):
+            # torch's recipe: one eager run on the capture's own stream first, so that what kernels set
+            # up lazily per stream (cuBLAS workspaces of the bf16 GEMMs autocast adds) exists before it
+            side = self._capture_stream = self._capture_stream or torch.cuda.Stream(device)
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                body(index)
+            stream.wait_stream(side)
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 outputs = body(index)
         except Exception:
             # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"
@@ -394,18 +440,33 @@ class BlockGraphs:
             generator.graphsafe_set_state(backup)
             torch.cuda.set_stream(stream)
             torch.cuda.synchronize(device)
+            self._abandon_pool(device)
             raise
         return graph.replay, outputs
 
+    def _abandon_pool(self, device: torch.device) -> None:
+        """After a failed capture: the allocator may still route the capture stream's allocations to the
+        pool (the capture's end never ran), and every later capture into it would fail ("already
+        recording to mempool_id", seen on the H200). End that and start later captures on a new pool."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
+            end = getattr(torch._C, name, None)
+            if end is not None:
+                with contextlib.suppress(Exception):
+                    end(index, self.pool)
+                break
+        self.pool = None
+
     def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable,
-                         carried: dict[int, CarriedAccess]) -> _Graph:
+                         carried: dict[int, CarriedAccess], autocast: Any = None) -> _Graph:
         statics = [_static(leaf) for leaf in leaves]
         reads = _own_mappings(statics, leaves, carried)
         params = [p.detach().clone() for p in self._parameters(index)]
         writes: list[tuple[int, Any, Any, int, int]] = []
 
         def body(block: int) -> list:
-            with _pointed_at(self._parameters(block), params), torch.no_grad():
+            with _pointed_at(self._parameters(block), params), torch.no_grad(), \
+                    replayed_autocast(autocast, self.store.device):
                 args, kwargs = unflatten(statics)
                 output = self.layers[block](*args, **kwargs)
             written = _written(index, statics, carried)
@@ -413,7 +474,7 @@ class BlockGraphs:
                          in _numbered(written)]
             return [output, *(t for _, _, _, tensors in written for t in tensors)]
 
-        replay, outputs = self._record(index, body)
+        replay, outputs = self._record(index, body, autocast)
         return _Graph(replay, statics, params, outputs, inputs=reads, writes=writes)
 
     def _capture_backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
@@ -440,13 +501,14 @@ class BlockGraphs:
                                                              for position, key, grads in sent])
                 targets = ([statics[0]] if hidden_needs_grad else []) + [statics[p] for p in grad_at]
                 targets += [t for t in reads if t.requires_grad] + parameters
-                grads = list(torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live],
-                                                 allow_unused=True))
+                with outside_autocast(self.store.device):  # as the eager layer-major backward
+                    grads = list(torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live],
+                                                     allow_unused=True))
             if not hidden_needs_grad:
                 grads.insert(0, None)
             return grads
 
-        replay, outputs = self._record(index, body)
+        replay, outputs = self._record(index, body, autocast)  # the recompute's state: warm-up too
         inputs = [static_grad, *reads, *(g for _, _, grads in sent for g in grads if g is not None)]
         return _Graph(replay, statics, params, outputs, inputs=inputs)
 
@@ -600,6 +662,11 @@ def _signature(leaf: Any) -> Any:
     return ("value", type(leaf).__name__, leaf)
 
 
+def _autocast_on(state: Any) -> bool:
+    """Whether a recorded autocast state (``replay.autocast_state``) has a kind enabled."""
+    return bool(state) and any(kwargs.get("enabled") for _, kwargs in state)
+
+
 def _hashable_autocast(state: Any) -> Any:
     if state is None:
         return None
@@ -626,4 +693,5 @@ def _pointed_at(parameters: list[nn.Parameter], statics: list[torch.Tensor]):
             parameter.data = original
 
 
-__all__ = ["MAX_GRAPHS", "WARMUP", "BlockGraphs", "GraphReport", "check", "enabled"]
+__all__ = ["AUTOCAST_SWITCH", "MAX_GRAPHS", "MICRO_MAJOR_SWITCH", "WARMUP", "BlockGraphs", "GraphReport", "check",
+           "enabled"]

@@ -2,7 +2,7 @@
 
 How a run streams -- the slot ring, the resident blocks, the VRAM budget and the step it is planned
 for (:class:`Workload`), where the embedding tables, the boundary states, AdamW's state and the LoRA
-tensors live, the host tier, CUDA graphs, the chunked loss, the guarantee the run must earn -- is
+tensors live, the host tier, CUDA graphs, the chunked loss, the tiled MLP, the guarantee the run must earn -- is
 made once and carried whole::
 
     PorosConfig ──StreamOptions.from_config──┐
@@ -151,8 +151,11 @@ class StreamOptions:
             in backward (``poros.stream.chunked_loss``; ``prepare`` installs it, ``unpatch`` removes
             it); 1: HF's own loss. With ``vram_budget`` the planner may raise it (and ``mlp_chunks``)
             when the budget cannot hold the step otherwise: the plan's ``loss_chunks``.
-        mlp_chunks: each block's MLP over this many sequence chunks in forward, recompute and backward,
-            saving only the MLP input (the tiled MLP); 1: the MLP over the whole sequence at once.
+        mlp_chunks: each decoder block's MLP over this many sequence chunks in forward, recompute and
+            backward, saving only its input (``poros.stream.tiling``; ``prepare`` installs it, ``unpatch``
+            removes it): one chunk's ``batch x seq x intermediate_size`` activations alive at a time;
+            1: the MLP over the whole sequence. Bitwise a resident run with the same tiling
+            (``poros.stream.tiling.tile_mlp``), not the untiled one.
 
     Raises:
         ConfigError: a value of the wrong kind or out of range; ``resident_blocks`` with

@@ -422,7 +422,8 @@ class HostEmbedding:
 
     @staticmethod
     def _tokens_to_host(module, args):
-        return (args[0].to("cpu"), *args[1:])
+        # to wherever the table is now (the host unless a plain ``nn.Module.to`` on an inner module moved it)
+        return (args[0].to(module.weight.device), *args[1:])
 
     def _rows_to_device(self, module, args, output):
         # The table is frozen, so nothing upstream of its output learns: the rows arrive as a leaf.

@@ -34,10 +34,13 @@ from poros.stream.footprint import (
     chunked_footprints,
     device_context_bytes,
     meta_skeleton,
+    nf4_experts_bytes,
+    padded,
     quantized_linears,
     tensor_bytes,
     with_activations,
 )
+from poros.stream.units import format_gb
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
 from poros.stream.options import StreamOptions
 from poros.stream.planner import (
@@ -196,6 +199,7 @@ class Plan:
     attn_implementation: str | None = None
     loss_chunks: int = 1
     mlp_chunks: int = 1
+    experts: str | None = None  # MoE models: experts per block, their bf16 and NF4 bytes (None: no experts)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -317,6 +321,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     double_quant = prequantized.double_quant if prequantized else config.double_quant
     quantized_weights = {id(module.weight) for module in quantized.values()}
     sizes = block_bytes(blocks, quantized_weights, double_quant=double_quant)
+    sizes, experts_line = _expert_sizes(blocks, sizes, config.quantize_experts)
 
     in_blocks = {id(t) for block in blocks for t in [*block.parameters(), *block.buffers()]}
     outside = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks}
@@ -351,8 +356,32 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         batch_size=config.batch_size, seq_len=config.seq_len, grad_accum=config.grad_accum,
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
-        loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks,
+        loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line,
     ), text_config
+
+
+def _expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple[list[int], str | None]:
+    """The block sizes with the fused MoE experts in NF4 (``quantize_experts`` not false: what the run packs)
+    and the plan's line on the experts (count, bf16 and NF4 bytes); ``(sizes, None)`` without experts."""
+    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
+
+    per_block = []  # (bf16 bytes, NF4 bytes, experts) of each block
+    for block in blocks:
+        modules = [m for _, m in experts_modules(block)]
+        tensors = [getattr(m, t) for m in modules for t in FUSED_EXPERT_TENSORS]
+        per_block.append((sum(padded(t.numel() * t.element_size()) for t in tensors),
+                          sum(nf4_experts_bytes(tuple(t.shape)) for t in tensors) + len(modules) * padded(16 * 4),
+                          max((t.shape[0] for t in tensors), default=0)))
+    if not any(count for _, _, count in per_block):
+        return sizes, None
+    bf16, nf4 = sum(b for b, _, _ in per_block), sum(n for _, n, _ in per_block)
+    on = quantize is not False
+    if on:
+        sizes = [size - b + n for size, (b, n, _) in zip(sizes, per_block)]
+    moe_blocks = sum(1 for _, _, count in per_block if count)
+    line = (f"{max(c for _, _, c in per_block)} experts in each of {moe_blocks} blocks: {format_gb(bf16)} in bf16, "
+            f"{format_gb(nf4)} in NF4 ({'quantize_experts: the run packs them' if on else 'quantize_experts=false'})")
+    return sizes, line
 
 
 def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: Any, device: torch.device,
@@ -375,11 +404,12 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
                        "at a time; this engine's chunked loss still keeps the whole logits and their gradient "
                        f"({logits / 1e9:.2f} GB more at the turn) until the head runs chunk by chunk (issue 32).")
     # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
-    # the same from the loaded model's entry)
+    # the same from the loaded model's entry), unless the run packs MoE experts after loading (pinned buffers)
+    cached = not config.no_cache and not (plan.experts and config.quantize_experts is not False)
     host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks, host_tier=config.host_tier,
                                      host_budget=config.host_budget, read_ahead=config.read_ahead,
-                                     ranks_per_node=ranks, shared_file=not config.no_cache)
-    node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=not config.no_cache)
+                                     ranks_per_node=ranks, shared_file=cached)
+    node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
     return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,
                         tuple(notices), host_ram=host_ram_parts(budget_plan, host, footprint))
 

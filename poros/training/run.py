@@ -32,6 +32,7 @@ from poros.devices import compute_device
 from poros.errors import DataError, OutputDirError, TrainingCheckpointError
 from poros.training.progress import echo, progress_bar, showing
 from poros.training.stop import StopRequest
+from poros.training.validation import check_seq_len
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
@@ -129,6 +130,7 @@ class TrainingRun:
         from poros.data.batches import pad_token_id as padding_id
 
         config, tokenizer = self.config, self.trainer.tokenizer
+        check_seq_len(config.seq_len, self.model.config.get_text_config(), config.model)  # also for train(seq_len=)
         if tokenizer is None and not (isinstance(self.data_source, str) and self.data_source == "synthetic"):
             raise DataError(f"the checkpoint {config.model} has no tokenizer files, so only dataset 'synthetic' can "
                             "be trained without one. Fix: copy the base model's tokenizer files next to its "

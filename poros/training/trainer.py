@@ -138,7 +138,9 @@ class PorosTrainer:
         :func:`poros.loading.load.load_pretrained`, then ``torch.manual_seed(seed)`` and PEFT's
         ``get_peft_model`` with its default initialization (``lora_B`` zero), moves the adapters to
         the compute device (:func:`poros.loading.load.adapters_to_device`), streams the model with
-        :func:`poros.prepare`, and prints the detection summary with the guarantee label. After loading,
+        :func:`poros.prepare`, and prints the detection summary with the guarantee label. A mixture-of-experts
+        model gets its fused experts packed to NF4 first (``quantize_experts``, :func:`poros.quantize_experts`;
+        the choice is printed), and ``output_router_logits`` (when set) is written into its config. After loading,
         ``cpu_threads`` sets torch's CPU thread count for the process (:func:`poros.devices.cpu_threads`).
 
         Raises:
@@ -151,6 +153,7 @@ class PorosTrainer:
         from poros.loading.cache import cache_root
         from poros.dropin import banner
         from poros.dropin.model import prepare
+        from poros.loading.experts import quantize_experts_for_run
         from poros.loading.load import adapters_to_device, load_pretrained
         from poros.stream.options import StreamOptions
 
@@ -171,6 +174,11 @@ class PorosTrainer:
         if threads is not None and threads != torch.get_num_threads():  # for the process, as OMP_NUM_THREADS would
             torch.set_num_threads(threads)
             echo(f"poros: {threads} CPU thread{'s' if threads > 1 else ''} (cpu_threads={config.cpu_threads!r})")
+        experts = quantize_experts_for_run(loaded.model, config.quantize_experts)
+        if experts is not None:
+            echo(experts)
+        if config.output_router_logits is not None:
+            loaded.model.config.output_router_logits = config.output_router_logits
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(loaded.model, config.target_modules),
@@ -187,6 +195,10 @@ class PorosTrainer:
             echo(f"poros: loss_chunks={chunks}: the loss is computed over {chunks} token "
                   "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
                   "default loss")
+        if config.mlp_chunks > 1:
+            echo(f"poros: mlp_chunks={config.mlp_chunks}: each block's MLP runs over {config.mlp_chunks} sequence "
+                  "chunks: bitwise a resident run with the same mlp_chunks, numerically (not bitwise) the whole MLP"
+                  + (f"; not tiled: {model._tiled_mlp.untiled}" if model._tiled_mlp.untiled else ""))
         if model.budget_plan is not None:
             echo(model.budget_plan.summary())
         if model.host_plan.notable:

@@ -34,7 +34,7 @@ import sys
 from typing import Any
 
 from poros.packages import INSTALL_HINT, RUN_PACKAGES, missing_packages  # noqa: F401 (re-exported)
-from poros.errors import CheckpointLoadError, DataError, MissingDependencyError, OutputDirError
+from poros.errors import CheckpointLoadError, ConfigError, DataError, MissingDependencyError, OutputDirError
 
 #: records normalized by :func:`check_dataset` (the whole file is read; only these are normalized).
 SAMPLE_RECORDS = 32
@@ -235,12 +235,43 @@ def validate_run(config: Any, *, dry_run: bool = False) -> None:
     check_output_dir(config.output_dir, overwrite=config.overwrite, resuming=resuming)
     check_resume(config)
     directory = check_model(config.model, revision=config.revision, download_allowed=not dry_run)
+    if directory is not None:
+        from poros.training.plan import load_text_config
+
+        check_seq_len(config.seq_len, load_text_config(directory)[1], config.model)
     tokenizer = checkpoint_tokenizer(directory)
     check_dataset(config.dataset, split=config.dataset_split, tokenizer=tokenizer, seq_len=config.seq_len,
                   chat_template=config.chat_template)
     if config.eval_dataset:
         check_dataset(config.eval_dataset, split=config.eval_dataset_split, tokenizer=tokenizer,
                       seq_len=config.seq_len, chat_template=config.chat_template)
+
+
+def longest_sequence(text_config: Any) -> int | None:
+    """The most tokens a row may have for this model: ``max_position_embeddings``, or a RoPE scaling's
+    ``factor x original_max_position_embeddings`` where that is more (YaRN as the Qwen cards add it);
+    None when the config says neither."""
+    limit = getattr(text_config, "max_position_embeddings", None)
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    kinds = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for parameters in kinds:  # one dict, or one per layer kind (Gemma)
+        if isinstance(parameters, dict) and parameters.get("factor") and parameters.get("original_max_position_embeddings"):
+            scaled = int(parameters["factor"] * parameters["original_max_position_embeddings"])
+            limit = scaled if limit is None else max(limit, scaled)
+    return limit
+
+
+def check_seq_len(seq_len: int, text_config: Any, model: str = "the model") -> None:
+    """``seq_len`` is at most the model's :func:`longest_sequence`.
+
+    Raises:
+        ConfigError: above it, naming both numbers and the fix.
+    """
+    limit = longest_sequence(text_config)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"seq_len={seq_len} is above {model}'s max_position_embeddings={limit}: positions past it "
+                          "were never trained (and RoPE scaling is not set to reach them). Fix: seq_len "
+                          f"{limit} or less, or a checkpoint (or rope_parameters) made for longer sequences.")
 
 
 def checkpoint_tokenizer(directory: pathlib.Path | None) -> Any:
@@ -256,5 +287,5 @@ def checkpoint_tokenizer(directory: pathlib.Path | None) -> Any:
 
 
 __all__ = ["RUN_PACKAGES", "check_dataset", "check_device", "check_model", "check_output_dir", "check_resume",
-           "check_trainable", "checkpoint_tokenizer", "missing_dependency", "missing_packages", "require_run_packages",
+           "check_seq_len", "check_trainable", "checkpoint_tokenizer", "longest_sequence", "missing_dependency", "missing_packages", "require_run_packages",
            "validate_run"]

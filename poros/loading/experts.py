@@ -1,0 +1,235 @@
+"""``poros.quantize_experts``: a mixture-of-experts model's fused 3-D expert tensors packed to NF4 in place.
+
+transformers stores the experts of an MoE block (Qwen3.5/3.6 MoE, Gemma 4 26B-A4B) as fused
+``nn.Parameter``s, ``gate_up_proj [E, 2 * I, H]`` and ``down_proj [E, H, I]``, which bitsandbytes'
+``Linear4bit`` replacement skips: under an ordinary QLoRA load they stay bf16 and are most of the
+model's bytes. :func:`quantize_experts` packs each expert's matrix with bitsandbytes' blockwise NF4
+(``bitsandbytes.functional.quantize_4bit``, one call per expert) and replaces the parameter by two
+buffers the block store streams like any other frozen tensor:
+
+* ``<name>_nf4``: uint8 ``[E, rows * cols / 2]``, the packed 4-bit codes of each expert;
+* ``<name>_absmax``: float32 ``[E, rows * cols / blocksize]``, each expert's block scales;
+
+and one ``nf4_code`` buffer (the 16 NF4 levels) per experts module. The experts' forward becomes
+:func:`nf4_experts_forward` (registered in transformers' ``ExpertsInterface`` as
+:data:`EXPERTS_IMPLEMENTATION` and selected through the config's ``_experts_implementation``): it
+loops over the experts the tokens were routed to, as transformers' eager loop does, and
+dequantizes each one when it is used. The linear through a dequantized expert is
+:class:`DequantizedLinear`, which dequantizes again in backward instead of keeping the bf16 weight,
+so neither a resident model nor a streamed block ever holds more than one expert's bf16 matrix per
+linear at a time.
+
+The model stays an ordinary resident HF model that trains (the parity reference); ``poros.prepare``
+streams it like any other, and the streamed run is bitwise the resident one. The loop syncs with the
+host (the experts hit), so ``cuda_graphs`` keeps such blocks eager and names why (the families'
+``graph_unsafe``: experts implementation ``poros_nf4``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from poros.errors import PorosError
+
+#: the name of the NF4 experts forward in transformers' ``ExpertsInterface`` (``config._experts_implementation``)
+EXPERTS_IMPLEMENTATION = "poros_nf4"
+#: the fused expert tensors transformers' experts modules hold
+FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+NF4_BLOCKSIZE = 64
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every experts module: one that owns the fused ``gate_up_proj`` and ``down_proj``
+    parameters (3-D, or the store's placeholders while streamed) and says ``num_experts``, or their NF4
+    buffers once quantized. PEFT's ``ParamWrapper`` around one is not listed (its base layer is)."""
+    found = []
+    for name, module in model.named_modules():
+        owned = all(t in module._parameters for t in FUSED_EXPERT_TENSORS) and hasattr(module, "num_experts")
+        if owned or is_quantized(module):
+            found.append((name, module))
+    return found
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """True when :func:`quantize_experts` packed this experts module."""
+    return isinstance(getattr(module, "poros_nf4", None), dict)
+
+
+def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE) -> nn.Module:
+    """Quantize every fused expert tensor of ``model`` to NF4 in place, per expert; returns ``model``.
+
+    Call it on the HF model before ``get_peft_model`` (LoRA on the linears is unaffected; the
+    experts are frozen). Quantizing twice is a no-op for the modules already packed.
+
+    Args:
+        model: a transformers MoE model (``*ForCausalLM``, or a PEFT model around one).
+        blocksize: NF4 block size (bitsandbytes' default 64).
+
+    Raises:
+        PorosError: the model has no fused experts; the experts carry LoRA (PEFT's ``target_parameters``:
+            those need the bf16 experts); the experts layout is one this forward does not compute
+            (transposed, biased or ungated experts).
+    """
+    import bitsandbytes.functional as bnb_functional
+
+    modules = experts_modules(model)
+    if not modules:
+        raise PorosError(
+            f"{type(model).__name__} has no fused MoE experts (3-D gate_up_proj / down_proj parameters); "
+            "quantize_experts is for mixture-of-experts models (qwen3_5_moe, gemma4 with enable_moe_block)."
+        )
+    wrapped = _adapted_experts(model)
+    for name, module in modules:
+        if is_quantized(module):
+            continue
+        _check_layout(name, module, id(module) in wrapped)
+        module.poros_nf4 = {}
+        code = None
+        for tensor_name in FUSED_EXPERT_TENSORS:
+            parameter = getattr(module, tensor_name)
+            packed, absmax = [], []
+            with torch.no_grad():
+                for expert in parameter.detach():
+                    codes, state = bnb_functional.quantize_4bit(
+                        expert.contiguous(), blocksize=blocksize, quant_type="nf4")
+                    packed.append(codes.view(-1))
+                    absmax.append(state.absmax.view(-1))
+                    code = state.code
+            del module._parameters[tensor_name]
+            module.register_buffer(f"{tensor_name}_nf4", torch.stack(packed), persistent=False)
+            module.register_buffer(f"{tensor_name}_absmax", torch.stack(absmax), persistent=False)
+            module.poros_nf4[tensor_name] = (tuple(parameter.shape[1:]), parameter.dtype, blocksize)
+        module.register_buffer("nf4_code", code.clone(), persistent=False)
+        module.config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
+    _register_forward()
+    return model
+
+
+def _adapted_experts(model: nn.Module) -> set[int]:
+    """``id`` of every module under a PEFT ``ParamWrapper`` (LoRA on a parameter: ``target_parameters``)."""
+    found = set()
+    for module in model.modules():
+        if isinstance(getattr(module, "parameter_name", None), str) and hasattr(module, "base_layer"):
+            found.update(id(m) for m in module.base_layer.modules())
+    return found
+
+
+def _check_layout(name: str, module: nn.Module, adapted: bool) -> None:
+    if adapted:
+        raise PorosError(
+            f"{name} carries LoRA on its experts (PEFT's target_parameters); NF4 experts are frozen buffers. "
+            "Quantize before get_peft_model and keep LoRA on the linears, or keep the experts in bf16 "
+            "(quantize_experts=False) to train LoRA on them."
+        )
+    odd = [flag for flag, wanted in (("is_transposed", False), ("has_bias", False), ("has_gate", True),
+                                     ("is_concatenated", True)) if getattr(module, flag, wanted) != wanted]
+    if odd or not hasattr(module, "config"):
+        raise PorosError(
+            f"{name} ({type(module).__name__}) has an experts layout Poros' NF4 forward does not compute "
+            f"({', '.join(odd) or 'no config'}); keep its experts in bf16 (quantize_experts=False)."
+        )
+
+
+def _register_forward() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, nf4_experts_forward)
+
+
+def dequantized_expert(module: nn.Module, tensor_name: str, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s matrix of ``tensor_name``, dequantized from its NF4 buffers (the original dtype)."""
+    shape, dtype, blocksize = module.poros_nf4[tensor_name]
+    return _dequantize(getattr(module, f"{tensor_name}_nf4")[expert], getattr(module, f"{tensor_name}_absmax")[expert],
+                       module.nf4_code, shape, dtype, blocksize)
+
+
+def _dequantize(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple[int, ...],
+                dtype: torch.dtype, blocksize: int) -> torch.Tensor:
+    import bitsandbytes.functional as bnb_functional
+
+    state = bnb_functional.QuantState(absmax=absmax, shape=torch.Size(shape), code=code, blocksize=blocksize,
+                                      quant_type="nf4", dtype=dtype)
+    return bnb_functional.dequantize_4bit(packed.unsqueeze(1), state)
+
+
+class DequantizedLinear(torch.autograd.Function):
+    """``F.linear(x, W)`` with ``W`` one expert's NF4 matrix, dequantized in forward and again in backward
+    (only the packed bytes are saved: no bf16 expert weight waits for backward)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, absmax, code, meta: tuple):
+        ctx.save_for_backward(packed, absmax, code)
+        ctx.meta = meta
+        return nn.functional.linear(x, _dequantize(packed, absmax, code, *meta))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        packed, absmax, code = ctx.saved_tensors
+        weight = _dequantize(packed, absmax, code, *ctx.meta)
+        return grad_output.matmul(weight), None, None, None, None
+
+
+def _expert_linear(module: nn.Module, tensor_name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    return DequantizedLinear.apply(
+        x, getattr(module, f"{tensor_name}_nf4")[expert], getattr(module, f"{tensor_name}_absmax")[expert],
+        module.nf4_code, module.poros_nf4[tensor_name])
+
+
+def nf4_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' eager experts loop over NF4 experts: for each expert a token was routed to, its
+    ``gate_up_proj`` and ``down_proj`` dequantized as they are used (:class:`DequantizedLinear`).
+
+    ``hidden_states [T, H]``, ``top_k_index`` / ``top_k_weights [T, k]``; returns ``[T, H]``.
+    """
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+    for expert in expert_hit:
+        if expert == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert])
+        current = self._apply_gate(_expert_linear(self, "gate_up_proj", expert, hidden_states[token_idx]))
+        current = _expert_linear(self, "down_proj", expert, current)
+        current = current * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def quantize_experts_for_run(model: nn.Module, requested: bool | None) -> str | None:
+    """The trainer's choice (config ``quantize_experts``): ``None`` on a model without fused experts, else the
+    line that says what was done. ``requested`` None or True quantizes (a model loaded through the NF4 block
+    cache then streams its blocks from pinned buffers: the cache entry holds the bf16 experts), False keeps bf16.
+    """
+    modules = experts_modules(model)
+    if not modules:
+        return None
+    stored = sum(expert_bytes(m)["bytes"] for _, m in modules)
+    if requested is False:
+        return (f"poros: MoE experts kept in bf16 (quantize_experts=false): {len(modules)} experts modules, "
+                f"{stored / 1e9:.2f} GB")
+    quantize_experts(model)
+    if getattr(model, "poros_block_file", None) is not None:
+        del model.poros_block_file  # the entry's layout is the bf16 experts': pack the blocks anew
+    packed = sum(expert_bytes(m)["bytes"] for _, m in modules)
+    return (f"poros: MoE experts in NF4 (quantize_experts={'true' if requested else 'auto'}): {len(modules)} experts "
+            f"modules, {stored / 1e9:.2f} GB bf16 -> {packed / 1e9:.2f} GB")
+
+
+def expert_bytes(module: nn.Module) -> dict[str, Any]:
+    """What one experts module holds: ``experts``, ``dtype`` (``"nf4"`` once quantized) and ``bytes``."""
+    if is_quantized(module):
+        nbytes = sum(getattr(module, f"{t}_{part}").nbytes for t in FUSED_EXPERT_TENSORS for part in ("nf4", "absmax"))
+        return {"experts": module.num_experts, "dtype": "nf4", "bytes": nbytes + module.nf4_code.nbytes}
+    tensors = [getattr(module, t) for t in FUSED_EXPERT_TENSORS]
+    return {"experts": tensors[0].shape[0], "dtype": str(tensors[0].dtype).removeprefix("torch."),
+            "bytes": sum(t.nbytes for t in tensors)}
+
+
+__all__ = ["DequantizedLinear", "EXPERTS_IMPLEMENTATION", "FUSED_EXPERT_TENSORS", "NF4_BLOCKSIZE",
+           "dequantized_expert", "expert_bytes", "experts_modules", "is_quantized", "nf4_experts_forward",
+           "quantize_experts", "quantize_experts_for_run"]
