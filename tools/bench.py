@@ -264,7 +264,8 @@ def main(argv=None) -> int:
     }
     for arm in report["arms"].values():  # tokens trained per second: batch x seq x grad_accum per step
         if arm.get("median_step_s"):
-            arm["tokens_per_s"] = round(args.batch * args.seq * args.grad_accum / arm["median_step_s"], 1)
+            arm["tokens_per_step"] = args.batch * args.seq * args.grad_accum
+            arm["tokens_per_s"] = round(arm["tokens_per_step"] / arm["median_step_s"], 1)
     setup = trainer_setup(args, device)
     report["trainer_setup"] = {**setup.to_dict(), "tokens_per_step": setup.tokens_per_step}
     report["trainer"] = trainer_arms_report(args, peft_model, batches, setup, report["arms"])
