@@ -178,7 +178,7 @@ class PorosConfig:
                               "in backward (most of the head's loss memory off the device); 1: HF's own loss. Above 1 "
                               "bitwise a resident run with the same loss_chunks, numerically HF's (another sum order).")
     mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: whole. Above "
-                             "1 bitwise a resident run with the same mlp_chunks (tiling.tile_mlp), numerically untiled.")
+                             "1 bitwise a resident run with the same mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. A few "
                                             "lengths instead of many: what cuda_graphs replays (each length is "

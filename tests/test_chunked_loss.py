@@ -79,7 +79,7 @@ def test_one_chunk_installs_nothing_and_bad_values_are_refused(tmp_path):
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)] and chunk_bounds(2, 5) == [(0, 1), (1, 2)]
 
 
-def test_the_planner_counts_one_chunk_of_the_fp32_loss_working_set(tmp_path):
+def test_the_planner_counts_one_chunk_of_the_head_and_loss(tmp_path):
     from poros.config import PorosConfig
     from poros.training.plan import plan_run
     from poros.stream import planner
@@ -91,7 +91,8 @@ def test_the_planner_counts_one_chunk_of_the_fp32_loss_working_set(tmp_path):
     logits = 64 * plans[1].vocab_size
     value = plans[1].activation_bytes_per_value
     assert plans[1].logits_bytes == logits * (value + LOSS_BYTES_PER_LOGIT)
-    assert plans[4].logits_bytes == 2 * logits * value + -(-logits // 4) * LOSS_BYTES_PER_LOGIT
+    # the chunked head (issue 32): one chunk's logits and their gradient, and its fp32 working set
+    assert plans[4].logits_bytes == -(-logits // 4) * (2 * value + LOSS_BYTES_PER_LOGIT)
     assert planner.Workload(loss_chunks=4).loss_chunks == 4
     with pytest.raises(ConfigError, match="loss_chunks=0"):
         planner.Workload(loss_chunks=0)

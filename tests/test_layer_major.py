@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import poros
 from poros.errors import StreamingError
-from poros.stream.stash import HostStash
+from poros.stream.stash import DiskStash, HostStash
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 from test_parity import MIN_LAYERS, make_batch, trainable, assert_bitwise
 
@@ -79,7 +79,8 @@ def setups(draw, family: str, variant: str):
     }
 
 
-def run(family: str, variant: str, setup: dict, directory: pathlib.Path, boundary_states: str = "device"):
+def run(family: str, variant: str, setup: dict, directory: pathlib.Path, boundary_states: str = "device",
+        **options):
     try:
         path = save_tiny_checkpoint(directory / "ckpt", family, variant, seed=setup["seed"], **setup["config"])
     except ValueError:
@@ -91,10 +92,11 @@ def run(family: str, variant: str, setup: dict, directory: pathlib.Path, boundar
     reference = load_qlora(path, **lora)
     ref_losses, ref_opt = resident_steps(reference, steps)
     model = load_qlora(path, **lora)
-    streamed = poros.prepare(model, boundary_states=boundary_states)
+    streamed = poros.prepare(model, boundary_states=boundary_states, **options)
     streamed.store.stats.reset()
     poros_losses, poros_opt = layer_major_steps(streamed, steps)
     assert_bitwise(reference, model, ref_losses, poros_losses, ref_opt, poros_opt)
+    streamed.losses = poros_losses  # for tests comparing placements with each other
     # each block crosses the link at most twice per optimizer step, whatever M is
     assert max(streamed.store.stats.fetches) <= 2 * len(steps)
     return streamed
@@ -178,10 +180,81 @@ def test_boundary_states_held_in_backward_are_what_the_planner_counts(placement,
             assert log.index(("fetch", (0, index - 1))) < first_take  # the next block is on its way first
 
 
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
+def test_boundary_states_on_disk_are_bitwise_device_host_and_resident(family, variant, tmp_path, monkeypatch):
+    """prepare(boundary_states="disk"): every block input but the prelude's is written to a file under the
+    cache's spill/ directory and read back for backward; losses, LoRA tensors and AdamW states are bitwise
+    the resident run's (``run`` checks) and the device and host placements'; the files are gone after
+    each step."""
+    written, listed = [], []
+    original_put, original_close = DiskStash.put, DiskStash.close
+
+    def put(self, key, tensor):
+        original_put(self, key, tensor)
+        written.append(key)
+        assert self.files[key].is_file() and self.files[key].parent.parent == tmp_path / "cache" / "spill"
+
+    def close(self):
+        listed.append(sorted(p.name for p in self.directory.iterdir()))  # what is left when the step ends
+        original_close(self)
+
+    monkeypatch.setattr(DiskStash, "put", put)
+    monkeypatch.setattr(DiskStash, "close", close)
+    setup = {**FIXED_SETUP, "config": {**FIXED_SETUP["config"],
+                                       "num_layers": max(3, MIN_LAYERS.get((family, variant), 1))}}
+    results = {}
+    for placement in ("device", "host", "disk"):
+        streamed = run(family, variant, setup, tmp_path / placement, boundary_states=placement,
+                       cache_dir=str(tmp_path / "cache"))
+        assert streamed.executor.boundary_states == placement
+        results[placement] = (streamed.losses, [p.detach().clone() for p in streamed.trainable_parameters()])
+    layers = len(streamed.executor.layers)
+    assert len(written) == setup["steps"] * setup["micro_batches"] * (layers - 1)
+    assert listed == [[]] * setup["steps"]  # every state was read back: nothing left, nothing lost
+    assert list((tmp_path / "cache" / "spill").iterdir()) == []  # each step's directory removed
+    for placement in ("host", "disk"):
+        losses, tensors = results[placement]
+        assert all(torch.equal(a, b) for a, b in zip(losses, results["device"][0]))
+        assert all(torch.equal(a, b) for a, b in zip(tensors, results["device"][1]))
+
+
+def test_a_failing_step_leaves_no_boundary_state_file_behind(tmp_path, monkeypatch):
+    """A step that fails in backward (after every state went to disk) removes its directory and the files
+    still in it; the next step of the same model runs and is bitwise the resident one."""
+    from poros.stream import executor
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=5, num_layers=4)
+    streamed = poros.prepare(load_qlora(path, seed=5), boundary_states="disk", cache_dir=str(tmp_path / "cache"))
+    spill = tmp_path / "cache" / "spill"
+    original_backward = executor.StreamingExecutor._backward_block
+    seen = []
+
+    def failing(self, step, index, *args, **kwargs):
+        seen.append(sorted(p.name for d in spill.iterdir() for p in d.iterdir()))
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(executor.StreamingExecutor, "_backward_block", failing)
+    micro_batches = with_item_counts([make_batch(s, 2, 12, "none") for s in range(2)])
+    with pytest.raises(RuntimeError, match="simulated"):
+        streamed.forward_backward(micro_batches)
+    # M x (L - 1) states went to disk; when the first backward block fails, its own and the next block's are
+    # read back already (one block ahead), the first block's still wait in their files
+    assert seen[0] == ["0-1.pt", "1-1.pt"]
+    assert list(spill.iterdir()) == []
+    monkeypatch.setattr(executor.StreamingExecutor, "_backward_block", original_backward)
+    for p in streamed.trainable_parameters():
+        p.grad = None
+    losses = streamed.forward_backward(micro_batches)
+    reference = load_qlora(path, seed=5)
+    ref_losses = [reference(**mb, use_cache=False).loss for mb in micro_batches]
+    assert all(torch.equal(a, b.detach()) for a, b in zip(losses, ref_losses))
+    assert list(spill.iterdir()) == []
+
+
 def test_boundary_states_option_is_checked(tmp_path):
     path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=5, num_layers=2)
-    with pytest.raises(poros.errors.ConfigError, match="boundary_states='disk'.*'device' or 'host'"):
-        poros.prepare(load_qlora(path, seed=5), boundary_states="disk")
+    with pytest.raises(poros.errors.ConfigError, match="boundary_states='swap'.*'device', 'host'.*'disk'"):
+        poros.prepare(load_qlora(path, seed=5), boundary_states="swap")
 
 
 def test_micro_batch_order_matters_so_the_test_can_fail(tmp_path):

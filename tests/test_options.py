@@ -55,7 +55,7 @@ def test_the_options_are_frozen_and_replace_makes_a_checked_copy():
     ("vram_budget", "7 GB?", "vram_budget='7 GB\\?'"),
     ("workload", {"seq": 16}, "workload has unknown keys \\['seq'\\]"),
     ("workload", 512, "workload=512"),
-    ("boundary_states", "disk", "boundary_states='disk'"),
+    ("boundary_states", "swap", "boundary_states='swap'"),
     ("optimizer_states", "disk", "optimizer_states='disk'"),
     ("host_tier", "swap", "host_tier='swap'"),
     ("host_budget", "lots", "host_budget"),

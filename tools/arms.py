@@ -22,8 +22,10 @@ steps and the planner's prediction for the setup ``prepare`` made. GB = 1e9 byte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
+import resource
 import statistics
 import time
 import traceback
@@ -218,11 +220,13 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
                  compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                  optimizer_states: str = "device", capped_arms: tuple[str, ...] | None = None,
                  loss_chunks: int = 1, cuda_graphs: bool = False, lora_placement: str = "device",
-                 autocast=None, mlp_chunks: int = 1, boundary_states: str | None = None) -> dict[str, Any]:
+                 autocast=None, mlp_chunks: int = 1, boundary_states: str | None = None,
+                 host_budget: str | None = None) -> dict[str, Any]:
     """Run the arms on one model, one after the other, from the same LoRA state; compare them.
 
     ``mlp_chunks`` > 1: every arm runs the tiled MLP (``poros.stream.tiling.tile_mlp`` on the model,
     ``prepare(mlp_chunks=...)`` for the Poros arms), so the parity check compares like with like.
+    ``boundary_states`` and ``host_budget``: the Poros arm's prepare options of those names.
 
     ``optimizer_states`` is the Poros arm's (the reference keeps torch's AdamW on the device);
     ``capped_arms``: the arms ``vram_limit_gb`` applies to (default: all). ``autocast``: every arm's
@@ -262,7 +266,8 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             optimizer_states=optimizer_states if name == "poros" else "device", loss_chunks=loss_chunks,
             cuda_graphs=cuda_graphs and name == "poros",
             lora_placement=lora_placement if name == "poros" else "device", autocast=autocast,
-            mlp_chunks=mlp_chunks, boundary_states=boundary_states if name == "poros" else None)
+            mlp_chunks=mlp_chunks, boundary_states=boundary_states if name == "poros" else None,
+            host_budget=host_budget if name == "poros" else None)
         results[name].name = name
         if handle is not None and name != order[-1]:
             handle.unpatch()  # the next arm runs the model as it was
@@ -283,7 +288,7 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
                   compute=None, link_bytes_per_s: float | None = None, timeline: bool = False,
                   optimizer_states: str = "device", loss_chunks: int = 1, cuda_graphs: bool = False,
                   lora_placement: str = "device", autocast=None, mlp_chunks: int = 1,
-                  boundary_states: str | None = None):
+                  boundary_states: str | None = None, host_budget: str | None = None):
     """``poros.prepare`` the model (HF checkpointing off) and run the Poros arm; returns ``(ArmResult, handle)``.
 
     The arm records the planner's prediction for the setup prepare made (``prediction``: peak, copy
@@ -300,11 +305,14 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule,
                                 loss_chunks=loss_chunks)
     try:
+        extra = {"host_budget": host_budget} if host_budget is not None else {}
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,
                                  workload=workload if vram_budget is not None else None,
                                  optimizer_states=optimizer_states, cuda_graphs=cuda_graphs,
-                                 lora_placement=lora_placement, mlp_chunks=mlp_chunks,
-                                 boundary_states=boundary_states)
+                                 lora_placement=lora_placement, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
+                                 boundary_states=boundary_states, **extra)
+        # the chunk counts prepare applied (a budget plan may raise them): the prediction is for those
+        workload = dataclasses.replace(workload, loss_chunks=streamed.stream_options.loss_chunks)
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON like an arm failure
         return ArmResult("poros", status="error",
                          error=f"poros.prepare: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
@@ -342,6 +350,10 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
         "h2d_gb_per_s": round(copied / timed_time / GB, 3) if timed_time else None,
         "prediction": prediction,
         "budget_plan": streamed.budget_plan.to_dict() if streamed.budget_plan is not None else None,
+        # long context: what ran, and the process's peak host RSS (Linux ru_maxrss, KiB), beside the prediction
+        "loss_chunks": streamed.stream_options.loss_chunks, "mlp_chunks": streamed.stream_options.mlp_chunks,
+        "boundary_states": streamed.executor.boundary_states,
+        "host_peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, 3),
         "cuda_graphs": streamed.executor.graphs.report.to_dict() if streamed.executor.graphs is not None else None,
     })
     return result, streamed

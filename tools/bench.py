@@ -84,10 +84,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mlp-chunks", type=int, default=1, metavar="N",
                         help="every arm runs each block's MLP over N sequence chunks (poros.stream.tiling.tile_mlp, "
                              "prepare(mlp_chunks=N); bitwise between the arms, numerically the whole MLP); 1: whole")
-    parser.add_argument("--boundary-states", choices=("device", "host"),
+    parser.add_argument("--boundary-states", choices=("device", "host", "disk"),
                         help="Poros arm, layer-major: where the M x L block inputs wait for backward "
                              "(prepare(boundary_states=...)); default: the planner's choice under --vram-budget, "
                              "else the device")
+    parser.add_argument("--host-budget", metavar="SIZE",
+                        help="Poros arm: prepare(host_budget=SIZE): the blocks' host tier, and with --vram-budget "
+                             "the boundary states go to disk when it cannot hold them beside the blocks")
     parser.add_argument("--optimizer-states", default="device", choices=("device", "host"),
                         help="Poros arm: AdamW's state on the device (torch.optim.AdamW) or in pinned host memory "
                              "(poros.HostAdamW, stepped a chunk at a time); the reference keeps torch's AdamW")
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
                            capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
                            loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs, lora_placement=args.lora_placement,
                            mlp_chunks=args.mlp_chunks, boundary_states=args.boundary_states,
-                           link_bytes_per_s=link * GB if link else None)
+                           host_budget=args.host_budget, link_bytes_per_s=link * GB if link else None)
     report = {
         "tool": "tools/bench.py",
         "environment": env,
@@ -238,6 +241,7 @@ def main(argv=None) -> int:
             "boundary_states": args.boundary_states,
             "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
+            "mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states, "host_budget": args.host_budget,
             "timeline": args.timeline,
             "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,

@@ -256,8 +256,61 @@ def render_small_cards() -> str:
     return "\n".join(rows)
 
 
+#: the long-context rows (issue 32): shape, tokens per example, card
+LONG_CONTEXT = (("qwen2.5-72b", 8192, 24), ("qwen2.5-72b", 32768, 24), ("qwen2.5-72b", 65536, 48),
+                ("qwen2.5-72b", 131072, 80), ("qwen2.5-32b", 32768, 12), ("qwen2.5-32b", 32768, 24),
+                ("qwen2.5-7b", 32768, 8), ("qwen2.5-72b", 131072, 24))
+
+
+def long_context_plan(name: str, seq: int, card_gib: int):
+    """``(plan, budget plan or the ConfigError)`` of ``name`` at ``seq`` tokens, batch 1, layer-major (the
+    PorosConfig default), on a ``card_gib`` card: what ``poros plan --seq-len SEQ --vram-budget CARDGiB`` decides."""
+    from poros.config import PorosConfig
+    from poros.errors import ConfigError
+    from poros.stream import planner
+    from poros.stream.options import StreamOptions
+    from poros.training.plan import plan_run
+
+    config, _ = _shapes().model_config(name)
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        plan = plan_run(PorosConfig(model=directory, device="cuda", seq_len=seq, batch_size=BATCH, double_quant=True,
+                                    lora_rank=RANK, lora_alpha=2 * RANK, target_modules=list(TARGETS),
+                                    embeddings_on_host=True, attn_implementation="sdpa"))
+    options = StreamOptions(vram_budget=f"{card_gib}GiB", embeddings_on_host=True, workload=plan.workload)
+    try:
+        return plan, planner.plan_budget(plan.footprint(), plan.workload, options,
+                                         context_bytes=planner.CUDA_CONTEXT_BYTES, footprint_for=plan.footprint_for())
+    except ConfigError as error:
+        return plan, error
+
+
+def render_long_context() -> str:
+    from poros.loading import host_tiers
+    from poros.training.plan import host_ram_parts
+
+    rows = ["| shape | seq | card | fits | loss_chunks | mlp_chunks | boundary states (all) | peak allocated GB "
+            "(phase) | largest parts GB | host RAM GB | measured |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, seq, card in LONG_CONTEXT:
+        plan, bp = long_context_plan(name, seq, card)
+        if isinstance(bp, Exception):
+            reason = str(bp).split(". ")[0].split(": its biggest part is ")[-1]
+            rows.append(f"| {name} | {seq:,} | {card} GiB | no: biggest part {reason} | | | | | | | |")
+            continue
+        host = host_tiers.plan_host_tier(bp.block_bytes, bp.resident_blocks)
+        host_gb = sum(n for _, n in host_ram_parts(bp, host, plan.footprint()))
+        parts = sorted(((n, label) for label, n in (*bp.peak.persistent, *bp.peak.transient) if n), reverse=True)[:2]
+        largest = "; ".join(f"{label.split(' (')[0]} {_gb(n)}" for n, label in parts)
+        rows.append(f"| {name} | {seq:,} | {card} GiB | yes | {bp.loss_chunks} | {bp.mlp_chunks} | "
+                    f"{bp.boundary_states} ({_gb(bp.boundary_bytes)} GB) | {_gb(bp.peak.total)} ({bp.peak.phase}) | "
+                    f"{largest} | {_gb(host_gb)} | pending the H200 run |")
+    return "\n".join(rows)
+
+
 BLOCKS = {
     "rule": lambda: f"the {COMPUTE_RULE}.",
+    "long-context": render_long_context,
     "measured": render_measured,
     "capped": render_capped,
     "minimums": render_minimums,

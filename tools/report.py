@@ -41,6 +41,7 @@ def print_table(report: dict[str, Any]) -> None:
     timeline = report["arms"].get("poros", {}).get("copy_timeline")
     if timeline:
         print(timeline_line(timeline))
+    prediction_lines(report["arms"].get("poros", {}))
     comparison = report.get("comparison") or {}
     if "bitwise" in comparison:
         print(f"poros/resident: step time x{format_value(comparison.get('ratio_median_step_s'))}, "
@@ -75,6 +76,23 @@ def print_unsloth(report: dict[str, Any]) -> None:
             print(f"unsloth/{name}: step time x{format_value(values.get('ratio_median_step_s'))}, peak allocated "
                   f"x{format_value(values.get('ratio_peak_allocated_gb'))}, tokens/s "
                   f"x{format_value(values.get('ratio_tokens_per_s'))}")
+
+
+def prediction_lines(arm: dict[str, Any]) -> None:
+    """The planner's predicted peak by part beside the measured peak (the poros arm's ``prediction``), and the
+    host RAM: what the long-context runs compare (issue 32)."""
+    prediction = arm.get("prediction") or {}
+    peak = prediction.get("peak")
+    if not peak or arm.get("peak_allocated_gb") is None:
+        return
+    measured = arm["peak_allocated_gb"] * 1e9
+    print(f"planner: predicted peak {peak['total'] / 1e9:.2f} GB at the {peak['phase']}, measured "
+          f"{arm['peak_allocated_gb']:.2f} GB ({peak['total'] / measured - 1:+.1%}); loss_chunks "
+          f"{arm.get('loss_chunks')}, mlp_chunks {arm.get('mlp_chunks')}, boundary states {arm.get('boundary_states')}, "
+          f"host peak RSS {format_value(arm.get('host_peak_rss_gb'))} GB")
+    for name, size in (*peak["persistent"].items(), *peak["transient"].items()):
+        if size:
+            print(f"  {size / 1e9:9.3f} GB  {name}")
 
 
 def timeline_line(timeline: dict[str, Any]) -> str:

@@ -105,12 +105,17 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
                                                                      if resident else "")),
         ("embedding tables", "host" if bp.embeddings_on_host else "device"),
         ("boundary states", f"{bp.boundary_states} ({gb(bp.boundary_bytes)}"
-                            + ("; pinned, in flight on the device" if bp.boundary_states == "host" else "") + ")"),
+                            + {"host": "; pinned, in flight on the device",
+                               "disk": "; files under the cache's spill/, in flight on the device"}.get(
+                                   bp.boundary_states, "") + ")"),
         ("AdamW state", bp.optimizer_states + ("; pinned, stepped a chunk at a time" if bp.optimizer_states == "host"
                                                else "")),
         ("LoRA tensors", bp.lora_placement + ("; pinned, each block's with its block" if bp.lora_placement == "host"
                                              else "")),
         ("head", "device (head streaming not implemented)"),
+        ("loss_chunks", str(bp.loss_chunks)),
+        ("mlp_chunks", str(bp.mlp_chunks)),
+        ("attention kernel", bp.attention.split(":")[0] if bp.attention else "unknown"),
     ]
     memory = [(name, n) for name, n in (*bp.peak.persistent, *bp.peak.transient) if n]
     slack_bytes = bp.needed_bytes - bp.context_bytes - bp.peak.total
@@ -124,7 +129,11 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
     copies = (f"copies      {gb(bp.copy_bytes_per_step)} host-to-device per step (each streamed block twice {per}, "
               "the last block once)")
     lines = [*header, "", table(("decision", "value"), decisions), "",
-             table((f"device memory (peak: {bp.peak.phase})", "bytes", "size"), _byte_rows(memory)), "", copies]
+             table((f"device memory (peak: {bp.peak.phase})", "bytes", "size"), _byte_rows(memory)), ""]
+    if bp.parts:
+        lines += [table(("part (sequence-proportional, per micro-batch)", "bytes", "size"),
+                        _byte_rows(sequence_parts(bp))), ""]
+    lines.append(copies)
     if bp.step is None:
         lines.append("step time   unknown: no compute times (run on CUDA with --probe, or give --block-ms and "
                      "--link-gb-per-s)")
@@ -153,10 +162,20 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
               f"Minimum budget for this run: {gb(bp.minimum_bytes)} (1 slot, nothing resident), "
               f"{gb(bp.pipelined_minimum_bytes)} with {bp.requested_slots} slots.",
               "Block bytes are exact; the peak's parts are estimates (within 3 % of the H200 measurements in "
-              "registry/results); step times are a pipeline model of the measured or given GPU times, a lower "
+              "registry/results, at 512 to 2048 tokens; not yet measured at long sequences); step times are a pipeline model of the measured or given GPU times, a lower "
               "bound where the host cannot keep the GPU busy (on the H200 at 512 tokens the predictions were "
               "14-62 % below the measured steps: docs/results-h200.md)."]
     return "\n".join(lines)
+
+
+def sequence_parts(bp: BudgetPlan) -> list[tuple[str, int]]:
+    """What ``poros plan`` tabulates as the run's parts: the activations by part, the boundary states of the
+    whole step (where they wait), and the LoRA tensors with AdamW's state (wherever they are)."""
+    micro = bp.workload.grad_accum if bp.workload.schedule == "layer-major" else 1
+    return [*bp.parts,
+            (f"boundary states, all ({micro} x {bp.num_blocks} x batch x seq x hidden; {bp.boundary_states})",
+             bp.boundary_bytes),
+            *((name, n) for name, n in bp.peak.persistent if name.startswith(("LoRA", "AdamW", "embedding")) and n)]
 
 
 def format_budget_report(plan: Plan) -> str:
@@ -166,6 +185,9 @@ def format_budget_report(plan: Plan) -> str:
     host = report.host
     lines = [format_budget_plan(plan, report.budget_plan, link_source=report.link_source),
              f"host: {host.reason}; {human_bytes(host.host_bytes)} of host RAM for the blocks"]
+    if report.host_ram:
+        lines += ["", table(("host RAM (one rank)", "bytes", "size"),
+                            _byte_rows([*report.host_ram, ("host RAM needed", report.host_ram_bytes)]))]
     if report.ranks_per_node > 1:
         how = ("one copy shared by the ranks (mapped tier)" if host.tier == "mapped" else
                f"one {host.tier} copy per rank" + ("" if host.tier != "pinned" or report.host_tier_requested else
@@ -184,7 +206,8 @@ def budget_report_json(plan: Plan) -> dict:
             "device": plan.device, "link_source": report.link_source,
             "footprint": asdict(plan.footprint()),
             "compute": asdict(report.compute) if report.compute else None, "plan": report.budget_plan.to_dict(),
-            "host": report.host.to_dict(), "data_parallel": report.data_parallel}
+            "host": report.host.to_dict(), "data_parallel": report.data_parallel,
+            "host_ram": {"parts": dict(report.host_ram), "total": report.host_ram_bytes}}
 
 
 __all__ = ["budget_report_json", "format_budget_plan", "format_budget_report", "format_plan"]

@@ -569,7 +569,10 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
     decided = options.replace(
         embeddings_on_host=on_host, lora_placement=lora,
         boundary_states=options.boundary_states or (budget_plan.boundary_states if budget_plan else "device"),
-        optimizer_states=resolve_optimizer_states(options.optimizer_states, planned_states))
+        optimizer_states=resolve_optimizer_states(options.optimizer_states, planned_states),
+        # the chunk counts the budget needs (never fewer than asked: plan_budget only raises them)
+        loss_chunks=budget_plan.loss_chunks if budget_plan else options.loss_chunks,
+        mlp_chunks=budget_plan.mlp_chunks if budget_plan else options.mlp_chunks)
     return decided, budget_plan, resident, num_slots
 
 
@@ -611,8 +614,11 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     elif options.cuda_graphs is not False:
         logger.info("cuda_graphs: off on %s (CUDA graphs exist on CUDA devices only); every block runs eagerly",
                     device)
+    from poros.loading import cache
+
     executor = StreamingExecutor(causal_lm, descriptor, store, options, graphs=block_graphs,
-                                 before_forward=_runtime_gates(causal_lm, layers, placement))
+                                 before_forward=_runtime_gates(causal_lm, layers, placement),
+                                 spill_dir=cache.cache_root(options.cache_dir) / "spill")
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back

@@ -35,6 +35,12 @@ from poros.errors import ConfigError
 
 _UNSET = object()
 
+#: whether the head (``lm_head``) runs chunk by chunk with the loss, so the whole logits never exist. Not
+#: yet: HF's forward computes the logits of every token before ``loss_function`` sees them, and this loss
+#: keeps them and their gradient in the compute dtype. The planner prices ``loss_chunks`` as the chunked
+#: head (issue 32) and ``poros plan`` says how much more this engine keeps while this is False.
+HEAD_IN_CHUNKS = False
+
 
 def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     """``chunks`` contiguous token ranges covering ``0..tokens`` (sizes differ by at most one; none empty)."""

@@ -72,11 +72,13 @@ from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
 from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
 from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  # noqa: F401 (the last two re-exported)
+from poros.stream.block_node import StreamedBlock as _StreamedBlock
+from poros.stream.block_node import recording_use as _recording_use
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
 from poros.stream.router_logits import RouterRecorder
-from poros.stream.stash import HostStash
+from poros.stream.stash import DiskStash, HostStash
 from poros.stream.store import BlockStore
 
 
@@ -205,11 +207,13 @@ class StreamingExecutor:
         graphs: the block phases' CUDA graphs (``graphs.BlockGraphs``); None: every block runs eagerly
             (CPU, ``cuda_graphs=False``).
         before_forward: called with the trunk's kwargs before each streamed forward (prepare's runtime gates).
+        spill_dir: ``boundary_states="disk"``: the directory the state files go under (prepare: the
+            cache's ``spill/``; None: ``$TMPDIR``).
     """
 
     def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore,
                  options: StreamOptions = StreamOptions(), *, graphs: Any = None,
-                 before_forward: Callable[[dict], None] | None = None) -> None:
+                 before_forward: Callable[[dict], None] | None = None, spill_dir: Any = None) -> None:
         self.causal_lm, self.descriptor, self.store, self.options = causal_lm, descriptor, store, options
         self.graphs, self.before_forward = graphs, before_forward
         self.trunk = resolve_path(causal_lm, descriptor.text_model)
@@ -224,12 +228,14 @@ class StreamingExecutor:
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
         self._state = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
         self._stash_stream = None  # the host stash's side stream, made once
+        self.spill_dir = spill_dir  # boundary_states="disk": where the state files go
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
         self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
 
     @property
     def boundary_states(self) -> str:
-        """Layer-major: where the M x L boundary states wait for backward, ``"device"`` or ``"host"`` (pinned)."""
+        """Layer-major: where the M x L boundary states wait for backward, ``"device"``, ``"host"`` (pinned) or
+        ``"disk"`` (files under :attr:`spill_dir`)."""
         return self.options.boundary_states or "device"
 
     # -- installing ----------------------------------------------------------------------------
@@ -478,7 +484,9 @@ class StreamingExecutor:
         autocast state the model's forward set around its trunk call (recorded in the first call), as they
         would inside that forward. Boundary states: the M x L block inputs stay on the device, or with
         ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
-        one block ahead of backward, on their own stream; exact copies, so bitwise the same).
+        one block ahead of backward, on their own stream; exact copies, so bitwise the same), or with
+        ``"disk"`` in files under :attr:`spill_dir` (one per state, deleted as it is read back; the
+        directory is removed after the step and when it fails).
 
         Raises:
             StreamingError: a dropout with p > 0 is active (its random draws would come in another
@@ -489,17 +497,32 @@ class StreamingExecutor:
             return []
         if self.graphs is not None:  # an autocast region that outlived the last step keeps its blocks eager
             self.graphs.begin_step()
-        count, last = len(self.layers), len(self.layers) - 1
         # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
         steps = [self._prelude(model_call, batch) for batch in micro_batches]
+        stash = self._stash()
+        try:
+            return self._layer_major(model_call, micro_batches, steps, stash, own_backward)
+        finally:
+            if isinstance(stash, DiskStash):
+                stash.close()  # after the step and when it fails: no state file is left behind
+
+    def _stash(self) -> HostStash | DiskStash | None:
+        """Where this step's boundary states wait: None (the device), pinned host memory or files."""
+        if self.boundary_states not in ("host", "disk"):
+            return None
+        device = self.store.device
+        if device.type == "cuda" and self._stash_stream is None:
+            self._stash_stream = torch.cuda.Stream(device)
+        if self.boundary_states == "disk":
+            return DiskStash(device, self._stash_stream, self.spill_dir)
+        return HostStash(device, self._stash_stream)
+
+    def _layer_major(self, model_call: Callable[..., Any], micro_batches: list[dict], steps: list[_Step],
+                     stash: HostStash | DiskStash | None, own_backward: bool = False) -> list[torch.Tensor]:
+        """:meth:`forward_backward` after the preludes: blocks forward, heads, blocks backward, preludes' backward."""
+        count, last = len(self.layers), len(self.layers) - 1
         # 2. forward, block-major: each block fetched once for all micro-batches
         hidden = [step.calls[0].leaves[0] for step in steps]
-        stash = None
-        if self.boundary_states == "host":
-            device = self.store.device
-            if device.type == "cuda" and self._stash_stream is None:
-                self._stash_stream = torch.cuda.Stream(device)
-            stash = HostStash(device, self._stash_stream)
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
         # the forward's autocast state where it differs from this thread's (None: run as the caller runs)
         outer = autocast_state(self.store.device)
@@ -635,62 +658,3 @@ class StreamingExecutor:
         """Start bringing block ``index`` in if a slot is free (it is needed next)."""
         if 0 <= index < len(self.layers) and None in self.store.slot_owner:
             self.store.fetch(index)
-
-
-class _StreamedBlock(torch.autograd.Function):
-    """One decoder block as one autograd node: saves its input, recomputes in backward.
-
-    The block's trainable parameters are inputs of the node and their gradients its outputs, so
-    the graph the forward built reaches each parameter's accumulator exactly once, as in the
-    resident graph: DDP's reducer (``find_unused_parameters`` searches that graph; its hooks sit
-    on the accumulators) sees every adapter used, and ready once per backward.
-    """
-
-    @staticmethod
-    def forward(ctx, executor: StreamingExecutor, step: _Step, index: int, used: list, anchor, hidden, output,
-                input_count: int, *inputs_and_parameters):
-        # ``output`` was computed (without grad) by the caller: it had to see the use order first.
-        grad_inputs = inputs_and_parameters[:input_count]
-        ctx.executor, ctx.step, ctx.index, ctx.used = executor, step, index, used
-        ctx.save_for_backward(hidden, *grad_inputs)
-        # with output_router_logits the block's router logits are outputs too (the aux loss reads them)
-        return (output, *step.router_logits.get(index, ())) if step.router else (output,)
-
-    @staticmethod
-    def backward(ctx, grad_output, *router_grads):
-        hidden, *grad_inputs = ctx.saved_tensors
-        hidden_grad, input_grads, parameter_grads = ctx.executor._backward_block(
-            ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5],
-            return_parameter_grads=True, router_grads=list(router_grads) if ctx.step.router else None,
-        )
-        by_parameter = dict(zip(map(id, ctx.executor.block_parameters(ctx.index)), parameter_grads))
-        in_use_order = [by_parameter[id(p)] for p in ctx.used]
-        return (None, None, None, None, None, hidden_grad, None, None, *input_grads, *in_use_order)
-
-
-@contextlib.contextmanager
-def _recording_use(layer: nn.Module, parameters: list[nn.Parameter], known: list[nn.Parameter] | None):
-    """Yields ``parameters`` in the order ``layer``'s forward uses them (forward pre-hooks on their
-    owning modules; parameters no hook saw follow in registration order). Once ``known`` holds the
-    same parameters, it is yielded as it is and nothing is hooked."""
-    if known is not None and {id(p) for p in known} == {id(p) for p in parameters}:
-        yield known
-        return
-    wanted = {id(p) for p in parameters}
-    order: list[nn.Parameter] = []
-    seen: set[int] = set()
-
-    def note(module, _args):
-        for parameter in module.parameters(recurse=False):
-            if id(parameter) in wanted and id(parameter) not in seen:
-                seen.add(id(parameter))
-                order.append(parameter)
-
-    handles = [module.register_forward_pre_hook(note) for module in layer.modules()
-               if any(id(p) in wanted for p in module.parameters(recurse=False))]
-    try:
-        yield order
-    finally:
-        for handle in handles:
-            handle.remove()
-        order.extend(p for p in parameters if id(p) not in seen)

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
@@ -130,11 +131,6 @@ def tensor_bytes(tensor: torch.Tensor, quantized_weights: set[int], double_quant
     return tensor.numel() * tensor.element_size()
 
 
-#: bytes per value of the loss head beyond the logits themselves: HF's ForCausalLMLoss upcasts the
-#: logits to fp32 and cross_entropy saves its fp32 log-softmax; its backward holds that, the fp32
-#: gradient it receives and the fp32 gradient it makes (4 + 4 + 4) before the cast back.
-LOSS_BYTES_PER_LOGIT = 12
-
 
 @dataclass(frozen=True)
 class BlockShapes:
@@ -146,55 +142,162 @@ class BlockShapes:
     linear_outputs: int  # sum of the out_features of the largest block's base linears
     largest_linear: int  # in_features x out_features of the largest base linear in any block
     logit_softcapping: bool  # final logits soft-capped (final_logit_softcapping): two more logit-sized tensors
+    mlp_outputs: int = 0  # the part of linear_outputs under the block's ``mlp`` (what mlp_chunks tiles)
+    attention_width: int = 0  # num_attention_heads x head_dim: the attention kernel's output per token
 
     @classmethod
     def of(cls, blocks: list[nn.Module], text_config: Any) -> "BlockShapes":
         """From decoder layers (a meta skeleton or a loaded PEFT + bitsandbytes model) and their config."""
         def base_linears(block):
-            return [m for name, m in block.named_modules() if isinstance(m, nn.Linear) and "lora_" not in name]
+            return [(name, m) for name, m in block.named_modules() if isinstance(m, nn.Linear) and "lora_" not in name]
+
+        def outputs(block, mlp_only: bool) -> int:
+            return sum(m.out_features for name, m in base_linears(block) if not mlp_only or "mlp" in name.split("."))
 
         config = text_config.to_dict()  # a plain read: some configs are per-layer
+        heads = config.get("num_attention_heads") or 1
+        largest = max(blocks, key=lambda b: outputs(b, False), default=None)
         return cls(
             hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
-            num_attention_heads=config.get("num_attention_heads") or 1,
-            linear_outputs=max((sum(m.out_features for m in base_linears(b)) for b in blocks), default=0),
-            largest_linear=max((m.in_features * m.out_features for b in blocks for m in base_linears(b)), default=0),
+            num_attention_heads=heads,
+            linear_outputs=outputs(largest, False) if largest is not None else 0,
+            largest_linear=max((m.in_features * m.out_features for b in blocks for _, m in base_linears(b)), default=0),
             logit_softcapping=bool(config.get("final_logit_softcapping")),
+            mlp_outputs=outputs(largest, True) if largest is not None else 0,
+            attention_width=heads * (config.get("head_dim") or text_config.hidden_size // heads),
         )
 
 
+@dataclass(frozen=True)
+class AttentionEstimate:
+    """One block's attention working set in recompute and backward, and the kernel it assumes."""
+
+    bytes: int
+    kernel: str  # "memory-efficient / flash (no seq x seq tensor)" or "math (eager): seq x seq scores"
+    reason: str  # why that kernel, in words
+
+
+def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
+                          attn_implementation: str | None) -> AttentionEstimate:
+    """The attention kernel's own working set for one block (beyond the q/k/v/o projections' outputs,
+    counted with the linears). An estimate, replaceable by the engine's own (issue 32: the attention
+    kernels expose their working set, kernel name and reason; this is the planner's stand-in):
+
+    * ``eager``: the math kernel keeps the scores, the probabilities and their gradient,
+      ``3 x batch x heads x seq x seq`` values.
+    * otherwise (``sdpa``, flash): the memory-efficient / flash kernel, no ``seq x seq`` tensor: its
+      fp32 logsumexp (``batch x seq x heads``). Its inputs and output (``batch x seq x heads x
+      head_dim`` each, and their gradients) are the projections' outputs and inputs, already priced
+      with the linears (``2 x v x out_features`` each, calibrated on the H200 records).
+    """
+    tokens = batch_size * seq_len
+    if attn_implementation == "eager":
+        return AttentionEstimate(3 * batch_size * shapes.num_attention_heads * seq_len * seq_len * value_bytes,
+                                 "math (eager): seq x seq scores, probabilities and their gradient",
+                                 "attn_implementation='eager'")
+    return AttentionEstimate(tokens * shapes.num_attention_heads * 4,
+                             "memory-efficient / flash: an fp32 logsumexp, no seq x seq tensor",
+                             f"attn_implementation={attn_implementation or 'sdpa'!r}, assumed to keep the efficient kernel")
+
+
+#: bytes per value of the loss head beyond the logits themselves: HF's ForCausalLMLoss upcasts the
+#: logits to fp32 and cross_entropy saves its fp32 log-softmax; its backward holds that, the fp32
+#: gradient it receives and the fp32 gradient it makes (4 + 4 + 4) before the cast back.
+LOSS_BYTES_PER_LOGIT = 12
+
+
+@dataclass(frozen=True)
+class ActivationParts:
+    """One micro-batch's sequence-proportional device bytes, by part (estimates, except the boundary)."""
+
+    boundary: int  # one block's input hidden states
+    norms: int  # the RMSNorms' fp32 copies and casts
+    projections: int  # the attention linears' outputs and what derives from them (rotary)
+    attention: AttentionEstimate
+    mlp: int  # the MLP linears' outputs and their products, one of mlp_chunks sequence chunks
+    dequantized_weight: int  # the largest 4-bit weight dequantized to the compute dtype
+    logits: int  # the head's logits (and their gradient), whole or one of loss_chunks chunks
+    loss: int  # the loss's fp32 working set, whole or one chunk
+    softcap: int  # soft-capped logits: two more logit-sized tensors
+    loss_chunks: int = 1
+    mlp_chunks: int = 1
+
+    @property
+    def recompute(self) -> int:
+        """What recomputing one block with grad and back-propagating it holds at once."""
+        return self.norms + self.projections + self.attention.bytes + self.mlp + self.dequantized_weight
+
+    @property
+    def head(self) -> int:
+        return self.logits + self.loss + self.softcap
+
+    def named(self) -> tuple[tuple[str, int], ...]:
+        """The parts by name, for ``poros plan``'s table."""
+        loss = "" if self.loss_chunks == 1 else f", one of {self.loss_chunks} chunks"
+        mlp = "" if self.mlp_chunks == 1 else f", one of {self.mlp_chunks} sequence chunks"
+        return (("one block's input (a boundary state)", self.boundary),
+                ("block recompute: norms (fp32 copies)", self.norms),
+                ("block recompute: attention projections", self.projections),
+                (f"block recompute: attention kernel ({self.attention.kernel.split(':')[0]})", self.attention.bytes),
+                (f"block recompute: MLP working set{mlp}", self.mlp),
+                ("block recompute: one dequantized weight", self.dequantized_weight),
+                (f"head: logits and their gradient{loss}", self.logits + self.softcap),
+                (f"loss: fp32 working set{loss}", self.loss))
+
+
+def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
+                     attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1) -> ActivationParts:
+    """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts)."""
+    tokens = batch_size * seq_len
+    attention_linears = shapes.linear_outputs - shapes.mlp_outputs
+    mlp_tokens = -(-tokens // mlp_chunks) if mlp_chunks > 1 else tokens
+    logits = tokens * shapes.vocab_size
+    if loss_chunks == 1:
+        head_logits, loss = logits * value_bytes, logits * LOSS_BYTES_PER_LOGIT
+        softcap = 2 * logits * value_bytes if shapes.logit_softcapping else 0
+    else:  # the head and the loss run chunk by chunk: one chunk's logits, their gradient, the fp32 loss
+        chunk = -(-tokens // loss_chunks) * shapes.vocab_size
+        head_logits, loss = 2 * chunk * value_bytes, chunk * LOSS_BYTES_PER_LOGIT
+        softcap = 2 * chunk * value_bytes if shapes.logit_softcapping else 0
+    return ActivationParts(
+        boundary=tokens * shapes.hidden_size * value_bytes,
+        norms=tokens * 2 * (8 + value_bytes) * shapes.hidden_size,
+        projections=tokens * 2 * value_bytes * attention_linears,
+        attention=attention_working_set(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
+                                        attn_implementation=attn_implementation),
+        mlp=mlp_tokens * 2 * value_bytes * shapes.mlp_outputs,
+        dequantized_weight=shapes.largest_linear * value_bytes,
+        logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+
+
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
-                     attn_implementation: str | None, loss_chunks: int = 1) -> tuple[int, int, int]:
+                     attn_implementation: str | None, loss_chunks: int = 1,
+                     mlp_chunks: int = 1) -> tuple[int, int, int]:
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
     * recompute: what recomputing one block with grad and back-propagating it holds at once: per
       token the two RMSNorms' fp32 input and normalised copies and their cast (``2 x (8 + v) x
       hidden`` bytes), every base linear's output and what the next op derives from it (rotary,
-      activation, gate product: ``2 x v x sum(out_features)``); plus the largest 4-bit weight
+      activation, gate product: ``2 x v x sum(out_features)``; the MLP's for one of ``mlp_chunks``
+      sequence chunks: the tiled MLP saves only its input); plus the largest 4-bit weight
       dequantized to the compute dtype (bitsandbytes dequantizes one weight at a time, in forward
-      and again in backward); plus, for eager attention, scores, probabilities and their gradient.
+      and again in backward); plus the attention kernel's working set
+      (:func:`attention_working_set`: ``seq x seq`` only for the math kernel).
     * head: the logits in the compute dtype plus the fp32 loss working set
       (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
-      ``loss_chunks`` N > 1 (:mod:`poros.stream.chunked_loss`): the logits and their gradient in
-      the compute dtype, and the fp32 working set of one chunk.
+      ``loss_chunks`` N > 1 the head and the loss run one token chunk at a time: one chunk's
+      logits and their gradient in the compute dtype and its fp32 working set (the chunked head
+      of issue 32: the logits are never whole).
     """
-    tokens = batch_size * seq_len
-    boundary = tokens * shapes.hidden_size * value_bytes
-    recompute = (tokens * (2 * (8 + value_bytes) * shapes.hidden_size + 2 * value_bytes * shapes.linear_outputs)
-                 + shapes.largest_linear * value_bytes)
-    if attn_implementation == "eager":
-        recompute += 3 * batch_size * shapes.num_attention_heads * seq_len * seq_len * value_bytes
-    logits = tokens * shapes.vocab_size
-    loss = (logits * LOSS_BYTES_PER_LOGIT if loss_chunks == 1
-            else logits * value_bytes + -(-logits // loss_chunks) * LOSS_BYTES_PER_LOGIT)
-    head = logits * value_bytes + loss + (2 * logits * value_bytes if shapes.logit_softcapping else 0)
-    return boundary, recompute, head
+    parts = activation_parts(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
+                             attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+    return parts.boundary, parts.recompute, parts.head
 
 
 def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module],
                        workload: Workload, *, device: torch.device, compute_dtype: torch.dtype,
-                       block_bytes: Iterable[int] | None = None) -> Footprint:
+                       block_bytes: Iterable[int] | None = None, mlp_chunks: int = 1) -> Footprint:
     """The :class:`Footprint` of a loaded HF + bitsandbytes + PEFT model.
 
     Block bytes are the block store's (exact; computed from the modules unless ``block_bytes``
@@ -206,19 +309,49 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
     outside = {id(t): t for t in [*causal_lm.parameters(), *causal_lm.buffers()]
                if id(t) not in in_blocks and not t.requires_grad}
     tables = {id(t) for table in host_tables for t in [*table.parameters(), *table.buffers()]}
-    config = causal_lm.config.get_text_config()
-    boundary, recompute, head = activation_bytes(
-        BlockShapes.of(layers, config), batch_size=workload.batch_size, seq_len=workload.seq_len,
-        value_bytes=torch.empty((), dtype=compute_dtype, device="meta").element_size(),
-        attn_implementation=getattr(config, "_attn_implementation", None), loss_chunks=workload.loss_chunks)
-    return Footprint(
+    shapes, value_bytes, attention = model_shapes(causal_lm, layers, compute_dtype)
+    base = Footprint(
         block_bytes=tuple(packed_block_bytes(layers) if block_bytes is None else block_bytes),
         device_non_block_bytes=sum(t.numel() * t.element_size() for k, t in outside.items() if k not in tables),
         host_embedding_bytes=sum(t.numel() * t.element_size() for k, t in outside.items() if k in tables),
         lora_parameter_bytes=sum(p.numel() * p.element_size() for p in causal_lm.parameters() if p.requires_grad),
-        boundary_bytes=boundary, recompute_bytes=recompute, head_bytes=head,
+        boundary_bytes=0, recompute_bytes=0, head_bytes=0,
         workspace_bytes=CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0,
     )
+    return with_activations(base, shapes, workload, value_bytes=value_bytes, attn_implementation=attention,
+                            mlp_chunks=mlp_chunks)
+
+
+def model_shapes(causal_lm: nn.Module, layers: list[nn.Module], compute_dtype: torch.dtype) -> tuple[BlockShapes, int, str | None]:
+    """``(shapes, bytes per activation value, attn_implementation)`` of a loaded model: what its activations are priced from."""
+    config = causal_lm.config.get_text_config()
+    return (BlockShapes.of(layers, config), torch.empty((), dtype=compute_dtype, device="meta").element_size(),
+            getattr(config, "_attn_implementation", None))
+
+
+def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Workload, *, value_bytes: int,
+                     attn_implementation: str | None, mlp_chunks: int = 1,
+                     loss_chunks: int | None = None) -> Footprint:
+    """``footprint`` with the activations of ``workload`` (its ``loss_chunks`` unless given) and
+    ``mlp_chunks``: what the planner re-prices when it picks chunk counts (:func:`chunked_footprints`)."""
+    loss_chunks = workload.loss_chunks if loss_chunks is None else loss_chunks
+    parts = activation_parts(shapes, batch_size=workload.batch_size, seq_len=workload.seq_len, value_bytes=value_bytes,
+                             attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+    return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
+                               head_bytes=parts.head, parts=parts.named(),
+                               attention=f"{parts.attention.kernel} ({parts.attention.reason})",
+                               loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+
+
+def chunked_footprints(footprint: Footprint, shapes: BlockShapes, workload: Workload, *, value_bytes: int,
+                       attn_implementation: str | None):
+    """``(loss_chunks, mlp_chunks) -> Footprint``: the planner's ``footprint_for`` (see
+    :func:`~poros.stream.planner.plan_budget`)."""
+    def footprint_for(loss_chunks: int, mlp_chunks: int) -> Footprint:
+        return with_activations(footprint, shapes, workload, value_bytes=value_bytes,
+                                attn_implementation=attn_implementation, mlp_chunks=mlp_chunks,
+                                loss_chunks=loss_chunks)
+    return footprint_for
 
 def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | None = None,
                      link_bytes_per_s: float | None = None, optimizer_states: str = "device") -> dict[str, Any]:
@@ -231,12 +364,13 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
     compute_dtype = getattr(torch, model.detection.compute_dtype, torch.float32) if model.detection else torch.float32
     footprint = footprint_of_model(model.causal_lm, list(model.executor.layers),
                                    [table.module for table in model.host_tables], workload, device=device,
-                                   compute_dtype=compute_dtype, block_bytes=[b.nbytes for b in store.blocks])
+                                   compute_dtype=compute_dtype, block_bytes=[b.nbytes for b in store.blocks],
+                                   mlp_chunks=model.executor.options.mlp_chunks)
     resident = store.resident_blocks
     slots = max(store.num_slots, 1)
     peak = predict_peak(footprint, workload, resident=resident, num_slots=slots,
                         embeddings_on_host=bool(model.host_tables),
-                        boundary_on_host=model.executor.boundary_states == "host",
+                        boundary_on_host=model.executor.boundary_states in ("host", "disk"),
                         optimizer_on_host=optimizer_states == "host",
                         lora_on_host=getattr(model, "lora_placement", None) is not None)
     step = None
@@ -247,7 +381,11 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
             "num_slots": store.num_slots, "copy_bytes_per_step": copy_bytes_per_step(footprint.block_bytes, workload,
                                                                                      resident),
             "link_bytes_per_s": link_bytes_per_s, "step": step,
-            "compute": asdict(compute) if compute is not None else None}
+            "compute": asdict(compute) if compute is not None else None,
+            # the sequence-proportional parts per micro-batch, for long-context runs' comparison
+            "activation_parts": dict(footprint.parts), "attention": footprint.attention,
+            "boundary_states": model.executor.boundary_states,
+            "loss_chunks": workload.loss_chunks, "mlp_chunks": footprint.mlp_chunks}
 
 
 def device_context_bytes(footprint: Footprint, device: Any, *, cuda_graphs: bool, num_slots: int) -> int:
@@ -271,10 +409,14 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
     """
     workload = options.budget_workload()
     footprint = footprint_of_model(causal_lm, layers, host_tables, workload, device=device,
-                                   compute_dtype=compute_dtype)
+                                   compute_dtype=compute_dtype, mlp_chunks=options.mlp_chunks)
     context = device_context_bytes(footprint, device, cuda_graphs=options.cuda_graphs is not False,
                                    num_slots=options.num_slots)
-    return plan_budget(footprint, workload, options, context_bytes=context)
+    shapes, value_bytes, attention = model_shapes(causal_lm, layers, compute_dtype)
+    return plan_budget(footprint, workload, options, context_bytes=context,
+                       footprint_for=chunked_footprints(footprint, shapes, workload, value_bytes=value_bytes,
+                                                        attn_implementation=attention))
 
 
-__all__ = ["LOSS_BYTES_PER_LOGIT", "BlockShapes", "activation_bytes", "block_bytes", "device_context_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]
+__all__ = ["LOSS_BYTES_PER_LOGIT", "ActivationParts", "AttentionEstimate", "BlockShapes", "activation_bytes",
+           "activation_parts", "attention_working_set", "chunked_footprints", "model_shapes", "with_activations", "block_bytes", "device_context_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]

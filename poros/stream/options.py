@@ -149,7 +149,8 @@ class StreamOptions:
             the plan's ``lora_placement``); ``"auto"`` without a budget is ``"device"``.
         loss_chunks: the loss over this many token chunks, each chunk's fp32 working set recomputed
             in backward (``poros.stream.chunked_loss``; ``prepare`` installs it, ``unpatch`` removes
-            it); 1: HF's own loss.
+            it); 1: HF's own loss. With ``vram_budget`` the planner may raise it (and ``mlp_chunks``)
+            when the budget cannot hold the step otherwise: the plan's ``loss_chunks``.
         mlp_chunks: each decoder block's MLP over this many sequence chunks in forward, recompute and
             backward, saving only its input (``poros.stream.tiling``; ``prepare`` installs it, ``unpatch``
             removes it): one chunk's ``batch x seq x intermediate_size`` activations alive at a time;

@@ -11,7 +11,7 @@ from typing import Any
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import ConfigError, DescriptorError
 
-BOUNDARY_STATES = ("device", "host")
+BOUNDARY_STATES = ("device", "host", "disk")
 
 
 def embeddings_on_host(option: bool | None, device: Any) -> bool:
@@ -28,12 +28,13 @@ def check_boundary_states(value: str | None) -> None:
     budget planner decides, else the device).
 
     Raises:
-        ConfigError: anything but ``"device"``, ``"host"`` or None.
+        ConfigError: anything but ``"device"``, ``"host"``, ``"disk"`` or None.
     """
     if value is not None and value not in BOUNDARY_STATES:
-        raise ConfigError(f"boundary_states={value!r}: expected 'device' or 'host' (pinned host memory, for "
-                          "layer-major accumulation when the device cannot hold the M x L block inputs), or None "
-                          "to let the budget planner decide.")
+        raise ConfigError(f"boundary_states={value!r}: expected 'device', 'host' (pinned host memory, for "
+                          "layer-major accumulation when the device cannot hold the M x L block inputs) or 'disk' "
+                          "(files under the cache's spill/ directory, when the host cannot hold them either), or "
+                          "None to let the budget planner decide.")
 
 
 def host_embedding_tables(model: Any, descriptor: ArchitectureDescriptor) -> list[Any]:

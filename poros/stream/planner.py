@@ -27,11 +27,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from poros.config import parse_budget
 from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
+from poros.stream.chunk_choice import ChunkChoice, choose_chunks
 from poros.stream.options import SCHEDULES, StreamOptions, Workload
 from poros.stream.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
 from poros.stream.units import format_gb, human_bytes
@@ -63,6 +64,10 @@ class Footprint:
             AdamW state twice, AdamW's step one more copy for a moment.
         boundary_bytes, recompute_bytes, head_bytes: per micro-batch.
         workspace_bytes: library workspaces inside the allocator (cuBLAS on CUDA).
+        parts: the sequence-proportional activations by name (per micro-batch; what ``poros plan``
+            tabulates: attention, MLP, head and loss...), or empty where unknown.
+        attention: the attention kernel the estimate assumes and why, in words.
+        loss_chunks, mlp_chunks: the chunk counts the activations are estimated for.
     """
 
     block_bytes: tuple[int, ...]
@@ -73,6 +78,10 @@ class Footprint:
     recompute_bytes: int
     head_bytes: int
     workspace_bytes: int = 0
+    parts: tuple[tuple[str, int], ...] = ()
+    attention: str = ""
+    loss_chunks: int = 1
+    mlp_chunks: int = 1
 
     @property
     def num_blocks(self) -> int:
@@ -209,7 +218,8 @@ class BudgetPlan:
         copy_bytes_per_step: host-to-device bytes per optimizer step.
         step: the predicted step time, or None without compute times and a link bandwidth.
         boundary_states: where layer-major keeps its M x L boundary states: ``"device"``, or
-            ``"host"`` when the budget cannot hold them (or when asked).
+            ``"host"`` when the budget cannot hold them (or when asked), or ``"disk"`` when the host
+            budget cannot hold them beside the streamed blocks either (or when asked).
         minimum_bytes: the smallest budget any plan fits in (1 slot, nothing resident, embeddings
             on the host when they may be, boundary states where this plan keeps them);
             ``pipelined_minimum_bytes`` with the requested slots.
@@ -221,6 +231,10 @@ class BudgetPlan:
         hide_copy_step: that plan's step prediction.
         notes: the decisions, in words.
         optimizer_states: where AdamW's state lives: ``"device"``, or ``"host"`` (``HostAdamW``; asked, or no ring fit).
+        loss_chunks, mlp_chunks: the chunk counts the plan runs with: those asked for, raised when the
+            budget cannot hold the step otherwise (:mod:`poros.stream.chunk_choice`).
+        parts: the footprint's sequence-proportional activations by name (per micro-batch).
+        attention: the attention kernel the estimate assumes, and why.
     """
 
     budget_bytes: int
@@ -250,6 +264,10 @@ class BudgetPlan:
     notes: tuple[str, ...]
     optimizer_states: str = "device"
     lora_placement: str = "device"
+    loss_chunks: int = 1
+    mlp_chunks: int = 1
+    parts: tuple[tuple[str, int], ...] = ()
+    attention: str = ""
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -257,7 +275,9 @@ class BudgetPlan:
                     f"({self.resident_blocks[0]}..{self.resident_blocks[-1]})" if self.resident_blocks
                     else f"no resident block of {self.num_blocks}")
         step = f", predicted step {self.step.step_s:.3f} s" if self.step else ""
-        boundary = ", boundary states on the host" if self.boundary_states == "host" else ""
+        boundary = f", boundary states on the {self.boundary_states}" if self.boundary_states != "device" else ""
+        boundary += (f", loss_chunks={self.loss_chunks}" if self.loss_chunks > 1 else "") + (
+            f", mlp_chunks={self.mlp_chunks}" if self.mlp_chunks > 1 else "")
         boundary += ", AdamW state on the host" if self.optimizer_states == "host" else ""
         boundary += ", LoRA tensors on the host" if self.lora_placement == "host" else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
@@ -326,7 +346,8 @@ def _choose_states(sizing: _Sizing, options: StreamOptions, budget_bytes: int) -
     """AdamW's state and the streamed blocks' LoRA tensors: where ``options`` say; under ``"auto"`` the
     host only when the ring asked for does not fit with them on the device, nothing resident and the
     boundary states wherever they may go (see ``adamw_states.choose``)."""
-    places = {"device": (False,), "host": (True,)}.get(options.boundary_states, (False, sizing.layer_major))
+    places = {"device": (False,), "host": (True,), "disk": (True,)}.get(options.boundary_states,
+                                                                       (False, sizing.layer_major))
     states = adamw_states.choose(options.optimizer_states, lambda: any(
         sizing.needed(0, options.num_slots, boundary) <= budget_bytes for boundary in places))
     sizing = dataclasses.replace(sizing, optimizer_on_host=states == "host")
@@ -345,7 +366,7 @@ def _choose_boundary(sizing: _Sizing, options: StreamOptions, budget_bytes: int)
     automatic = asked is None and layer_major and offload_minimum <= budget_bytes and not any(
         sizing.needed(k, ring, False) <= budget_bytes for k in range(sizing.footprint.num_blocks + 1)) and (
         sizing.needed(0, ring, True) <= budget_bytes or device_minimum > budget_bytes)
-    return _Boundary(offload=layer_major and (automatic or asked == "host"), automatic=automatic,
+    return _Boundary(offload=layer_major and (automatic or asked in ("host", "disk")), automatic=automatic,
                      device_minimum=device_minimum, offload_minimum=offload_minimum,
                      accepted_minimum=_accepted_minimum(device_minimum, offload_minimum, layer_major, asked))
 
@@ -359,7 +380,7 @@ def _refuse_below_minimum(sizing: _Sizing, options: StreamOptions, budget_bytes:
     if budget_bytes >= boundary.accepted_minimum:
         return
     workload, asked = sizing.workload, options.boundary_states
-    host = sizing.layer_major and (asked == "host" or (asked is None
+    host = sizing.layer_major and (asked in ("host", "disk") or (asked is None
                                                        and boundary.offload_minimum < boundary.device_minimum))
     minimum_peak, minimum = sizing.peak(0, 1, host)
     pipelined = sizing.needed(0, options.num_slots, host)
@@ -368,7 +389,12 @@ def _refuse_below_minimum(sizing: _Sizing, options: StreamOptions, budget_bytes:
              if asked == "device" and sizing.layer_major and boundary.offload_minimum < boundary.device_minimum
              else "")
     parts = ", ".join(f"{name} {format_gb(n)}" for name, n in (*minimum_peak.persistent, *minimum_peak.transient) if n)
+    fp = sizing.footprint
+    chunks = (f" (with loss_chunks={fp.loss_chunks}, mlp_chunks={fp.mlp_chunks})"
+              if fp.loss_chunks > 1 or fp.mlp_chunks > 1 else "")
     raise ConfigError(
+        f"VRAM budget {format_gb(budget_bytes)} does not fit this run{chunks}: its biggest part is "
+        f"{biggest_part(minimum_peak, fp)}. "
         f"VRAM budget {format_gb(budget_bytes)} is below the minimum for this run: it needs at least "
         f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block"
         f"{', embeddings on the host' if sizing.on_host else ''}{where}), {format_gb(pipelined)} with "
@@ -377,6 +403,19 @@ def _refuse_below_minimum(sizing: _Sizing, options: StreamOptions, budget_bytes:
         f"Raise the budget to at least {format_gb(minimum)}, or shrink the activations (seq_len, batch_size"
         f"{', or micro-major accumulation' if sizing.layer_major and workload.grad_accum > 1 else ''})."
     )
+
+
+def biggest_part(peak: PeakBreakdown, footprint: Footprint) -> str:
+    """The largest part of ``peak``, ``"name (size)"``; a working set of several parts (a block's recompute,
+    the head and loss) with its own largest part named beside it."""
+    name, size = max((*peak.persistent, *peak.transient), key=lambda part: part[1])
+    within = {"one block's recompute working set": "block recompute", "head and loss working set": ("head", "loss")}
+    prefix = within.get(name)
+    inner = [part for part in footprint.parts if prefix and part[0].startswith(prefix)]
+    if inner:
+        inner_name, inner_size = max(inner, key=lambda part: part[1])
+        return f"{name} ({format_gb(size)}; most of it {inner_name}, {format_gb(inner_size)})"
+    return f"{name} ({format_gb(size)})"
 
 
 def _ring_and_resident(sizing: _Sizing, options: StreamOptions, budget_bytes: int,
@@ -416,7 +455,8 @@ def _hiding_copy(sizing: _Sizing, options: StreamOptions, boundary: _Boundary, c
 
 def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions, *,
                 compute: ComputeTimes | None = None, link_bytes_per_s: float | None = None, context_bytes: int = 0,
-                slack: float = ALLOCATOR_SLACK) -> BudgetPlan:
+                slack: float = ALLOCATOR_SLACK,
+                footprint_for: Callable[[int, int], Footprint] | None = None) -> BudgetPlan:
     """Decide slots, resident blocks, embedding and boundary-state placement for ``options.vram_budget``;
     predict peak and step.
 
@@ -438,6 +478,13 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
         compute, link_bytes_per_s: for the step-time prediction (both, or neither).
         context_bytes: memory outside PyTorch's allocator (:data:`CUDA_CONTEXT_BYTES` on CUDA, 0 on CPU).
         slack: allocator slack, a fraction of the peak.
+        footprint_for: ``(loss_chunks, mlp_chunks) -> Footprint`` (``footprint.chunked_footprints``): with
+            it the plan may raise the chunk counts when the budget cannot hold the step with those asked
+            for (:func:`poros.stream.chunk_choice.choose_chunks`); without, they stand.
+
+    Layer-major's boundary states, once off the device, go to disk instead of pinned host memory when
+    ``options.boundary_states`` says ``"disk"``, or when ``options.host_budget`` cannot hold them beside
+    the streamed blocks.
 
     Raises:
         ConfigError: no budget, or a budget below the minimum (the message names the minimum and what
@@ -449,6 +496,10 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
                           "Pass e.g. StreamOptions(vram_budget='12GiB').")
     budget_bytes = parse_budget(options.vram_budget)
     on_host = options.embeddings_on_host is not False and footprint.host_embedding_bytes > 0
+    chosen, asked_chunks = None, (workload.loss_chunks, options.mlp_chunks)
+    if footprint_for is not None:
+        chosen = _choose_chunks(footprint_for, workload, options, budget_bytes, on_host, context_bytes, slack)
+        footprint, workload = chosen.footprint, dataclasses.replace(workload, loss_chunks=chosen.loss_chunks)
     sizing, states = _choose_states(_Sizing(footprint, workload, on_host, context_bytes, slack), options,
                                     budget_bytes)
     boundary = _choose_boundary(sizing, options, budget_bytes)
@@ -463,17 +514,69 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
                         num_slots=slots) if timed else None
     boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if sizing.layer_major else 1)
     notes = _notes(sizing, options, budget_bytes, boundary, slots, resident, hiding[0], compute, link_bytes_per_s)
+    place = _boundary_place(boundary, options, footprint, resident_blocks, boundary_total)
+    if place == "disk":
+        notes = [n if not n.startswith("boundary states on the host") else n.replace(
+            "boundary states on the host", "boundary states on disk (files under the cache's spill/ directory)", 1)
+            .replace("in pinned memory", "written and read back") for n in notes]
+        notes.append(f"boundary states on disk because {'it was asked' if options.boundary_states == 'disk' else ''}"
+                     + ("" if options.boundary_states == "disk" else
+                        f"the host budget ({format_gb(parse_budget(options.host_budget, 'host_budget'))}) cannot hold "
+                        f"them ({format_gb(boundary_total)}) beside the streamed blocks "
+                        f"({format_gb(_streamed_bytes(footprint, resident_blocks))})"))
+    if chosen is not None and chosen.raised:
+        notes.insert(0, f"loss_chunks={chosen.loss_chunks}, mlp_chunks={chosen.mlp_chunks} (asked "
+                        f"{asked_chunks[0]} and {asked_chunks[1]}): "
+                        "the budget cannot hold the step with fewer chunks; the head and loss run "
+                        f"{chosen.loss_chunks} token chunks at a time and each block's MLP {chosen.mlp_chunks} "
+                        "sequence chunks")
     return BudgetPlan(
         budget_bytes=budget_bytes, context_bytes=context_bytes, slack=slack, workload=workload, num_blocks=blocks,
         block_bytes=footprint.block_bytes, requested_slots=options.num_slots, num_slots=min(slots, blocks - resident),
         resident_blocks=resident_blocks, embeddings_on_host=on_host,
-        boundary_states="host" if boundary.offload else "device", peak=peak, needed_bytes=needed,
+        boundary_states=place, peak=peak, needed_bytes=needed,
         copy_bytes_per_step=copy_bytes_per_step(footprint.block_bytes, workload, resident_blocks),
         link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=boundary.accepted_minimum,
         pipelined_minimum_bytes=sizing.needed(0, options.num_slots, boundary.offload), boundary_bytes=boundary_total,
         boundary_offload_minimum_bytes=boundary.offload_minimum, hide_copy_resident=hiding[0],
         hide_copy_bytes=hiding[1], hide_copy_peak_bytes=hiding[2], hide_copy_step=hiding[3], notes=tuple(notes),
-        optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device")
+        optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device",
+        loss_chunks=workload.loss_chunks, mlp_chunks=footprint.mlp_chunks, parts=footprint.parts,
+        attention=footprint.attention)
+
+
+def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Workload, options: StreamOptions,
+                   budget_bytes: int, on_host: bool, context_bytes: int, slack: float) -> ChunkChoice:
+    """The chunk counts for this budget (:func:`~poros.stream.chunk_choice.choose_chunks`), each priced as the
+    smallest budget its step needs with the placements ``options`` allow and nothing resident."""
+    def needed(footprint: Footprint, loss_chunks: int, slots: int) -> int:
+        sized = dataclasses.replace(workload, loss_chunks=loss_chunks)
+        sizing, _ = _choose_states(_Sizing(footprint, sized, on_host, context_bytes, slack), options, budget_bytes)
+        places = {"device": (False,), "host": (True,), "disk": (True,)}.get(options.boundary_states,
+                                                                           (False, sizing.layer_major))
+        return min(sizing.needed(0, slots, boundary) for boundary in places)
+
+    return choose_chunks(footprint_for, needed, loss_chunks=workload.loss_chunks, mlp_chunks=options.mlp_chunks,
+                         tokens=workload.batch_size * workload.seq_len, seq_len=workload.seq_len,
+                         budget_bytes=budget_bytes, ring=options.num_slots)
+
+
+def _streamed_bytes(footprint: Footprint, resident_blocks: tuple[int, ...]) -> int:
+    return sum(n for i, n in enumerate(footprint.block_bytes) if i not in resident_blocks)
+
+
+def _boundary_place(boundary: _Boundary, options: StreamOptions, footprint: Footprint,
+                    resident_blocks: tuple[int, ...], boundary_total: int) -> str:
+    """``"device"``, ``"host"`` or ``"disk"``: off the device, on disk when asked, or when the host budget cannot
+    hold the boundary states beside the streamed blocks (the blocks keep the host: they cross every pass)."""
+    if not boundary.offload:
+        return "device"
+    if options.boundary_states in ("host", "disk"):
+        return options.boundary_states
+    if options.host_budget is None:
+        return "host"
+    host = parse_budget(options.host_budget, "host_budget")
+    return "disk" if _streamed_bytes(footprint, resident_blocks) + boundary_total > host else "host"
 
 
 def _notes(sizing: _Sizing, options: StreamOptions, budget_bytes: int, boundary: _Boundary, slots: int,
@@ -566,7 +669,7 @@ def minimum_budget(footprint: Footprint, workload: Workload, *, embeddings_on_ho
 def _accepted_minimum(device: int, host: int, layer_major: bool, boundary_states: str | None) -> int:
     if not layer_major or boundary_states == "device":
         return device
-    return host if boundary_states == "host" else min(device, host)
+    return host if boundary_states in ("host", "disk") else min(device, host)
 
 
 __all__ = ["ALLOCATOR_SLACK", "CUDA_CONTEXT_BYTES", "CUDA_WORKSPACE_BYTES", "LORA_BYTES_PER_PARAMETER", "LORA_VALUE_BYTES", "SCHEDULES", "BudgetPlan", "ComputeTimes", "Footprint", "PeakBreakdown", "StepPrediction", "Workload", "budget_for_peak", "copy_bytes_per_step", "format_gb", "human_bytes", "minimum_budget", "parse_budget", "peak_upper_bound", "plan_budget", "predict_peak", "predict_step"]

@@ -67,8 +67,7 @@ MATH_FIELDS = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
     "dataset", "dataset_split", "eval_split", "chat_template", "seq_len", "batch_size", "grad_accum",
-    "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "loss_chunks",
-    "mlp_chunks",
+    "lr", "schedule", "warmup", "weight_decay", "max_grad_norm", "seed", "loss_chunks", "mlp_chunks",
 )
 #: Schedules whose learning rate at a step does not depend on the total number of steps: a run
 #: resumed with more (or fewer) ``steps`` continues the same curve.

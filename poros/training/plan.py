@@ -25,17 +25,20 @@ from poros.distributed import check_batch_divides
 from poros.errors import CheckpointLoadError, ConfigError
 from poros.loading import host_tiers
 from poros.stream import graphs
+from poros.stream.chunked_loss import HEAD_IN_CHUNKS
 from poros.loading.prequantized import read_prequantized
 from poros.stream.footprint import (
     BlockShapes,
     activation_bytes,
     block_bytes,
+    chunked_footprints,
     device_context_bytes,
     meta_skeleton,
     nf4_experts_bytes,
     padded,
     quantized_linears,
     tensor_bytes,
+    with_activations,
 )
 from poros.stream.units import format_gb
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
@@ -150,6 +153,11 @@ class BudgetReport:
     per_rank_batch: int
     host_tier_requested: str | None  # the config's host_tier
     notices: tuple[str, ...] = ()  # one line each: what could not be measured, and what to do
+    host_ram: tuple[tuple[str, int], ...] = ()  # host RAM one rank needs, by part (host_ram_parts)
+
+    @property
+    def host_ram_bytes(self) -> int:
+        return sum(n for _, n in self.host_ram)
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,10 @@ class Plan:
     recompute_bytes: int  # one block's recompute working set, one micro-batch (estimate)
     logits_bytes: int  # logits + loss working set, one micro-batch (estimate)
     budget: BudgetReport | None = None  # poros plan (plan_run with PlanOptions); None for the memory plan alone
+    shapes: BlockShapes | None = None  # what the activations are priced from (the planner re-prices chunk counts)
+    attn_implementation: str | None = None
+    loss_chunks: int = 1
+    mlp_chunks: int = 1
     experts: str | None = None  # MoE models: experts per block, their bf16 and NF4 bytes (None: no experts)
 
     @property
@@ -218,7 +230,7 @@ class Plan:
 
     @property
     def workload(self) -> Workload:
-        return Workload(self.batch_size, self.seq_len, self.grad_accum, self.stream_schedule)
+        return Workload(self.batch_size, self.seq_len, self.grad_accum, self.stream_schedule, self.loss_chunks)
 
     @property
     def peak_device_bytes_estimate(self) -> int:
@@ -236,7 +248,21 @@ class Plan:
         return host
 
     def footprint(self) -> Footprint:
-        """The planner's view of this run (:func:`plan_budget`)."""
+        """The planner's view of this run (:func:`plan_budget`), its activations by part."""
+        base = self._base_footprint()
+        if self.shapes is None:
+            return base
+        return with_activations(base, self.shapes, self.workload, value_bytes=self.activation_bytes_per_value,
+                                attn_implementation=self.attn_implementation, mlp_chunks=self.mlp_chunks,
+                                loss_chunks=self.loss_chunks)
+
+    def footprint_for(self):
+        """``(loss_chunks, mlp_chunks) -> Footprint``: the planner's re-pricing of the chunk counts."""
+        return chunked_footprints(self._base_footprint(), self.shapes, self.workload,
+                                  value_bytes=self.activation_bytes_per_value,
+                                  attn_implementation=self.attn_implementation)
+
+    def _base_footprint(self) -> Footprint:
         return Footprint(
             block_bytes=self.block_bytes,
             device_non_block_bytes=self.non_block_bytes - self.embedding_table_bytes,
@@ -310,10 +336,11 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
                           + (m.out_features if config.use_dora else 0) for m in targets.values())
 
     value_bytes = torch.empty((), dtype=compute_dtype, device="meta").element_size()
-    _, recompute, head = activation_bytes(BlockShapes.of(blocks, text_config), batch_size=config.batch_size,
+    shapes = BlockShapes.of(blocks, text_config)
+    _, recompute, head = activation_bytes(shapes, batch_size=config.batch_size,
                                           seq_len=config.seq_len, value_bytes=value_bytes,
                                           attn_implementation=config.attn_implementation,
-                                          loss_chunks=getattr(config, "loss_chunks", 1))
+                                          loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks)
     return Plan(
         model=config.model, checkpoint=str(directory), found_in=found_in, family=descriptor.name,
         model_type=text_config.model_type,
@@ -328,7 +355,8 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
                         else ",".join(config.target_modules)),
         batch_size=config.batch_size, seq_len=config.seq_len, grad_accum=config.grad_accum,
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
-        recompute_bytes=recompute, logits_bytes=head, experts=experts_line,
+        recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
+        loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line,
     ), text_config
 
 
@@ -369,7 +397,12 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
                                    num_slots=config.num_slots)
     stream_options = StreamOptions.from_config(config, vram_budget=budget, embeddings_on_host=on_host, workload=workload)
     budget_plan = plan_budget(footprint, workload, stream_options, compute=compute, link_bytes_per_s=link,
-                              context_bytes=context)
+                              context_bytes=context, footprint_for=plan.footprint_for())
+    if budget_plan.loss_chunks > 1 and not HEAD_IN_CHUNKS:
+        logits = 2 * per_rank_batch * config.seq_len * plan.vocab_size * plan.activation_bytes_per_value
+        notices.append(f"loss_chunks={budget_plan.loss_chunks}: the plan prices the head and the loss one token chunk "
+                       "at a time; this engine's chunked loss still keeps the whole logits and their gradient "
+                       f"({logits / 1e9:.2f} GB more at the turn) until the head runs chunk by chunk (issue 32).")
     # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
     # the same from the loaded model's entry), unless the run packs MoE experts after loading (pinned buffers)
     cached = not config.no_cache and not (plan.experts and config.quantize_experts is not False)
@@ -378,7 +411,29 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
                                      ranks_per_node=ranks, shared_file=cached)
     node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
     return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,
-                        tuple(notices))
+                        tuple(notices), host_ram=host_ram_parts(budget_plan, host, footprint))
+
+
+def host_ram_parts(budget_plan: BudgetPlan, host: host_tiers.HostPlan, footprint: Footprint) -> tuple[tuple[str, int], ...]:
+    """The host RAM one rank's run needs, by part: the host tier's blocks, the host embedding tables, layer-major's
+    boundary states (pinned on the host; on disk only the one in flight, twice: written and read), AdamW's state
+    and the LoRA tensors when the plan keeps them there. ``poros plan`` prints them and their sum."""
+    micro = budget_plan.workload.grad_accum if budget_plan.workload.schedule == "layer-major" else 1
+    one_state = footprint.boundary_bytes
+    streamed = footprint.num_blocks - len(budget_plan.resident_blocks)
+    lora_streamed = footprint.lora_parameter_bytes // max(footprint.num_blocks, 1) * streamed
+    boundary = {"host": (f"boundary states, pinned ({micro} x {footprint.num_blocks - 1} off the device)",
+                         micro * (footprint.num_blocks - 1) * one_state),
+                "disk": ("boundary states: one in flight each way (the rest on disk)", 2 * one_state)}
+    return tuple(part for part in (
+        (f"blocks ({host.tier} tier)", host.host_bytes),
+        ("embedding tables", footprint.host_embedding_bytes if budget_plan.embeddings_on_host else 0),
+        boundary.get(budget_plan.boundary_states, ("boundary states", 0)),
+        ("AdamW state (exp_avg, exp_avg_sq)", 2 * footprint.lora_parameter_bytes
+         if budget_plan.optimizer_states == "host" else 0),
+        ("LoRA parameters and gradients of the streamed blocks", 2 * lora_streamed
+         if budget_plan.lora_placement == "host" else 0),
+    ) if part[1])
 
 
 def _times(config: Any, options: PlanOptions, plan: Plan, text_config: Any, workload: Workload,

@@ -67,8 +67,8 @@ logger = logging.getLogger("poros")
 FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
-    "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks",
-    "mlp_chunks", "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
+    "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks", "mlp_chunks",
+    "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -190,8 +190,9 @@ class PorosTrainer:
         options = StreamOptions.from_config(config, schedule=stream_schedule(config, peft_model))
         with banner.silenced():  # the detection summary below says it in full
             model = prepare(peft_model, options=options)  # loss_chunks > 1: prepare installs the chunked loss
-        if config.loss_chunks > 1:
-            echo(f"poros: loss_chunks={config.loss_chunks}: the loss is computed over {config.loss_chunks} token "
+        chunks = model.stream_options.loss_chunks  # the config's, or what the budget plan raised it to
+        if chunks > 1:
+            echo(f"poros: loss_chunks={chunks}: the loss is computed over {chunks} token "
                   "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
                   "default loss")
         if config.mlp_chunks > 1:
