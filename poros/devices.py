@@ -86,4 +86,19 @@ def compute_device(module: Any) -> "torch.device":
     return next(module.parameters()).device
 
 
-__all__ = ["ONE_THREAD_BELOW_HIDDEN", "compute_device", "cpu_threads", "resolve_device"]
+def same_device(asked: "torch.device", compute: "torch.device") -> bool:
+    """Whether two devices are one (``cuda`` with no index names the current CUDA device)."""
+    import torch
+
+    if asked.type != compute.type:
+        return False
+    if asked.type != "cuda":  # one host: ``cpu`` and ``cpu:0`` (accelerate's ranks on the CPU) are the same
+        return True
+    if asked.index is None or compute.index is None:
+        current = torch.cuda.current_device() if asked.type == "cuda" and torch.cuda.is_available() else None
+        return (asked.index if asked.index is not None else current) == (
+            compute.index if compute.index is not None else current)
+    return asked.index == compute.index
+
+
+__all__ = ["ONE_THREAD_BELOW_HIDDEN", "compute_device", "cpu_threads", "resolve_device", "same_device"]

@@ -209,6 +209,7 @@ def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch
         target_modules=setup["lora"]["targets"], lora_rank=setup["lora"]["rank"], num_slots=setup["num_slots"],
         embeddings_on_host=True, grad_accum=setup.get("grad_accum", 1),
         stream_schedule=setup.get("schedule", "micro-major"),
+        quantize_experts=bool(setup.get("quantize_experts")),  # records before --quantize-experts: bf16 experts
     ))
     assert plan.host_store_bytes == measured["host_bytes"]
     assert plan.largest_block_bytes == measured["slot_bytes"]

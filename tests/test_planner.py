@@ -429,13 +429,15 @@ def _results_docs():
 
 @cache
 def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
-                 targets: tuple[str, ...], rank: int, attn: str | None, loss_chunks: int = 1) -> run_plan.Plan:
+                 targets: tuple[str, ...], rank: int, attn: str | None, loss_chunks: int = 1,
+                 quantize_experts: bool = False) -> run_plan.Plan:
     config, _ = _shapes().model_config(model, layers=layers)
     directory = tmp_root / f"{model}-{layers}"
     config.save_pretrained(directory)
     return run_plan.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                         double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
-                                        embeddings_on_host=True, attn_implementation=attn, loss_chunks=loss_chunks))
+                                        embeddings_on_host=True, attn_implementation=attn, loss_chunks=loss_chunks,
+                                        quantize_experts=quantize_experts))
 
 
 def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, float]:
@@ -443,7 +445,8 @@ def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, floa
     setup, measured = record["config"], record["arms"]["poros"]
     plan = _record_plan(tmp_root, setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"],
                         setup["batch"], setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]),
-                        setup["lora"]["rank"], setup.get("attn_implementation"), setup.get("loss_chunks", 1))
+                        setup["lora"]["rank"], setup.get("attn_implementation"), setup.get("loss_chunks", 1),
+                        bool(setup.get("quantize_experts")))  # records before --quantize-experts: bf16 experts
     workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major",
                         setup.get("loss_chunks", 1))
     chosen = measured.get("budget_plan") or {}  # with --vram-budget the planner chose slots and placement

@@ -177,6 +177,7 @@ def test_to_the_compute_device_keeps_the_streamed_placement(checkpoint, monkeypa
         self, fn, *a, **k))
     assert model.to("cpu") is model and model.to(torch.device("cpu")) is model and model.cpu() is model
     assert model.to(device="cpu", non_blocking=True) is model
+    assert model.to(torch.device("cpu", 0)) is model  # accelerate's ranks on the CPU name cpu:0
     for asked in [("meta",), (torch.bfloat16,), ("cpu", torch.float32)]:
         with pytest.raises(errors.DeviceError, match=r"computes on cpu.*unpatch\(\) first"):
             model.to(*asked)

@@ -23,7 +23,7 @@ from torch import nn
 from poros import records, registry
 from poros.adapters import causal_lm_of
 from poros.descriptor import ArchitectureDescriptor, resolve_path
-from poros.devices import compute_device
+from poros.devices import compute_device, same_device
 from poros.distributed import DDP_IGNORE_ATTRIBUTE, host_parameter_names, world
 from poros.errors import (
     AlreadyPreparedError,
@@ -156,7 +156,7 @@ class PorosModel:
                 ``unpatch()`` first.
         """
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is not None or (device is not None and not _same_device(device, self.store.device)):
+        if dtype is not None or (device is not None and not same_device(device, self.store.device)):
             raise DeviceError(
                 f"model.to({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])}): a prepared "
                 f"model computes on {self.store.device} and its frozen blocks live in the block store, so it moves "
@@ -214,17 +214,6 @@ class PorosModel:
             self.__dict__.pop(name, None)
         self.__class__ = original
         return self
-
-
-def _same_device(asked: torch.device, compute: torch.device) -> bool:
-    """``cuda`` (no index) names the current CUDA device."""
-    if asked.type != compute.type:
-        return False
-    if asked.index is None or compute.index is None:
-        current = torch.cuda.current_device() if asked.type == "cuda" and torch.cuda.is_available() else None
-        return (asked.index if asked.index is not None else current) == (
-            compute.index if compute.index is not None else current)
-    return asked.index == compute.index
 
 
 _STREAMED_CLASSES: dict[type, type] = {}

@@ -19,7 +19,7 @@ SDPA turns a bool mask into a float one of the mask's full shape in the compute 
 memory-efficient kernel runs, so a masked layer holds the bool mask (alive for the whole step: the
 streamed executor keeps HF's layer calls until backward) plus, while it runs, the float copy.
 Flash takes head dims up to 256 only: a kind whose heads are wider (a descriptor's ``head_dims``,
-e.g. Gemma 4's ``global_head_dim``) runs the efficient kernel with K/V repeated per head. What a
+e.g. a config's ``global_head_dim``) runs the efficient kernel with K/V repeated per head. What a
 family's masks force is the descriptor's ``seq_by_seq_masks`` (layer kind, reason), which
 :func:`attention_working_set` reports; the kernel choices on CUDA are transformers' and torch's
 dispatch rules as read, to be confirmed by the H200 run (``docs/consumer-gpus.md``).

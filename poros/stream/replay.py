@@ -45,7 +45,7 @@ def replayed_autocast(state, device: torch.device):
 def outside_autocast(device: torch.device):
     """Autocast off (the compute device's and the CPU's) for a backward the executor drives itself
     (layer-major): HF Trainer's ``loss.backward()`` runs outside its autocast region, and a backward under
-    autocast casts the fp32 matmuls of some backward formulas down (seen on CPU: Qwen3.5's Gated DeltaNet;
+    autocast casts the fp32 matmuls of some backward formulas down (seen on CPU: a gated delta-rule linear attention;
     the CPU engine runs backward on the caller's thread). The recompute before it replays the forward's
     state explicitly (:func:`replayed_autocast`)."""
     kinds = [device.type] if device.type != "cpu" and torch.amp.is_autocast_available(device.type) else []

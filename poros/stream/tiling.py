@@ -24,7 +24,7 @@ Labelled honestly:
   summation order), so its last bits may differ.
 
 Where the MLP is (``descriptor.mlp``, relative to a decoder layer) is a descriptor fact; what else
-in a block is sequence-proportional and not tiled is too (``descriptor.mlp_untiled``, e.g. Gemma 4's
+in a block is sequence-proportional and not tiled is too (``descriptor.mlp_untiled``, e.g. a block's
 MoE experts, which route all tokens of the block together). Install it with :func:`tile_mlp` on any
 model (HF, PEFT or Poros; resident or streamed): it sets each MLP instance's ``forward`` and
 :meth:`TiledMlp.remove` takes it away again. Dropout inside the MLP (LoRA dropout) draws the same
