@@ -14,18 +14,23 @@ from test_host_optimizer import FAMILIES, assert_same, run_steps, steps_of
 from test_parity import trainable
 
 
-def computed_chunked(loss: torch.Tensor) -> bool:
-    """True when the chunked loss's autograd node is in ``loss``'s graph (the loss really went through it)."""
+def in_graph(loss: torch.Tensor, node_name: str) -> bool:
+    """True when an autograd node of class ``node_name`` is in ``loss``'s graph."""
     seen, todo = set(), [loss.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ == "_ChunkedCrossEntropySumBackward":
+        if type(node).__name__ == node_name:
             return True
         todo.extend(next_node for next_node, _ in node.next_functions)
     return False
+
+
+def computed_chunked(loss: torch.Tensor) -> bool:
+    """True when the chunked loss's autograd node is in ``loss``'s graph (the loss really went through it)."""
+    return in_graph(loss, "_ChunkedCrossEntropySumBackward")
 
 
 @pytest.mark.parametrize(("family", "variant"), FAMILIES, ids=[f"{f}-{v}" for f, v in FAMILIES])

@@ -20,6 +20,7 @@ from poros.stream.options import StreamOptions
 from poros.stream.tiling import mlp_modules, tile_mlp
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 from poros.tiny import TINY_SLIDING_WINDOW
+from test_chunked_loss import in_graph
 from test_host_optimizer import FAMILIES, assert_same, run_steps, steps_of
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
 from test_parity import MIN_LAYERS, assert_bitwise, make_batch, train, trainable
@@ -29,16 +30,7 @@ CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for var
 
 def computed_tiled(loss: torch.Tensor) -> bool:
     """True when the tiled MLP's autograd node is in ``loss``'s graph (the MLP really went through it)."""
-    seen, todo = set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "_TiledMlpFunctionBackward":
-            return True
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    return in_graph(loss, "_TiledMlpFunctionBackward")
 
 
 @st.composite
