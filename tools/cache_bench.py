@@ -62,7 +62,7 @@ import torch
 
 from poros.stream.units import format_gb
 from tools.models import add_lora, make_batches
-from tools.provenance import start_tool
+from tools.provenance import add_run_arguments, start_tool
 from tools.shapes import SHAPES, model_config
 
 TIERS = ("pinned", "disk", "mapped")
@@ -83,13 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="host budget of the disk tier (default: 3 blocks' ring, well below the model)")
     parser.add_argument("--tiers", default=",".join(TIERS))
     parser.add_argument("--rounds", type=int, default=1, help="run the tiers in turn this many times")
-    parser.add_argument("--dir", default=None, help="where the checkpoint and the cache go (default: a temp dir, "
-                                                    "removed at the end)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--json", default=None)
+    add_run_arguments(parser, "the checkpoint and the cache")
     parser.add_argument("--start-tiers", default="auto",
                         help="host tiers of the cached starts: auto (the default choice: cached, cached_warm), "
                              "and pinned / mapped / disk (cached_TIER, cached_TIER_warm)")

@@ -62,7 +62,7 @@ import torch
 
 from tools import cache_bench
 from tools.models import SEVEN_PROJECTIONS, make_batches
-from tools.provenance import start_tool
+from tools.provenance import add_run_arguments, start_tool
 from tools.shapes import SHAPES, model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,13 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (starts: layer-major)")
     parser.add_argument("--steps", type=int, default=3, help="HF Trainer steps of the drop-in arm")
     parser.add_argument("--cap-gib", type=float, default=8.0, help="the drop-in arm's device memory cap")
-    parser.add_argument("--dir", default=None, help="where the checkpoints and the cache go (default: a temp dir, "
-                                                    "removed at the end)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--json", default=None)
+    add_run_arguments(parser, "the checkpoints and the cache")
     parser.add_argument("--child", default=None, choices=(*STARTS, "dropin", "stranded", "quantize"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--launched-at", type=float, default=None, help=argparse.SUPPRESS)

@@ -29,6 +29,17 @@ def configure_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """The options every checkpoint-writing tool takes: ``--dir`` (where ``what`` goes), ``--device``,
+    ``--deterministic``, ``--threads``, ``--commit``, ``--json``."""
+    parser.add_argument("--dir", default=None, help=f"where {what} go (default: a temp dir, removed at the end)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--json", default=None)
+
+
 def start_tool(args: argparse.Namespace) -> tuple[torch.device, dict[str, Any]]:
     """A GPU tool's common start (bench, parity gate, VRAM curve): quiet transformers' checkpointing
     warning, deterministic algorithms and CPU threads as asked; returns the device and the environment."""

@@ -180,6 +180,20 @@ def check_output_dir(output: pathlib.Path, overwrite: bool) -> None:
                           "Pass another OUT, or --overwrite to replace it.")
 
 
+def writer_settings(quantization: str, output: str | os.PathLike, overwrite: bool, compute_dtype: str | torch.dtype,
+                    device: str | torch.device | None) -> tuple[pathlib.Path, torch.dtype, torch.device]:
+    """What every 4-bit writer checks and resolves first: the quant type, a new (or empty) ``output``
+    directory, the compute dtype and the quantize device. Raises ConfigError."""
+    from poros.devices import resolve_device
+
+    if quantization not in ("nf4", "fp4"):
+        raise ConfigError(f"--quantization {quantization!r}: bitsandbytes 4-bit is 'nf4' or 'fp4'.")
+    output = pathlib.Path(output).expanduser()
+    check_output_dir(output, overwrite)
+    dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
+    return output, dtype, resolve_device(device or None, with_index=True)
+
+
 def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, quantization: str = "nf4",
                         double_quant: bool = False, compute_dtype: str | torch.dtype = "bfloat16",
                         device: str | torch.device | None = None, revision: str | None = None,
@@ -205,17 +219,11 @@ def quantize_checkpoint(model: str | os.PathLike, output: str | os.PathLike, *, 
     import transformers
 
     from poros.descriptor import resolve_path
-    from poros.devices import resolve_device
     from poros.loading.load import (blocks_to_host, check_loading_info, check_shapes, inspect_checkpoint,
                                     resolve_checkpoint)
 
     start = time.perf_counter()
-    if quantization not in ("nf4", "fp4"):
-        raise ConfigError(f"--quantization {quantization!r}: bitsandbytes 4-bit is 'nf4' or 'fp4'.")
-    output = pathlib.Path(output).expanduser()
-    check_output_dir(output, overwrite)
-    compute_dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
-    device = resolve_device(device or None, with_index=True)
+    output, compute_dtype, device = writer_settings(quantization, output, overwrite, compute_dtype, device)
     path = resolve_checkpoint(model, revision=revision)
     info = inspect_checkpoint(path, allow_pickle=allow_pickle)
     if info.prequantized is not None:
@@ -323,6 +331,6 @@ def copy_side_files(source: pathlib.Path, directory: pathlib.Path) -> list[str]:
     return copied
 
 
-__all__ = ["DEFAULT_SHARD_BYTES", "QuantizeResult", "ShardWriter", "block_modules", "check_output_dir",
+__all__ = ["DEFAULT_SHARD_BYTES", "QuantizeResult", "ShardWriter", "block_modules", "check_output_dir", "writer_settings",
            "copy_side_files", "finish_checkpoint", "free_tensors", "modules_outside", "parameter_count",
            "quantize_checkpoint", "serialize_modules", "staging_for", "write_config"]

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from poros.errors import CheckpointLoadError, ConfigError
-from poros.loading.quantize import (DEFAULT_SHARD_BYTES, QuantizeResult, ShardWriter, block_modules, check_output_dir,
+from poros.errors import CheckpointLoadError
+from poros.loading.quantize import (DEFAULT_SHARD_BYTES, QuantizeResult, ShardWriter, block_modules,
                                     finish_checkpoint, free_tensors, modules_outside, parameter_count,
-                                    serialize_modules, staging_for)
+                                    serialize_modules, staging_for, writer_settings)
 
 #: the part of the model outside the decoder blocks, for :func:`part_seed`
 REST = "rest"
@@ -177,15 +177,9 @@ def random_checkpoint(config_or_model: str | os.PathLike, output: str | os.PathL
 
     from poros import registry
     from poros.descriptor import resolve_path
-    from poros.devices import resolve_device
 
     start = time.perf_counter()
-    if quantization not in ("nf4", "fp4"):
-        raise ConfigError(f"--quantization {quantization!r}: bitsandbytes 4-bit is 'nf4' or 'fp4'.")
-    output = pathlib.Path(output).expanduser()
-    check_output_dir(output, overwrite)
-    dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
-    device = resolve_device(device or None, with_index=True)
+    output, dtype, device = writer_settings(quantization, output, overwrite, compute_dtype, device)
     config, directory = model_config_of(config_or_model)
     layers_path = registry.for_config(config).decoder_layers
     quantization_config = transformers.BitsAndBytesConfig(
