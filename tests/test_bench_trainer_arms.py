@@ -204,3 +204,36 @@ def test_the_results_page_shows_the_arms_side_by_side(report, monkeypatch):
     rows = gen_results_docs.render_trainer().splitlines()[2:]
     assert [row.split(" | ")[5] for row in rows] == ["trl-resident", "trl-poros", "hf-resident", "hf-poros", "unsloth"]
     assert all("bitwise (0.0)" in row for row in rows if "-poros" in row)
+
+
+def test_the_poros_trainer_arms_take_the_bench_budget_and_resident_blocks():
+    from tools import bench
+    from tools.trainer_common import TrainerSetup
+
+    args = bench.parse_args(["--model", "tiny", "--device", "cpu", "--arms", "hf-poros", "--vram-budget", "30GB",
+                             "--grad-accum", "2"])
+    setup = bench.trainer_setup(args, torch.device("cpu"))
+    options = setup.prepare_options()
+    assert options["vram_budget"] == "30GB" and "resident_blocks" not in options
+    assert (options["workload"].grad_accum, options["workload"].schedule) == (2, "layer-major")
+    assert setup.to_dict()["vram_budget"] == "30GB"
+    plain = TrainerSetup("cpu", 1, 2, 1, 1, 64, 1e-4, 0, "unused", resident_blocks=1)
+    assert plain.prepare_options() == {"cuda_graphs": False, "resident_blocks": 1}
+
+
+def test_a_poros_trainer_arm_keeps_the_blocks_it_is_asked_to_keep(tmp_path):
+    from tools.models import add_lora, build_model, make_batches
+    from tools.shapes import model_config
+    from tools.trainer_arms import run_trainer_arm, snapshot, token_rows, trainable
+    from tools.trainer_common import TrainerSetup
+
+    config, _ = model_config("tiny")
+    peft_model = add_lora(build_model(config, torch.device("cpu"), seed=0), rank=4, alpha=8, targets="all-linear",
+                          gradient_checkpointing=True)
+    named = trainable(peft_model)
+    rows = token_rows(make_batches(config, count=2, batch=1, seq=32, seed=1))
+    setup = TrainerSetup("cpu", 0, 1, 2, 1, 32, 1e-4, 0, str(tmp_path), resident_blocks=1)
+    result, handle = run_trainer_arm("hf-poros", peft_model, named, snapshot(named), rows, setup)
+    assert result.status == "ok", result.error
+    assert result.extra["resident_blocks"] == [config.num_hidden_layers - 1] and result.extra["budget_plan"] is None
+    handle.unpatch()

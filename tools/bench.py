@@ -103,7 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the poros arm replays its block phases from CUDA graphs (prepare(cuda_graphs=True))")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
-                        help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks")
+                        help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks "
+                             "(the poros arm and the -poros Trainer arms)")
+    parser.add_argument("--resident-blocks", type=int, metavar="N",
+                        help="the -poros Trainer arms: prepare_trainer(resident_blocks=N), the last N blocks stay on "
+                             "the device (excludes --vram-budget, whose planner picks them)")
     parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
                         help="time one block with the planner's compute probe before building, so the JSON holds "
                              "the planner's step prediction (default: on CUDA when the poros arm runs)")
@@ -156,6 +160,7 @@ def trainer_setup(args, device) -> TrainerSetup:
 
     return TrainerSetup(device=str(device), warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
                         batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, cuda_graphs=args.cuda_graphs,
+                        vram_budget=args.vram_budget, resident_blocks=args.resident_blocks,
                         output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 
@@ -236,6 +241,7 @@ def main(argv=None) -> int:
             "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
+            "resident_blocks": args.resident_blocks,
             "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
             "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,

@@ -20,6 +20,7 @@
 #   tools/gpu_run.sh bench:qwen2.5-72b:cuda-graphs:schedule=layer-major:deterministic:profile:arms=resident,poros-device,poros
 #   tools/gpu_run.sh bench:qwen2.5-32b:arms=trl-resident,trl-poros,unsloth:grad-accum=8:deterministic:steps=2:warmup=1:unsloth-timeout=240
 #   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros,unsloth:deterministic:steps=5:warmup=2:unsloth-timeout=300
+#   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros:deterministic:steps=3:warmup=1:vram-budget=30GB  # planner: resident blocks
 #
 # A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
 # `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py

@@ -91,7 +91,7 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         trainer = _trainer(flow, peft_model, rows, setup, clock, tokenizer if tokenizer is not None
                            else bundled_tokenizer())
         if line == "poros":
-            handle = poros.prepare_trainer(trainer, cuda_graphs=setup.cuda_graphs)  # the one line
+            handle = poros.prepare_trainer(trainer, **setup.prepare_options())  # the one line
             handle.store.stats.reset()
         trainer.train()
         result.losses = [torch.tensor(loss, dtype=torch.float64) for loss in logged_losses(trainer)]
@@ -102,6 +102,8 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         if handle is not None:
             fetches = sum(handle.store.stats.fetches)
             result.extra.update({"guarantee": handle.guarantee, "blocks": len(handle.store.blocks),
+                                 "resident_blocks": list(handle.store.resident_blocks),
+                                 "budget_plan": None if handle.budget_plan is None else handle.budget_plan.to_dict(),
                                  "block_fetches_per_step": round(fetches / len(handle.store.blocks)
                                                                  / max(1, len(clock.step_times)), 3)})
     except torch.OutOfMemoryError as exc:

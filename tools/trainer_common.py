@@ -45,6 +45,10 @@ class TrainerSetup:
         seed: the Trainer's ``seed`` and ``data_seed`` (the same shuffle in every arm).
         output_dir: the Trainer's ``output_dir`` (nothing is saved into it).
         cuda_graphs: the ``-poros`` arms' ``prepare_trainer(trainer, cuda_graphs=...)``.
+        vram_budget: the ``-poros`` arms' ``vram_budget`` (the planner picks slots and resident blocks for
+            a layer-major window of this batch, seq and accumulation; :meth:`prepare_options`), or None.
+        resident_blocks: the ``-poros`` arms' ``resident_blocks`` (the last N blocks stay on the device),
+            or None.
     """
 
     device: str
@@ -57,6 +61,21 @@ class TrainerSetup:
     seed: int
     output_dir: str
     cuda_graphs: bool = False
+    vram_budget: str | None = None
+    resident_blocks: int | None = None
+
+    def prepare_options(self) -> dict[str, Any]:
+        """The keywords a ``-poros`` arm passes to ``poros.prepare_trainer`` (to ``poros.prepare``): with a
+        ``vram_budget`` the planner's workload too, layer-major as the trainer's windows run."""
+        options: dict[str, Any] = {"cuda_graphs": self.cuda_graphs}
+        if self.vram_budget is not None:
+            from poros.stream import planner
+
+            options.update(vram_budget=self.vram_budget, workload=planner.Workload(
+                batch_size=self.batch, seq_len=self.seq, grad_accum=self.grad_accum, schedule="layer-major"))
+        if self.resident_blocks is not None:
+            options["resident_blocks"] = self.resident_blocks
+        return options
 
     @property
     def tokens_per_step(self) -> int:
