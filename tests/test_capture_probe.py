@@ -26,7 +26,7 @@ def test_the_dry_run_walks_every_case_with_its_captures_skipped(tmp_path, capsys
     assert len(base) == 2 * len(capture_probe.AUTOCAST) * len(capture_probe.WHERE)
     assert all(r["status"] == "ok" and r["captured"] is False for r in report["cases"]), \
         [r.get("error") for r in report["cases"] if r["status"] != "ok"]
-    assert len(report["cases"]) == len(base) * (1 + len(capture_probe.MODES) - 1 + 3)
+    assert len(report["cases"]) == len(base) * (1 + len(capture_probe.MODES) - 1 + 4)
     inside = [r for r in base if r["where"] == "function"]
     assert inside and all(r["grad_enabled_there"] is False for r in inside)  # an autograd backward's own state
     assert {r["thread"] for r in base if r["where"] == "thread"} == {"probe-thread"}
@@ -40,8 +40,22 @@ def test_a_failing_case_reports_its_first_error_line_and_goes_on(capsys):
     from tools import capture_probe
 
     piece = capture_probe.build_piece("linear", torch.device("cpu"), 64, 4, 0)
-    settings = {"mode": "thread_local", "warmup": False, "deterministic": False, "sync_debug": False,
+    settings = {"mode": "thread_local", "warmup": False, "deterministic": False, "sync_debug": None,
                 "autocast": "off", "where": "nowhere"}
     record = capture_probe.run_case("linear/nowhere", piece, torch.device("cpu"), settings, dry=True)
     assert record["status"] == "failed" and record["error"].startswith("KeyError: \"unknown place 'nowhere'")
     assert "linear/nowhere" in capsys.readouterr().out
+
+
+def test_the_error_chain_reaches_the_call_the_capture_refused():
+    from tools import capture_probe
+
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as exc:
+        chain = capture_probe.error_chain(exc)
+    assert chain == ["RuntimeError: CUDA error: operation failed due to a previous error during capture",
+                     "RuntimeError: operation not permitted when stream is capturing"]

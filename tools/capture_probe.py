@@ -24,7 +24,8 @@ on that stream when autocast is on. Each case here does the same, from the small
 * then, for every case that failed, variants: ``capture_error_mode`` global / thread_local / relaxed;
   the warm-up on a new capture stream, or none (torch.cuda.graph's own stream, as graphs.py captures
   without autocast); deterministic algorithms flipped;
-  ``torch.cuda.set_sync_debug_mode("warn")`` around the capture (the synchronising calls it reports).
+  ``torch.cuda.set_sync_debug_mode`` "warn" (the synchronising calls, as warnings) and "error" (the
+  first one raises: its traceback, in the JSON, names the line) around the capture.
 
 ``CUBLAS_WORKSPACE_CONFIG`` is read once per process: ``--cublas-config`` sets it (``:4096:8``) before
 CUDA starts (run the probe once without, once with). ``torch.backends.cuda.matmul`` stays as it is (its
@@ -172,9 +173,15 @@ def _abandon(pool, device: torch.device) -> None:
             break
 
 
-def capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup: bool, sync_debug: bool,
+def _warning_lines(caught) -> list[str]:
+    return [f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}" for w in caught][:8]
+
+
+def capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup: bool, sync_debug: str | None,
             dry: bool) -> dict[str, Any]:
-    """Eager run (the reference), optional warm-up on the side stream, capture, one replay, compare."""
+    """Eager run (the reference), optional warm-up on the side stream, capture, one replay, compare.
+    ``sync_debug``: ``torch.cuda.set_sync_debug_mode`` during the capture ("warn": the synchronising calls
+    come back as warnings; "error": the first one raises, its traceback names the Python line), or None."""
     reference = [None if t is None else t.clone() for t in body()]
     if dry:
         return {"status": "ok", "captured": False, "note": "dry run: capture skipped"}
@@ -189,29 +196,30 @@ def capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup
     graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
     generator = torch.cuda.default_generators[device.index or 0]
     backup = generator.clone_state()
-    seen: list[str] = []
+    previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        previous = torch.cuda.get_sync_debug_mode()
         try:
-            if sync_debug:
-                torch.cuda.set_sync_debug_mode("warn")
-            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode=mode):
-                outputs = body()
-        except Exception:
+            try:
+                if sync_debug:
+                    torch.cuda.set_sync_debug_mode(sync_debug)
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode=mode):
+                    outputs = body()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        except Exception as exc:  # as graphs.py: the generator, the compute stream, the pool back
+            exc.probe_warnings = _warning_lines(caught)  # type: ignore[attr-defined]
             generator.graphsafe_set_state(backup)
             torch.cuda.set_stream(stream)
             torch.cuda.synchronize(device)
             _abandon(pool, device)
             raise
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-            seen = [f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}" for w in caught]
+    seen = _warning_lines(caught)
     graph.replay()
     torch.cuda.synchronize(device)
     equal = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                 for a, b in zip(reference, outputs))
-    return {"status": "ok", "captured": True, "equal": bool(equal), "warnings": seen[:8]}
+    return {"status": "ok", "captured": True, "equal": bool(equal), "warnings": seen}
 
 
 # -- where the capture runs -----------------------------------------------------------------------------
@@ -223,6 +231,7 @@ def run_where(where: str, work: Callable[[], dict], device: torch.device) -> dic
     def task():
         box["thread"] = threading.current_thread().name
         box["grad_enabled"] = torch.is_grad_enabled()
+        box["stream"] = str(torch.cuda.current_stream(device)) if device.type == "cuda" else None
         try:
             box["result"] = work()
         except Exception as exc:  # noqa: BLE001 - carried back to the caller's thread
@@ -249,7 +258,8 @@ def run_where(where: str, work: Callable[[], dict], device: torch.device) -> dic
         raise KeyError(f"unknown place {where!r}; known: {', '.join(WHERE)}")
     if "error" in box:
         raise box["error"]
-    return {**box["result"], "thread": box["thread"], "grad_enabled_there": box["grad_enabled"]}
+    return {**box["result"], "thread": box["thread"], "grad_enabled_there": box["grad_enabled"],
+            "stream_there": box["stream"]}
 
 
 @contextlib.contextmanager
@@ -267,6 +277,18 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
+def error_chain(exc: BaseException) -> list[str]:
+    """The first line of ``exc`` and of each exception it was raised during (``__context__``/``__cause__``),
+    outermost first: a call CUDA refuses inside the capture raises, then ``torch.cuda.graph``'s exit ends the
+    invalidated capture and raises "operation failed due to a previous error during capture" on top of it."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen and len(chain) < 6:
+        seen.add(id(exc))
+        chain.append(first_line(exc))
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
 def run_case(name: str, piece: Piece, device: torch.device, settings: dict[str, Any], dry: bool) -> dict[str, Any]:
     """One case in its own try/except; prints one line and returns its record."""
     record: dict[str, Any] = {"case": name, "piece": piece.name, **settings}
@@ -277,26 +299,30 @@ def run_case(name: str, piece: Piece, device: torch.device, settings: dict[str, 
                 body, device, mode=settings["mode"], warmup=settings["warmup"], sync_debug=settings["sync_debug"],
                 dry=dry), device))
     except Exception as exc:  # noqa: BLE001 - a probe reports what failed and goes on
-        record.update(status="failed", error=first_line(exc), traceback=traceback.format_exc()[-3000:])
+        chain = error_chain(exc)
+        record.update(status="failed", error=chain[0], root_error=chain[-1], error_chain=chain,
+                      traceback=traceback.format_exc()[-4000:], warnings=getattr(exc, "probe_warnings", []))
     state = record["status"] if record["status"] == "failed" else (
         "ok" + ("" if not record.get("captured") else f" equal={record.get('equal')}"))
-    print(f"{name:<72} {state:<16} {record.get('error', '')}", flush=True)
+    root = record.get("root_error")
+    shown = record.get("error", "") + (f" <- raised during: {root}" if root and root != record["error"] else "")
+    print(f"{name:<72} {state:<16} {shown}", flush=True)
     return record
 
 
 def case_name(piece: str, settings: dict[str, Any]) -> str:
     return (f"{piece}/autocast={settings['autocast']}/where={settings['where']}/mode={settings['mode']}"
             f"/warmup={'side' if settings['warmup'] else 'none'}/det={int(settings['deterministic'])}"
-            f"{'/sync-debug' if settings['sync_debug'] else ''}")
+            f"{'/sync-debug=' + settings['sync_debug'] if settings['sync_debug'] else ''}")
 
 
 def variants(settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The variants of a failing case: every other capture_error_mode, the warm-up flipped, deterministic
-    algorithms flipped, and the sync debug mode on."""
+    algorithms flipped, and the sync debug mode "warn" and "error"."""
     out = [{**settings, "mode": mode} for mode in MODES if mode != settings["mode"]]
     out.append({**settings, "warmup": not settings["warmup"]})
     out.append({**settings, "deterministic": not settings["deterministic"]})
-    out.append({**settings, "sync_debug": True})
+    out += [{**settings, "sync_debug": level} for level in ("warn", "error")]
     return out
 
 
@@ -309,7 +335,7 @@ def run_piece(name: str, device: torch.device, args, dry: bool) -> list[dict[str
         return [{"case": name, "piece": name, "status": "failed", "error": "building: " + first_line(exc),
                  "traceback": traceback.format_exc()[-3000:]}]
     records = []
-    base = {"mode": "thread_local", "deterministic": args.deterministic, "sync_debug": False}
+    base = {"mode": "thread_local", "deterministic": args.deterministic, "sync_debug": None}
     for autocast in AUTOCAST:
         for where in WHERE:
             # graphs.py: a warm-up on a new side stream only under autocast
@@ -352,6 +378,11 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
                 groups[str(r[key])][0] += r["status"] == "failed"
                 groups[str(r[key])][1] += 1
         out[f"failed_by_{key}"] = {k: f"{f}/{n}" for k, (f, n) in groups.items()}
+    roots: dict[str, int] = {}
+    for r in records:
+        if r.get("root_error"):
+            roots[r["root_error"]] = roots.get(r["root_error"], 0) + 1
+    out["root_errors"] = roots  # the innermost error of each failure, and how many cases ended in it
     rescued = [r["case"] for r in records if "variant_of" in r and r["status"] == "ok"]
     out["variants_that_captured"] = rescued
     return out
