@@ -44,6 +44,7 @@ def test_a_failing_case_reports_its_first_error_line_and_goes_on(capsys):
                 "autocast": "off", "where": "nowhere"}
     record = capture_probe.run_case("linear/nowhere", piece, torch.device("cpu"), settings, dry=True)
     assert record["status"] == "failed" and record["error"].startswith("KeyError: \"unknown place 'nowhere'")
+    assert record["phase"] == "setup"
     assert "linear/nowhere" in capsys.readouterr().out
 
 
@@ -59,3 +60,16 @@ def test_the_error_chain_reaches_the_call_the_capture_refused():
         chain = capture_probe.error_chain(exc)
     assert chain == ["RuntimeError: CUDA error: operation failed due to a previous error during capture",
                      "RuntimeError: operation not permitted when stream is capturing"]
+
+
+def test_an_error_in_the_eager_run_is_told_apart_from_a_capture_error():
+    from tools import capture_probe
+
+    def call(x):
+        raise RuntimeError("no kernel for this")
+    piece = capture_probe.Piece("bad", call, [], (1, 4), "raises")
+    settings = {"mode": "thread_local", "warmup": True, "deterministic": False, "sync_debug": None,
+                "autocast": "recompute", "where": "function"}
+    record = capture_probe.run_case("bad", piece, torch.device("cpu"), settings, dry=True)
+    assert (record["status"], record["phase"], record["root_error"]) == ("failed", "reference",
+                                                                         "RuntimeError: no kernel for this")

@@ -30,7 +30,10 @@ on that stream when autocast is on. Each case here does the same, from the small
 ``CUBLAS_WORKSPACE_CONFIG`` is read once per process: ``--cublas-config`` sets it (``:4096:8``) before
 CUDA starts (run the probe once without, once with). ``torch.backends.cuda.matmul`` stays as it is (its
 settings are recorded). A capture that holds is replayed once and compared with the eager run by
-``torch.equal`` (``equal``). Each case prints one line: name, ok / failed, the error's first line.
+``torch.equal`` (``equal``). Each case prints one line: name, ok / failed, the phase it failed in
+(``reference``: the eager run before any capture, e.g. deterministic algorithms without
+``CUBLAS_WORKSPACE_CONFIG``; ``warm-up``, ``capture``, ``replay``), the error's first line, and the first
+line of the error it was raised during, if any.
 """
 
 from __future__ import annotations
@@ -179,6 +182,17 @@ def _warning_lines(caught) -> list[str]:
 
 def capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup: bool, sync_debug: str | None,
             dry: bool) -> dict[str, Any]:
+    """:func:`_capture` with the phase it failed in (reference, warm-up, capture, replay) on the error."""
+    phase = ["reference"]
+    try:
+        return _capture(body, device, mode=mode, warmup=warmup, sync_debug=sync_debug, dry=dry, phase=phase)
+    except Exception as exc:
+        exc.probe_phase = phase[0]  # type: ignore[attr-defined]
+        raise
+
+
+def _capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup: bool, sync_debug: str | None,
+             dry: bool, phase: list[str]) -> dict[str, Any]:
     """Eager run (the reference), optional warm-up on the side stream, capture, one replay, compare.
     ``sync_debug``: ``torch.cuda.set_sync_debug_mode`` during the capture ("warn": the synchronising calls
     come back as warnings; "error": the first one raises, its traceback names the Python line), or None."""
@@ -187,6 +201,7 @@ def capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup
         return {"status": "ok", "captured": False, "note": "dry run: capture skipped"}
     stream = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device) if warmup else None  # None: torch.cuda.graph's own capture stream
+    phase[0] = "warm-up"
     if warmup:
         side.wait_stream(stream)
         with torch.cuda.stream(side):
@@ -197,6 +212,7 @@ def capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup
     generator = torch.cuda.default_generators[device.index or 0]
     backup = generator.clone_state()
     previous = torch.cuda.get_sync_debug_mode()
+    phase[0] = "capture"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -215,6 +231,7 @@ def capture(body: Callable[[], list], device: torch.device, *, mode: str, warmup
             _abandon(pool, device)
             raise
     seen = _warning_lines(caught)
+    phase[0] = "replay"
     graph.replay()
     torch.cuda.synchronize(device)
     equal = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
@@ -300,12 +317,13 @@ def run_case(name: str, piece: Piece, device: torch.device, settings: dict[str, 
                 dry=dry), device))
     except Exception as exc:  # noqa: BLE001 - a probe reports what failed and goes on
         chain = error_chain(exc)
-        record.update(status="failed", error=chain[0], root_error=chain[-1], error_chain=chain,
+        record.update(status="failed", phase=getattr(exc, "probe_phase", "setup"), error=chain[0],
+                      root_error=chain[-1], error_chain=chain,
                       traceback=traceback.format_exc()[-4000:], warnings=getattr(exc, "probe_warnings", []))
     state = record["status"] if record["status"] == "failed" else (
         "ok" + ("" if not record.get("captured") else f" equal={record.get('equal')}"))
     root = record.get("root_error")
-    shown = record.get("error", "") + (f" <- raised during: {root}" if root and root != record["error"] else "")
+    shown = f"[{record['phase']}] {record['error']}" if "phase" in record else "" + (f" <- raised during: {root}" if root and root != record["error"] else "")
     print(f"{name:<72} {state:<16} {shown}", flush=True)
     return record
 
