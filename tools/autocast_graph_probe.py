@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 
 from tools.provenance import environment_line, start_tool
+from tools.capture_trace import tracing
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> dict[str, Any]:
@@ -388,6 +389,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--commit")
+    parser.add_argument("--trace", action="store_true",
+                        help="tools.capture_trace: stream/event calls during captures, sync debug 'error' in them, "
+                             "each failed capture's traceback (in the JSON's capture_trace)")
     return parser.parse_args(argv)
 
 
@@ -407,9 +411,16 @@ def main(argv=None) -> int:
         report["cases"]["accumulate"] = {f"{m} micro-batches": case_layer(device, dtype, args, micro=m) for m in (2, 4)}
     if "stale" in cases:
         report["cases"]["stale"] = case_stale(device, dtype, args)
-    for case in ("blocks", "micro-major"):
-        if case in cases:
-            report["cases"][case] = case_blocks(device, dtype, args, BLOCK_ARMS[case])
+    with (tracing() if args.trace else contextlib.nullcontext()) as log:
+        for case in ("blocks", "micro-major"):
+            if case in cases:
+                report["cases"][case] = case_blocks(device, dtype, args, BLOCK_ARMS[case])
+    if log is not None:
+        report["capture_trace"] = log.to_dict()
+        for failure in log.failures[:3]:
+            print(f"capture failure (block {failure['block']}):", " <- ".join(failure["chain"]))
+            print(failure["traceback"][-1500:])
+        print(f"calls during captures: {len(log.calls)}", sorted({c['call'] for c in log.calls}))
     report["verdict"] = {case: _all_equal(body) for case, body in report["cases"].items()}
     # per graphed arm: did the graphs hold (replays, no failed capture)? A failed capture runs eagerly,
     # so it is equal, and only shows here
