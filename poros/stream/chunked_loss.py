@@ -41,10 +41,6 @@ from poros.errors import ConfigError
 
 _UNSET = object()
 
-#: whether the head (``lm_head``) runs chunk by chunk with the loss, so the whole logits never exist: yes
-#: (:mod:`poros.stream.chunked_head`, issue 32); the planner prices ``loss_chunks`` as the chunked head.
-HEAD_IN_CHUNKS = True
-
 
 def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     """``chunks`` contiguous token ranges covering ``0..tokens`` (sizes differ by at most one; none empty)."""
