@@ -39,6 +39,28 @@ logger = logging.getLogger(__name__)
 _UNSET = object()
 
 
+def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` contiguous token ranges covering ``0..tokens`` (sizes differ by at most one; none empty)."""
+    chunks = max(1, min(chunks, tokens))
+    size, extra = divmod(tokens, chunks)
+    bounds, start = [], 0
+    for index in range(chunks):
+        end = start + size + (1 if index < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def reduce_loss(total: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None,
+                ignore_index: int) -> torch.Tensor:
+    """HF's reduction of a summed loss: ``/ num_items_in_batch``, or the mean over the labelled tokens."""
+    if num_items_in_batch is None:  # HF's reduction="mean": over the tokens that carry a label
+        return total / (shift_labels != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
 def _chunk_loss(lm_head: nn.Module, rows: torch.Tensor, labels: torch.Tensor, softcap: float | None,
                 ignore_index: int) -> torch.Tensor:
     """One chunk: its logits (soft-capped as HF does), the fp32 cross-entropy sum of its labelled tokens."""
@@ -56,8 +78,6 @@ def chunked_head_sum(lm_head: nn.Module, hidden: torch.Tensor, shift_labels: tor
     token chunks of ``hidden`` (``[..., hidden_size]``, rows aligned with ``shift_labels``), each chunk
     recomputed in backward."""
     from torch.utils.checkpoint import checkpoint
-
-    from poros.stream.chunked_loss import chunk_bounds
 
     rows = hidden.reshape(-1, hidden.shape[-1])
     labels = shift_labels.reshape(-1).to(rows.device)
@@ -148,8 +168,6 @@ def install_chunked_head(causal_lm: nn.Module, chunks: int) -> ChunkedHead:
         return _chunked_forward(self, named, router, aux_function)
 
     def _chunked_forward(self, named: dict, router: bool, aux_function: Callable | None) -> Any:
-        from poros.stream.chunked_loss import reduce_loss
-
         labels, shift_labels = named.pop("labels", None), named.pop("shift_labels", None)
         num_items, ignore_index = named.pop("num_items_in_batch", None), named.pop("ignore_index", -100)
         return_dict = named.pop("return_dict", None)

@@ -38,20 +38,9 @@ from torch import nn
 
 from poros.adapters import causal_lm_of
 from poros.errors import ConfigError
+from poros.stream.chunked_head import chunk_bounds, install_chunked_head, reduce_loss
 
 _UNSET = object()
-
-
-def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
-    """``chunks`` contiguous token ranges covering ``0..tokens`` (sizes differ by at most one; none empty)."""
-    chunks = max(1, min(chunks, tokens))
-    size, extra = divmod(tokens, chunks)
-    bounds, start = [], 0
-    for index in range(chunks):
-        end = start + size + (1 if index < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
@@ -95,16 +84,6 @@ def chunked_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vo
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     total = _ChunkedCrossEntropySum.apply(logits, shift_labels, chunks, ignore_index)
     return reduce_loss(total, shift_labels, num_items_in_batch, ignore_index)
-
-
-def reduce_loss(total: torch.Tensor, shift_labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None,
-                ignore_index: int) -> torch.Tensor:
-    """HF's reduction of a summed loss: ``/ num_items_in_batch``, or the mean over the labelled tokens."""
-    if num_items_in_batch is None:  # HF's reduction="mean": over the tokens that carry a label
-        return total / (shift_labels != ignore_index).sum()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
 
 
 @dataclass
@@ -152,7 +131,5 @@ def use_chunked_loss(model: nn.Module, chunks: int) -> ChunkedLoss:
     previous = causal_lm.__dict__.get("_loss_function", _UNSET)
     if chunks == 1:
         return ChunkedLoss(causal_lm, chunks, previous)
-    from poros.stream.chunked_head import install_chunked_head
-
     causal_lm.loss_function = functools.partial(chunked_causal_lm_loss, chunks=chunks)
     return ChunkedLoss(causal_lm, chunks, previous, install_chunked_head(causal_lm, chunks))
