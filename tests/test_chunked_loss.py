@@ -206,3 +206,46 @@ def test_trls_fused_head_and_the_chunked_head_patch_in_either_order(tmp_path):
         with torch.no_grad():
             assert model(**batch, use_cache=False).logits is not None  # the model's own head again
             assert model(**batch, use_cache=False, fused_lm_head=True).log_probs is not None
+
+
+@pytest.mark.parametrize("how", ["lora", "modules_to_save"])
+def test_a_trainable_lm_head_gets_its_gradients_from_the_recomputed_chunks(how, tmp_path):
+    """LoRA on ``lm_head`` or PEFT's ``modules_to_save`` copy of it: the chunked head's gradients are HF's
+    default head's, numerically (the tolerance of the test above)."""
+    from peft import LoraConfig, get_peft_model
+
+    from poros.testing import tiny_model
+
+    base = tiny_model("qwen3", seed=2, dtype=torch.float32)
+    targets = ["q_proj", "lm_head"] if how == "lora" else ["q_proj"]
+    extra = {} if how == "lora" else {"modules_to_save": ["lm_head"]}
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, **extra))
+    batch = steps_of(2, steps=1, accumulation=1)[0][0]
+    head = {name: p for name, p in model.named_parameters() if p.requires_grad and "lm_head" in name}
+    assert head
+
+    def grads():
+        loss = model(**batch, use_cache=False).loss
+        return loss.detach(), torch.autograd.grad(loss, list(head.values()))
+
+    default_loss, default_grads = grads()
+    use_chunked_loss(model, 4)
+    chunked_loss, chunked_grads = grads()
+    torch.testing.assert_close(chunked_loss, default_loss, rtol=1e-6, atol=0)
+    assert any(grad.abs().sum() > 0 for grad in chunked_grads)  # (LoRA's A: zero while B is zero-initialised)
+    for chunked, default in zip(chunked_grads, default_grads):
+        torch.testing.assert_close(chunked, default, rtol=1e-4, atol=1e-6)
+
+
+def test_a_moe_models_router_aux_loss_is_added_as_hfs_forward_adds_it(tmp_path):
+    """``output_router_logits=True``: the chunked head adds ``router_aux_loss_coef x aux_loss`` (HF's
+    ``load_balancing_loss_func``) and returns both, as the family's own forward does."""
+    model = load_qlora(save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=2), seed=2)
+    batch = steps_of(2, steps=1, accumulation=1)[0][0]
+    with torch.no_grad():
+        default = model(**batch, use_cache=False, output_router_logits=True)
+        use_chunked_loss(model, 3)
+        chunked = model(**batch, use_cache=False, output_router_logits=True)
+    assert chunked.logits is None and chunked.aux_loss is not None and default.aux_loss is not None
+    assert torch.equal(chunked.aux_loss, default.aux_loss)  # the same router logits, the same function
+    torch.testing.assert_close(chunked.loss, default.loss, rtol=1e-6, atol=0)
