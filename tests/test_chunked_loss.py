@@ -73,9 +73,10 @@ def test_streamed_chunked_loss_is_bitwise_a_resident_run_with_the_same_chunked_l
     assert_same(reference, ref_opt, streamed, opt, ref_losses, losses)
 
 
-def test_chunked_loss_is_numerically_hfs_default_loss_and_removable(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # gemma3: the head soft-caps its logits
+def test_chunked_loss_is_numerically_hfs_default_loss_and_removable(family, tmp_path):
     """The documented numerical claim: same per-token kernels, another summation order."""
-    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=2)
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, seed=2)
     model = load_qlora(checkpoint, seed=2)
     batch = steps_of(2, steps=1, accumulation=1)[0][0]
 
@@ -143,6 +144,10 @@ def test_layer_major_steps_with_the_chunked_head_are_bitwise_the_resident_run(fa
     assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
     for name, parameter in trainable(reference).items():
         assert torch.equal(parameter.grad, dict(streamed.named_parameters())[name].grad), name
+    causal_lm = streamed.get_base_model()
+    assert "forward" in causal_lm.__dict__
+    streamed.unpatch()  # prepare installed the chunked head: unpatch takes it away with the rest
+    assert not {"forward", "_loss_function"} & set(causal_lm.__dict__)
 
 
 def test_the_whole_logits_never_exist(tmp_path):
