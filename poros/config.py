@@ -174,9 +174,10 @@ class PorosConfig:
                                  "a time; bitwise the same; layer-major only, with optimizer_states auto or host) "
                                  "or 'auto' (on the host only when vram_budget cannot hold them on the device).",
                                  choices=("auto", "device", "host"))
-    loss_chunks: int = _field(1, "Compute the loss over this many chunks of tokens, each chunk's fp32 working set recomputed "
-                              "in backward (most of the head's loss memory off the device); 1: HF's own loss. Above 1 "
-                              "bitwise a resident run with the same loss_chunks, numerically HF's (another sum order).")
+    loss_chunks: int = _field(1, "Compute the head and the loss over this many chunks of tokens, each chunk recomputed in "
+                              "backward (the whole logits never exist; training outputs carry logits=None); 1: HF's own "
+                              "head and loss. Above 1 bitwise a resident run with the same loss_chunks, numerically "
+                              "HF's (another sum order).")
     mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: whole. Above "
                              "1 bitwise a resident run with the same mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "

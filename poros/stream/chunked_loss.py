@@ -1,11 +1,17 @@
-"""``loss_chunks``: the causal-LM loss over N chunks of tokens, each chunk's fp32 working set recomputed in backward.
+"""``loss_chunks``: the causal-LM head and loss over N chunks of tokens, each chunk recomputed in backward.
+
+With labels, the causal LM's forward runs its head one token chunk at a time
+(:mod:`poros.stream.chunked_head`): ``lm_head``, the soft-capping and the fp32 cross-entropy of one chunk,
+recomputed in backward, so neither the whole logits nor their gradient ever exist, and the forward's
+output carries ``loss`` and ``logits=None``. The loss function installed beside it (below) serves the
+calls that run the model's own forward (``logits_to_keep``, a family's own router aux loss): there
 
 HF's ``ForCausalLMLoss`` upcasts all ``tokens x vocab`` logits to fp32 at once and
 ``cross_entropy`` keeps an fp32 log-softmax of all of them for backward; its backward holds
 that, the fp32 gradient it receives and the fp32 gradient it makes. With ``loss_chunks=N`` the
 loss is the sum of N chunk losses (tokens in order), each computed in forward without keeping
 anything and recomputed in backward one chunk at a time, so only ``1/N`` of that fp32 working set
-is ever alive (the logits in the compute dtype and their gradient remain).
+is ever alive (the logits in the compute dtype and their gradient remain on that path).
 
 Labelled honestly:
 
@@ -17,8 +23,8 @@ Labelled honestly:
   gradients may differ (the test states the tolerance it sees).
 
 Install it with :func:`use_chunked_loss` on the model (HF, PEFT or Poros; resident or streamed);
-it replaces the instance's ``loss_function`` (HF's own hook) and :meth:`ChunkedLoss.remove` puts
-the previous one back.
+it installs the chunked-head ``forward`` on the causal LM instance, replaces its ``loss_function``
+(HF's own hook), and :meth:`ChunkedLoss.remove` puts the previous ones back.
 """
 
 from __future__ import annotations
@@ -32,26 +38,9 @@ from torch import nn
 
 from poros.adapters import causal_lm_of
 from poros.errors import ConfigError
+from poros.stream.chunked_head import chunk_bounds, install_chunked_head, reduce_loss
 
 _UNSET = object()
-
-#: whether the head (``lm_head``) runs chunk by chunk with the loss, so the whole logits never exist. Not
-#: yet: HF's forward computes the logits of every token before ``loss_function`` sees them, and this loss
-#: keeps them and their gradient in the compute dtype. The planner prices ``loss_chunks`` as the chunked
-#: head (issue 32) and ``poros plan`` says how much more this engine keeps while this is False.
-HEAD_IN_CHUNKS = False
-
-
-def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
-    """``chunks`` contiguous token ranges covering ``0..tokens`` (sizes differ by at most one; none empty)."""
-    chunks = max(1, min(chunks, tokens))
-    size, extra = divmod(tokens, chunks)
-    bounds, start = [], 0
-    for index in range(chunks):
-        end = start + size + (1 if index < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
@@ -94,22 +83,22 @@ def chunked_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vo
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     total = _ChunkedCrossEntropySum.apply(logits, shift_labels, chunks, ignore_index)
-    if num_items_in_batch is None:  # HF's reduction="mean": over the tokens that carry a label
-        return total / (shift_labels != ignore_index).sum()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return reduce_loss(total, shift_labels, num_items_in_batch, ignore_index)
 
 
 @dataclass
 class ChunkedLoss:
-    """The installed chunked loss of one causal LM; :meth:`remove` restores the previous ``loss_function``."""
+    """The installed chunked head and loss of one causal LM; :meth:`remove` restores the previous ``forward``
+    and ``loss_function``."""
 
     causal_lm: nn.Module
     chunks: int
     previous: Any
+    head: Any = None  # the ChunkedHead, when chunks > 1
 
     def remove(self) -> None:
+        if self.head is not None:
+            self.head.remove()
         if self.previous is _UNSET:
             self.causal_lm.__dict__.pop("_loss_function", None)
         else:
@@ -117,7 +106,7 @@ class ChunkedLoss:
 
 
 def use_chunked_loss(model: nn.Module, chunks: int) -> ChunkedLoss:
-    """Compute ``model``'s loss over ``chunks`` chunks of tokens (see the module docstring).
+    """Compute ``model``'s head and loss over ``chunks`` chunks of tokens (see the module docstring).
 
     Args:
         model: an HF causal LM, a PEFT model around one, either prepared or not.
@@ -140,6 +129,7 @@ def use_chunked_loss(model: nn.Module, chunks: int) -> ChunkedLoss:
                           "ForCausalLMLoss, so a chunked causal-LM loss would replace a different loss. Fix: "
                           "loss_chunks: 1 for this model.")
     previous = causal_lm.__dict__.get("_loss_function", _UNSET)
-    if chunks > 1:
-        causal_lm.loss_function = functools.partial(chunked_causal_lm_loss, chunks=chunks)
-    return ChunkedLoss(causal_lm, chunks, previous)
+    if chunks == 1:
+        return ChunkedLoss(causal_lm, chunks, previous)
+    causal_lm.loss_function = functools.partial(chunked_causal_lm_loss, chunks=chunks)
+    return ChunkedLoss(causal_lm, chunks, previous, install_chunked_head(causal_lm, chunks))

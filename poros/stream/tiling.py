@@ -4,7 +4,7 @@ A decoder block's MLP is per token: ``down(act(gate(x)) * up(x))`` on every posi
 intermediate activations are ``batch x seq x intermediate_size`` (3.4x to 8x the hidden size),
 and resident autograd keeps several of them for backward: at long sequences they are the largest
 part of one block's working set. With ``mlp_chunks=N`` the MLP runs over ``N`` contiguous
-sequence chunks (:func:`~poros.stream.chunked_loss.chunk_bounds`), in one autograd node that saves
+sequence chunks (:func:`~poros.stream.chunked_head.chunk_bounds`), in one autograd node that saves
 only its input::
 
     forward   x ─▶ [chunk 0: mlp] [chunk 1: mlp] ... ─▶ out      (no grad inside; nothing kept but x)
@@ -43,7 +43,7 @@ from torch import nn
 from poros.adapters import causal_lm_of
 from poros.descriptor import resolve_path
 from poros.errors import ConfigError
-from poros.stream.chunked_loss import chunk_bounds
+from poros.stream.chunked_head import chunk_bounds
 from poros.stream.dropout import dropout_modules
 from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
 

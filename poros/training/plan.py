@@ -25,7 +25,6 @@ from poros.distributed import check_batch_divides
 from poros.errors import CheckpointLoadError, ConfigError
 from poros.loading import host_tiers
 from poros.stream import graphs
-from poros.stream.chunked_loss import HEAD_IN_CHUNKS
 from poros.loading.prequantized import read_prequantized
 from poros.stream.footprint import (
     BlockShapes,
@@ -398,11 +397,6 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
     stream_options = StreamOptions.from_config(config, vram_budget=budget, embeddings_on_host=on_host, workload=workload)
     budget_plan = plan_budget(footprint, workload, stream_options, compute=compute, link_bytes_per_s=link,
                               context_bytes=context, footprint_for=plan.footprint_for())
-    if budget_plan.loss_chunks > 1 and not HEAD_IN_CHUNKS:
-        logits = 2 * per_rank_batch * config.seq_len * plan.vocab_size * plan.activation_bytes_per_value
-        notices.append(f"loss_chunks={budget_plan.loss_chunks}: the plan prices the head and the loss one token chunk "
-                       "at a time; this engine's chunked loss still keeps the whole logits and their gradient "
-                       f"({logits / 1e9:.2f} GB more at the turn) until the head runs chunk by chunk (issue 32).")
     # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
     # the same from the loaded model's entry), unless the run packs MoE experts after loading (pinned buffers)
     cached = not config.no_cache and not (plan.experts and config.quantize_experts is not False)

@@ -192,8 +192,8 @@ class PorosTrainer:
             model = prepare(peft_model, options=options)  # loss_chunks > 1: prepare installs the chunked loss
         chunks = model.stream_options.loss_chunks  # the config's, or what the budget plan raised it to
         if chunks > 1:
-            echo(f"poros: loss_chunks={chunks}: the loss is computed over {chunks} token "
-                  "chunks: bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
+            echo(f"poros: loss_chunks={chunks}: the head and the loss are computed over {chunks} token "
+                  "chunks (the whole logits never exist): bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
                   "default loss")
         if config.mlp_chunks > 1:
             echo(f"poros: mlp_chunks={config.mlp_chunks}: each block's MLP runs over {config.mlp_chunks} sequence "
