@@ -118,9 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm", "poros_nf4_grouped", "poros_nf4"),
-                        help="MoE experts implementation: transformers' for bf16 experts (default: its grouped_mm where "
-                        "it computes); with --quantize-experts Poros' NF4 forward, poros_nf4_grouped (the default where "
-                        "grouped_mm computes) or the poros_nf4 loop. The JSON records the one the model ran")
+                        help="MoE experts implementation: transformers' for bf16 experts (default: its grouped_mm "
+                        "where it computes); with --quantize-experts Poros' NF4 forward, poros_nf4_grouped (the "
+                        "default where grouped_mm computes) or the poros_nf4 loop. The JSON records the one that ran")
     parser.add_argument("--quantize-experts", action="store_true",
                         help="MoE experts in NF4 (poros.quantize_experts) in every arm: the resident NF4-expert model "
                         "is the reference")

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from poros.errors import PorosError
+from poros.loading.experts_grouped import (GROUPED_EXPERTS_IMPLEMENTATION, dequantize_nf4, grouped_mm_works,
+                                           nf4_grouped_experts_forward)
 
 #: the name of the NF4 experts forward in transformers' ``ExpertsInterface`` (``config._experts_implementation``)
 EXPERTS_IMPLEMENTATION = "poros_nf4"
@@ -90,8 +92,6 @@ def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE, groupe
             f"{type(model).__name__} has no fused MoE experts (3-D gate_up_proj / down_proj parameters); "
             "quantize_experts is for mixture-of-experts models (qwen3_5_moe, gemma4 with enable_moe_block)."
         )
-    from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, grouped_mm_works
-
     chosen = grouped if grouped is not None else grouped_mm_works(_experts_device(modules[0][1]))
     implementation = GROUPED_EXPERTS_IMPLEMENTATION if chosen else EXPERTS_IMPLEMENTATION
     wrapped = _adapted_experts(model)
@@ -156,8 +156,6 @@ def _check_layout(name: str, module: nn.Module, adapted: bool) -> None:
 def _register_forward() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
-    from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, nf4_grouped_experts_forward
-
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, nf4_experts_forward)
     ExpertsInterface.register(GROUPED_EXPERTS_IMPLEMENTATION, nf4_grouped_experts_forward)
 
@@ -165,24 +163,8 @@ def _register_forward() -> None:
 def dequantized_expert(module: nn.Module, tensor_name: str, expert: int) -> torch.Tensor:
     """Expert ``expert``'s matrix of ``tensor_name``, dequantized from its NF4 buffers (the original dtype)."""
     shape, dtype, blocksize = module.poros_nf4[tensor_name]
-    return _dequantize(getattr(module, f"{tensor_name}_nf4")[expert], getattr(module, f"{tensor_name}_absmax")[expert],
-                       module.nf4_code, shape, dtype, blocksize)
-
-
-def _dequantize(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple[int, ...],
-                dtype: torch.dtype, blocksize: int) -> torch.Tensor:
-    """The ``shape`` tensor from its NF4 codes and block scales. The codes are handed to bitsandbytes as rows of one
-    block each (then reshaped): its CPU kernel (0.50) reads a row's scales as if blocks started at each row, which
-    is wrong for a ``[H, I]`` matrix with ``I < blocksize`` (e.g. a tiny ``down_proj``); the CUDA kernel is flat."""
-    import math
-
-    import bitsandbytes.functional as bnb_functional
-
-    numel = math.prod(shape)
-    rows_of_blocks = (numel // blocksize, blocksize) if numel % blocksize == 0 else tuple(shape)
-    state = bnb_functional.QuantState(absmax=absmax, shape=torch.Size(rows_of_blocks), code=code, blocksize=blocksize,
-                                      quant_type="nf4", dtype=dtype)
-    return bnb_functional.dequantize_4bit(packed.reshape(-1, 1), state).view(shape)
+    return dequantize_nf4(getattr(module, f"{tensor_name}_nf4")[expert],
+                          getattr(module, f"{tensor_name}_absmax")[expert], module.nf4_code, shape, dtype, blocksize)
 
 
 class DequantizedLinear(torch.autograd.Function):
@@ -193,12 +175,12 @@ class DequantizedLinear(torch.autograd.Function):
     def forward(ctx, x, packed, absmax, code, meta: tuple):
         ctx.save_for_backward(packed, absmax, code)
         ctx.meta = meta
-        return nn.functional.linear(x, _dequantize(packed, absmax, code, *meta))
+        return nn.functional.linear(x, dequantize_nf4(packed, absmax, code, *meta))
 
     @staticmethod
     def backward(ctx, grad_output):
         packed, absmax, code = ctx.saved_tensors
-        weight = _dequantize(packed, absmax, code, *ctx.meta)
+        weight = dequantize_nf4(packed, absmax, code, *ctx.meta)
         return grad_output.matmul(weight), None, None, None, None
 
 
@@ -247,7 +229,8 @@ def quantize_experts_for_run(model: nn.Module, requested: bool | None) -> str | 
         del model.poros_block_file  # the entry's layout is the bf16 experts': pack the blocks anew
     packed = sum(expert_bytes(m)["bytes"] for _, m in modules)
     return (f"poros: MoE experts in NF4 (quantize_experts={'true' if requested else 'auto'}): {len(modules)} experts "
-            f"modules, {stored / 1e9:.2f} GB bf16 -> {packed / 1e9:.2f} GB")
+            f"modules, {stored / 1e9:.2f} GB bf16 -> {packed / 1e9:.2f} GB, forward "
+            f"{modules[0][1].config._experts_implementation}")
 
 
 def expert_bytes(module: nn.Module) -> dict[str, Any]:

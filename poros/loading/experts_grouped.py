@@ -16,14 +16,14 @@ dequantize expert by expert and stack (still no host sync). :class:`GroupedDequa
 in forward and again in backward: only the packed bytes, the scales, the code and the int32 offsets are
 saved, never the ``[E, rows, cols]`` bf16 weight (grad flows to the input only; the experts are frozen).
 The transient is that weight, ``E * rows * cols`` values of the compute dtype, while the matmul runs.
+
+:func:`dequantize_nf4` (one tensor from its codes and scales) is shared with the loop.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from poros.loading.experts import _dequantize
 
 #: the name of the grouped NF4 experts forward in transformers' ``ExpertsInterface``
 GROUPED_EXPERTS_IMPLEMENTATION = "poros_nf4_grouped"
@@ -42,14 +42,30 @@ def grouped_mm_works(device: torch.device | str) -> bool:
     return bool(_can_use_grouped_mm(probe, probe.view(1, 16, 16), torch.zeros(1, dtype=torch.int32, device=device)))
 
 
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple[int, ...],
+                dtype: torch.dtype, blocksize: int) -> torch.Tensor:
+    """The ``shape`` tensor from its NF4 codes and block scales. The codes are handed to bitsandbytes as rows of one
+    block each (then reshaped): its CPU kernel (0.50) reads a row's scales as if blocks started at each row, which
+    is wrong for a ``[H, I]`` matrix with ``I < blocksize`` (e.g. a tiny ``down_proj``); the CUDA kernel is flat."""
+    import math
+
+    import bitsandbytes.functional as bnb_functional
+
+    numel = math.prod(shape)
+    rows_of_blocks = (numel // blocksize, blocksize) if numel % blocksize == 0 else tuple(shape)
+    state = bnb_functional.QuantState(absmax=absmax, shape=torch.Size(rows_of_blocks), code=code, blocksize=blocksize,
+                                      quant_type="nf4", dtype=dtype)
+    return bnb_functional.dequantize_4bit(packed.reshape(-1, 1), state).view(shape)
+
+
 def dequantize_all(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple[int, int],
                    dtype: torch.dtype, blocksize: int) -> torch.Tensor:
     """Every expert's ``[rows, cols]`` matrix, ``[E, rows, cols]``, from ``[E, rows * cols / 2]`` codes and
     ``[E, rows * cols / blocksize]`` scales: one dequantize when no block straddles two experts."""
     experts, (rows, cols) = packed.shape[0], shape
     if rows * cols % blocksize == 0:
-        return _dequantize(packed.reshape(-1), absmax.reshape(-1), code, (experts, rows, cols), dtype, blocksize)
-    return torch.stack([_dequantize(packed[e], absmax[e], code, shape, dtype, blocksize) for e in range(experts)])
+        return dequantize_nf4(packed.reshape(-1), absmax.reshape(-1), code, (experts, rows, cols), dtype, blocksize)
+    return torch.stack([dequantize_nf4(packed[e], absmax[e], code, shape, dtype, blocksize) for e in range(experts)])
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -108,5 +124,5 @@ def nf4_grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, to
     return final.to(hidden_states.dtype)
 
 
-__all__ = ["GROUPED_EXPERTS_IMPLEMENTATION", "GroupedDequantizedLinear", "dequantize_all", "grouped_mm_works",
-           "nf4_grouped_experts_forward"]
+__all__ = ["GROUPED_EXPERTS_IMPLEMENTATION", "GroupedDequantizedLinear", "dequantize_all", "dequantize_nf4",
+           "grouped_mm_works", "nf4_grouped_experts_forward"]
