@@ -33,6 +33,7 @@ import poros
 from poros.errors import PorosError
 from poros.loading.experts import (EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS, dequantized_expert, experts_modules,
                                    is_quantized)
+from poros.loading import experts_grouped
 from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, dequantize_all
 from poros.stream.store import packed_block_bytes
 from poros.testing import load_qlora, save_tiny_checkpoint
@@ -201,6 +202,14 @@ def test_one_dequantize_of_all_experts_is_the_per_expert_bytes(family, variant, 
             at_once = dequantize_all(packed, absmax, module.nf4_code, (rows, cols), dtype, blocksize)
             one_by_one = torch.stack([dequantized_expert(module, tensor_name, e) for e in range(module.num_experts)])
             assert at_once.shape == (module.num_experts, rows, cols) and torch.equal(at_once, one_by_one)
+    # past bitsandbytes' int count of values the experts are dequantized in runs (the limit shrunk to 2.5 experts)
+    module = experts_modules(model)[0][1]
+    (rows, cols), dtype, blocksize = module.poros_nf4["down_proj"]
+    packed, absmax = module.down_proj_nf4, module.down_proj_absmax
+    whole = dequantize_all(packed, absmax, module.nf4_code, (rows, cols), dtype, blocksize)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(experts_grouped, "MAX_VALUES_PER_CALL", rows * cols * 5 // 2)
+        assert torch.equal(dequantize_all(packed, absmax, module.nf4_code, (rows, cols), dtype, blocksize), whole)
     # a matrix whose blocks would straddle two experts (6 x 10 = 60 values) is dequantized expert by expert
     weights = torch.randn(3, 6, 10).to(torch.bfloat16)
     states = [bnb_functional.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4") for w in weights]
@@ -358,4 +367,5 @@ def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["config"]["quantize_experts"] is True and result["comparison"]["bitwise"] is True
+    assert result["config"]["experts_implementation"] == GROUPED_EXPERTS_IMPLEMENTATION  # the default here
     assert all(arm["status"] == "ok" and arm["tokens_per_s"] > 0 for arm in result["arms"].values())

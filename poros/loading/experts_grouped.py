@@ -8,7 +8,8 @@ cumulative sum the group offsets, one ``grouped_mm`` through ``gate_up_proj`` an
 to the host and every shape is static, so CUDA graphs capture the block (the loop,
 :func:`~poros.loading.experts.nf4_experts_forward`, syncs on the experts hit and stays eager).
 
-The weights of all E experts come from ONE bitsandbytes dequantize per fused tensor: the buffers are
+The weights of all E experts come from ONE bitsandbytes dequantize per fused tensor (up to
+:data:`MAX_VALUES_PER_CALL` values; larger ones take a few calls): the buffers are
 ``[E, rows * cols / 2]`` codes and ``[E, rows * cols / blocksize]`` scales, and when
 ``rows * cols % blocksize == 0`` no NF4 block straddles two experts, so the per-expert blocks laid end to
 end are the blockwise NF4 of the concatenation (tests/test_moe.py checks the bytes). Other shapes
@@ -58,14 +59,25 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tenso
     return bnb_functional.dequantize_4bit(packed.reshape(-1, 1), state).view(shape)
 
 
+#: values one bitsandbytes dequantize call covers at most: its CUDA kernel counts them in an ``int``
+#: (Qwen3.5-397B-A17B's ``gate_up_proj`` holds 512 x 2048 x 4096, over 2**31: it takes three calls)
+MAX_VALUES_PER_CALL = 2 ** 31 - 1
+
+
 def dequantize_all(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple[int, int],
                    dtype: torch.dtype, blocksize: int) -> torch.Tensor:
     """Every expert's ``[rows, cols]`` matrix, ``[E, rows, cols]``, from ``[E, rows * cols / 2]`` codes and
-    ``[E, rows * cols / blocksize]`` scales: one dequantize when no block straddles two experts."""
+    ``[E, rows * cols / blocksize]`` scales: one dequantize when no block straddles two experts (and the E
+    experts hold at most :data:`MAX_VALUES_PER_CALL` values; else runs of experts that do, concatenated)."""
     experts, (rows, cols) = packed.shape[0], shape
-    if rows * cols % blocksize == 0:
-        return dequantize_nf4(packed.reshape(-1), absmax.reshape(-1), code, (experts, rows, cols), dtype, blocksize)
-    return torch.stack([dequantize_nf4(packed[e], absmax[e], code, shape, dtype, blocksize) for e in range(experts)])
+    if rows * cols % blocksize:
+        return torch.stack([dequantize_nf4(packed[e], absmax[e], code, shape, dtype, blocksize)
+                            for e in range(experts)])
+    per_call = max(1, MAX_VALUES_PER_CALL // (rows * cols))
+    runs = [dequantize_nf4(packed[first:first + per_call].reshape(-1), absmax[first:first + per_call].reshape(-1), code,
+                           (min(per_call, experts - first), rows, cols), dtype, blocksize)
+            for first in range(0, experts, per_call)]
+    return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -124,5 +136,5 @@ def nf4_grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, to
     return final.to(hidden_states.dtype)
 
 
-__all__ = ["GROUPED_EXPERTS_IMPLEMENTATION", "GroupedDequantizedLinear", "dequantize_all", "dequantize_nf4",
-           "grouped_mm_works", "nf4_grouped_experts_forward"]
+__all__ = ["GROUPED_EXPERTS_IMPLEMENTATION", "GroupedDequantizedLinear", "MAX_VALUES_PER_CALL", "dequantize_all",
+           "dequantize_nf4", "grouped_mm_works", "nf4_grouped_experts_forward"]
