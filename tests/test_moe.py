@@ -300,7 +300,7 @@ def test_grouped_nf4_experts_are_graph_eligible_and_the_loop_names_why_it_is_not
         assert descriptor.graph_unsafe_reason(config) is None
         poros.quantize_experts(model, grouped=False)  # packed already: only the forward changes
         assert config._experts_implementation == EXPERTS_IMPLEMENTATION
-        attribute = "num_experts" if family == "qwen3_5_moe" else "enable_moe_block"
+        attribute = descriptor.graph_unsafe[0][0]  # the family's MoE switch (num_experts, enable_moe_block)
         assert descriptor.graph_unsafe_reason(config) == \
             f"MoE routing ({attribute}, experts_implementation='poros_nf4')"
         poros.quantize_experts(model)  # no choice given: a packed model keeps the forward it has
