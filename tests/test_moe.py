@@ -5,11 +5,14 @@ streamed from the same checkpoint, ``torch.equal`` on every loss, LoRA tensor an
 
 * bf16 experts as transformers leaves them (LoRA on the linears);
 * LoRA on the experts too, through PEFT's ``target_parameters`` (``ParamWrapper`` on the fused 3-D tensors);
-* NF4 experts (``poros.quantize_experts``): the resident NF4-expert model is the reference.
+* NF4 experts (``poros.quantize_experts``), grouped (``poros_nf4_grouped``, the default where grouped_mm
+  computes: CPU torch >= 2.9) and the loop (``poros_nf4``): the resident NF4-expert model is the reference.
 
 Plus: the router aux loss (``output_router_logits``) micro-major and layer-major, the streamed bytes of
-NF4 experts against bf16, ``poros list-architectures`` and ``poros plan`` of a known MoE checkpoint, the
-trainer's default and the graph reason.
+NF4 experts against bf16, the grouped forward against the loop (one dequantize of all experts is the
+per-expert bytes; no bf16 expert weight saved for backward; its blocks captured and replayed with a CPU
+recorder), ``poros list-architectures`` and ``poros plan`` of a known MoE checkpoint, the trainer's default
+and the graph reasons.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from hypothesis import strategies as st
 
 import poros
 from poros.errors import PorosError
-from poros.loading.experts import EXPERTS_IMPLEMENTATION, experts_modules, is_quantized
+from poros.loading.experts import (EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS, dequantized_expert, experts_modules,
+                                   is_quantized)
+from poros.loading import experts_grouped
+from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, dequantize_all
 from poros.stream.store import packed_block_bytes
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
@@ -48,7 +54,9 @@ def load(path, setup: dict, experts: str):
             "double_quant": setup["double_quant"]}
     if experts != "lora":
         model = load_qlora(path, **lora)
-        return poros.quantize_experts(model) if experts == "nf4" else model
+        if experts == "bf16":
+            return model
+        return poros.quantize_experts(model, grouped={"nf4": None, "nf4-loop": False}[experts])
     quantization = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
         bnb_4bit_use_double_quant=setup["double_quant"])
@@ -83,10 +91,11 @@ def run_moe_parity(family, variant, setup, directory, experts, **config):
     return model
 
 
-@pytest.mark.parametrize("experts", ["nf4", "lora"])
+@pytest.mark.parametrize("experts", ["nf4", "nf4-loop", "lora"])
 @pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
 def test_streamed_moe_training_is_bitwise_resident(family, variant, experts):
-    """bf16 experts are drawn by tests/test_parity.py (every tiny variant); here NF4 and LoRA'd experts."""
+    """bf16 experts are drawn by tests/test_parity.py (every tiny variant); here NF4 experts (the default,
+    grouped on this CPU, and the loop) and LoRA'd experts."""
     @settings(max_examples=2, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(setup=parity_setups(family, variant).filter(lambda s: s["config"]["num_layers"] >= 2))
@@ -95,7 +104,10 @@ def test_streamed_moe_training_is_bitwise_resident(family, variant, experts):
             model = run_moe_parity(family, variant, {**setup, "reference_checkpointing": False},
                                    pathlib.Path(directory), experts)
             modules = experts_modules(model)
-            assert modules and all(is_quantized(m) == (experts == "nf4") for _, m in modules)
+            assert modules and all(is_quantized(m) == experts.startswith("nf4") for _, m in modules)
+            if experts.startswith("nf4"):
+                assert model.config.get_text_config()._experts_implementation == (
+                    GROUPED_EXPERTS_IMPLEMENTATION if experts == "nf4" else EXPERTS_IMPLEMENTATION)
             if experts == "lora":
                 assert any(".experts." in name and "lora_A" in name for name in trainable(model))
 
@@ -157,15 +169,142 @@ def test_quantize_experts_refuses_what_it_cannot_pack(tmp_path):
         poros.quantize_experts(load(moe, {**FIXED, "lora_rank": 2}, "lora"))
 
 
-def test_nf4_experts_blocks_name_why_cuda_graphs_keep_them_eager(tmp_path):
-    """The dequantize-per-routed-expert loop syncs with the host: the families' graph_unsafe names it."""
-    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=0, num_layers=2)
+def routed(module, tokens: int, seed: int):
+    """``hidden_states [T, H]`` (bf16, requiring grad), ``top_k_index`` and ``top_k_weights [T, k]`` for one
+    experts module, k its config's ``num_experts_per_tok`` (distinct experts per token, as a router picks)."""
+    generator = torch.Generator().manual_seed(seed)
+    config, hidden = module.config, module.hidden_dim
+    k = getattr(config, "num_experts_per_tok", None) or config.top_k_experts
+    index = torch.stack([torch.randperm(module.num_experts, generator=generator)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=generator).softmax(-1).to(torch.bfloat16)
+    states = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16).requires_grad_(True)
+    return states, index, weights
+
+
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_one_dequantize_of_all_experts_is_the_per_expert_bytes(family, variant, tmp_path):
+    """Per-expert blockwise NF4 laid end to end is the NF4 of the concatenation when no block straddles two
+    experts (rows * cols % blocksize == 0), so one dequantize of all E experts equals E dequantizes."""
+    import bitsandbytes.functional as bnb_functional
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=3, num_layers=2)
     model = load_qlora(path)
-    descriptor = poros.registry.for_config(model.config)
-    assert descriptor.graph_unsafe_reason(model.config) is None  # transformers' grouped_mm: captured
+    bf16 = {(name, t): getattr(m, t).detach().clone()
+            for name, m in experts_modules(model) for t in FUSED_EXPERT_TENSORS}
     poros.quantize_experts(model)
-    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION
-    assert descriptor.graph_unsafe_reason(model.config) == "MoE routing (num_experts, experts_implementation='poros_nf4')"
+    for name, module in experts_modules(model):
+        for tensor_name in FUSED_EXPERT_TENSORS:
+            (rows, cols), dtype, blocksize = module.poros_nf4[tensor_name]
+            assert rows * cols % blocksize == 0
+            codes, state = bnb_functional.quantize_4bit(bf16[name, tensor_name], blocksize=blocksize, quant_type="nf4")
+            packed, absmax = getattr(module, f"{tensor_name}_nf4"), getattr(module, f"{tensor_name}_absmax")
+            assert torch.equal(codes.view(-1), packed.view(-1)) and torch.equal(state.absmax, absmax.view(-1))
+            at_once = dequantize_all(packed, absmax, module.nf4_code, (rows, cols), dtype, blocksize)
+            one_by_one = torch.stack([dequantized_expert(module, tensor_name, e) for e in range(module.num_experts)])
+            assert at_once.shape == (module.num_experts, rows, cols) and torch.equal(at_once, one_by_one)
+    # past bitsandbytes' int count of values the experts are dequantized in runs (the limit shrunk to 2.5 experts)
+    module = experts_modules(model)[0][1]
+    (rows, cols), dtype, blocksize = module.poros_nf4["down_proj"]
+    packed, absmax = module.down_proj_nf4, module.down_proj_absmax
+    whole = dequantize_all(packed, absmax, module.nf4_code, (rows, cols), dtype, blocksize)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(experts_grouped, "MAX_VALUES_PER_CALL", rows * cols * 5 // 2)
+        assert torch.equal(dequantize_all(packed, absmax, module.nf4_code, (rows, cols), dtype, blocksize), whole)
+    # a matrix whose blocks would straddle two experts (6 x 10 = 60 values) is dequantized expert by expert
+    weights = torch.randn(3, 6, 10).to(torch.bfloat16)
+    states = [bnb_functional.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4") for w in weights]
+    packed = torch.stack([c.view(-1) for c, _ in states])
+    absmax = torch.stack([s.absmax.view(-1) for _, s in states])
+    at_once = dequantize_all(packed, absmax, states[0][1].code, (6, 10), torch.bfloat16, 64)
+    assert torch.equal(at_once, torch.stack([bnb_functional.dequantize_4bit(c, s) for c, s in states]))
+
+
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_grouped_nf4_forward_and_input_grad_match_the_loop(family, variant, tmp_path):
+    """The same NF4 weights through both forwards: one bf16 rounding of the per-token sum apart at most
+    (the loop adds each expert's output into a bf16 accumulator, the grouped forward sums the k outputs at
+    once): rtol 2**-7 (bf16's epsilon) and atol 1e-5 against outputs of order 1e-2."""
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=4, num_layers=2)
+    model = poros.quantize_experts(load_qlora(path))
+    results = {}
+    for grouped in (True, False):
+        poros.quantize_experts(model, grouped=grouped)
+        for name, module in experts_modules(model):
+            states, index, weights = routed(module, tokens=40, seed=7)
+            out = module(states, index, weights)
+            out.float().square().sum().backward()
+            results[grouped, name] = (out.detach(), states.grad)
+    for name, _ in experts_modules(model):
+        for grouped, loop in zip(results[True, name], results[False, name]):
+            assert grouped.abs().max() > 0
+            torch.testing.assert_close(grouped, loop, rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_nf4_experts_backward_keeps_no_bf16_expert_weight(grouped, tmp_path):
+    """Everything autograd saves in an NF4 experts forward (a saved-tensor hook): the packed codes, their
+    scales and the NF4 code, the int32 group offsets, activations of [tokens, width]; never a floating
+    tensor the size of one expert's matrix, let alone of all E."""
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", "default", seed=2, num_layers=2)
+    model = poros.quantize_experts(load_qlora(path), grouped=grouped)
+    _, module = experts_modules(model)[0]
+    states, index, weights = routed(module, tokens=6, seed=1)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = module(states, index, weights)
+    out.float().sum().backward()
+    smallest = min(r * c for (r, c), _, _ in module.poros_nf4.values())
+    floating = [t for t in saved if t.is_floating_point() and t.dtype != torch.float32]
+    assert floating and all(t.numel() < smallest for t in floating), [tuple(t.shape) for t in floating]
+    pointers = {t.data_ptr() for t in saved}
+    assert {getattr(module, f"{t}_nf4").data_ptr() for t in FUSED_EXPERT_TENSORS} <= pointers
+    assert {t.dtype for t in saved if t.numel() >= smallest // 2} <= {torch.uint8}
+    if grouped:
+        assert any(t.dtype == torch.int32 and t.shape == (module.num_experts,) for t in saved)  # the offsets
+
+
+def test_replayed_grouped_nf4_blocks_train_bitwise_resident(tmp_path):
+    """Gemma 4 MoE (26B-A4B-like) with grouped NF4 experts: every block captured and replayed with the CPU
+    recorder of tests/test_gemma4_graphs.py (it reruns the captured body on the static buffers and poisons the
+    capture's outputs), layer-major 2 steps x 3 micro-batches: bitwise the resident NF4-expert run. (The tiny
+    qwen3_5_moe's blocks are kept eager on CPU for an expanded-view argument, "argument layout", which is not
+    the experts' doing: its graph_unsafe_reason is None, checked above.)"""
+    from test_gemma4_graphs import ReplayedOnCPU
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "gemma4", "moe", seed=5, num_layers=6)
+    plan = [with_item_counts([make_batch(5 + 10 * s + m, 2, 14, "left") for m in range(3)]) for s in range(2)]
+    reference = poros.quantize_experts(load_qlora(path, lora_rank=4, lora_alpha=8, seed=5))
+    ref_losses, ref_opt = resident_steps(reference, plan)
+    model = poros.quantize_experts(load_qlora(path, lora_rank=4, lora_alpha=8, seed=5))
+    streamed = poros.prepare(model)
+    assert streamed.descriptor.graph_unsafe_reason(streamed.config.get_text_config()) is None
+    streamed.executor.graphs = ReplayedOnCPU(streamed.store, streamed.executor.layers)
+    poros_losses, poros_opt = layer_major_steps(streamed, plan)
+    assert_bitwise(reference, model, ref_losses, poros_losses, ref_opt, poros_opt)
+    report = streamed.executor.graphs.report
+    assert report.failures == [] and set(report.eager) == {"warm-up"}, (report.failures, report.eager)
+    assert report.replays > 0 and report.replays + report.eager["warm-up"] == 2 * 2 * 3 * len(streamed.executor.layers)
+
+
+def test_grouped_nf4_experts_are_graph_eligible_and_the_loop_names_why_it_is_not(tmp_path):
+    """The dequantize-per-routed-expert loop syncs with the host: the families' graph_unsafe names it; the
+    grouped NF4 forward (the default where grouped_mm computes) is captured like transformers' grouped_mm."""
+    for family, variant in MOE:
+        path = save_tiny_checkpoint(tmp_path / family, family, variant, seed=0, num_layers=2)
+        model = load_qlora(path)
+        config = model.config.get_text_config()
+        descriptor = poros.registry.for_config(model.config)
+        assert descriptor.graph_unsafe_reason(config) is None  # transformers' grouped_mm: captured
+        poros.quantize_experts(model)
+        assert config._experts_implementation == GROUPED_EXPERTS_IMPLEMENTATION
+        assert descriptor.graph_unsafe_reason(config) is None
+        poros.quantize_experts(model, grouped=False)  # packed already: only the forward changes
+        assert config._experts_implementation == EXPERTS_IMPLEMENTATION
+        attribute = descriptor.graph_unsafe[0][0]  # the family's MoE switch (num_experts, enable_moe_block)
+        assert descriptor.graph_unsafe_reason(config) == \
+            f"MoE routing ({attribute}, experts_implementation='poros_nf4')"
+        poros.quantize_experts(model)  # no choice given: a packed model keeps the forward it has
+        assert config._experts_implementation == EXPERTS_IMPLEMENTATION
 
 
 @pytest.mark.parametrize("requested", [None, False])
@@ -178,6 +317,8 @@ def test_the_trainer_quantizes_moe_experts_by_default_and_says_so(requested, tmp
     assert modules and all(is_quantized(m) == (requested is None) for _, m in modules)
     assert ("MoE experts in NF4 (quantize_experts=auto)" if requested is None
             else "MoE experts kept in bf16 (quantize_experts=false)") in out
+    if requested is None:  # grouped_mm computes on this CPU (torch >= 2.9): the graph-capturable forward
+        assert f"forward {GROUPED_EXPERTS_IMPLEMENTATION}" in out
 
 
 def child_env(**overrides):
@@ -226,4 +367,5 @@ def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["config"]["quantize_experts"] is True and result["comparison"]["bitwise"] is True
+    assert result["config"]["experts_implementation"] == GROUPED_EXPERTS_IMPLEMENTATION  # the default here
     assert all(arm["status"] == "ok" and arm["tokens_per_s"] > 0 for arm in result["arms"].values())

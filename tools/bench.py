@@ -121,7 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="micro-major", choices=("micro-major", "layer-major"),
                         help="Poros arm with --grad-accum: one model call per micro-batch, or layer-major")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
-    parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm"), help="MoE experts implementation")
+    parser.add_argument("--experts", choices=("grouped_mm", "eager", "batched_mm", "poros_nf4_grouped", "poros_nf4"),
+                        help="MoE experts implementation: transformers' for bf16 experts (default: its grouped_mm "
+                        "where it computes); with --quantize-experts Poros' NF4 forward, poros_nf4_grouped (the "
+                        "default where grouped_mm computes) or the poros_nf4 loop. The JSON records the one that ran")
     parser.add_argument("--quantize-experts", action="store_true",
                         help="MoE experts in NF4 (poros.quantize_experts) in every arm: the resident NF4-expert model "
                         "is the reference")
@@ -140,11 +143,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.threads = 1
     if args.seq is None:
         args.seq = 64 if args.model.startswith("tiny") else 512
+    if (args.experts or "").startswith("poros_nf4") != bool(args.experts and args.quantize_experts):
+        parser.error(f"--experts {args.experts}: poros_nf4* are the NF4 experts' forwards (with --quantize-experts); "
+                     "with --quantize-experts pick poros_nf4_grouped or poros_nf4, or leave --experts out")
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = set(args.arms) - set(ALL_ARMS)
     if unknown or not args.arms:
         parser.error(f"--arms {','.join(args.arms)}: expected a comma list of {', '.join(ALL_ARMS)}")
     return args
+
+
+def experts_implementation(model) -> str | None:
+    """The experts forward the model ran (``config._experts_implementation``), None for a model without experts."""
+    from poros.loading.experts import experts_modules
+
+    return model.config.get_text_config()._experts_implementation if experts_modules(model) else None
 
 
 def write_report(report: dict, path: Path | None) -> None:
@@ -248,7 +261,7 @@ def main(argv=None) -> int:
             "mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states, "host_budget": args.host_budget,
             "timeline": args.timeline, "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
-            "experts_implementation": args.experts, "quantize_experts": args.quantize_experts,
+            "experts_implementation": experts_implementation(model), "quantize_experts": args.quantize_experts,
             "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": 0.0, "targets": targets},
             "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
             "quantization": {"quant_type": "nf4", "double_quant": not args.no_double_quant,

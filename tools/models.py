@@ -32,7 +32,8 @@ def build_model(config, device: str | torch.device, *, seed: int = 0, double_qua
     """:func:`poros.doctor.probe.random_nf4_model` with the bench's defaults (bf16 compute, NF4, double
     quantization, SDPA): an HF ``*ForCausalLM`` with NF4 ``Linear4bit`` layers and random weights,
     built on ``device`` the way ``from_pretrained`` builds one; ``quantize_experts``: MoE experts in NF4
-    (:func:`poros.quantize_experts`), built one experts module at a time."""
+    (:func:`poros.quantize_experts`), built one experts module at a time, ``experts_implementation`` then
+    ``"poros_nf4_grouped"`` / ``"poros_nf4"`` / None (grouped where grouped_mm computes)."""
     return random_nf4_model(config, resolve_device(device, with_index=True), seed=seed, double_quant=double_quant,
                             attn_implementation=attn_implementation, experts_implementation=experts_implementation,
                             weight_std=weight_std, perturb=perturb, quantize_experts=quantize_experts)

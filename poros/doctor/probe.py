@@ -88,10 +88,12 @@ def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: 
     bnb_4bit_use_double_quant=double_quant), device_map={"": device})``; only the checkpoint read
     is replaced by a seeded ``randn * weight_std`` per quantized weight. With ``quantize_experts`` each MoE
     experts module's fused tensors are made the same way and packed to NF4 at once
-    (:func:`poros.quantize_experts`), one module at a time: the bf16 experts never exist all together.
+    (:func:`poros.quantize_experts`), one module at a time: the bf16 experts never exist all together;
+    ``experts_implementation`` then picks their forward, ``"poros_nf4_grouped"`` or the ``"poros_nf4"`` loop
+    (None: grouped where transformers' grouped_mm computes on ``device``).
 
     Raises:
-        ValueError: ``quantize_experts`` with an ``experts_implementation`` (NF4 experts have their own).
+        ValueError: ``quantize_experts`` with a transformers ``experts_implementation`` (NF4 experts have their own).
         RuntimeError: a tensor was left on the meta device or holds NaN after initialisation.
     """
     import bitsandbytes as bnb
@@ -99,9 +101,10 @@ def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: 
     from transformers.quantizers import AutoHfQuantizer
     from transformers.utils.generic import ContextManagers
 
-    if quantize_experts and experts_implementation is not None:
+    nf4_forwards = {None: None, "poros_nf4_grouped": True, "poros_nf4": False}  # quantize_experts(grouped=...)
+    if quantize_experts and experts_implementation not in nf4_forwards:
         raise ValueError(f"quantize_experts computes with its own experts forward; experts_implementation="
-                         f"{experts_implementation!r} would replace it: pass one or the other")
+                         f"{experts_implementation!r} would replace it: pass poros_nf4_grouped, poros_nf4 or None")
     device = resolve_device(device, with_index=True)
     dtype = compute_dtype
     quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=dtype,
@@ -131,7 +134,7 @@ def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: 
                 module.bias = torch.nn.Parameter(bias, requires_grad=False)
             module._is_hf_initialized = True
         if quantize_experts:
-            _random_nf4_experts(model, generator, device, dtype, weight_std)
+            _random_nf4_experts(model, generator, device, dtype, weight_std, nf4_forwards[experts_implementation])
         # Everything else, as _move_missing_keys_from_meta_to_device does, but NaN-filled so that a
         # tensor the model's own init misses cannot pass unnoticed.
         for name, param in list(model.named_parameters()):
@@ -155,13 +158,14 @@ def random_nf4_model(config: Any, device: torch.device | str, *, compute_dtype: 
     quantizer.postprocess_model(model)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
-    if experts_implementation is not None:
+    if experts_implementation is not None and not quantize_experts:
         model.set_experts_implementation(experts_implementation)
     return model
 
 
-def _random_nf4_experts(model, generator, device, dtype, weight_std: float) -> None:
-    """Every experts module's fused tensors: seeded random bf16 on ``device``, packed to NF4 module by module."""
+def _random_nf4_experts(model, generator, device, dtype, weight_std: float, grouped: bool | None) -> None:
+    """Every experts module's fused tensors: seeded random bf16 on ``device``, packed to NF4 module by module
+    (``grouped``: :func:`poros.quantize_experts`' choice of forward)."""
     from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules, quantize_experts
 
     for _, module in experts_modules(model):
@@ -169,7 +173,7 @@ def _random_nf4_experts(model, generator, device, dtype, weight_std: float) -> N
             old = getattr(module, name)
             value = torch.randn(old.shape, generator=generator, device=device, dtype=dtype) * weight_std
             setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
-        quantize_experts(module)
+        quantize_experts(module, grouped=grouped)
         module._is_hf_initialized = True
 
 

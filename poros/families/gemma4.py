@@ -82,9 +82,11 @@ DESCRIPTOR = decoder_family(
         "experts.gate_up_proj", "experts.down_proj",
     ),
     model_level_linears=("model.per_layer_model_projection",),
-    # transformers' eager experts loop syncs with the host (nonzero, a loop over the hit experts); its
-    # grouped_mm and batched_mm (grouped_mm is transformers' default) run on the device alone
-    graph_unsafe=(("enable_moe_block", "MoE routing", ("_experts_implementation", ("grouped_mm", "batched_mm"))),),
+    # transformers' eager experts loop and Poros' NF4 loop (poros_nf4) sync with the host (nonzero, a loop
+    # over the hit experts); grouped_mm and batched_mm (grouped_mm is transformers' default) and Poros'
+    # grouped NF4 experts (poros_nf4_grouped) run on the device alone
+    graph_unsafe=(("enable_moe_block", "MoE routing",
+                   ("_experts_implementation", ("grouped_mm", "batched_mm", "poros_nf4_grouped"))),),
     optional_features=(
         # per-layer inputs (the E-models); absent when hidden_size_per_layer_input is 0/None
         ("hidden_size_per_layer_input", (

@@ -41,9 +41,11 @@ DESCRIPTOR = derive(
     ),
     lora_excluded=("shared_expert_gate",),
     never_quantized=(*QWEN3_5.never_quantized, "mlp.gate", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    # transformers' eager experts loop (and Poros' NF4 experts, which dequantize the experts the tokens hit)
-    # syncs with the host (nonzero, a loop over the hit experts); grouped_mm and batched_mm do not
-    graph_unsafe=(("num_experts", "MoE routing", ("_experts_implementation", ("grouped_mm", "batched_mm"))),),
+    # transformers' eager experts loop (and Poros' NF4 loop, poros_nf4, which dequantizes the experts the
+    # tokens hit) syncs with the host (nonzero, a loop over the hit experts); grouped_mm, batched_mm and
+    # Poros' grouped NF4 experts (poros_nf4_grouped: all experts dequantized at once) do not
+    graph_unsafe=(("num_experts", "MoE routing",
+                   ("_experts_implementation", ("grouped_mm", "batched_mm", "poros_nf4_grouped"))),),
     notes=(
         *QWEN3_5.notes,
         "experts are fused 3-D parameters (bf16 under NF4 unless poros.quantize_experts); LoRA on them: "

@@ -10,19 +10,23 @@ buffers the block store streams like any other frozen tensor:
 * ``<name>_nf4``: uint8 ``[E, rows * cols / 2]``, the packed 4-bit codes of each expert;
 * ``<name>_absmax``: float32 ``[E, rows * cols / blocksize]``, each expert's block scales;
 
-and one ``nf4_code`` buffer (the 16 NF4 levels) per experts module. The experts' forward becomes
-:func:`nf4_experts_forward` (registered in transformers' ``ExpertsInterface`` as
-:data:`EXPERTS_IMPLEMENTATION` and selected through the config's ``_experts_implementation``): it
-loops over the experts the tokens were routed to, as transformers' eager loop does, and
-dequantizes each one when it is used. The linear through a dequantized expert is
-:class:`DequantizedLinear`, which dequantizes again in backward instead of keeping the bf16 weight,
-so neither a resident model nor a streamed block ever holds more than one expert's bf16 matrix per
-linear at a time.
+and one ``nf4_code`` buffer (the 16 NF4 levels) per experts module. The experts' forward becomes one
+of two, registered in transformers' ``ExpertsInterface`` and selected through the config's
+``_experts_implementation``:
 
-The model stays an ordinary resident HF model that trains (the parity reference); ``poros.prepare``
-streams it like any other, and the streamed run is bitwise the resident one. The loop syncs with the
-host (the experts hit), so ``cuda_graphs`` keeps such blocks eager and names why (the families'
-``graph_unsafe``: experts implementation ``poros_nf4``).
+* ``poros_nf4_grouped`` (:mod:`poros.loading.experts_grouped`), the default wherever transformers'
+  ``grouped_mm`` computes on the experts' device: transformers' grouped experts forward with all E
+  experts of a fused tensor dequantized in one bitsandbytes call, forward and again in backward. No
+  host sync, static shapes: ``cuda_graphs`` captures these blocks.
+* ``poros_nf4`` (:data:`EXPERTS_IMPLEMENTATION`, :func:`nf4_experts_forward`; ``grouped=False``, and
+  where grouped_mm does not compute): a loop over the experts the tokens were routed to, as
+  transformers' eager loop does, dequantizing each one when it is used (:class:`DequantizedLinear`,
+  again in backward). It holds one expert's bf16 matrix at a time, but syncs with the host (the experts
+  hit), so ``cuda_graphs`` keeps its blocks eager and names why (the families' ``graph_unsafe``).
+
+Neither keeps a bf16 expert weight for backward. The model stays an ordinary resident HF model that
+trains (the parity reference); ``poros.prepare`` streams it like any other, and the streamed run is
+bitwise the resident one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import torch
 from torch import nn
 
 from poros.errors import PorosError
+from poros.loading.experts_grouped import (GROUPED_EXPERTS_IMPLEMENTATION, dequantize_nf4, grouped_mm_works,
+                                           nf4_grouped_experts_forward)
 
 #: the name of the NF4 experts forward in transformers' ``ExpertsInterface`` (``config._experts_implementation``)
 EXPERTS_IMPLEMENTATION = "poros_nf4"
@@ -58,15 +64,20 @@ def is_quantized(module: nn.Module) -> bool:
     return isinstance(getattr(module, "poros_nf4", None), dict)
 
 
-def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE) -> nn.Module:
+def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE, grouped: bool | None = None) -> nn.Module:
     """Quantize every fused expert tensor of ``model`` to NF4 in place, per expert; returns ``model``.
 
     Call it on the HF model before ``get_peft_model`` (LoRA on the linears is unaffected; the
-    experts are frozen). Quantizing twice is a no-op for the modules already packed.
+    experts are frozen). Quantizing twice is a no-op for the modules already packed (an explicit
+    ``grouped`` still switches their forward).
 
     Args:
         model: a transformers MoE model (``*ForCausalLM``, or a PEFT model around one).
         blocksize: NF4 block size (bitsandbytes' default 64).
+        grouped: the experts' forward. None (default): ``poros_nf4_grouped`` where transformers'
+            ``grouped_mm`` computes on the experts' current device (torch >= 2.9 on CPU, SM80+ on CUDA),
+            else the ``poros_nf4`` loop; True / False: that one. The choice is written to the config
+            (``_experts_implementation``), where ``set_experts_implementation`` can change it later.
 
     Raises:
         PorosError: the model has no fused experts; the experts carry LoRA (PEFT's ``target_parameters``:
@@ -81,9 +92,13 @@ def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE) -> nn.
             f"{type(model).__name__} has no fused MoE experts (3-D gate_up_proj / down_proj parameters); "
             "quantize_experts is for mixture-of-experts models (qwen3_5_moe, gemma4 with enable_moe_block)."
         )
+    chosen = grouped if grouped is not None else grouped_mm_works(_experts_device(modules[0][1]))
+    implementation = GROUPED_EXPERTS_IMPLEMENTATION if chosen else EXPERTS_IMPLEMENTATION
     wrapped = _adapted_experts(model)
     for name, module in modules:
         if is_quantized(module):
+            if grouped is not None:
+                module.config._experts_implementation_internal = implementation
             continue
         _check_layout(name, module, id(module) in wrapped)
         module.poros_nf4 = {}
@@ -103,9 +118,13 @@ def quantize_experts(model: nn.Module, *, blocksize: int = NF4_BLOCKSIZE) -> nn.
             module.register_buffer(f"{tensor_name}_absmax", torch.stack(absmax), persistent=False)
             module.poros_nf4[tensor_name] = (tuple(parameter.shape[1:]), parameter.dtype, blocksize)
         module.register_buffer("nf4_code", code.clone(), persistent=False)
-        module.config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
+        module.config._experts_implementation_internal = implementation
     _register_forward()
     return model
+
+
+def _experts_device(module: nn.Module) -> torch.device:
+    return (module.gate_up_proj_nf4 if is_quantized(module) else module.gate_up_proj).device
 
 
 def _adapted_experts(model: nn.Module) -> set[int]:
@@ -124,8 +143,9 @@ def _check_layout(name: str, module: nn.Module, adapted: bool) -> None:
             "Quantize before get_peft_model and keep LoRA on the linears, or keep the experts in bf16 "
             "(quantize_experts=False) to train LoRA on them."
         )
-    odd = [flag for flag, wanted in (("is_transposed", False), ("has_bias", False), ("has_gate", True),
-                                     ("is_concatenated", True)) if getattr(module, flag, wanted) != wanted]
+    expected = (("is_transposed", False), ("has_bias", False), ("has_gate", True), ("is_concatenated", True),
+                ("has_post_expert_norm", False))
+    odd = [flag for flag, wanted in expected if getattr(module, flag, wanted) != wanted]
     if odd or not hasattr(module, "config"):
         raise PorosError(
             f"{name} ({type(module).__name__}) has an experts layout Poros' NF4 forward does not compute "
@@ -137,22 +157,14 @@ def _register_forward() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, nf4_experts_forward)
+    ExpertsInterface.register(GROUPED_EXPERTS_IMPLEMENTATION, nf4_grouped_experts_forward)
 
 
 def dequantized_expert(module: nn.Module, tensor_name: str, expert: int) -> torch.Tensor:
     """Expert ``expert``'s matrix of ``tensor_name``, dequantized from its NF4 buffers (the original dtype)."""
     shape, dtype, blocksize = module.poros_nf4[tensor_name]
-    return _dequantize(getattr(module, f"{tensor_name}_nf4")[expert], getattr(module, f"{tensor_name}_absmax")[expert],
-                       module.nf4_code, shape, dtype, blocksize)
-
-
-def _dequantize(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple[int, ...],
-                dtype: torch.dtype, blocksize: int) -> torch.Tensor:
-    import bitsandbytes.functional as bnb_functional
-
-    state = bnb_functional.QuantState(absmax=absmax, shape=torch.Size(shape), code=code, blocksize=blocksize,
-                                      quant_type="nf4", dtype=dtype)
-    return bnb_functional.dequantize_4bit(packed.unsqueeze(1), state)
+    return dequantize_nf4(getattr(module, f"{tensor_name}_nf4")[expert],
+                          getattr(module, f"{tensor_name}_absmax")[expert], module.nf4_code, shape, dtype, blocksize)
 
 
 class DequantizedLinear(torch.autograd.Function):
@@ -163,12 +175,12 @@ class DequantizedLinear(torch.autograd.Function):
     def forward(ctx, x, packed, absmax, code, meta: tuple):
         ctx.save_for_backward(packed, absmax, code)
         ctx.meta = meta
-        return nn.functional.linear(x, _dequantize(packed, absmax, code, *meta))
+        return nn.functional.linear(x, dequantize_nf4(packed, absmax, code, *meta))
 
     @staticmethod
     def backward(ctx, grad_output):
         packed, absmax, code = ctx.saved_tensors
-        weight = _dequantize(packed, absmax, code, *ctx.meta)
+        weight = dequantize_nf4(packed, absmax, code, *ctx.meta)
         return grad_output.matmul(weight), None, None, None, None
 
 
@@ -217,7 +229,8 @@ def quantize_experts_for_run(model: nn.Module, requested: bool | None) -> str | 
         del model.poros_block_file  # the entry's layout is the bf16 experts': pack the blocks anew
     packed = sum(expert_bytes(m)["bytes"] for _, m in modules)
     return (f"poros: MoE experts in NF4 (quantize_experts={'true' if requested else 'auto'}): {len(modules)} experts "
-            f"modules, {stored / 1e9:.2f} GB bf16 -> {packed / 1e9:.2f} GB")
+            f"modules, {stored / 1e9:.2f} GB bf16 -> {packed / 1e9:.2f} GB, forward "
+            f"{modules[0][1].config._experts_implementation}")
 
 
 def expert_bytes(module: nn.Module) -> dict[str, Any]:
