@@ -338,6 +338,16 @@ def case_blocks(device, dtype, args, arms) -> dict[str, Any]:
     return out
 
 
+def _compute_stream(device: torch.device, wanted: bool):
+    """``--compute-stream``: everything from here on a stream of torch's pool (non-blocking), after the
+    legacy stream's work so far."""
+    if not wanted or device.type != "cuda":
+        return contextlib.nullcontext()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(side)
+
+
 def _all_equal(value: Any) -> bool:
     """Whether every ``equal`` below ``value`` is True (an ``error`` counts as not equal)."""
     if isinstance(value, dict):
@@ -389,6 +399,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--commit")
+    parser.add_argument("--compute-stream", action="store_true",
+                        help="run the blocks cases on a side stream of torch's pool instead of the legacy default "
+                             "stream (a capture failed with 'operation would make the legacy stream depend on a "
+                             "capturing blocking stream': does any of it still queue work there?)")
     parser.add_argument("--trace", action="store_true",
                         help="tools.capture_trace: stream/event calls during captures, sync debug 'error' in them, "
                              "each failed capture's traceback (in the JSON's capture_trace)")
@@ -411,7 +425,7 @@ def main(argv=None) -> int:
         report["cases"]["accumulate"] = {f"{m} micro-batches": case_layer(device, dtype, args, micro=m) for m in (2, 4)}
     if "stale" in cases:
         report["cases"]["stale"] = case_stale(device, dtype, args)
-    with (tracing() if args.trace else contextlib.nullcontext()) as log:
+    with (tracing() if args.trace else contextlib.nullcontext()) as log, _compute_stream(device, args.compute_stream):
         for case in ("blocks", "micro-major"):
             if case in cases:
                 report["cases"][case] = case_blocks(device, dtype, args, BLOCK_ARMS[case])
