@@ -42,6 +42,7 @@ from poros.errors import (
 )
 from poros.dropin import banner
 from poros.stream import graphs
+from poros.stream.compute_stream import step_stream
 from poros.stream.chunked_loss import use_chunked_loss
 from poros.stream.tiling import tile_mlp
 from poros.stream.executor import StreamingExecutor
@@ -119,7 +120,8 @@ class PorosModel:
         Raises:
             StreamingError: a dropout with p > 0 is active (see the executor).
         """
-        with self.lora_placement.accumulation() if self.lora_placement else contextlib.nullcontext():
+        with self.lora_placement.accumulation() if self.lora_placement else contextlib.nullcontext(), \
+                step_stream(self.executor.store.device, self.executor.graphs is not None):  # graphs: off the legacy stream
             losses = self.executor.forward_backward(train_step or self.forward, micro_batches,
                                                     own_backward=train_step is not None)
         from poros import distributed

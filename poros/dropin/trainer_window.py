@@ -24,12 +24,14 @@ nothing to share.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import transformers
 
+from poros.stream.compute_stream import step_stream
 from poros.stream.dropout import dropout_modules, dropout_p
 
 logger = logging.getLogger("poros")
@@ -141,7 +143,8 @@ class WindowDriver:
         ours = not args and not kwargs and window is not None and window.next < len(window.batches) \
             and inputs is window.batches[window.next] and num_items_in_batch is window.num_items
         if not ours or len(window.batches) < 2 or not self._layer_major():
-            return self.training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+            with self._step_stream():  # micro-major: the Trainer's own step, off the legacy stream with graphs
+                return self.training_step(model, inputs, num_items_in_batch, *args, **kwargs)
         if window.next == 0:
             window.losses = self._run(model, window)
         loss = window.losses[window.next]
@@ -149,6 +152,12 @@ class WindowDriver:
         if window.next == len(window.batches):
             self.window = None
         return loss
+
+    def _step_stream(self):
+        executor = getattr(self.trainer.model, "executor", None)
+        if executor is None:
+            return contextlib.nullcontext()
+        return step_stream(executor.store.device, executor.graphs is not None)
 
     def _layer_major(self) -> bool:
         if not self.decided:
