@@ -105,7 +105,9 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
                                  "resident_blocks": list(handle.store.resident_blocks),
                                  "budget_plan": None if handle.budget_plan is None else handle.budget_plan.to_dict(),
                                  "block_fetches_per_step": round(fetches / len(handle.store.blocks)
-                                                                 / max(1, len(clock.step_times)), 3)})
+                                                                 / max(1, len(clock.step_times)), 3),
+                                 "cuda_graphs": None if handle.executor.graphs is None  # captures, replays, eager
+                                 else handle.executor.graphs.report.to_dict()})
     except torch.OutOfMemoryError as exc:
         result.status, result.error = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
