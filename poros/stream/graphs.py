@@ -17,7 +17,7 @@ cost of queueing ~500 kernels per block disappears.
   the store layout of its frozen tensors, addresses of tensors the store does not stream) × each
   argument's shape, strides and dtype (plain arguments by value) × training mode, adapter state
   (enabled, active, merged) and the autocast state. Blocks of one kind in one slot share a graph.
-* **Autocast** (HF Trainer's ``bf16=True``): with :data:`AUTOCAST_SWITCH` set (``=1``), a block under
+* **Autocast** (HF Trainer's ``bf16=True``): unless :data:`AUTOCAST_SWITCH` is ``0``, a block under
   autocast is captured with the cast cache off (``replay.uncached``: each cast of an fp32 LoRA weight is
   an op the replay reruns; cached or not it gives the same bits, and autograd the same gradient, as
   long as the weight has not changed since it was cached). The one case where the cache changes the
@@ -25,9 +25,9 @@ cost of queueing ~500 kernels per block disappears.
   for the whole region, so the eager path computes with stale casts; HF Trainer enters autocast per
   forward): :meth:`BlockGraphs.begin_step` finds a region that lived through the previous
   ``forward_backward`` (``replay.CastCacheWatch``) and its blocks run eagerly (``autocast cache across
-  steps``), matching a resident run in the same region. Without the switch, blocks under autocast
-  with the cache on run eagerly (``autocast cache``): the switch stays off until the H200 gate shows
-  the capture bitwise (tools/autocast_graph_probe.py, docs/limitations.md).
+  steps``), matching a resident run in the same region. With the switch at ``0``, blocks under autocast
+  with the cache on run eagerly (``autocast cache``). Captures hold on the H200 when the step runs off
+  the legacy default stream (poros.stream.compute_stream; tools/autocast_graph_probe.py).
 * **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
   capture points the block's trainable parameters at static buffers (``.data``), each replay
   copies the running block's values in. Backward returns their gradients from static buffers; the
@@ -50,7 +50,7 @@ cost of queueing ~500 kernels per block disappears.
   block reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry),
   an active dropout (its RNG draws; ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on
   the trainable parameters,
-  autocast with its cast cache on (without :data:`AUTOCAST_SWITCH`, or in a region that outlived a
+  autocast with its cast cache on (:data:`AUTOCAST_SWITCH` ``0``, or in a region that outlived a
   step: see above), Python hooks on
   the block's modules (a replay runs no Python), arguments that are not tensors or plain values, or
   whose elements overlap (an expanded view: a static copy cannot hold it), and a family's
@@ -91,8 +91,9 @@ WARMUP = 1
 #: keys, each with static buffers of its own; past this, new keys run eagerly ("graph limit")
 MAX_GRAPHS = 24
 _PLAIN = (int, float, str, bool, type(None))
-#: the environment variable that turns on the capture under autocast with its cast cache on (``1``);
-#: off by default until the H200 gate shows it bitwise (read when a :class:`BlockGraphs` is made)
+#: the environment variable that turns off the capture under autocast with its cast cache on (``0``); on by
+#: default since the H200 showed it bitwise in every family once the step runs off the legacy stream
+#: (poros.stream.compute_stream; read when a :class:`BlockGraphs` is made)
 AUTOCAST_SWITCH = "POROS_CUDA_GRAPHS_AUTOCAST"
 #: the environment variable that lets micro-major's block phases (inside the autograd engine) replay
 #: too (``1``): a probe for the H200 (tools/autocast_graph_probe.py ``micro-major``), off by default
@@ -197,7 +198,7 @@ class BlockGraphs:
         self._own_hooks = {handle.id for handle in getattr(store, "_hooks", ())}
         # autocast with its cast cache on: captured (cache off) only with the switch; a region that
         # outlived the previous forward_backward holds stale casts, which only eager mode reproduces
-        self.autocast_capture = os.environ.get(AUTOCAST_SWITCH, "") == "1"
+        self.autocast_capture = os.environ.get(AUTOCAST_SWITCH, "1") != "0"
         self.micro_major = os.environ.get(MICRO_MAJOR_SWITCH, "") == "1"
         self._cache_watch = CastCacheWatch(store.device)
         self._stale_casts = False
