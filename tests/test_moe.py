@@ -146,7 +146,7 @@ def write_chat(path: pathlib.Path) -> pathlib.Path:
 
 @pytest.mark.parametrize("router", [False, True], ids=["no-aux", "aux"])
 @pytest.mark.parametrize("experts", ["bf16", "nf4"])
-def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path):
+def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path, capsys):
     """PorosTrainer on qwen3_5_moe == an HF + bitsandbytes + PEFT loop: the same batches, AdamW, schedule,
     clipping, quantize_experts and output_router_logits in both arms; grad_accum 2 (the trainer runs
     layer-major, the loop micro-major); torch.equal on the losses, every LoRA tensor and AdamW state.
@@ -166,6 +166,8 @@ def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path):
     trainer = poros.PorosTrainer.from_pretrained(str(path), lora_rank=4, lora_alpha=8, seed=11, device="cpu",
                                                  output_dir=str(tmp_path / "out"), quantize_experts=experts == "nf4",
                                                  output_router_logits=router)
+    assert ("poros: MoE router aux loss on (output_router_logits=true, set): the loss adds router_aux_loss_coef=0.5"
+            if router else "poros: MoE router aux loss off (output_router_logits=false, set)") in capsys.readouterr().out
     result = trainer.train(chat, **settings)
     assert all(is_quantized(m) == (experts == "nf4") for _, m in experts_modules(trainer.model))
     assert trainer.model.store.stats.fetches[0] == 2 * 2  # layer-major: once per direction per step
@@ -404,6 +406,9 @@ def test_the_trainer_quantizes_moe_experts_by_default_and_says_so(requested, tmp
     assert modules and all(is_quantized(m) == (requested is None) for _, m in modules)
     assert ("MoE experts in NF4 (quantize_experts=auto)" if requested is None
             else "MoE experts kept in bf16 (quantize_experts=false)") in out
+    # output_router_logits unset: the model config's (transformers' default for Qwen3.5/3.6 MoE: false)
+    assert "poros: MoE router aux loss off (output_router_logits=false, the model config's): the loss is the LM " \
+        "loss alone" in out
     if requested is None:  # grouped_mm computes on this CPU (torch >= 2.9): the graph-capturable forward
         assert f"forward {GROUPED_EXPERTS_IMPLEMENTATION}" in out
 
