@@ -8,7 +8,8 @@ streamed from the same checkpoint, ``torch.equal`` on every loss, LoRA tensor an
 * NF4 experts (``poros.quantize_experts``), grouped (``poros_nf4_grouped``, the default where grouped_mm
   computes: CPU torch >= 2.9) and the loop (``poros_nf4``): the resident NF4-expert model is the reference.
 
-Plus: the router aux loss (``output_router_logits``) micro-major and layer-major, the streamed bytes of
+Plus: PorosTrainer against a plain HF + bitsandbytes + PEFT loop (bf16 and NF4 experts, the router aux loss
+off and on), the router aux loss (``output_router_logits``) micro-major and layer-major, the streamed bytes of
 NF4 experts against bf16, the grouped forward against the loop (one dequantize of all experts is the
 per-expert bytes; no bf16 expert weight saved for backward; its blocks captured and replayed with a CPU
 recorder), ``poros list-architectures`` and ``poros plan`` of a known MoE checkpoint, the trainer's default
@@ -17,6 +18,7 @@ and the graph reasons.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -30,15 +32,18 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import poros
+from poros.assets import asset_path
+from poros.data import BatchIterator, load_dataset
 from poros.errors import PorosError
 from poros.loading.experts import (EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS, dequantized_expert, experts_modules,
                                    is_quantized)
 from poros.loading import experts_grouped
 from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, dequantize_all
 from poros.stream.store import packed_block_bytes
-from poros.testing import load_qlora, save_tiny_checkpoint
+from poros.testing import all_linear_targets, load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
 from test_parity import assert_bitwise, make_batch, parity_setups, train, trainable
+from test_trainer import adapters, assert_same_training_state, load_reference_base, optimizer_states
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MOE = [("qwen3_5_moe", "default"), ("gemma4", "moe")]
@@ -127,6 +132,90 @@ def test_router_aux_loss_is_bitwise_resident(experts, tmp_path):
     with torch.no_grad():
         out = model(**make_batch(1, 2, 12, "none"), use_cache=False)
     assert out.aux_loss is not None and out.aux_loss > 0 and len(out.router_logits) == 4
+
+
+def write_chat(path: pathlib.Path) -> pathlib.Path:
+    """16 short conversations of different lengths (batches of 2 get right padding), digits in every one."""
+    with path.open("w") as handle:
+        for index in range(16):
+            answer = f"It is {2 * index + 3}." + " Yes." * (index % 3)
+            handle.write(json.dumps({"messages": [{"role": "user", "content": f"{index} plus {index + 3}?"},
+                                                  {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("router", [False, True], ids=["no-aux", "aux"])
+@pytest.mark.parametrize("experts", ["bf16", "nf4"])
+def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path, capsys):
+    """PorosTrainer on qwen3_5_moe == an HF + bitsandbytes + PEFT loop: the same batches, AdamW, schedule,
+    clipping, quantize_experts and output_router_logits in both arms; grad_accum 2 (the trainer runs
+    layer-major, the loop micro-major); torch.equal on the losses, every LoRA tensor and AdamW state.
+
+    Both arms tokenize with the checkpoint's tokenizer as ``AutoTokenizer.from_pretrained(checkpoint)`` loads
+    it: for a ``qwen3_5_moe_text`` config.json transformers picks ``Qwen3_5Tokenizer`` (whatever the
+    tokenizer_config says), which splits digits one by one, unlike the bundled tokenizer object the
+    checkpoint was saved with. A loop over that object's batches trains on other tokens: its step-0 loss
+    was 7.5924 against the trainer's 7.6262, with bf16 experts and the aux loss off in both."""
+    bundled = transformers.AutoTokenizer.from_pretrained(asset_path("poros-tiny-qwen3"))
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=5, num_layers=4, vocab_size=len(bundled),
+                                router_aux_loss_coef=0.5)
+    bundled.save_pretrained(path)
+    chat = write_chat(tmp_path / "chat.jsonl")
+    settings = dict(steps=2, seq_len=32, batch_size=2, grad_accum=2, lr=2e-2, schedule="linear", warmup=0,
+                    weight_decay=0.01, max_grad_norm=0.5, seed=11)
+    trainer = poros.PorosTrainer.from_pretrained(str(path), lora_rank=4, lora_alpha=8, seed=11, device="cpu",
+                                                 output_dir=str(tmp_path / "out"), quantize_experts=experts == "nf4",
+                                                 output_router_logits=router)
+    assert ("poros: MoE router aux loss on (output_router_logits=true, set): the loss adds router_aux_loss_coef=0.5"
+            if router else "poros: MoE router aux loss off (output_router_logits=false, set)") in capsys.readouterr().out
+    result = trainer.train(chat, **settings)
+    assert all(is_quantized(m) == (experts == "nf4") for _, m in experts_modules(trainer.model))
+    assert trainer.model.store.stats.fetches[0] == 2 * 2  # layer-major: once per direction per step
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)  # the class the trainer loads
+    assert type(trainer.tokenizer) is type(tokenizer)
+    assert load_dataset(chat, bundled, seq_len=32).examples != load_dataset(chat, tokenizer, seq_len=32).examples
+    model = load_reference_base(path)
+    if experts == "nf4":
+        poros.quantize_experts(model)  # the trainer's default forward: grouped where grouped_mm computes
+    model.config.output_router_logits = router
+    torch.manual_seed(11)
+    reference = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                           target_modules=all_linear_targets(model)))
+    reference.train()
+    parameters = list(adapters(reference).values())
+    optimizer = torch.optim.AdamW(parameters, lr=2e-2, weight_decay=0.01)
+    scheduler = transformers.get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=2)
+    batches = BatchIterator(load_dataset(chat, tokenizer, seq_len=32, seed=11), batch_size=2,
+                            pad_token_id=tokenizer.pad_token_id, seed=11)
+    losses, padded = [], False
+    for step in range(2):
+        micro_batches = [batches.next_batch() for _ in range(2)]
+        padded |= any(bool((batch["attention_mask"] == 0).any()) for batch in micro_batches)
+        items = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
+        if step == 0:  # control: the aux loss is in the loss exactly when output_router_logits is on
+            with torch.no_grad():
+                outputs = [reference(**batch, num_items_in_batch=items, use_cache=False, output_router_logits=False)
+                           for batch in micro_batches]
+                without_aux = sum(out.loss for out in outputs)
+        step_loss = 0
+        for batch in micro_batches:
+            out = reference(**batch, num_items_in_batch=items, use_cache=False)
+            assert (out.aux_loss is not None) == router
+            out.loss.backward()
+            step_loss = step_loss + out.loss.detach()
+        torch.nn.utils.clip_grad_norm_(parameters, 0.5)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+
+    assert padded, "the test data must put padding into the batches"
+    assert (float(without_aux) != float(losses[0])) == router
+    assert result.losses == [float(loss) for loss in losses]  # float(float32) is exact: torch.equal
+    reference_adapters = adapters(reference)
+    assert_same_training_state(reference_adapters, optimizer_states(optimizer, reference_adapters),
+                               trainer.model, trainer.optimizer)
 
 
 @pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
@@ -317,6 +406,9 @@ def test_the_trainer_quantizes_moe_experts_by_default_and_says_so(requested, tmp
     assert modules and all(is_quantized(m) == (requested is None) for _, m in modules)
     assert ("MoE experts in NF4 (quantize_experts=auto)" if requested is None
             else "MoE experts kept in bf16 (quantize_experts=false)") in out
+    # output_router_logits unset: the model config's (transformers' default for Qwen3.5/3.6 MoE: false)
+    assert "poros: MoE router aux loss off (output_router_logits=false, the model config's): the loss is the LM " \
+        "loss alone" in out
     if requested is None:  # grouped_mm computes on this CPU (torch >= 2.9): the graph-capturable forward
         assert f"forward {GROUPED_EXPERTS_IMPLEMENTATION}" in out
 

@@ -140,7 +140,8 @@ class PorosTrainer:
         the compute device (:func:`poros.loading.load.adapters_to_device`), streams the model with
         :func:`poros.prepare`, and prints the detection summary with the guarantee label. A mixture-of-experts
         model gets its fused experts packed to NF4 first (``quantize_experts``, :func:`poros.quantize_experts`;
-        the choice is printed), and ``output_router_logits`` (when set) is written into its config. After loading,
+        the choice is printed), and ``output_router_logits`` (when set) is written into its config; on a model whose
+        config has ``router_aux_loss_coef`` a line says whether the loss adds the router aux loss. After loading,
         ``cpu_threads`` sets torch's CPU thread count for the process (:func:`poros.devices.cpu_threads`).
 
         Raises:
@@ -179,6 +180,9 @@ class PorosTrainer:
             echo(experts)
         if config.output_router_logits is not None:
             loaded.model.config.output_router_logits = config.output_router_logits
+        router = router_aux_line(loaded.model.config, config.output_router_logits)
+        if router is not None:
+            echo(router)
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(loaded.model, config.target_modules),
@@ -423,6 +427,20 @@ class PorosTrainer:
         dataset = "<the same dataset>, " if in_memory else ""
         python = f"PorosTrainer.from_pretrained({config['model']!r}{keywords}).train({dataset}resume_from={path!r})"
         return command, python
+
+
+def router_aux_line(model_config: Any, requested: bool | None) -> str | None:
+    """The line that says whether the loss adds an MoE router aux loss (``output_router_logits``); None for a
+    model whose config has no ``router_aux_loss_coef`` (its causal LM adds none)."""
+    coef = getattr(model_config, "router_aux_loss_coef", None)
+    if coef is None:
+        return None
+    on = bool(getattr(model_config, "output_router_logits", False))
+    source = "the model config's" if requested is None else "set"
+    added = (f"the loss adds router_aux_loss_coef={coef} x the load-balancing loss" if on
+             else "the loss is the LM loss alone")
+    return (f"poros: MoE router aux loss {'on' if on else 'off'} (output_router_logits={str(on).lower()}, {source}): "
+            f"{added}")
 
 
 def _cli_value(value: Any) -> str:
