@@ -360,14 +360,20 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
-    * recompute: what recomputing one block with grad and back-propagating it holds at once: per
-      token the two RMSNorms' fp32 input and normalised copies and their cast (``2 x (8 + v) x
-      hidden`` bytes), every base linear's output and what the next op derives from it (rotary,
-      activation, gate product: ``2 x v x sum(out_features)``; the MLP's for one of ``mlp_chunks``
-      sequence chunks: the tiled MLP saves only its input); plus the largest 4-bit weight
-      dequantized to the compute dtype (bitsandbytes dequantizes one weight at a time, in forward
-      and again in backward); plus the attention kernel's working set
-      (:func:`attention_working_set`: ``seq x seq`` only for the math kernel).
+    * recompute: what recomputing one block with grad and back-propagating it holds at once
+      (:attr:`ActivationParts.recompute`), per token: the two RMSNorms' saved fp32 inputs (``2 x 4 x
+      hidden``); PEFT's copies of the LoRA'd attention linears' inputs in the LoRA dtype (``_cast_input_dtype``,
+      one per linear, kept by lora_A's backward: ``lora_bytes x sum(in_features)``); what the attention
+      kernel keeps of the projections (q and k after rotary, v, its output: ``v x sum(out_features)``); and
+      the larger of the post-attention norm's backward (:data:`NORM_BACKWARD_FP32_VALUES` fp32
+      temporaries and the MLP's input gradient) and the MLP's working set (every MLP linear's output and
+      its products, ``2 x v x sum(out_features)``, its LoRA'd linears' input copies, and the last one's
+      fp32 LoRA output and its scaled copy; for one of ``mlp_chunks`` sequence chunks: the tiled MLP
+      saves only its input) with the largest 4-bit weight dequantized to the compute dtype (bitsandbytes
+      dequantizes one weight at a time, in forward and again in backward; grouped NF4 experts a whole
+      fused expert tensor); plus the attention kernel's working set (:func:`attention_working_set`:
+      ``seq x seq`` only for the math kernel). Counted against a real Qwen2 block's live tensors on the
+      CPU (``tools/saved_bytes.py``, ``tests/test_footprint_live_bytes.py``) and the H200 records.
     * head: the logits in the compute dtype plus the fp32 loss working set
       (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
       ``loss_chunks`` N > 1 the head and the loss run one token chunk at a time: one chunk's
