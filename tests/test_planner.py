@@ -557,7 +557,10 @@ def test_plan_with_given_times_and_json(capsys, tiny_checkpoint):
     assert "resident blocks   0 of 4" in out and "predicted step" in out.lower() and "hide copy   needs" in out
     status, out, err = run_cli(capsys, *base, "--vram-budget", str(minimum))
     assert status == 0, err
-    assert "boundary states   host" in out
+    # at the minimum the states wait on the host, unless a raised mlp_chunks / loss_chunks keeps them on the
+    # device with the ring asked for (the chunk choice tries the ring first: the MLP's LoRA input copies make
+    # a tiled MLP worth it even at 64 tokens)
+    assert "boundary states   host" in out or ("boundary states   device" in out and "(asked 1 and 1)" in out)
     # a byte less: the planner chunks the head and loss (or the MLP) rather than refuse
     status, out, err = run_cli(capsys, *base, "--vram-budget", str(minimum - 1))
     assert status == 0 and "the budget cannot hold the step with fewer chunks" in out, err
