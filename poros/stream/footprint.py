@@ -144,10 +144,25 @@ class BlockShapes:
     logit_softcapping: bool  # final logits soft-capped (final_logit_softcapping): two more logit-sized tensors
     mlp_outputs: int = 0  # the part of linear_outputs under the block's ``mlp`` (what mlp_chunks tiles)
     attention_width: int = 0  # num_attention_heads x head_dim: the attention kernel's output per token
+    # PEFT's LoRA Linear casts its input to the LoRA weights' dtype (``_cast_input_dtype``) when that is not
+    # the input's, each wrapped linear its own copy, which lora_A's backward keeps: the in_features of the
+    # LoRA'd linears outside and under the MLP, and the LoRA weights' bytes per value (0: no cast)
+    lora_attention_inputs: int = 0
+    lora_mlp_inputs: int = 0
+    lora_value_bytes: int = 0
+    # the values of the largest fused MoE expert tensor ``[E, rows, cols]`` that the experts' forward
+    # dequantizes whole (``poros_nf4_grouped``: in forward, recompute and backward); 0: none does
+    dequantized_experts: int = 0
 
     @classmethod
-    def of(cls, blocks: list[nn.Module], text_config: Any) -> "BlockShapes":
-        """From decoder layers (a meta skeleton or a loaded PEFT + bitsandbytes model) and their config."""
+    def of(cls, blocks: list[nn.Module], text_config: Any, *, lora_targets: Iterable[str] | None = None,
+           lora_value_bytes: int | None = None, compute_dtype: torch.dtype | None = None) -> "BlockShapes":
+        """From decoder layers (a meta skeleton or a loaded PEFT + bitsandbytes model) and their config.
+
+        A loaded model's LoRA layers (PEFT's ``lora_A``) and grouped NF4 experts (``poros_nf4`` buffers, the
+        config's ``_experts_implementation``) are read from the modules; a skeleton's from ``lora_targets``
+        (module names relative to a block) and ``lora_value_bytes``. With ``compute_dtype`` the LoRA input
+        cast counts only when the LoRA weights' dtype differs from it."""
         def base_linears(block):
             return [(name, m) for name, m in block.named_modules() if isinstance(m, nn.Linear) and "lora_" not in name]
 
@@ -165,7 +180,55 @@ class BlockShapes:
             logit_softcapping=bool(config.get("final_logit_softcapping")),
             mlp_outputs=outputs(largest, True) if largest is not None else 0,
             attention_width=heads * (config.get("head_dim") or text_config.hidden_size // heads),
+            **_lora_inputs(largest, lora_targets, lora_value_bytes, compute_dtype),
+            dequantized_experts=max((grouped_experts_values(b) for b in blocks), default=0),
         )
+
+
+#: the experts forward (``config._experts_implementation``) that dequantizes each fused expert tensor whole
+#: (``poros.loading.experts_grouped``); the ``poros_nf4`` loop dequantizes one expert at a time
+GROUPED_NF4_EXPERTS = "poros_nf4_grouped"
+
+
+def grouped_experts_values(block: nn.Module) -> int:
+    """Values of the largest fused expert tensor of ``block`` that its experts' forward dequantizes whole: the
+    NF4-packed experts (``poros.quantize_experts``: a ``poros_nf4`` mapping ``name -> (shape[1:], dtype,
+    blocksize)`` beside ``{name}_nf4`` codes ``[E, ...]``) whose config names :data:`GROUPED_NF4_EXPERTS`."""
+    largest = 0
+    for module in block.modules():
+        packed = getattr(module, "poros_nf4", None)
+        config = getattr(module, "config", None)
+        if not isinstance(packed, dict) or getattr(config, "_experts_implementation", None) != GROUPED_NF4_EXPERTS:
+            continue
+        for name, (shape, _, _) in packed.items():
+            largest = max(largest, getattr(module, f"{name}_nf4").shape[0] * math.prod(shape))
+    return largest
+
+
+def _lora_inputs(block: nn.Module | None, targets: Iterable[str] | None, value_bytes: int | None,
+                 compute_dtype: torch.dtype | None) -> dict[str, int]:
+    """``lora_attention_inputs``, ``lora_mlp_inputs`` and ``lora_value_bytes`` of ``block``: its LoRA'd base
+    linears (PEFT's ``lora_A`` beside a ``base_layer``, or the linears whose names end in one of ``targets``)."""
+    if block is None:
+        return {}
+    if targets is None:  # a loaded PEFT model: its LoRA layers
+        wrapped = [(name, m.base_layer, next(iter(m.lora_A.values())).weight.dtype) for name, m in block.named_modules()
+                   if hasattr(m, "lora_A") and hasattr(m, "base_layer") and len(m.lora_A)]
+        value_bytes = max((torch.empty((), dtype=d, device="meta").element_size() for _, _, d in wrapped), default=0)
+        casts = any(d != compute_dtype for _, _, d in wrapped) if compute_dtype is not None else bool(wrapped)
+    else:
+        targets = tuple(targets)
+        wrapped = [(name, m, None) for name, m in block.named_modules()
+                   if isinstance(m, nn.Linear) and name.split(".")[-1] in targets]
+        value_bytes = value_bytes or 0
+        casts = bool(wrapped) and (compute_dtype is None or torch.empty((), dtype=compute_dtype, device="meta")
+                                   .element_size() != value_bytes)
+    if not casts:
+        return {}
+    inputs = [(name, m.in_features) for name, m, _ in wrapped]
+    return {"lora_attention_inputs": sum(n for name, n in inputs if "mlp" not in name.split(".")),
+            "lora_mlp_inputs": sum(n for name, n in inputs if "mlp" in name.split(".")),
+            "lora_value_bytes": value_bytes}
 
 
 @dataclass(frozen=True)
@@ -205,27 +268,39 @@ def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int,
 #: gradient it receives and the fp32 gradient it makes (4 + 4 + 4) before the cast back.
 LOSS_BYTES_PER_LOGIT = 12
 
+#: fp32 values per hidden value an RMSNorm's backward holds beside its saved fp32 input (HF's norm is
+#: decomposed: ``x.float()``, ``pow``, ``mean``, ``rsqrt``, ``mul``, ``.to()``; its autograd graph's backward
+#: keeps the fp32 incoming gradient, ``grad * rsqrt``, ``grad * x``, the mean's expanded gradient and
+#: ``pow``'s ``2 * x * grad`` alive at once: 5, counted with a dispatch-level tracker of live tensors
+#: on a Qwen2 block, tools/saved_bytes.py)
+NORM_BACKWARD_FP32_VALUES = 5
+
 
 @dataclass(frozen=True)
 class ActivationParts:
     """One micro-batch's sequence-proportional device bytes, by part (estimates, except the boundary)."""
 
     boundary: int  # one block's input hidden states
-    norms: int  # the RMSNorms' fp32 copies and casts
-    projections: int  # the attention linears' outputs and what derives from them (rotary)
+    norms: int  # the two RMSNorms' saved fp32 inputs
+    projections: int  # what the attention kernel keeps of the projections' outputs (q, k after rotary; v; out)
     attention: AttentionEstimate
-    mlp: int  # the MLP linears' outputs and their products, one of mlp_chunks sequence chunks
-    dequantized_weight: int  # the largest 4-bit weight dequantized to the compute dtype
+    mlp: int  # the MLP's working set (with its LoRA input casts), one of mlp_chunks sequence chunks
+    dequantized_weight: int  # the largest 4-bit weight (or fused NF4 expert tensor) dequantized to the compute dtype
     logits: int  # the head's logits (and their gradient), whole or one of loss_chunks chunks
     loss: int  # the loss's fp32 working set, whole or one chunk
     softcap: int  # soft-capped logits: two more logit-sized tensors
     loss_chunks: int = 1
     mlp_chunks: int = 1
+    lora_inputs: int = 0  # the attention linears' inputs cast to the LoRA dtype, one copy per LoRA'd linear
+    norm_backward: int = 0  # an RMSNorm's backward: its fp32 temporaries and the MLP's input gradient
 
     @property
     def recompute(self) -> int:
-        """What recomputing one block with grad and back-propagating it holds at once."""
-        return self.norms + self.projections + self.attention.bytes + self.mlp + self.dequantized_weight
+        """What recomputing one block with grad and back-propagating it holds at once: what the attention
+        half keeps (norms, LoRA input copies, the kernel's tensors) and the larger of the post-attention
+        norm's backward and the MLP's working set with a dequantized weight (they are never alive together)."""
+        return (self.norms + self.lora_inputs + self.projections + self.attention.bytes
+                + max(self.norm_backward, self.mlp + self.dequantized_weight))
 
     @property
     def head(self) -> int:
@@ -236,9 +311,11 @@ class ActivationParts:
         loss = "" if self.loss_chunks == 1 else f", one of {self.loss_chunks} chunks"
         mlp = "" if self.mlp_chunks == 1 else f", one of {self.mlp_chunks} sequence chunks"
         return (("one block's input (a boundary state)", self.boundary),
-                ("block recompute: norms (fp32 copies)", self.norms),
+                ("block recompute: norms (saved fp32 inputs)", self.norms),
+                ("block recompute: attention LoRA inputs (cast to the LoRA dtype)", self.lora_inputs),
                 ("block recompute: attention projections", self.projections),
                 (f"block recompute: attention kernel ({self.attention.kernel.split(':')[0]})", self.attention.bytes),
+                ("block recompute: a norm's backward (or the MLP below, the larger)", self.norm_backward),
                 (f"block recompute: MLP working set{mlp}", self.mlp),
                 ("block recompute: one dequantized weight", self.dequantized_weight),
                 (f"head: logits and their gradient{loss}", self.logits + self.softcap),
@@ -249,6 +326,7 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
                      attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1) -> ActivationParts:
     """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts)."""
     tokens = batch_size * seq_len
+    hidden = shapes.hidden_size
     attention_linears = shapes.linear_outputs - shapes.mlp_outputs
     mlp_tokens = -(-tokens // mlp_chunks) if mlp_chunks > 1 else tokens
     logits = tokens * shapes.vocab_size
@@ -259,15 +337,21 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
         chunk = -(-tokens // loss_chunks) * shapes.vocab_size
         head_logits, loss = 2 * chunk * value_bytes, chunk * LOSS_BYTES_PER_LOGIT
         softcap = 2 * chunk * value_bytes if shapes.logit_softcapping else 0
+    lora = shapes.lora_value_bytes
+    # the MLP: its linears' outputs and their products, its LoRA'd linears' input copies, and the last one's
+    # fp32 lora_B output and its scaled copy (block-output wide) before the cast back
+    mlp_per_token = 2 * value_bytes * shapes.mlp_outputs + lora * shapes.lora_mlp_inputs + 2 * lora * hidden
     return ActivationParts(
-        boundary=tokens * shapes.hidden_size * value_bytes,
-        norms=tokens * 2 * (8 + value_bytes) * shapes.hidden_size,
-        projections=tokens * 2 * value_bytes * attention_linears,
+        boundary=tokens * hidden * value_bytes,
+        norms=tokens * 2 * 4 * hidden,
+        projections=tokens * value_bytes * attention_linears,
         attention=attention_working_set(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
                                         attn_implementation=attn_implementation),
-        mlp=mlp_tokens * 2 * value_bytes * shapes.mlp_outputs,
-        dequantized_weight=shapes.largest_linear * value_bytes,
-        logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+        mlp=mlp_tokens * mlp_per_token,
+        dequantized_weight=max(shapes.largest_linear, shapes.dequantized_experts) * value_bytes,
+        logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
+        lora_inputs=tokens * lora * shapes.lora_attention_inputs,
+        norm_backward=tokens * hidden * (4 * NORM_BACKWARD_FP32_VALUES + value_bytes))
 
 
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
@@ -276,14 +360,20 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
-    * recompute: what recomputing one block with grad and back-propagating it holds at once: per
-      token the two RMSNorms' fp32 input and normalised copies and their cast (``2 x (8 + v) x
-      hidden`` bytes), every base linear's output and what the next op derives from it (rotary,
-      activation, gate product: ``2 x v x sum(out_features)``; the MLP's for one of ``mlp_chunks``
-      sequence chunks: the tiled MLP saves only its input); plus the largest 4-bit weight
-      dequantized to the compute dtype (bitsandbytes dequantizes one weight at a time, in forward
-      and again in backward); plus the attention kernel's working set
-      (:func:`attention_working_set`: ``seq x seq`` only for the math kernel).
+    * recompute: what recomputing one block with grad and back-propagating it holds at once
+      (:attr:`ActivationParts.recompute`), per token: the two RMSNorms' saved fp32 inputs (``2 x 4 x
+      hidden``); PEFT's copies of the LoRA'd attention linears' inputs in the LoRA dtype (``_cast_input_dtype``,
+      one per linear, kept by lora_A's backward: ``lora_bytes x sum(in_features)``); what the attention
+      kernel keeps of the projections (q and k after rotary, v, its output: ``v x sum(out_features)``); and
+      the larger of the post-attention norm's backward (:data:`NORM_BACKWARD_FP32_VALUES` fp32
+      temporaries and the MLP's input gradient) and the MLP's working set (every MLP linear's output and
+      its products, ``2 x v x sum(out_features)``, its LoRA'd linears' input copies, and the last one's
+      fp32 LoRA output and its scaled copy; for one of ``mlp_chunks`` sequence chunks: the tiled MLP
+      saves only its input) with the largest 4-bit weight dequantized to the compute dtype (bitsandbytes
+      dequantizes one weight at a time, in forward and again in backward; grouped NF4 experts a whole
+      fused expert tensor); plus the attention kernel's working set (:func:`attention_working_set`:
+      ``seq x seq`` only for the math kernel). Counted against a real Qwen2 block's live tensors on the
+      CPU (``tools/saved_bytes.py``, ``tests/test_footprint_live_bytes.py``) and the H200 records.
     * head: the logits in the compute dtype plus the fp32 loss working set
       (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
       ``loss_chunks`` N > 1 the head and the loss run one token chunk at a time: one chunk's
@@ -325,7 +415,7 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
 def model_shapes(causal_lm: nn.Module, layers: list[nn.Module], compute_dtype: torch.dtype) -> tuple[BlockShapes, int, str | None]:
     """``(shapes, bytes per activation value, attn_implementation)`` of a loaded model: what its activations are priced from."""
     config = causal_lm.config.get_text_config()
-    return (BlockShapes.of(layers, config), torch.empty((), dtype=compute_dtype, device="meta").element_size(),
+    return (BlockShapes.of(layers, config, compute_dtype=compute_dtype), torch.empty((), dtype=compute_dtype, device="meta").element_size(),
             getattr(config, "_attn_implementation", None))
 
 
@@ -418,5 +508,5 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                                                         attn_implementation=attention))
 
 
-__all__ = ["LOSS_BYTES_PER_LOGIT", "ActivationParts", "AttentionEstimate", "BlockShapes", "activation_bytes",
-           "activation_parts", "attention_working_set", "chunked_footprints", "model_shapes", "with_activations", "block_bytes", "device_context_bytes", "footprint_of_model", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]
+__all__ = ["GROUPED_NF4_EXPERTS", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "ActivationParts", "AttentionEstimate", "BlockShapes", "activation_bytes",
+           "activation_parts", "attention_working_set", "chunked_footprints", "model_shapes", "with_activations", "block_bytes", "device_context_bytes", "footprint_of_model", "grouped_experts_values", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]

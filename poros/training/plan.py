@@ -335,7 +335,11 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
                           + (m.out_features if config.use_dora else 0) for m in targets.values())
 
     value_bytes = torch.empty((), dtype=compute_dtype, device="meta").element_size()
-    shapes = BlockShapes.of(blocks, text_config)
+    shapes = BlockShapes.of(blocks, text_config, lora_targets={name.split(".")[-1] for name in targets},
+                            lora_value_bytes=LORA_VALUE_BYTES, compute_dtype=compute_dtype)
+    if experts_line and config.quantize_experts is not False and device.startswith("cuda"):
+        # prepare's default experts forward on a CUDA device with grouped_mm: each fused tensor dequantized whole
+        shapes = replace(shapes, dequantized_experts=_largest_fused_experts(blocks))
     _, recompute, head = activation_bytes(shapes, batch_size=config.batch_size,
                                           seq_len=config.seq_len, value_bytes=value_bytes,
                                           attn_implementation=config.attn_implementation,
@@ -357,6 +361,15 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line,
     ), text_config
+
+
+def _largest_fused_experts(blocks: list) -> int:
+    """Values of the largest fused expert tensor ``[E, rows, cols]`` of any block (what the grouped NF4
+    experts forward dequantizes at once)."""
+    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
+
+    return max((getattr(m, t).numel() for b in blocks for _, m in experts_modules(b) for t in FUSED_EXPERT_TENSORS),
+               default=0)
 
 
 def _expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple[list[int], str | None]:
