@@ -486,7 +486,14 @@ CURVE_RECORDS = sorted((ROOT / "registry" / "results").glob("h200-*/curve-*.json
 
 def test_predicted_peak_is_within_15_percent_across_the_published_curves(tmp_path_factory):
     """Every budget of every published VRAM curve (tools/vram_curve.py: 32B and 72B, accumulation 1
-    and 8 layer-major, from no resident block to all of them), recomputed from the shape's config."""
+    and 8 layer-major, from no resident block to all of them), recomputed from the shape's config.
+
+    The peak is predicted for what ran (the row's slots, resident blocks and boundary-state placement).
+    The planner's decision for the row's budget, made again, may be more careful than the one that ran,
+    never bolder: the curves (2026-11-30) were measured with the decisions of a planner that priced a
+    block's recompute about 0.1 GB lower at seq 512 (before it counted PEFT's fp32 LoRA input copies and
+    the norm backward's fp32 temporaries, issue 32), so at budgets that sat on a threshold it now keeps up
+    to 3 resident blocks fewer, or the boundary states on the host. A re-run of the curves pins them again."""
     assert {json.loads(p.read_text())["config"]["model"] for p in CURVE_RECORDS} >= {"qwen2.5-32b", "qwen2.5-72b"}
     root = tmp_path_factory.mktemp("curves")
     errors = {}
@@ -498,20 +505,19 @@ def test_predicted_peak_is_within_15_percent_across_the_published_curves(tmp_pat
                             tuple(setup["lora"]["targets"]), setup["lora"]["rank"], "sdpa")
         workload = Workload(setup["batch"], setup["seq"], setup["grad_accum"], setup["schedule"])
         for row in record["rows"]:
+            name = f"{path.stem} @ {row['budget']}"
             resident = range(layers - row["resident_blocks"], layers)
-            # the planner's decision for this budget, made again: it must be what ran (slots, resident
-            # blocks, and where the boundary states waited, recorded by newer runs, shown by the results page)
             chosen = planner.plan_budget(plan.footprint(), workload,
                                          budget_options(row["budget"], embeddings_on_host=True),
                                          context_bytes=planner.CUDA_CONTEXT_BYTES)
-            assert (chosen.num_slots, len(chosen.resident_blocks)) == (row["num_slots"], row["resident_blocks"]), \
-                f"{path.stem} @ {row['budget']}"
-            assert row.get("boundary_states", chosen.boundary_states) == chosen.boundary_states
-            if workload.schedule == "layer-major" and workload.grad_accum > 1:
-                assert _results_docs()._states(row, record) == chosen.boundary_states
+            ran_states = row.get("boundary_states") or (
+                _results_docs()._states(row, record) if workload.schedule == "layer-major" and workload.grad_accum > 1
+                else chosen.boundary_states)
+            assert row["resident_blocks"] - 3 <= len(chosen.resident_blocks) <= row["resident_blocks"], name
+            assert chosen.boundary_states in {ran_states, "host"}, name
             peak = planner.predict_peak(plan.footprint(), workload, resident=resident, num_slots=max(row["num_slots"], 1),
-                                        boundary_on_host=chosen.boundary_states == "host")
-            errors[f"{path.stem} @ {row['budget']}"] = peak.total / (row["peak_allocated_gb"] * 1e9) - 1
+                                        boundary_on_host=ran_states == "host")
+            errors[name] = peak.total / (row["peak_allocated_gb"] * 1e9) - 1
     assert len(errors) >= 16
     far = {name: f"{error:+.1%}" for name, error in errors.items() if abs(error) > 0.15}
     assert not far, f"predicted peak off by more than 15 %: {far}"
