@@ -272,7 +272,7 @@ LOSS_BYTES_PER_LOGIT = 12
 #: decomposed: ``x.float()``, ``pow``, ``mean``, ``rsqrt``, ``mul``, ``.to()``; its autograd graph's backward
 #: keeps the fp32 incoming gradient, ``grad * rsqrt``, ``grad * x``, the mean's expanded gradient and
 #: ``pow``'s ``2 * x * grad`` alive at once: 5, counted with a dispatch-level tracker of live tensors
-#: on a Qwen2 block, tools/saved_bytes.py)
+#: on a real decoder block, tools/saved_bytes.py)
 NORM_BACKWARD_FP32_VALUES = 5
 
 
@@ -372,7 +372,7 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
       saves only its input) with the largest 4-bit weight dequantized to the compute dtype (bitsandbytes
       dequantizes one weight at a time, in forward and again in backward; grouped NF4 experts a whole
       fused expert tensor); plus the attention kernel's working set (:func:`attention_working_set`:
-      ``seq x seq`` only for the math kernel). Counted against a real Qwen2 block's live tensors on the
+      ``seq x seq`` only for the math kernel). Counted against a real decoder block's live tensors on the
       CPU (``tools/saved_bytes.py``, ``tests/test_footprint_live_bytes.py``) and the H200 records.
     * head: the logits in the compute dtype plus the fp32 loss working set
       (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
