@@ -339,13 +339,11 @@ def case_blocks(device, dtype, args, arms) -> dict[str, Any]:
 
 
 def _compute_stream(device: torch.device, wanted: bool):
-    """``--compute-stream``: everything from here on a stream of torch's pool (non-blocking), after the
-    legacy stream's work so far."""
-    if not wanted or device.type != "cuda":
-        return contextlib.nullcontext()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    return torch.cuda.stream(side)
+    """``--compute-stream``: everything from here on Poros's pool stream (non-blocking), after the legacy
+    stream's work so far (the engine's own ``poros.stream.compute_stream.step_stream``)."""
+    from poros.stream.compute_stream import step_stream
+
+    return step_stream(device, wanted)
 
 
 def _all_equal(value: Any) -> bool:

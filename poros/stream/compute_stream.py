@@ -40,12 +40,10 @@ def step_stream(device: torch.device, wanted: bool) -> Iterator[None]:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     caller = torch.cuda.current_stream(device)
-    stream = _STREAMS.get(device)
-    if stream is None or caller == stream:
-        if caller == stream:  # nested: already on it
-            yield
-            return
-        stream = _STREAMS[device] = torch.cuda.Stream(device)
+    stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))
+    if caller == stream:  # nested: already on it
+        yield
+        return
     stream.wait_stream(caller)
     try:
         with torch.cuda.stream(stream):
