@@ -20,6 +20,9 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
 KNOWN_LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
+#: a llama-style decoder layer's per-token modules beside its MLP: the two norms and the attention projections
+PER_TOKEN_DEFAULT = ("input_layernorm", "post_attention_layernorm",
+                     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 
 #: Why a sliding-window layer's SDPA attention needs a ``seq x seq`` tensor (``seq_by_seq_masks``).
 SLIDING_WINDOW_MASK = (
@@ -120,6 +123,10 @@ class ArchitectureDescriptor:
         mlp: the per-token feed-forward module of a decoder layer (layer-relative path), called as
             ``mlp(hidden_states)`` and returning a tensor of the same leading shape; ``mlp_chunks``
             tiles it over the sequence. ``""``: the family has none to tile.
+        per_token: the other per-token modules of a decoder layer (layer-relative paths: its norms and its
+            attention or linear-attention projections), each called as ``module(x)`` on ``[..., seq, hidden]``
+            and acting on the last dimension alone; ``mlp_chunks`` tiles them over the sequence like the
+            MLP (a path missing on a layer, e.g. another layer kind's projections, is skipped there).
         mlp_untiled: ``(config attribute, reason)`` pairs: sequence-proportional parts of a block
             beside ``mlp`` that ``mlp_chunks`` leaves whole when that attribute is truthy (e.g. MoE
             experts that route all tokens of the block together).
@@ -175,6 +182,7 @@ class ArchitectureDescriptor:
     graph_unsafe: tuple[tuple, ...] = ()
     # long sequences
     mlp: str = "mlp"
+    per_token: tuple[str, ...] = PER_TOKEN_DEFAULT
     mlp_untiled: tuple[tuple[str, str], ...] = ()
     seq_by_seq_masks: tuple[tuple[str, str], ...] = ()
     head_dims: tuple[tuple[str, str], ...] = ()
@@ -248,7 +256,7 @@ def validate(descriptor: ArchitectureDescriptor) -> list[str]:
         problems.append("causal_lm_classes is empty; give the transformers *ForCausalLM class name")
     for attr in ("model_types", "aliases", "causal_lm_classes", "layer_kinds", "prelude_modules",
                  "lora_targets_default", "lora_targets_all_linear", "lora_excluded",
-                 "never_quantized", "model_level_linears", "notes"):
+                 "never_quantized", "model_level_linears", "notes", "per_token"):
         value = getattr(descriptor, attr)
         if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
             problems.append(f"{attr} must be a tuple of strings, got {value!r}")

@@ -60,13 +60,19 @@ def test_long_context_plans_fit_with_the_chunks_and_placements_they_pick(capsys,
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_budget_that_oomed_on_the_h200_is_refused(capsys, device):
+def test_the_budget_that_oomed_on_the_h200_now_fits_with_the_norms_and_projections_tiled(capsys, device):
     """Qwen2.5-32B at 32K under a 12 GB cap ran out of memory on the H200 at 10.33 GB allocated, asking 640 MiB
-    more (registry/results/h200-2026-12-02-s8/bench-qwen2.5-32b-seq-32768-...-vram-limit-12-cap-...json): the
-    plan for 12 GiB says it does not fit, and why."""
-    status, _, err = plan(capsys, "Qwen/Qwen2.5-32B", 32768, "12GiB", *(CUDA if device == "cuda" else ["--device", "cpu"]))
-    assert status == 1
-    assert "does not fit this run" in err and "one block's recompute working set" in err
+    more (registry/results/h200-2026-12-02-s8/bench-qwen2.5-32b-seq-32768-...-vram-limit-12-cap-...json), with
+    only the MLP tiled. ``mlp_chunks`` now tiles the norms and attention projections too: their fp32 copies
+    were most of one block's recompute working set, and 12 GiB fits with room to spare."""
+    status, report, err = plan(capsys, "Qwen/Qwen2.5-32B", 32768, "12GiB", *(CUDA if device == "cuda" else ["--device", "cpu"]))
+    assert status == 0, err
+    bp = report["plan"]
+    assert bp["mlp_chunks"] > 1
+    assert bp["peak"]["transient"]["one block's recompute working set"] < 5 * GIB
+    # only the MLP tiled, the same run does not fit: the old prediction's parts are still there to refuse it
+    status, _, err = plan(capsys, "Qwen/Qwen2.5-32B", 32768, "6GiB", *(CUDA if device == "cuda" else ["--device", "cpu"]))
+    assert status == 1 and "does not fit this run" in err
 
 
 def test_the_table_of_parts_is_printed(capsys):
@@ -98,7 +104,7 @@ def test_a_run_that_does_not_fit_says_why_in_one_line_naming_the_biggest_part(ca
     (line,) = err.strip().splitlines()
     assert line.startswith("poros plan: error: ConfigError: VRAM budget 25.77 GB does not fit this run (with loss_chunks=")
     assert ("its biggest part is one block's recompute working set" in line
-            and "most of it block recompute: a norm's backward" in line)
+            and "most of it block recompute: norms' inputs and outputs (compute dtype, tiled)" in line)
 
 
 def test_short_runs_keep_the_chunks_asked_for(capsys):

@@ -8,7 +8,7 @@ scaling is ``query_pre_attn_scalar ** -0.5``; ``final_logit_softcapping`` after 
 (``gemma3``): ``Gemma3ForCausalLM.from_pretrained`` on them random-initialises every weight.
 """
 
-from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_WINDOW_MASK, decoder_family
+from poros.descriptor import FULL_ATTENTION, PER_TOKEN_DEFAULT, SLIDING_ATTENTION, SLIDING_WINDOW_MASK, decoder_family
 from poros.hookspecs import hookimpl
 from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant, layer_pattern
 
@@ -32,6 +32,7 @@ DESCRIPTOR = decoder_family(
     seq_by_seq_masks=((SLIDING_ATTENTION, SLIDING_WINDOW_MASK),),
     embedding_scale="embed_tokens * sqrt(hidden_size) rounded to the weight dtype (55.43 -> 55.5 in bf16)",
     final_logit_softcapping="final_logit_softcapping",
+    per_token=(*PER_TOKEN_DEFAULT, "pre_feedforward_layernorm", "post_feedforward_layernorm"),
     never_quantized=(
         "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
         "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm",

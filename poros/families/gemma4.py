@@ -19,7 +19,8 @@ block: router ``proj`` (NF4, excluded from LoRA by default) and experts as raw 3
 that bitsandbytes does not quantize (they stream in the compute dtype).
 """
 
-from poros.descriptor import FULL_ATTENTION, SLIDING_ATTENTION, SLIDING_WINDOW_MASK, CarriedState, decoder_family
+from poros.descriptor import (FULL_ATTENTION, PER_TOKEN_DEFAULT, SLIDING_ATTENTION, SLIDING_WINDOW_MASK, CarriedState,
+                              decoder_family)
 from poros.hookspecs import hookimpl
 from poros.tiny import TINY_SLIDING_WINDOW, TinyMultimodal, TinyShape, TinyVariant
 
@@ -74,6 +75,7 @@ DESCRIPTOR = decoder_family(
         "per_layer_input_gate", "per_layer_projection",
     ),
     lora_excluded=("proj",),
+    per_token=(*PER_TOKEN_DEFAULT, "pre_feedforward_layernorm", "post_feedforward_layernorm"),
     never_quantized=(
         "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
         "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm", "layer_scalar",

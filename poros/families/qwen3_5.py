@@ -8,7 +8,7 @@ gated norm inside the DeltaNet. Real checkpoints are multimodal (``qwen3_5``); `
 loads their text tower as ``Qwen3_5ForCausalLM`` correctly. Qwen3.6 shares architecture and model type.
 """
 
-from poros.descriptor import FULL_ATTENTION, LINEAR_ATTENTION, decoder_family
+from poros.descriptor import FULL_ATTENTION, LINEAR_ATTENTION, PER_TOKEN_DEFAULT, decoder_family
 from poros.hookspecs import hookimpl
 from poros.tiny import TinyMultimodal, TinyShape, TinyVariant, layer_pattern
 
@@ -32,6 +32,8 @@ DESCRIPTOR = decoder_family(
         "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
         "gate_proj", "up_proj", "down_proj",
     ),
+    per_token=(*PER_TOKEN_DEFAULT, "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+               "linear_attn.in_proj_a", "linear_attn.out_proj"),
     never_quantized=(
         "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
         "linear_attn.conv1d", "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm",

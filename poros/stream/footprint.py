@@ -293,13 +293,16 @@ class ActivationParts:
     mlp_chunks: int = 1
     lora_inputs: int = 0  # the attention linears' inputs cast to the LoRA dtype, one copy per LoRA'd linear
     norm_backward: int = 0  # an RMSNorm's backward: its fp32 temporaries and the MLP's input gradient
+    tiled_buffers: int = 0  # tiled (mlp_chunks > 1): a tiled node's whole input gradient and the block's output
 
     @property
     def recompute(self) -> int:
         """What recomputing one block with grad and back-propagating it holds at once: what the attention
         half keeps (norms, LoRA input copies, the kernel's tensors) and the larger of the post-attention
-        norm's backward and the MLP's working set with a dequantized weight (they are never alive together)."""
-        return (self.norms + self.lora_inputs + self.projections + self.attention.bytes
+        norm's backward and the MLP's working set with a dequantized weight (they are never alive together).
+        Tiled, the norms and the LoRA input copies are the per-token nodes' compute-dtype inputs and outputs
+        and one chunk's fp32 copies, and a tiled node's input gradient and the block's output count beside."""
+        return (self.norms + self.lora_inputs + self.projections + self.attention.bytes + self.tiled_buffers
                 + max(self.norm_backward, self.mlp + self.dequantized_weight))
 
     @property
@@ -310,12 +313,16 @@ class ActivationParts:
         """The parts by name, for ``poros plan``'s table."""
         loss = "" if self.loss_chunks == 1 else f", one of {self.loss_chunks} chunks"
         mlp = "" if self.mlp_chunks == 1 else f", one of {self.mlp_chunks} sequence chunks"
+        tiled = self.mlp_chunks > 1  # the norms and projections tiled with the MLP (poros.stream.tiling)
         return (("one block's input (a boundary state)", self.boundary),
-                ("block recompute: norms (saved fp32 inputs)", self.norms),
-                ("block recompute: attention LoRA inputs (cast to the LoRA dtype)", self.lora_inputs),
+                ("block recompute: norms' inputs and outputs (compute dtype, tiled)" if tiled
+                 else "block recompute: norms (saved fp32 inputs)", self.norms),
+                (f"block recompute: attention LoRA inputs (cast to the LoRA dtype){mlp}", self.lora_inputs),
+                *((("block recompute: a tiled node's input gradient and the block's output", self.tiled_buffers),)
+                  if tiled else ()),
                 ("block recompute: attention projections", self.projections),
                 (f"block recompute: attention kernel ({self.attention.kernel.split(':')[0]})", self.attention.bytes),
-                ("block recompute: a norm's backward (or the MLP below, the larger)", self.norm_backward),
+                (f"block recompute: a norm's backward{mlp} (or the MLP below, the larger)", self.norm_backward),
                 (f"block recompute: MLP working set{mlp}", self.mlp),
                 ("block recompute: one dequantized weight", self.dequantized_weight),
                 (f"head: logits and their gradient{loss}", self.logits + self.softcap),
@@ -343,15 +350,29 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
     mlp_per_token = 2 * value_bytes * shapes.mlp_outputs + lora * shapes.lora_mlp_inputs + 2 * lora * hidden
     return ActivationParts(
         boundary=tokens * hidden * value_bytes,
-        norms=tokens * 2 * 4 * hidden,
         projections=tokens * value_bytes * attention_linears,
         attention=attention_working_set(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
                                         attn_implementation=attn_implementation),
         mlp=mlp_tokens * mlp_per_token,
         dequantized_weight=max(shapes.largest_linear, shapes.dequantized_experts) * value_bytes,
         logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
-        lora_inputs=tokens * lora * shapes.lora_attention_inputs,
-        norm_backward=tokens * hidden * (4 * NORM_BACKWARD_FP32_VALUES + value_bytes))
+        **_per_token_parts(tokens, mlp_tokens, hidden, value_bytes, lora * shapes.lora_attention_inputs, mlp_chunks))
+
+
+def _per_token_parts(tokens: int, chunk_tokens: int, hidden: int, value_bytes: int, lora_input_bytes: int,
+                     chunks: int) -> dict[str, int]:
+    """The norms, the attention LoRA input copies and a norm's backward, whole or tiled (``mlp_chunks``:
+    ``poros.stream.tiling`` tiles the norms and projections with the MLP). Tiled, the per-token nodes keep
+    their compute-dtype tensors -- the attention norm's output (q, k and v's one saved input), the
+    post-attention norm's input and output -- and make one chunk's fp32 copies at a time; the tiled
+    node's whole input gradient and the recomputed block's output are alive beside them (counted on a
+    real block, ``tools/saved_bytes.py``)."""
+    norm_backward = hidden * (4 * NORM_BACKWARD_FP32_VALUES + value_bytes)
+    if chunks == 1:
+        return dict(norms=tokens * 2 * 4 * hidden, lora_inputs=tokens * lora_input_bytes,
+                    norm_backward=tokens * norm_backward)
+    return dict(norms=tokens * 3 * value_bytes * hidden, lora_inputs=chunk_tokens * lora_input_bytes,
+                norm_backward=chunk_tokens * norm_backward, tiled_buffers=tokens * 2 * value_bytes * hidden)
 
 
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,

@@ -1,4 +1,4 @@
-"""``mlp_chunks``: each decoder block's MLP over N chunks of the sequence ("tiled MLP"), both ways.
+"""``mlp_chunks``: each decoder block's per-token parts over N chunks of the sequence ("tiled MLP"), both ways.
 
 A decoder block's MLP is per token: ``down(act(gate(x)) * up(x))`` on every position alone. Its
 intermediate activations are ``batch x seq x intermediate_size`` (3.4x to 8x the hidden size),
@@ -12,7 +12,16 @@ only its input::
               -> grad_x[c]; each trainable parameter's gradient summed over the chunks in order
 
 so only one chunk's intermediates is ever alive, in the streamed forward, in its recompute and in
-backward. The LoRA adapters on ``gate_proj`` / ``up_proj`` / ``down_proj`` are inputs of that node
+backward.
+
+The block's other per-token modules (``descriptor.per_token``: its norms and its attention or
+linear-attention projections) are tiled the same way with the same N, each in a node of its own: at
+long sequences their fp32 temporaries are most of what is left -- an RMSNorm saves its input upcast to
+fp32 and its backward holds five more fp32 copies, and PEFT casts each LoRA'd projection's input to the
+fp32 LoRA dtype and keeps that copy for lora_A's gradient (q, k and v one copy each). Tiled, a node
+keeps only its compute-dtype input (q, k and v the same tensor) and makes one chunk's fp32 copies at a
+time in backward. Each is recomputed once more in backward (a projection's forward again, a fraction
+of the block's compute). The LoRA adapters on ``gate_proj`` / ``up_proj`` / ``down_proj`` are inputs of that node
 and their gradients its outputs (a parameter's accumulator runs once per backward, as resident).
 
 Labelled honestly:
@@ -122,6 +131,24 @@ class TiledMlp:
             module.__dict__.pop("_poros_mlp_chunks", None)
 
 
+def _resolve_or_none(layer: nn.Module, path: str) -> nn.Module | None:
+    obj: Any = layer
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def per_token_modules(causal_lm: nn.Module, descriptor: Any) -> list[nn.Module]:
+    """Each decoder layer's per-token modules beside its MLP (``descriptor.per_token``), those the layer has
+    (another layer kind's projections, or Gemma 4's missing ``v_proj``, are skipped)."""
+    found = []
+    for layer in resolve_path(causal_lm, descriptor.decoder_layers):
+        found.extend(m for m in (_resolve_or_none(layer, path) for path in descriptor.per_token) if m is not None)
+    return found
+
+
 def mlp_modules(causal_lm: nn.Module, descriptor: Any) -> list[nn.Module]:
     """Each decoder layer's MLP module (``descriptor.mlp`` resolved on every layer of ``descriptor.decoder_layers``).
 
@@ -136,7 +163,8 @@ def mlp_modules(causal_lm: nn.Module, descriptor: Any) -> list[nn.Module]:
 
 
 def tile_mlp(model: nn.Module, chunks: int) -> TiledMlp:
-    """Run every decoder block's MLP of ``model`` over ``chunks`` sequence chunks (see the module docstring).
+    """Run every decoder block's MLP and other per-token modules of ``model`` over ``chunks`` sequence chunks (see the
+    module docstring).
 
     Args:
         model: an HF causal LM of a registered family, a PEFT model around one, either prepared or not.
@@ -156,7 +184,7 @@ def tile_mlp(model: nn.Module, chunks: int) -> TiledMlp:
                           "Fix: e.g. mlp_chunks: 8.")
     causal_lm = getattr(model, "causal_lm", None) or causal_lm_of(model)  # a prepared model knows its own
     descriptor = getattr(model, "descriptor", None) or registry.for_config(causal_lm.config)
-    modules = mlp_modules(causal_lm, descriptor)
+    modules = mlp_modules(causal_lm, descriptor) + per_token_modules(causal_lm, descriptor)
     for module in modules:
         module.__dict__.pop("forward", None)  # the class's forward again, then tiled over it
         if chunks > 1:
@@ -175,4 +203,4 @@ def _bound_tiled(module: nn.Module, run: Callable[[torch.Tensor], torch.Tensor],
     return forward
 
 
-__all__ = ["TiledMlp", "mlp_modules", "tile_mlp", "tiled_forward"]
+__all__ = ["TiledMlp", "mlp_modules", "per_token_modules", "tile_mlp", "tiled_forward"]
