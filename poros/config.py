@@ -178,8 +178,9 @@ class PorosConfig:
                               "backward (the whole logits never exist; training outputs carry logits=None); 1: HF's own "
                               "head and loss. Above 1 bitwise a resident run with the same loss_chunks, numerically "
                               "HF's (another sum order).")
-    mlp_chunks: int = _field(1, "Run each block's MLP over this many sequence chunks, saving only its input; 1: whole. Above "
-                             "1 bitwise a resident run with the same mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
+    mlp_chunks: int = _field(1, "Run each block's MLP, norms and attention projections over this many sequence chunks, "
+                             "each saving only its input; 1: whole. Above 1 bitwise a resident run with the same "
+                             "mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. A few "
                                             "lengths instead of many: what cuda_graphs replays (each length is "

@@ -17,7 +17,7 @@ from poros import registry
 from poros.config import PorosConfig
 from poros.errors import ConfigError
 from poros.stream.options import StreamOptions
-from poros.stream.tiling import mlp_modules, tile_mlp
+from poros.stream.tiling import mlp_modules, per_token_modules, tile_mlp
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 from poros.tiny import TINY_SLIDING_WINDOW
 from test_chunked_loss import in_graph
@@ -185,3 +185,39 @@ def test_the_descriptor_names_what_mlp_chunks_leaves_whole():
     assert gemma4.mlp_untiled_reason(SimpleNamespace(enable_moe_block=False)) is None
     assert all(registry.get(name).mlp == "mlp" for name in TINY_VARIANTS)
     assert registry.get("qwen2").mlp_untiled_reason(SimpleNamespace()) is None
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
+def test_the_norms_and_projections_are_tiled_with_the_mlp(family, variant, tmp_path):
+    """Issue 32: ``mlp_chunks`` tiles each block's norms and attention (or linear-attention) projections too,
+    each in a node that saves only its compute-dtype input: the nodes are in the loss's graph, every layer
+    has its norms and its attention projections tiled (Qwen3.5's linear layers their DeltaNet projections,
+    Gemma's four norms), and ``remove`` gives every module its own forward back."""
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant=variant, seed=3)
+    model = load_qlora(path, seed=3)
+    descriptor = registry.for_config(model.get_base_model().config)
+    layers = list(model.get_base_model().model.layers)
+    handle = tile_mlp(model, 2)
+    tiled = per_token_modules(model.get_base_model(), descriptor)
+    assert set(map(id, tiled)) <= set(map(id, handle.modules))
+    for layer in layers:
+        names = {name for name, module in layer.named_modules() if "forward" in vars(module)}
+        assert {"input_layernorm", "post_attention_layernorm"} <= names, names
+        assert {"self_attn.o_proj"} <= names or {"linear_attn.in_proj_qkv", "linear_attn.out_proj"} <= names, names
+        if family.startswith("gemma"):
+            assert {"pre_feedforward_layernorm", "post_feedforward_layernorm"} <= names
+    batch = make_batch(3, 1, 24, "none")
+    loss = model(**batch, use_cache=False).loss
+    backward_nodes = []
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        backward_nodes.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    # one node per tiled module call (q, k, v share their input, each its own node)
+    assert backward_nodes.count("_TiledMlpFunctionBackward") >= len(layers) * 3
+    handle.remove()
+    assert all("forward" not in vars(m) for m in tiled)

@@ -151,9 +151,10 @@ class StreamOptions:
             in backward (``poros.stream.chunked_loss``; ``prepare`` installs it, ``unpatch`` removes
             it); 1: HF's own loss. With ``vram_budget`` the planner may raise it (and ``mlp_chunks``)
             when the budget cannot hold the step otherwise: the plan's ``loss_chunks``.
-        mlp_chunks: each decoder block's MLP over this many sequence chunks in forward, recompute and
-            backward, saving only its input (``poros.stream.tiling``; ``prepare`` installs it, ``unpatch``
-            removes it): one chunk's ``batch x seq x intermediate_size`` activations alive at a time;
+        mlp_chunks: each decoder block's MLP, norms and attention projections over this many sequence
+            chunks in forward, recompute and backward, each saving only its input (``poros.stream.tiling``;
+            ``prepare`` installs it, ``unpatch`` removes it): one chunk's ``batch x seq x intermediate_size``
+            activations and one chunk's fp32 norm and LoRA input copies alive at a time;
             1: the MLP over the whole sequence. Bitwise a resident run with the same tiling
             (``poros.stream.tiling.tile_mlp``), not the untiled one.
 

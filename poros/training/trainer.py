@@ -200,8 +200,8 @@ class PorosTrainer:
                   "chunks (the whole logits never exist): bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
                   "default loss")
         if config.mlp_chunks > 1:
-            echo(f"poros: mlp_chunks={config.mlp_chunks}: each block's MLP runs over {config.mlp_chunks} sequence "
-                  "chunks: bitwise a resident run with the same mlp_chunks, numerically (not bitwise) the whole MLP"
+            echo(f"poros: mlp_chunks={config.mlp_chunks}: each block's MLP, norms and attention projections run over "
+                  f"{config.mlp_chunks} sequence chunks: bitwise a resident run with the same mlp_chunks, numerically (not bitwise) the whole MLP"
                   + (f"; not tiled: {model._tiled_mlp.untiled}" if model._tiled_mlp.untiled else ""))
         if model.budget_plan is not None:
             echo(model.budget_plan.summary())
