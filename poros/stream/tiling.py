@@ -21,8 +21,9 @@ fp32 and its backward holds five more fp32 copies, and PEFT casts each LoRA'd pr
 fp32 LoRA dtype and keeps that copy for lora_A's gradient (q, k and v one copy each). Tiled, a node
 keeps only its compute-dtype input (q, k and v the same tensor) and makes one chunk's fp32 copies at a
 time in backward. Each is recomputed once more in backward (a projection's forward again, a fraction
-of the block's compute). The LoRA adapters on ``gate_proj`` / ``up_proj`` / ``down_proj`` are inputs of that node
-and their gradients its outputs (a parameter's accumulator runs once per backward, as resident).
+of the block's compute). A tiled module's trainable parameters (the LoRA adapters on the MLP's and the
+attention's projections) are inputs of its node and their gradients its outputs (a parameter's
+accumulator runs once per backward, as resident).
 
 Labelled honestly:
 
@@ -51,7 +52,7 @@ from torch import nn
 
 from poros.adapters import causal_lm_of
 from poros.descriptor import resolve_path
-from poros.errors import ConfigError
+from poros.errors import ConfigError, DescriptorError
 from poros.stream.chunked_head import chunk_bounds
 from poros.stream.dropout import dropout_modules
 from poros.stream.replay import autocast_state, replayed_autocast, restored_rng, rng_state
@@ -132,12 +133,11 @@ class TiledMlp:
 
 
 def _resolve_or_none(layer: nn.Module, path: str) -> nn.Module | None:
-    obj: Any = layer
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj if isinstance(obj, nn.Module) else None
+    try:
+        found = resolve_path(layer, path)
+    except DescriptorError:  # another layer kind's module
+        return None
+    return found if isinstance(found, nn.Module) else None  # e.g. Gemma 4's v_proj = None
 
 
 def per_token_modules(causal_lm: nn.Module, descriptor: Any) -> list[nn.Module]:
