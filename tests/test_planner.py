@@ -455,13 +455,17 @@ def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, 
 def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, float]:
     record = json.loads(record_path.read_text())
     setup, measured = record["config"], record["arms"]["poros"]
+    # the chunk counts the run ran with: the planner's where it raised them (--vram-budget), else the asked ones
+    ran = measured.get("prediction") or {}
+    loss_chunks = ran.get("loss_chunks") or setup.get("loss_chunks", 1)
+    mlp_chunks = ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1
     plan = _record_plan(tmp_root, setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"],
                         setup["batch"], setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]),
-                        setup["lora"]["rank"], setup.get("attn_implementation"), setup.get("loss_chunks", 1),
+                        setup["lora"]["rank"], setup.get("attn_implementation"), loss_chunks,
                         bool(setup.get("quantize_experts")),  # records before --quantize-experts: bf16 experts
-                        setup.get("mlp_chunks") or 1)
+                        mlp_chunks)
     workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major",
-                        setup.get("loss_chunks", 1))
+                        loss_chunks)
     # everything the run ran with: the planner's choices where it chose (--vram-budget: slots, where the
     # boundary states and the LoRA tensors lived), else what the record asked
     chosen = measured.get("budget_plan") or {}

@@ -151,7 +151,10 @@ def render_capped() -> str:
         config, poros = record["config"], record["arms"]["poros"]
         layer_major = config.get("grad_accum", 1) > 1 and config.get("schedule") == "layer-major"
         states = (poros.get("budget_plan") or {}).get("boundary_states", "device") if layer_major else "-"
-        rows.append(f"| {config['model']} | {docgen.accum_label(config)} | {states} | {config['vram_limit_gb']:g} | "
+        layers, full = config.get("model_info", {}).get("num_hidden_layers"), config.get("model_info", {}).get("full_depth")
+        depth = f", {layers} of {full} layers" if layers and full and layers != full else ""
+        seq = f", seq {config['seq']:,}" if config.get("seq", 512) != 512 else ""
+        rows.append(f"| {config['model']}{depth}{seq} | {docgen.accum_label(config)} | {states} | {config['vram_limit_gb']:g} | "
                     f"{poros['peak_allocated_gb']:.2f} | {poros['peak_reserved_gb']:.2f} | "
                     f"{poros['median_step_s']:.3f} | {_link(path)} |")
     return "\n".join(rows)
