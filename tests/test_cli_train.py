@@ -190,7 +190,9 @@ def test_dry_run_on_the_bundled_default(capsys):
     assert "poros-tiny-qwen3 (bundled with poros:" in out and "family      qwen3 " in out
 
 
-BENCH_RECORDS = sorted((Path(__file__).resolve().parents[1] / "registry" / "results").glob("h200-*/bench-*layers-*.json"))
+BENCH_RECORDS = [  # the cut-depth bench runs that had a Poros arm (an Unsloth smoke run has none)
+    path for path in sorted((Path(__file__).resolve().parents[1] / "registry" / "results").glob("h200-*/bench-*layers-*.json"))
+    if "poros" in json.loads(path.read_text())["arms"]]
 
 
 @pytest.mark.parametrize("record_path", BENCH_RECORDS, ids=[f"{p.parent.name}/{p.stem}" for p in BENCH_RECORDS])
@@ -211,7 +213,8 @@ def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch
         stream_schedule=setup.get("schedule", "micro-major"),
         quantize_experts=bool(setup.get("quantize_experts")),  # records before --quantize-experts: bf16 experts
     ))
-    assert plan.host_store_bytes == measured["host_bytes"]
+    # the bench's --vram-budget may keep some blocks on the device: the host store holds the rest
+    assert plan.host_store_bytes == measured["host_bytes"] + measured.get("resident_bytes", 0)
     assert plan.largest_block_bytes == measured["slot_bytes"]
     assert plan.lora_parameters == record["build"]["trainable_parameters"]
     assert plan.peak_device_bytes_estimate >= measured["peak_allocated_gb"] * 1e9

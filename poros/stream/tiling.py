@@ -137,12 +137,12 @@ def _resolve_or_none(layer: nn.Module, path: str) -> nn.Module | None:
         found = resolve_path(layer, path)
     except DescriptorError:  # another layer kind's module
         return None
-    return found if isinstance(found, nn.Module) else None  # e.g. Gemma 4's v_proj = None
+    return found if isinstance(found, nn.Module) else None  # a projection a layer sets to None
 
 
 def per_token_modules(causal_lm: nn.Module, descriptor: Any) -> list[nn.Module]:
     """Each decoder layer's per-token modules beside its MLP (``descriptor.per_token``), those the layer has
-    (another layer kind's projections, or Gemma 4's missing ``v_proj``, are skipped)."""
+    (another layer kind's projections, or one a layer sets to None, are skipped)."""
     found = []
     for layer in resolve_path(causal_lm, descriptor.decoder_layers):
         found.extend(m for m in (_resolve_or_none(layer, path) for path in descriptor.per_token) if m is not None)
