@@ -64,12 +64,15 @@ def test_the_budget_that_oomed_on_the_h200_now_fits_with_the_norms_and_projectio
     """Qwen2.5-32B at 32K under a 12 GB cap ran out of memory on the H200 at 10.33 GB allocated, asking 640 MiB
     more (registry/results/h200-2026-12-02-s8/bench-qwen2.5-32b-seq-32768-...-vram-limit-12-cap-...json), with
     only the MLP tiled. ``mlp_chunks`` now tiles the norms and attention projections too: their fp32 copies
-    were most of one block's recompute working set, and 12 GiB fits with room to spare."""
+    were most of one block's recompute working set, and 12 GiB fits (the H200 then measured 9.50 GB allocated
+    under that cap, registry/results/h200-2026-12-02-s10). On CUDA the working set also holds the flash
+    backward's deterministic dQ accumulators (poros.stream.footprint.flash_backward_bytes): at 16 chunks
+    they, not the MLP's chunk, are a block backward's largest part."""
     status, report, err = plan(capsys, "Qwen/Qwen2.5-32B", 32768, "12GiB", *(CUDA if device == "cuda" else ["--device", "cpu"]))
     assert status == 0, err
     bp = report["plan"]
     assert bp["mlp_chunks"] > 1
-    assert bp["peak"]["transient"]["one block's recompute working set"] < 5 * GIB
+    assert bp["peak"]["transient"]["one block's recompute working set"] < (6 if device == "cuda" else 5) * GIB
     # below the new minimum (7.4 GiB on CUDA) the plan still refuses, naming why
     status, _, err = plan(capsys, "Qwen/Qwen2.5-32B", 32768, "6GiB", *(CUDA if device == "cuda" else ["--device", "cpu"]))
     assert status == 1 and "does not fit this run" in err
@@ -104,7 +107,7 @@ def test_a_run_that_does_not_fit_says_why_in_one_line_naming_the_biggest_part(ca
     (line,) = err.strip().splitlines()
     assert line.startswith("poros plan: error: ConfigError: VRAM budget 25.77 GB does not fit this run (with loss_chunks=")
     assert ("its biggest part is one block's recompute working set" in line
-            and "most of it block recompute: norms' inputs and outputs (compute dtype, tiled)" in line)
+            and "most of it block recompute: attention kernel's backward buffers" in line)  # deterministic: 3 dQ splits
 
 
 def test_short_runs_keep_the_chunks_asked_for(capsys):
@@ -161,3 +164,35 @@ def test_prepare_with_a_budget_runs_the_chunks_its_plan_picked(tmp_path):
                                                                                           plan.mlp_chunks)
     if plan.loss_chunks > 1:
         assert streamed.get_base_model().loss_function.keywords["chunks"] == plan.loss_chunks
+
+
+def test_the_flash_backward_buffers_are_priced_as_fa2_allocates_them():
+    """PyTorch's flash backward (FA2's ``mha_bwd``) allocates, for one call: an fp32 dQ accumulator of
+    ``[splits, batch, seq rounded to 128, heads, head_dim]`` (deterministic algorithms on: ``splits =
+    ceil(SMs / (batch x heads))``; off: 1), dK and dV expanded to every query head under GQA, dQ, dK, dV and
+    an fp32 ``softmax_d``. Qwen2.5-32B (40 query heads, 8 KV heads of 128) at 32K on an H200 (132 SMs): 4 splits."""
+    import torch
+
+    from poros.stream import footprint
+
+    shapes = footprint.BlockShapes(hidden_size=5120, vocab_size=152064, num_attention_heads=40, linear_outputs=0,
+                                   largest_linear=0, logit_softcapping=False, attention_width=5120, kv_width=1024)
+    seq, bf16 = 32768, 2
+    dq_accum = seq * 40 * 128 * 4
+    rest = 2 * seq * 5120 * bf16 + seq * (5120 + 2 * 1024) * bf16 + 40 * seq * 4
+    assert footprint.flash_backward_bytes(shapes, batch_size=1, seq_len=seq, value_bytes=bf16, sms=132) == 4 * dq_accum + rest
+    assert footprint.flash_backward_bytes(shapes, batch_size=1, seq_len=seq, value_bytes=bf16, sms=0) == dq_accum + rest
+    # no split without deterministic algorithms, or off CUDA; a CUDA run planned without its GPU assumes an H200's SMs
+    assert footprint.attention_sms("cuda", False) == 0 and footprint.attention_sms("cpu", True) == 0
+    if not torch.cuda.is_available():
+        assert footprint.attention_sms("cuda", True) == footprint.ASSUMED_SMS == 132
+    # at 16 sequence chunks they, not the MLP's chunk, set a block backward's peak: the H200's 32B at 32K
+    # under a 12 GB cap measured 9.50 GB allocated, 2.17 GB above the estimate without them
+    # (tests/test_planner.py's calibration holds that record within 15 %; today's estimate is 9.32 GB)
+    parts = footprint.activation_parts(
+        footprint.BlockShapes(**{**shapes.__dict__, "linear_outputs": 5120 + 2 * 1024 + 5120 + 3 * 27648,
+                                 "mlp_outputs": 3 * 27648}),
+        batch_size=1, seq_len=seq, value_bytes=bf16, attn_implementation="sdpa", mlp_chunks=16, attention_sms=132)
+    assert parts.attention.backward - parts.post_attention_norm > max(parts.norm_backward, parts.mlp + parts.dequantized_weight)
+    assert dict(parts.named())["block recompute: attention kernel's backward buffers (or a norm's backward or the MLP, "
+                               "the largest)"] == parts.attention.backward

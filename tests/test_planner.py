@@ -426,68 +426,29 @@ BENCH_RECORDS = sorted(p for p in (ROOT / "registry" / "results").glob("h200-*/b
 
 
 @cache
-def _shapes():
-    from tools import shapes
-
-    return shapes
-
-
-@cache
 def _results_docs():
     from tools import gen_results_docs
 
     return gen_results_docs
 
 
-@cache
-def _record_plan(tmp_root: Path, model: str, layers: int, seq: int, batch: int, double_quant: bool,
-                 targets: tuple[str, ...], rank: int, attn: str | None, loss_chunks: int = 1,
-                 quantize_experts: bool = False, mlp_chunks: int = 1) -> run_plan.Plan:
-    config, _ = _shapes().model_config(model, layers=layers)
-    directory = tmp_root / f"{model}-{layers}"
-    config.save_pretrained(directory)
-    return run_plan.plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
-                                        double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
-                                        embeddings_on_host=True, attn_implementation=attn, loss_chunks=loss_chunks,
-                                        quantize_experts=quantize_experts, mlp_chunks=mlp_chunks))
+def predicted_and_measured(record_path: Path) -> tuple[int, float]:
+    """Today's prediction for a record's own run (``tools/record_peak.py``) and the peak it measured."""
+    from tools import record_peak
 
-
-def predicted_and_measured(record_path: Path, tmp_root: Path) -> tuple[int, float]:
     record = json.loads(record_path.read_text())
-    setup, measured = record["config"], record["arms"]["poros"]
-    # the chunk counts the run ran with: the planner's where it raised them (--vram-budget), else the asked ones
-    ran = measured.get("prediction") or {}
-    loss_chunks = ran.get("loss_chunks") or setup.get("loss_chunks", 1)
-    mlp_chunks = ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1
-    plan = _record_plan(tmp_root, setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"],
-                        setup["batch"], setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]),
-                        setup["lora"]["rank"], setup.get("attn_implementation"), loss_chunks,
-                        bool(setup.get("quantize_experts")),  # records before --quantize-experts: bf16 experts
-                        mlp_chunks)
-    workload = Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1), setup.get("schedule") or "micro-major",
-                        loss_chunks)
-    # everything the run ran with: the planner's choices where it chose (--vram-budget: slots, where the
-    # boundary states and the LoRA tensors lived), else what the record asked
-    chosen = measured.get("budget_plan") or {}
-    boundary = chosen.get("boundary_states") or setup.get("boundary_states") or "device"
-    lora_placement = chosen.get("lora_placement") or setup.get("lora_placement") or "device"
-    peak = planner.predict_peak(plan.footprint(), workload, resident=measured.get("resident_blocks", ()),
-                                num_slots=measured.get("num_slots", setup["num_slots"]),
-                                boundary_on_host=boundary in ("host", "disk"),
-                                optimizer_on_host=setup.get("optimizer_states") == "host",
-                                lora_on_host=lora_placement == "host")
-    assert plan.host_store_bytes - sum(plan.block_bytes[i] for i in measured.get("resident_blocks", ())) \
-        == measured["host_bytes"]
-    return peak.total, measured["peak_allocated_gb"] * 1e9
+    plan = record_peak.record_plan(record)
+    resident = record["arms"]["poros"].get("resident_blocks", ())
+    assert plan.host_store_bytes - sum(plan.block_bytes[i] for i in resident) == record["arms"]["poros"]["host_bytes"]
+    return record_peak.predicted_peak(record), record["arms"]["poros"]["peak_allocated_gb"] * 1e9
 
 
-def test_predicted_peak_is_within_15_percent_of_every_h200_record(tmp_path_factory):
+def test_predicted_peak_is_within_15_percent_of_every_h200_record():
     """Every bench record with a finished Poros arm (micro-major and layer-major, seq 512 and 2048, 7B to 72B)."""
     assert len(BENCH_RECORDS) >= 15
-    root = tmp_path_factory.mktemp("shapes")
     errors = {}
     for path in BENCH_RECORDS:
-        predicted, measured = predicted_and_measured(path, root)
+        predicted, measured = predicted_and_measured(path)
         errors[f"{path.parent.name}/{path.stem}"] = predicted / measured - 1
     far = {name: f"{error:+.1%}" for name, error in errors.items() if abs(error) > 0.15}
     assert not far, f"predicted peak off by more than 15 %: {far}"
@@ -500,7 +461,7 @@ def test_predicted_peak_is_within_15_percent_of_every_h200_record(tmp_path_facto
 CURVE_RECORDS = sorted((ROOT / "registry" / "results").glob("h200-*/curve-*.json"))
 
 
-def test_predicted_peak_is_within_15_percent_across_the_published_curves(tmp_path_factory):
+def test_predicted_peak_is_within_15_percent_across_the_published_curves():
     """Every budget of every published VRAM curve (tools/vram_curve.py: 32B and 72B, accumulation 1
     and 8 layer-major, from no resident block to all of them), recomputed from the shape's config.
 
@@ -511,14 +472,15 @@ def test_predicted_peak_is_within_15_percent_across_the_published_curves(tmp_pat
     the norm backward's fp32 temporaries, issue 32), so at budgets that sat on a threshold it now keeps up
     to 3 resident blocks fewer, or the boundary states on the host. A re-run of the curves pins them again."""
     assert {json.loads(p.read_text())["config"]["model"] for p in CURVE_RECORDS} >= {"qwen2.5-32b", "qwen2.5-72b"}
-    root = tmp_path_factory.mktemp("curves")
+    from tools import record_peak
+
     errors = {}
     for path in CURVE_RECORDS:
         record = json.loads(path.read_text())
         setup = record["config"]
         layers = setup["model_info"]["num_hidden_layers"]
-        plan = _record_plan(root, setup["model"], layers, setup["seq"], setup["batch"], True,
-                            tuple(setup["lora"]["targets"]), setup["lora"]["rank"], "sdpa")
+        plan = record_peak._plan(setup["model"], layers, setup["seq"], setup["batch"], True,
+                                 tuple(setup["lora"]["targets"]), setup["lora"]["rank"], "sdpa", 1, False, 1)
         workload = Workload(setup["batch"], setup["seq"], setup["grad_accum"], setup["schedule"])
         for row in record["rows"]:
             name = f"{path.stem} @ {row['budget']}"

@@ -288,13 +288,39 @@ def long_context_plan(name: str, seq: int, card_gib: int):
         return plan, error
 
 
+def long_context_records() -> dict[tuple[str, int, float], tuple[Path, dict]]:
+    """``(shape, seq, cap GB) -> (path, record)``: the newest finished full-depth Poros run at a long
+    sequence under a cap (a cap of N GB stands on the N GiB row, as in the small-card table)."""
+    found = {}
+    for path, record in capped_records():
+        config, poros = record["config"], record["arms"].get("poros", {})
+        info = config.get("model_info", {})
+        if config["seq"] > SEQ and poros.get("status") == "ok" and info.get("num_hidden_layers") == info.get("full_depth"):
+            found[(config["model"], config["seq"], float(config["vram_limit_gb"]))] = (path, record)
+    return found
+
+
+def _long_context_cell(found: tuple[Path, dict] | None) -> str:
+    if found is None:
+        return "not measured"
+    path, record = found
+    from tools import record_peak
+
+    poros = record["arms"]["poros"]
+    return (f"{poros['peak_allocated_gb']:.2f} allocated / {poros['peak_reserved_gb']:.2f} reserved GB "
+            f"(predicted {_gb(record_peak.predicted_peak(record))} for its own options), "
+            f"{poros['median_step_s']:.1f} s, {poros['tokens_per_s']:,.0f} tokens/s, host {poros['host_peak_rss_gb']:.1f} GB "
+            f"({_link(path)})")
+
+
 def render_long_context() -> str:
     from poros.loading import host_tiers
     from poros.training.plan import host_ram_parts
 
     rows = ["| shape | seq | card | fits | loss_chunks | mlp_chunks | boundary states (all) | peak allocated GB "
-            "(phase) | largest parts GB | host RAM GB | measured |",
+            "(phase) | largest parts GB | host RAM GB | measured under that cap (H200, full depth) |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    measured = long_context_records()
     for name, seq, card in LONG_CONTEXT:
         plan, bp = long_context_plan(name, seq, card)
         if isinstance(bp, Exception):
@@ -307,7 +333,7 @@ def render_long_context() -> str:
         largest = "; ".join(f"{label.split(' (')[0]} {_gb(n)}" for n, label in parts)
         rows.append(f"| {name} | {seq:,} | {card} GiB | yes | {bp.loss_chunks} | {bp.mlp_chunks} | "
                     f"{bp.boundary_states} ({_gb(bp.boundary_bytes)} GB) | {_gb(bp.peak.total)} ({bp.peak.phase}) | "
-                    f"{largest} | {_gb(host_gb)} | pending the H200 run |")
+                    f"{largest} | {_gb(host_gb)} | {_long_context_cell(measured.get((name, seq, float(card))))} |")
     return "\n".join(rows)
 
 

@@ -144,6 +144,7 @@ class BlockShapes:
     logit_softcapping: bool  # final logits soft-capped (final_logit_softcapping): two more logit-sized tensors
     mlp_outputs: int = 0  # the part of linear_outputs under the block's ``mlp`` (what mlp_chunks tiles)
     attention_width: int = 0  # num_attention_heads x head_dim: the attention kernel's output per token
+    kv_width: int = 0  # num_key_value_heads x head_dim: one of k, v per token (0: as attention_width)
     # PEFT's LoRA Linear casts its input to the LoRA weights' dtype (``_cast_input_dtype``) when that is not
     # the input's, each wrapped linear its own copy, which lora_A's backward keeps: the in_features of the
     # LoRA'd linears outside and under the MLP, and the LoRA weights' bytes per value (0: no cast)
@@ -180,6 +181,7 @@ class BlockShapes:
             logit_softcapping=bool(config.get("final_logit_softcapping")),
             mlp_outputs=outputs(largest, True) if largest is not None else 0,
             attention_width=heads * (config.get("head_dim") or text_config.hidden_size // heads),
+            kv_width=(config.get("num_key_value_heads") or heads) * (config.get("head_dim") or text_config.hidden_size // heads),
             **_lora_inputs(largest, lora_targets, lora_value_bytes, compute_dtype),
             dequantized_experts=max((grouped_experts_values(b) for b in blocks), default=0),
         )
@@ -238,10 +240,59 @@ class AttentionEstimate:
     bytes: int
     kernel: str  # "memory-efficient / flash (no seq x seq tensor)" or "math (eager): seq x seq scores"
     reason: str  # why that kernel, in words
+    backward: int = 0  # the flash kernel's backward buffers, alive at once for the one kernel call (0: math)
+
+
+#: the streaming multiprocessors assumed where a CUDA run is planned without its device (an H100's or
+#: H200's 132): FA2's deterministic backward splits its dQ accumulator by them (:func:`attention_sms`)
+ASSUMED_SMS = 132
+
+
+def attention_sms(device: Any, deterministic: bool) -> int:
+    """The SM count the flash backward's deterministic dQ accumulator is split by, or 0 where it is not
+    split: deterministic algorithms off (``torch.use_deterministic_algorithms(True)`` without
+    ``warn_only`` turns PyTorch's flash backward deterministic) or a device other than CUDA. A CUDA device
+    this process sees gives its own count, else :data:`ASSUMED_SMS`."""
+    device = torch.device(device)
+    if not deterministic or device.type != "cuda":
+        return 0
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
+    return ASSUMED_SMS
+
+
+def deterministic_now() -> bool:
+    """Whether this process runs deterministic algorithms in the mode that makes the flash backward split
+    its dQ accumulator (on, not ``warn_only``)."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def flash_backward_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int, sms: int) -> int:
+    """The buffers PyTorch's flash attention backward (FA2's ``mha_bwd``) allocates for one call, all alive
+    while its kernel runs: the fp32 dQ accumulator ``[splits, batch, seq rounded to 128, heads, head_dim
+    rounded]`` (``splits`` = ``ceil(sms / (batch x heads))`` when deterministic, else 1), with grouped KV
+    heads the dK and dV expanded to every query head, dQ, dK, dV themselves, and the fp32 ``softmax_d``.
+    At long sequences with many sequence chunks this, not the MLP's chunk, is a block backward's peak (the
+    H200's 32B at 32K with 16 chunks measured 2.17 GB above the estimate without it)."""
+    heads = shapes.num_attention_heads
+    width = shapes.attention_width or shapes.hidden_size
+    head_dim = width // heads
+    kv_width = shapes.kv_width or width
+    rows = batch_size * _round_up(seq_len, 128)
+    splits = -(-sms // (batch_size * heads)) if sms else 1
+    dq_accum = splits * rows * heads * _round_up(head_dim, 32 if head_dim <= 128 else 64) * 4
+    tokens = batch_size * seq_len
+    expanded = 2 * tokens * width * value_bytes if kv_width != width else 0
+    gradients = tokens * (width + 2 * kv_width) * value_bytes
+    return dq_accum + expanded + gradients + rows * heads * 4
 
 
 def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
-                          attn_implementation: str | None) -> AttentionEstimate:
+                          attn_implementation: str | None, sms: int = 0) -> AttentionEstimate:
     """The attention kernel's own working set for one block (beyond the q/k/v/o projections' outputs,
     counted with the linears). An estimate, replaceable by the engine's own (issue 32: the attention
     kernels expose their working set, kernel name and reason; this is the planner's stand-in):
@@ -251,7 +302,8 @@ def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int,
     * otherwise (``sdpa``, flash): the memory-efficient / flash kernel, no ``seq x seq`` tensor: its
       fp32 logsumexp (``batch x seq x heads``). Its inputs and output (``batch x seq x heads x
       head_dim`` each, and their gradients) are the projections' outputs and inputs, already priced
-      with the linears (``2 x v x out_features`` each, calibrated on the H200 records).
+      with the linears (``2 x v x out_features`` each, calibrated on the H200 records); its backward's
+      own buffers are :func:`flash_backward_bytes` (``sms``: :func:`attention_sms`).
     """
     tokens = batch_size * seq_len
     if attn_implementation == "eager":
@@ -260,7 +312,9 @@ def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int,
                                  "attn_implementation='eager'")
     return AttentionEstimate(tokens * shapes.num_attention_heads * 4,
                              "memory-efficient / flash: an fp32 logsumexp, no seq x seq tensor",
-                             f"attn_implementation={attn_implementation or 'sdpa'!r}, assumed to keep the efficient kernel")
+                             f"attn_implementation={attn_implementation or 'sdpa'!r}, assumed to keep the efficient kernel",
+                             backward=flash_backward_bytes(shapes, batch_size=batch_size, seq_len=seq_len,
+                                                           value_bytes=value_bytes, sms=sms))
 
 
 #: bytes per value of the loss head beyond the logits themselves: HF's ForCausalLMLoss upcasts the
@@ -294,16 +348,20 @@ class ActivationParts:
     lora_inputs: int = 0  # the attention linears' inputs cast to the LoRA dtype, one copy per LoRA'd linear
     norm_backward: int = 0  # an RMSNorm's backward: its fp32 temporaries and the MLP's input gradient
     tiled_buffers: int = 0  # tiled (mlp_chunks > 1): a tiled node's whole input gradient and the block's output
+    post_attention_norm: int = 0  # the part of norms the post-attention norm keeps, freed before attention's backward
 
     @property
     def recompute(self) -> int:
         """What recomputing one block with grad and back-propagating it holds at once: what the attention
-        half keeps (norms, LoRA input copies, the kernel's tensors) and the larger of the post-attention
-        norm's backward and the MLP's working set with a dequantized weight (they are never alive together).
+        half keeps (norms, LoRA input copies, the kernel's tensors) and the largest of the post-attention
+        norm's backward, the MLP's working set with a dequantized weight and the attention kernel's
+        backward buffers (never alive together; by the attention kernel's backward the post-attention norm's
+        saved tensors are freed).
         Tiled, the norms and the LoRA input copies are the per-token nodes' compute-dtype inputs and outputs
         and one chunk's fp32 copies, and a tiled node's input gradient and the block's output count beside."""
         return (self.norms + self.lora_inputs + self.projections + self.attention.bytes + self.tiled_buffers
-                + max(self.norm_backward, self.mlp + self.dequantized_weight))
+                + max(self.norm_backward, self.mlp + self.dequantized_weight,
+                      self.attention.backward - self.post_attention_norm))
 
     @property
     def head(self) -> int:
@@ -322,6 +380,8 @@ class ActivationParts:
                   if tiled else ()),
                 ("block recompute: attention projections", self.projections),
                 (f"block recompute: attention kernel ({self.attention.kernel.split(':')[0]})", self.attention.bytes),
+                *((("block recompute: attention kernel's backward buffers (or a norm's backward or the MLP, "
+                    "the largest)", self.attention.backward),) if self.attention.backward else ()),
                 (f"block recompute: a norm's backward{mlp} (or the MLP below, the larger)", self.norm_backward),
                 (f"block recompute: MLP working set{mlp}", self.mlp),
                 ("block recompute: one dequantized weight", self.dequantized_weight),
@@ -330,8 +390,10 @@ class ActivationParts:
 
 
 def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
-                     attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1) -> ActivationParts:
-    """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts)."""
+                     attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1,
+                     attention_sms: int = 0) -> ActivationParts:
+    """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts;
+    ``attention_sms``: :func:`attention_sms`)."""
     tokens = batch_size * seq_len
     hidden = shapes.hidden_size
     attention_linears = shapes.linear_outputs - shapes.mlp_outputs
@@ -352,7 +414,7 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
         boundary=tokens * hidden * value_bytes,
         projections=tokens * value_bytes * attention_linears,
         attention=attention_working_set(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
-                                        attn_implementation=attn_implementation),
+                                        attn_implementation=attn_implementation, sms=attention_sms),
         mlp=mlp_tokens * mlp_per_token,
         dequantized_weight=max(shapes.largest_linear, shapes.dequantized_experts) * value_bytes,
         logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
@@ -370,14 +432,15 @@ def _per_token_parts(tokens: int, chunk_tokens: int, hidden: int, value_bytes: i
     norm_backward = hidden * (4 * NORM_BACKWARD_FP32_VALUES + value_bytes)
     if chunks == 1:
         return dict(norms=tokens * 2 * 4 * hidden, lora_inputs=tokens * lora_input_bytes,
-                    norm_backward=tokens * norm_backward)
+                    norm_backward=tokens * norm_backward, post_attention_norm=tokens * 4 * hidden)
     return dict(norms=tokens * 3 * value_bytes * hidden, lora_inputs=chunk_tokens * lora_input_bytes,
-                norm_backward=chunk_tokens * norm_backward, tiled_buffers=tokens * 2 * value_bytes * hidden)
+                norm_backward=chunk_tokens * norm_backward, tiled_buffers=tokens * 2 * value_bytes * hidden,
+                post_attention_norm=tokens * 2 * value_bytes * hidden)
 
 
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
                      attn_implementation: str | None, loss_chunks: int = 1,
-                     mlp_chunks: int = 1) -> tuple[int, int, int]:
+                     mlp_chunks: int = 1, attention_sms: int = 0) -> tuple[int, int, int]:
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
@@ -402,7 +465,8 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
       of issue 32: the logits are never whole).
     """
     parts = activation_parts(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
-                             attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+                             attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
+                             attention_sms=attention_sms)
     return parts.boundary, parts.recompute, parts.head
 
 
@@ -428,6 +492,7 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
         lora_parameter_bytes=sum(p.numel() * p.element_size() for p in causal_lm.parameters() if p.requires_grad),
         boundary_bytes=0, recompute_bytes=0, head_bytes=0,
         workspace_bytes=CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0,
+        attention_sms=attention_sms(device, deterministic_now()),
     )
     return with_activations(base, shapes, workload, value_bytes=value_bytes, attn_implementation=attention,
                             mlp_chunks=mlp_chunks)
@@ -447,7 +512,8 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
     ``mlp_chunks``: what the planner re-prices when it picks chunk counts (:func:`chunked_footprints`)."""
     loss_chunks = workload.loss_chunks if loss_chunks is None else loss_chunks
     parts = activation_parts(shapes, batch_size=workload.batch_size, seq_len=workload.seq_len, value_bytes=value_bytes,
-                             attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+                             attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
+                             attention_sms=footprint.attention_sms)
     return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
                                head_bytes=parts.head, parts=parts.named(),
                                attention=f"{parts.attention.kernel} ({parts.attention.reason})",

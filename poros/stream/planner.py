@@ -68,6 +68,8 @@ class Footprint:
             tabulates: attention, MLP, head and loss...), or empty where unknown.
         attention: the attention kernel the estimate assumes and why, in words.
         loss_chunks, mlp_chunks: the chunk counts the activations are estimated for.
+        attention_sms: the SM count the flash backward's deterministic dQ accumulator is split by (0: not
+            split; :func:`poros.stream.footprint.attention_sms`), a fact of the device and the run's mode.
     """
 
     block_bytes: tuple[int, ...]
@@ -82,6 +84,7 @@ class Footprint:
     attention: str = ""
     loss_chunks: int = 1
     mlp_chunks: int = 1
+    attention_sms: int = 0
 
     @property
     def num_blocks(self) -> int:

@@ -29,6 +29,7 @@ from poros.loading.prequantized import read_prequantized
 from poros.stream.footprint import (
     BlockShapes,
     activation_bytes,
+    attention_sms,
     block_bytes,
     chunked_footprints,
     device_context_bytes,
@@ -199,6 +200,7 @@ class Plan:
     loss_chunks: int = 1
     mlp_chunks: int = 1
     experts: str | None = None  # MoE models: experts per block, their bf16 and NF4 bytes (None: no experts)
+    attention_sms: int = 0  # the flash backward's deterministic dQ split (poros.stream.footprint.attention_sms)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -270,6 +272,7 @@ class Plan:
             boundary_bytes=self.batch_size * self.seq_len * self.hidden_size * self.activation_bytes_per_value,
             recompute_bytes=self.recompute_bytes, head_bytes=self.logits_bytes,
             workspace_bytes=CUDA_WORKSPACE_BYTES if self.device.startswith("cuda") else 0,
+            attention_sms=self.attention_sms,
         )
 
 
@@ -340,10 +343,12 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     if experts_line and config.quantize_experts is not False and device.startswith("cuda"):
         # prepare's default experts forward on a CUDA device with grouped_mm: each fused tensor dequantized whole
         shapes = replace(shapes, dequantized_experts=_largest_fused_experts(blocks))
+    sms = attention_sms(device, config.deterministic)
     _, recompute, head = activation_bytes(shapes, batch_size=config.batch_size,
                                           seq_len=config.seq_len, value_bytes=value_bytes,
                                           attn_implementation=config.attn_implementation,
-                                          loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks)
+                                          loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks,
+                                          attention_sms=sms)
     return Plan(
         model=config.model, checkpoint=str(directory), found_in=found_in, family=descriptor.name,
         model_type=text_config.model_type,
@@ -359,7 +364,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         batch_size=config.batch_size, seq_len=config.seq_len, grad_accum=config.grad_accum,
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
-        loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line,
+        loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
     ), text_config
 
 
