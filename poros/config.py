@@ -97,6 +97,9 @@ class PorosConfig:
     chat_template: str | None = _field(None, "Jinja chat template for conversations; null: the tokenizer's own.")
     seq_len: int = _field(512, "Tokens per example, up to the model's max_position_embeddings; longer examples "
                           "are truncated to it (one WARNING says how many).")
+    packing: bool = _field(False, "Pack training examples into rows of up to seq_len tokens (best fit decreasing, as "
+                           "TRL's packing=True), each attending only to itself (position_ids restart at 0); eval is not "
+                           "packed. Bitwise a resident run with the same packing.")
     # -- evaluation and tracking ------------------------------------------------------------------------
     eval_dataset: str | None = _field(None, "Held-out data for eval_loss: an HF dataset id or a .jsonl/.json/.csv "
                                       "file, read like dataset; null: none (or eval_split).",
@@ -182,16 +185,13 @@ class PorosConfig:
                              "each saving only its input; 1: whole. Above 1 bitwise a resident run with the same "
                              "mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
-                                            "DataCollatorWithPadding option); null: to its longest row. A few "
-                                            "lengths instead of many: what cuda_graphs replays (each length is "
-                                            "graphs of its own). Padding changes the shapes the kernels see, so a "
-                                            "run is bitwise a resident run with the same padding.")
+                                            "DataCollatorWithPadding option); null: to its longest row. Fewer lengths "
+                                            "for cuda_graphs to capture (each length is graphs of its own). Bitwise a "
+                                            "resident run with the same padding (it changes the kernels' shapes).")
     cuda_graphs: bool | str = _field(False, "Replay each streamed block's forward and recompute+backward from a CUDA "
                                      "graph captured once per device slot and block kind: the eager kernels, bit for "
-                                     "bit, without their host cost. true, false or 'auto' (on when the device is "
-                                     "CUDA); off on CPU. Blocks that cannot be captured run eagerly and the run "
-                                     "summary says why (docs/parity-modes.md).")
-
+                                     "bit, without their host cost. true, false or 'auto' (on on CUDA); off on CPU. "
+                                     "Blocks that cannot be captured run eagerly, and the summary says why.")
     host_tier: str | None = _field(None, "Where the streamed NF4 blocks live on the host: 'pinned' (page-locked RAM, "
                                    "one copy per process), 'mapped' (the NF4 block cache file mapped and registered "
                                    "for DMA: one copy per node in the page cache), 'disk' (read from the cache file "

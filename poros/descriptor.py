@@ -135,6 +135,9 @@ class ArchitectureDescriptor:
             and why; the planner prints the reason.
         head_dims: ``(layer kind, config attribute)`` pairs: a layer kind whose heads are not
             ``config.head_dim`` wide (e.g. Gemma 4's full layers, ``global_head_dim``).
+        packing_unsupported: why ``packing: true`` cannot train this family (its layers do not keep
+            packed examples apart by their ``position_ids`` restarts), or ``""`` where it can
+            (``poros.data.packing``).
 
     Identity:
         name: registry name (``qwen2``); aliases: other accepted names; model_types: HF
@@ -186,6 +189,7 @@ class ArchitectureDescriptor:
     mlp_untiled: tuple[tuple[str, str], ...] = ()
     seq_by_seq_masks: tuple[tuple[str, str], ...] = ()
     head_dims: tuple[tuple[str, str], ...] = ()
+    packing_unsupported: str = ""
     # documentation
     notes: tuple[str, ...] = ()
     config_class: str = ""

@@ -25,7 +25,7 @@ CHANGED = dict(
     use_dora=True, dataset="data/chat.jsonl", dataset_split="validation", chat_template="{{ messages }}",
     eval_dataset="data/val.jsonl", eval_dataset_split="test", eval_steps=20, eval_batches=8,
     report_to=["tensorboard", "wandb"],
-    seq_len=1024, batch_size=2, grad_accum=4, steps=50, lr=1e-4, schedule="linear", warmup=5, weight_decay=0.01,
+    seq_len=1024, packing=True, batch_size=2, grad_accum=4, steps=50, lr=1e-4, schedule="linear", warmup=5, weight_decay=0.01,
     max_grad_norm=None, seed=7, logging_steps=1, save_steps=25, save_total_limit=2, output_dir="runs/a",
     resume_from="auto", overwrite=True, device="cuda:1", num_slots=3, deterministic=False, require="bitwise",
     attn_implementation="eager", embeddings_on_host=False, vram_budget="7GiB", stream_schedule="micro-major",

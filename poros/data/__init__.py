@@ -12,7 +12,8 @@
 The steps, each usable on its own: :func:`load_records` (file, hub id, list, ``datasets``
 object, ``"poros-tiny-chat"``) -> :func:`detect_format` (messages, sharegpt, oasst1,
 prompt_completion, alpaca, text) -> :func:`to_examples` -> :func:`tokenize_examples` (chat
-template, loss on assistant turns only) -> :class:`BatchIterator`.
+template, loss on assistant turns only) -> :func:`pack_examples` (``packing: true``: whole examples
+in rows of up to ``seq_len`` tokens, kept apart by ``position_ids`` restarts) -> :class:`BatchIterator`.
 
 ``import poros.data`` imports neither torch, transformers nor datasets; ``BatchIterator`` imports
 torch when it builds a batch, and hub ids import ``datasets`` when loaded.
@@ -25,6 +26,7 @@ from __future__ import annotations
 from poros.assets import TINY_CHAT
 from poros.data.batches import BatchIterator
 from poros.data.formats import FORMATS, Example, detect_format, to_examples
+from poros.data.packing import pack_examples
 from poros.data.sources import SYNTHETIC, load_dataset, load_records
 from poros.data.synthetic import synthetic_examples
 from poros.data.tokenize import CHATML_TEMPLATE, IGNORE_INDEX, TokenizedData, tokenize_examples
@@ -41,6 +43,7 @@ __all__ = [
     "detect_format",
     "load_dataset",
     "load_records",
+    "pack_examples",
     "synthetic_examples",
     "to_examples",
     "tokenize_examples",

@@ -49,6 +49,9 @@ class BatchIterator:
             if len(example["input_ids"]) != len(example["labels"]):
                 raise DataError(f"example {index} has {len(example['input_ids'])} input_ids but "
                                 f"{len(example['labels'])} labels; expected one label per token")
+            if "position_ids" in example and len(example["position_ids"]) != len(example["input_ids"]):
+                raise DataError(f"example {index} has {len(example['input_ids'])} input_ids but "
+                                f"{len(example['position_ids'])} position_ids; expected one position per token")
         self.examples = examples
         self.batch_size = batch_size
         if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
@@ -79,7 +82,8 @@ class BatchIterator:
         return torch.randperm(self.num_examples, generator=generator).tolist()
 
     def next_batch(self) -> dict[str, Any]:
-        """The next batch: ``input_ids``, ``attention_mask`` and ``labels``, int64 tensors ``[batch, longest]``.
+        """The next batch: ``input_ids``, ``attention_mask`` and ``labels`` (packed rows: ``position_ids`` for
+        the mask), int64 tensors ``[batch, longest]``.
 
         Padding is on the right (see :func:`collate`). After the last full batch of an epoch the
         next epoch starts.
@@ -138,22 +142,47 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, *,
     (``longest`` rounded up to a multiple of ``pad_to_multiple_of`` when given).
 
     Padding is on the right: ``pad_token_id`` in ``input_ids``, 0 in ``attention_mask``, -100 in
-    ``labels``.
+    ``labels``. Packed rows (``position_ids``, :mod:`poros.data.packing`) give ``position_ids`` instead of
+    ``attention_mask`` (transformers builds the packed mask from their restarts only without one); their
+    padding continues the row's last positions, which no real token attends to under the causal mask.
     """
     import torch
 
     longest = max(len(row["input_ids"]) for row in rows)
     if pad_to_multiple_of:
         longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    packed = "position_ids" in rows[0]
+    if any(("position_ids" in row) != packed for row in rows):
+        raise DataError("a batch mixes packed rows (with position_ids) and unpacked ones; expected one kind")
     input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(rows), longest), dtype=torch.int64)
     labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64)
+    positions = torch.zeros((len(rows), longest), dtype=torch.int64)
     for row_index, row in enumerate(rows):
         length = len(row["input_ids"])
         input_ids[row_index, :length] = torch.tensor(row["input_ids"], dtype=torch.int64)
         attention_mask[row_index, :length] = 1
         labels[row_index, :length] = torch.tensor(row["labels"], dtype=torch.int64)
+        if packed:
+            row_positions = list(row["position_ids"])
+            tail = row_positions[-1] + 1 if row_positions else 0
+            positions[row_index] = torch.tensor(row_positions + list(range(tail, tail + longest - length)),
+                                                dtype=torch.int64)
+    if packed:
+        return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def real_tokens(batch: Mapping[str, Any], pad_token_id: int) -> Any:
+    """The tokens of a batch that are not padding (what tokens/s counts): its ``attention_mask``'s ones, or
+    for packed rows (no mask) all tokens less each row's padded tail (``pad_token_id`` with label -100)."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    import torch
+
+    padding = (batch["input_ids"] == pad_token_id) & (batch["labels"] == IGNORE_INDEX)
+    tail = torch.cumprod(padding.flip(-1).to(torch.int64), dim=-1).sum()  # the trailing run of padding per row
+    return batch["input_ids"].numel() - tail
 
 
 def pad_token_id(tokenizer: Any, model_config: Any) -> int:
@@ -165,4 +194,4 @@ def pad_token_id(tokenizer: Any, model_config: Any) -> int:
     return getattr(model_config, "pad_token_id", None) or 0
 
 
-__all__ = ["BatchIterator", "collate", "pad_token_id"]
+__all__ = ["BatchIterator", "collate", "pad_token_id", "real_tokens"]

@@ -38,6 +38,8 @@ DESCRIPTOR = decoder_family(
         "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
         "linear_attn.conv1d", "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm",
     ),
+    packing_unsupported=("its Gated DeltaNet layers (transformers' torch path) run a packed row as one sequence: "
+                         "they ignore the position_ids restarts that keep packed examples apart"),
     notes=(
         "linear-attention layers: in_proj_b/in_proj_a have num_v_heads outputs (tiny); LoRA on them is optional.",
         "packing via position_ids resets is not honoured by the torch GatedDeltaNet path: one sample per row.",

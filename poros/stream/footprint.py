@@ -292,7 +292,7 @@ def flash_backward_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, 
 
 
 def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
-                          attn_implementation: str | None, sms: int = 0) -> AttentionEstimate:
+                          attn_implementation: str | None, sms: int = 0, packed: bool = False) -> AttentionEstimate:
     """The attention kernel's own working set for one block (beyond the q/k/v/o projections' outputs,
     counted with the linears). An estimate, replaceable by the engine's own (issue 32: the attention
     kernels expose their working set, kernel name and reason; this is the planner's stand-in):
@@ -304,17 +304,25 @@ def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int,
       head_dim`` each, and their gradients) are the projections' outputs and inputs, already priced
       with the linears (``2 x v x out_features`` each, calibrated on the H200 records); its backward's
       own buffers are :func:`flash_backward_bytes` (``sms``: :func:`attention_sms`).
+    * ``packed`` rows (``poros.data.packing``): transformers' boolean ``batch x 1 x seq x seq`` mask and
+      SDPA's copy of it in the compute dtype while a layer runs; SDPA then takes the memory-efficient
+      kernel (its backward's buffers are priced as the flash kernel's, an estimate).
     """
     tokens = batch_size * seq_len
     if attn_implementation == "eager":
         return AttentionEstimate(3 * batch_size * shapes.num_attention_heads * seq_len * seq_len * value_bytes,
                                  "math (eager): seq x seq scores, probabilities and their gradient",
                                  "attn_implementation='eager'")
+    backward = flash_backward_bytes(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes, sms=sms)
+    if packed:
+        return AttentionEstimate(tokens * shapes.num_attention_heads * 4 + batch_size * seq_len * seq_len * (1 + value_bytes),
+                                 "memory-efficient: packed rows' batch x 1 x seq x seq mask (bool, and SDPA's copy in the "
+                                 "compute dtype)", "packing: transformers builds the mask from the position_ids restarts",
+                                 backward=backward)
     return AttentionEstimate(tokens * shapes.num_attention_heads * 4,
                              "memory-efficient / flash: an fp32 logsumexp, no seq x seq tensor",
                              f"attn_implementation={attn_implementation or 'sdpa'!r}, assumed to keep the efficient kernel",
-                             backward=flash_backward_bytes(shapes, batch_size=batch_size, seq_len=seq_len,
-                                                           value_bytes=value_bytes, sms=sms))
+                             backward=backward)
 
 
 #: bytes per value of the loss head beyond the logits themselves: HF's ForCausalLMLoss upcasts the
@@ -391,9 +399,9 @@ class ActivationParts:
 
 def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
                      attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1,
-                     attention_sms: int = 0) -> ActivationParts:
+                     attention_sms: int = 0, packed: bool = False) -> ActivationParts:
     """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts;
-    ``attention_sms``: :func:`attention_sms`)."""
+    ``attention_sms``: :func:`attention_sms`; ``packed``: :attr:`~poros.stream.planner.Workload.packed`)."""
     tokens = batch_size * seq_len
     hidden = shapes.hidden_size
     attention_linears = shapes.linear_outputs - shapes.mlp_outputs
@@ -414,7 +422,7 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
         boundary=tokens * hidden * value_bytes,
         projections=tokens * value_bytes * attention_linears,
         attention=attention_working_set(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
-                                        attn_implementation=attn_implementation, sms=attention_sms),
+                                        attn_implementation=attn_implementation, sms=attention_sms, packed=packed),
         mlp=mlp_tokens * mlp_per_token,
         dequantized_weight=max(shapes.largest_linear, shapes.dequantized_experts) * value_bytes,
         logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
@@ -440,7 +448,7 @@ def _per_token_parts(tokens: int, chunk_tokens: int, hidden: int, value_bytes: i
 
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
                      attn_implementation: str | None, loss_chunks: int = 1,
-                     mlp_chunks: int = 1, attention_sms: int = 0) -> tuple[int, int, int]:
+                     mlp_chunks: int = 1, attention_sms: int = 0, packed: bool = False) -> tuple[int, int, int]:
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
@@ -466,7 +474,7 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
     """
     parts = activation_parts(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
                              attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
-                             attention_sms=attention_sms)
+                             attention_sms=attention_sms, packed=packed)
     return parts.boundary, parts.recompute, parts.head
 
 
@@ -513,7 +521,7 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
     loss_chunks = workload.loss_chunks if loss_chunks is None else loss_chunks
     parts = activation_parts(shapes, batch_size=workload.batch_size, seq_len=workload.seq_len, value_bytes=value_bytes,
                              attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
-                             attention_sms=footprint.attention_sms)
+                             attention_sms=footprint.attention_sms, packed=workload.packed)
     return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
                                head_bytes=parts.head, parts=parts.named(),
                                attention=f"{parts.attention.kernel} ({parts.attention.reason})",

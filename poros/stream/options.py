@@ -52,6 +52,9 @@ class Workload:
             block once per direction for all M micro-batches, whose M x L boundary states stay on
             the device).
         loss_chunks: the loss over this many token chunks (``PorosConfig.loss_chunks``; 1: HF's).
+        packed: rows hold several examples kept apart by ``position_ids`` restarts (``PorosConfig.packing``,
+            ``poros.data.packing``): transformers then builds a ``batch x 1 x seq x seq`` mask, which SDPA
+            copies into the compute dtype, and never takes the flash kernel.
 
     Raises:
         ConfigError: a size below 1 or an unknown schedule.
@@ -62,6 +65,7 @@ class Workload:
     grad_accum: int = 1
     schedule: str = "micro-major"
     loss_chunks: int = 1
+    packed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks"):
@@ -219,7 +223,8 @@ class StreamOptions:
         """
         shared = {name: getattr(config, name) for name in option_names() if hasattr(config, name)}
         shared["workload"] = Workload(config.batch_size, config.seq_len, config.grad_accum,
-                                      schedule or config.stream_schedule, config.loss_chunks)
+                                      schedule or config.stream_schedule, config.loss_chunks,
+                                      packed=bool(getattr(config, "packing", False)))
         return cls.from_keywords("StreamOptions.from_config", **{**shared, **changes})
 
     def replace(self, **changes: Any) -> "StreamOptions":

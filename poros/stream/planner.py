@@ -643,7 +643,7 @@ def _layer_major_hint(footprint: Footprint, workload: Workload, compute: Compute
                       num_slots: int, on_host: bool, context_bytes: int, slack: float, most: int = 64) -> str | None:
     """The fewest micro-batches layer-major accumulation needs to hide the copy with no resident block."""
     for micro in range(1, most + 1):
-        candidate = Workload(workload.batch_size, workload.seq_len, micro, "layer-major")
+        candidate = dataclasses.replace(workload, grad_accum=micro, schedule="layer-major")
         if predict_step(footprint.block_bytes, candidate, compute, link_bytes_per_s, num_slots=num_slots).copy_hidden:
             if candidate == workload:
                 return None

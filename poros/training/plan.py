@@ -201,6 +201,7 @@ class Plan:
     mlp_chunks: int = 1
     experts: str | None = None  # MoE models: experts per block, their bf16 and NF4 bytes (None: no experts)
     attention_sms: int = 0  # the flash backward's deterministic dQ split (poros.stream.footprint.attention_sms)
+    packed: bool = False  # packing: true (rows of several examples: a seq x seq mask, no flash kernel)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -231,7 +232,8 @@ class Plan:
 
     @property
     def workload(self) -> Workload:
-        return Workload(self.batch_size, self.seq_len, self.grad_accum, self.stream_schedule, self.loss_chunks)
+        return Workload(self.batch_size, self.seq_len, self.grad_accum, self.stream_schedule, self.loss_chunks,
+                        packed=self.packed)
 
     @property
     def peak_device_bytes_estimate(self) -> int:
@@ -348,7 +350,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
                                           seq_len=config.seq_len, value_bytes=value_bytes,
                                           attn_implementation=config.attn_implementation,
                                           loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks,
-                                          attention_sms=sms)
+                                          attention_sms=sms, packed=config.packing)
     return Plan(
         model=config.model, checkpoint=str(directory), found_in=found_in, family=descriptor.name,
         model_type=text_config.model_type,
@@ -365,6 +367,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
+        packed=config.packing,
     ), text_config
 
 
@@ -406,7 +409,8 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
     """The plan for ``budget`` on ``device``, the host tier and the node's host RAM (see :func:`plan_run`)."""
     ranks = options.ranks_per_node
     per_rank_batch = config.batch_size  # per device, as HF / axolotl / torchtune count it
-    workload = Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule, config.loss_chunks)
+    workload = Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule, config.loss_chunks,
+                        packed=config.packing)
     compute, link, link_source, notices = _times(config, options, plan, text_config, workload, device)
     footprint = plan.footprint()
     on_host = embeddings_on_host(config.embeddings_on_host, device)

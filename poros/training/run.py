@@ -33,6 +33,7 @@ from poros.errors import DataError, OutputDirError, TrainingCheckpointError
 from poros.training.progress import echo, progress_bar, showing
 from poros.training.stop import StopRequest
 from poros.training.validation import check_seq_len
+from poros.data.batches import real_tokens
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
@@ -141,6 +142,9 @@ class TrainingRun:
         pad_token_id = padding_id(tokenizer, self.model.config)
         data, self.eval_set = evaluation.eval_set_for_run(config, data, tokenizer, pad_token_id=pad_token_id,
                                                           vocab_size=self.model.config.vocab_size)
+        if config.packing:
+            data = self._packed(data)
+        self.pad_token_id = pad_token_id
         self.trainer.eval_set = self.eval_set
         batches = BatchIterator(data, batch_size=self.global_batch, pad_token_id=pad_token_id, seed=config.seed,
                                 shuffle=True, pad_to_multiple_of=config.pad_to_multiple_of)
@@ -149,6 +153,19 @@ class TrainingRun:
             echo(f"poros: {note}")
         self.config = self.trainer.run_config = config.replace(steps=steps)
         return data, batches
+
+    def _packed(self, data):
+        """The training examples packed into rows of up to ``seq_len`` tokens (``packing: true``)."""
+        from poros.data.packing import pack_examples
+
+        reason = self.model.descriptor.packing_unsupported
+        if reason:
+            raise DataError(f"packing: true cannot train {self.model.descriptor.display_name}: {reason}. Fix: set "
+                            "packing: false (one example per row)")
+        packed = pack_examples(data, self.config.seq_len)
+        echo(f"poros: packing: {data.num_examples:,} examples into {packed.num_examples:,} rows of up to "
+             f"{self.config.seq_len:,} tokens ({100 * packed.total_tokens / (packed.num_examples * self.config.seq_len):.1f}% full)")
+        return packed
 
     def _optimizer(self):
         import transformers
@@ -323,8 +340,7 @@ class TrainingRun:
         self.global_step += 1
         self.trainer.global_step = self.global_step
         self.pending_losses.append(step_loss)
-        self.pending_tokens = self.pending_tokens + sum(batch["attention_mask"].sum()
-                                                        for batch in micro_batches)
+        self.pending_tokens = self.pending_tokens + sum(real_tokens(batch, self.pad_token_id) for batch in micro_batches)
         return learning_rate, grad_norm
 
     def _step_loss(self, micro_batches: list[dict[str, torch.Tensor]], layer_major: bool) -> torch.Tensor:
