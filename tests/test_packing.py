@@ -27,7 +27,7 @@ from poros.errors import DataError
 from poros.testing import all_linear_targets
 from poros.training.trainer import PorosTrainer
 from test_trainer import (LORA, adapters, assert_same_training_state, chat_file, load_reference_base,  # noqa: F401
-                          make_checkpoint, optimizer_states, tokenizer)
+                          make_checkpoint, optimizer_states, reference_step, tokenizer)
 
 SEQ_LEN = 64
 
@@ -123,17 +123,7 @@ def test_packed_training_is_bitwise_a_plain_peft_loop(family, tokenizer, chat_fi
         micro_batches = [batches.next_batch() for _ in range(2)]
         assert all("attention_mask" not in batch for batch in micro_batches)
         restarts += sum(int((batch["position_ids"][:, 1:] == 0).sum()) for batch in micro_batches)
-        num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
-        step_loss = 0
-        for batch in micro_batches:
-            loss = reference(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
-            loss.backward()
-            step_loss = step_loss + loss.detach()
-        torch.nn.utils.clip_grad_norm_(parameters, 0.5)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
+        losses.append(reference_step(reference, micro_batches, parameters, optimizer, scheduler))
     assert restarts, "the rows must hold more than one example"
     assert result.losses == [float(loss) for loss in losses]
     reference_adapters = adapters(reference)

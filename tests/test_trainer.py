@@ -93,6 +93,22 @@ def assert_same_training_state(expected_adapters, expected_states, model, optimi
             assert torch.equal(value, expected_states[name][key]), f"AdamW {key} of {name} differs"
 
 
+def reference_step(reference, micro_batches, parameters, optimizer, scheduler, max_grad_norm=0.5) -> torch.Tensor:
+    """One HF-Trainer-style optimizer step of a plain PEFT model over ``micro_batches``: each loss scaled by the
+    step's trainable tokens (``num_items_in_batch``), clipped, stepped; the step's loss (their sum)."""
+    num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
+    step_loss = 0
+    for batch in micro_batches:
+        loss = reference(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
+        loss.backward()
+        step_loss = step_loss + loss.detach()
+    torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
 # ---------------------------------------------------------------------------------------------
 # Acceptance: from_pretrained -> train -> save -> stock PeftModel.from_pretrained, per family
 # ---------------------------------------------------------------------------------------------
@@ -170,20 +186,10 @@ def test_training_is_bitwise_a_plain_peft_loop(qwen3_checkpoint, tokenizer, chat
     for step in range(2):
         micro_batches = [batches.next_batch() for _ in range(2)]
         padded |= any(bool((batch["attention_mask"] == 0).any()) for batch in micro_batches)
-        num_items_in_batch = sum((batch["labels"][..., 1:] != -100).sum() for batch in micro_batches)
         if step == 0:  # negative control: without num_items_in_batch the reported loss differs
             with torch.no_grad():
                 unscaled = sum(reference(**batch, use_cache=False).loss for batch in micro_batches)
-        step_loss = 0
-        for batch in micro_batches:
-            loss = reference(**batch, num_items_in_batch=num_items_in_batch, use_cache=False).loss
-            loss.backward()
-            step_loss = step_loss + loss.detach()
-        torch.nn.utils.clip_grad_norm_(parameters, 0.5)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
+        losses.append(reference_step(reference, micro_batches, parameters, optimizer, scheduler))
 
     assert padded, "the test data must put padding into the batches"
     assert float(unscaled) != float(losses[0])
