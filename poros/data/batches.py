@@ -155,22 +155,22 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, *,
     if any(("position_ids" in row) != packed for row in rows):
         raise DataError("a batch mixes packed rows (with position_ids) and unpacked ones; expected one kind")
     input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.int64)
-    attention_mask = torch.zeros((len(rows), longest), dtype=torch.int64)
     labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64)
-    positions = torch.zeros((len(rows), longest), dtype=torch.int64)
+    # packed rows: positions, their padding continuing the last example's; else the 1/0 attention mask
+    third = torch.zeros((len(rows), longest), dtype=torch.int64)
     for row_index, row in enumerate(rows):
         length = len(row["input_ids"])
         input_ids[row_index, :length] = torch.tensor(row["input_ids"], dtype=torch.int64)
-        attention_mask[row_index, :length] = 1
         labels[row_index, :length] = torch.tensor(row["labels"], dtype=torch.int64)
         if packed:
-            row_positions = list(row["position_ids"])
-            tail = row_positions[-1] + 1 if row_positions else 0
-            positions[row_index] = torch.tensor(row_positions + list(range(tail, tail + longest - length)),
-                                                dtype=torch.int64)
+            tail = row["position_ids"][-1] + 1 if length else 0
+            third[row_index] = torch.tensor([*row["position_ids"], *range(tail, tail + longest - length)],
+                                            dtype=torch.int64)
+        else:
+            third[row_index, :length] = 1
     if packed:
-        return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {"input_ids": input_ids, "labels": labels, "position_ids": third}
+    return {"input_ids": input_ids, "attention_mask": third, "labels": labels}
 
 
 def real_tokens(batch: Mapping[str, Any], pad_token_id: int) -> Any:

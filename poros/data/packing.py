@@ -22,6 +22,8 @@ Imports no torch.
 
 from __future__ import annotations
 
+import bisect
+
 from poros.data.tokenize import IGNORE_INDEX, TokenizedData
 from poros.errors import DataError
 
@@ -40,19 +42,20 @@ def pack_examples(data: TokenizedData, seq_len: int) -> TokenizedData:
         raise DataError(f"seq_len must be an integer >= 2, got {seq_len!r}")
     order = sorted(range(len(data.examples)), key=lambda i: -len(data.examples[i]["input_ids"]))
     rows: list[list[int]] = []  # example indices per row
-    room: list[int] = []  # tokens left per row
+    rooms: list[tuple[int, int]] = []  # (tokens left, row), sorted: the best fit is the first with room enough
     for index in order:
         length = len(data.examples[index]["input_ids"])
         if length > seq_len:
             raise DataError(f"example {index} has {length} tokens, more than seq_len={seq_len}; packing takes "
                             "examples tokenized with the same seq_len (longer ones are truncated first)")
-        best = min((r for r in range(len(rows)) if room[r] >= length), key=lambda r: room[r], default=None)
-        if best is None:
+        at = bisect.bisect_left(rooms, (length, -1))
+        if at == len(rooms):
             rows.append([index])
-            room.append(seq_len - length)
+            bisect.insort(rooms, (seq_len - length, len(rows) - 1))
         else:
-            rows[best].append(index)
-            room[best] -= length
+            room, row = rooms.pop(at)
+            rows[row].append(index)
+            bisect.insort(rooms, (room - length, row))
     packed = []
     for members in rows:
         input_ids, labels, positions = [], [], []

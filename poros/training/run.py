@@ -25,6 +25,7 @@ import torch
 
 from poros.training import checkpoint as checkpoints
 from poros import distributed
+from poros.data.batches import real_tokens
 from poros.training import evaluation
 from poros.training import model_card
 from poros.training import tracking
@@ -33,7 +34,6 @@ from poros.errors import DataError, OutputDirError, TrainingCheckpointError
 from poros.training.progress import echo, progress_bar, showing
 from poros.training.stop import StopRequest
 from poros.training.validation import check_seq_len
-from poros.data.batches import real_tokens
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
