@@ -62,6 +62,12 @@ class KindAttention(NamedTuple):
     reason: str
 
 
+def seq_by_seq_mask_bytes(rows: int, seq: int, value_bytes: int) -> tuple[int, int]:
+    """``(alive, transient)`` bytes of a materialised ``[rows, 1, seq, seq]`` mask: transformers' bool mask,
+    alive all step, and SDPA's copy of it in the compute dtype while a layer runs."""
+    return rows * seq * seq, rows * seq * seq * value_bytes
+
+
 def attention_by_kind(descriptor: ArchitectureDescriptor, text_config: Any, seq: int, batch: int, *,
                       padded: bool = False, value_bytes: int = 2) -> list[KindAttention]:
     """:class:`KindAttention` for each layer kind the model has (``text_config``'s layer kinds).
@@ -105,8 +111,8 @@ def attention_by_kind(descriptor: ArchitectureDescriptor, text_config: Any, seq:
                                         "bool mask (flash takes no mask)")
         repeat = 2 * batch * (heads - kv_heads) * seq * head_dim * value_bytes  # K/V repeated per head
         if mask_rows:
-            out.append(KindAttention(kind, "efficient", mask_rows * square, mask_rows * square * value_bytes + repeat,
-                                     reason))
+            alive, copy = seq_by_seq_mask_bytes(mask_rows, seq, value_bytes)
+            out.append(KindAttention(kind, "efficient", alive, copy + repeat, reason))
         elif head_dim > FLASH_MAX_HEAD_DIM:
             out.append(KindAttention(kind, "efficient", 0, repeat, f"head_dim {head_dim} > {FLASH_MAX_HEAD_DIM}: "
                                      "flash takes heads up to 256 wide (K/V repeated per head)"))
@@ -140,4 +146,4 @@ def layer_kinds_of(descriptor: ArchitectureDescriptor, text_config: Any) -> list
 
 
 __all__ = ["FLASH_MAX_HEAD_DIM", "KERNELS", "AttentionWorkingSet", "KindAttention", "attention_by_kind",
-           "attention_working_set", "layer_kinds_of", "plain_fields"]
+           "attention_working_set", "layer_kinds_of", "plain_fields", "seq_by_seq_mask_bytes"]

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from poros.stream.attention import seq_by_seq_mask_bytes
 from poros.stream.options import StreamOptions
 from poros.stream.placement import graph_reserve_bytes
 from poros.stream.planner import (
@@ -172,6 +173,7 @@ class BlockShapes:
 
         config = text_config.to_dict()  # a plain read: some configs are per-layer
         heads = config.get("num_attention_heads") or 1
+        head_dim = config.get("head_dim") or text_config.hidden_size // heads
         largest = max(blocks, key=lambda b: outputs(b, False), default=None)
         return cls(
             hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
@@ -180,8 +182,8 @@ class BlockShapes:
             largest_linear=max((m.in_features * m.out_features for b in blocks for _, m in base_linears(b)), default=0),
             logit_softcapping=bool(config.get("final_logit_softcapping")),
             mlp_outputs=outputs(largest, True) if largest is not None else 0,
-            attention_width=heads * (config.get("head_dim") or text_config.hidden_size // heads),
-            kv_width=(config.get("num_key_value_heads") or heads) * (config.get("head_dim") or text_config.hidden_size // heads),
+            attention_width=heads * head_dim,
+            kv_width=(config.get("num_key_value_heads") or heads) * head_dim,
             **_lora_inputs(largest, lora_targets, lora_value_bytes, compute_dtype),
             dequantized_experts=max((grouped_experts_values(b) for b in blocks), default=0),
         )
@@ -315,7 +317,8 @@ def attention_working_set(shapes: BlockShapes, *, batch_size: int, seq_len: int,
                                  "attn_implementation='eager'")
     backward = flash_backward_bytes(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes, sms=sms)
     if packed:
-        return AttentionEstimate(tokens * shapes.num_attention_heads * 4 + batch_size * seq_len * seq_len * (1 + value_bytes),
+        mask = sum(seq_by_seq_mask_bytes(batch_size, seq_len, value_bytes))
+        return AttentionEstimate(tokens * shapes.num_attention_heads * 4 + mask,
                                  "memory-efficient: packed rows' batch x 1 x seq x seq mask (bool, and SDPA's copy in the "
                                  "compute dtype)", "packing: transformers builds the mask from the position_ids restarts",
                                  backward=backward)
