@@ -24,6 +24,12 @@ H200_SMS = 132
 
 
 @cache
+def _configs() -> tempfile.TemporaryDirectory:
+    """Where the shapes' configs are saved for planning: one directory for the process, removed at its exit."""
+    return tempfile.TemporaryDirectory(prefix="poros-record-peak-")
+
+
+@cache
 def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...], rank: int,
           attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
     from poros.config import PorosConfig
@@ -31,7 +37,7 @@ def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, tar
     from tools.shapes import model_config
 
     config, _ = model_config(model, layers=layers)
-    directory = Path(tempfile.mkdtemp(prefix=f"poros-record-{model}-{layers}-"))
+    directory = Path(_configs().name) / f"{model}-{layers}"
     config.save_pretrained(directory)
     return plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                 double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
