@@ -211,3 +211,27 @@ def test_packing_prices_the_seq_by_seq_mask_transformers_builds(capsys):
     assert kernel == ["block recompute: attention kernel (memory-efficient)"]
     assert parts[kernel[0]] - before["block recompute: attention kernel (memory-efficient / flash)"] == 8192 * 8192 * 3
     assert packed["plan"]["attention"].startswith("memory-efficient: packed rows'") and "position_ids" in packed["plan"]["attention"]
+
+
+def test_the_published_long_context_minimums_are_the_planners(tmp_path):
+    """docs/consumer-gpus.md quotes registry/results/cpu-2026-12-02/long-context-minimums.json
+    (``tools/long_context_minimums.py``): its 32B row is what the planner finds today, deterministic or not."""
+    from pathlib import Path
+
+    from poros.config import PorosConfig
+    from poros.training.plan import plan_run
+    from tools import long_context_minimums
+    from tools.shapes import model_config
+
+    record = json.loads((Path(__file__).resolve().parents[1] / "registry" / "results" / "cpu-2026-12-02"
+                         / "long-context-minimums.json").read_text())
+    row = next(r for r in record["rows"] if (r["shape"], r["seq"]) == ("qwen2.5-32b", 32768))
+    config, _ = model_config("qwen2.5-32b")
+    config.save_pretrained(tmp_path)
+    for deterministic, key in ((True, "deterministic_gib"), (False, "not_deterministic_gib")):
+        plan = plan_run(PorosConfig(model=str(tmp_path), device="cuda", seq_len=32768, double_quant=True, lora_rank=16,
+                                    target_modules=long_context_minimums.TARGETS, embeddings_on_host=True,
+                                    attn_implementation="sdpa", stream_schedule="layer-major",
+                                    deterministic=deterministic))
+        assert long_context_minimums.minimum_gib(plan) == row[key]
+    assert row["deterministic_gib"] > row["not_deterministic_gib"]  # the split dQ accumulators cost
