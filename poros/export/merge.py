@@ -54,7 +54,7 @@ from torch import nn
 
 from poros.errors import CheckpointLoadError, ConfigError, UnsupportedAdapterError
 from poros.export.adapter_fit import PEFT_PREFIX, check_adapter_fits
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 #: adapter tensor names PEFT's LoRA merge consumes (``lora_bias`` and embedding LoRA are refused)
 ADAPTER_TENSORS = ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")

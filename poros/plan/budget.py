@@ -35,7 +35,7 @@ from poros.stream import optimizer_states as adamw_states
 from poros.plan.chunk_choice import ChunkChoice, choose_chunks
 from poros.stream.options import SCHEDULES, StreamOptions, Workload
 from poros.plan.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
-from poros.stream.units import format_gb, human_bytes
+from poros.spellings import format_gb, human_bytes
 
 #: LoRA tensors are fp32 (PEFT upcasts adapters of a 4-bit base): parameter + gradient + AdamW exp_avg
 #: and exp_avg_sq, 4 bytes each.
@@ -497,7 +497,7 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
     if options.vram_budget is None:
         raise ConfigError("plan_budget got options without a vram_budget; expected the device memory to plan for. "
                           "Pass e.g. StreamOptions(vram_budget='12GiB').")
-    budget_bytes = parse_budget(options.vram_budget)
+    budget_bytes = options.vram_budget_bytes
     on_host = options.embeddings_on_host is not False and footprint.host_embedding_bytes > 0
     chosen, asked_chunks = None, (workload.loss_chunks, options.mlp_chunks)
     if footprint_for is not None:
@@ -524,7 +524,7 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
             .replace("in pinned memory", "written and read back") for n in notes]
         notes.append(f"boundary states on disk because {'it was asked' if options.boundary_states == 'disk' else ''}"
                      + ("" if options.boundary_states == "disk" else
-                        f"the host budget ({format_gb(parse_budget(options.host_budget, 'host_budget'))}) cannot hold "
+                        f"the host budget ({format_gb(options.host_budget_bytes)}) cannot hold "
                         f"them ({format_gb(boundary_total)}) beside the streamed blocks "
                         f"({format_gb(_streamed_bytes(footprint, resident_blocks))})"))
     if chosen is not None and chosen.raised:
@@ -578,7 +578,7 @@ def _boundary_place(boundary: _Boundary, options: StreamOptions, footprint: Foot
         return options.boundary_states
     if options.host_budget is None:
         return "host"
-    host = parse_budget(options.host_budget, "host_budget")
+    host = options.host_budget_bytes
     return "disk" if _streamed_bytes(footprint, resident_blocks) + boundary_total > host else "host"
 
 

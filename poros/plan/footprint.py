@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from poros.plan.attention import seq_by_seq_mask_bytes
+from poros.plan.entry import cuda_graphs_on, device_context_bytes
 from poros.stream.options import StreamOptions
-from poros.stream.placement import graph_reserve_bytes
 from poros.plan.budget import (
-    CUDA_CONTEXT_BYTES,
     CUDA_WORKSPACE_BYTES,
     BudgetPlan,
     ComputeTimes,
@@ -576,21 +575,14 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
             "loss_chunks": workload.loss_chunks, "mlp_chunks": footprint.mlp_chunks}
 
 
-def device_context_bytes(footprint: Footprint, device: Any, *, cuda_graphs: bool, num_slots: int) -> int:
-    """Device memory a plan counts outside the allocated peak: the CUDA context on a CUDA ``device`` (a
-    ``torch.device`` or its string) and, with ``cuda_graphs`` (on for this run: ``graphs.enabled``), the
-    graphs' pool and static buffers (``placement.graph_reserve_bytes``). What ``prepare(vram_budget=...)``
-    and ``poros plan`` both reserve."""
-    context = CUDA_CONTEXT_BYTES if str(getattr(device, "type", device)).startswith("cuda") else 0
-    return context + (graph_reserve_bytes(footprint, num_slots) if cuda_graphs else 0)
-
-
 def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: list[nn.Module],
-                   options: StreamOptions, *, device: torch.device, compute_dtype: torch.dtype) -> BudgetPlan:
+                   options: StreamOptions, *, device: torch.device, compute_dtype: torch.dtype,
+                   cuda_graphs: bool | None = None) -> BudgetPlan:
     """:func:`plan_budget` for a loaded model and ``options`` (its ``vram_budget`` and ``workload``): what
     ``prepare(vram_budget=...)`` asks; no compute times, so the plan fills the budget with resident
-    blocks. With ``options.cuda_graphs`` (prepare passes whether graphs run on its device) the budget also
-    holds the graphs' pool and static buffers (``placement.graph_reserve_bytes``), beside the context.
+    blocks. With CUDA graphs on (``cuda_graphs``, prepare's decision; None: :func:`~poros.plan.entry.cuda_graphs_on`
+    of ``options.cuda_graphs`` on ``device``) the budget also holds the graphs' pool and static buffers
+    (``placement.graph_reserve_bytes``), beside the context.
 
     Raises:
         ConfigError: no workload, an unparsable budget, or one below the minimum.
@@ -598,8 +590,8 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
     workload = options.budget_workload()
     footprint = footprint_of_model(causal_lm, layers, host_tables, workload, device=device,
                                    compute_dtype=compute_dtype, mlp_chunks=options.mlp_chunks)
-    context = device_context_bytes(footprint, device, cuda_graphs=options.cuda_graphs is not False,
-                                   num_slots=options.num_slots)
+    graphs_on = cuda_graphs_on(options.cuda_graphs, device) if cuda_graphs is None else cuda_graphs
+    context = device_context_bytes(footprint, device, cuda_graphs=graphs_on, num_slots=options.num_slots)
     shapes, value_bytes, attention = model_shapes(causal_lm, layers, compute_dtype)
     return plan_budget(footprint, workload, options, context_bytes=context,
                        footprint_for=chunked_footprints(footprint, shapes, workload, value_bytes=value_bytes,

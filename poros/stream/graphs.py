@@ -61,8 +61,8 @@ cost of queueing ~500 kernels per block disappears.
   few lengths (``pad_to_multiple_of``) to replay them. :attr:`BlockGraphs.report` counts replays,
   captures and every eager run by reason (``poros doctor`` / the run summary).
 
-CUDA only: :func:`enabled` says whether ``cuda_graphs`` applies to a device; on CPU the executor
-has no ``BlockGraphs`` and runs as before.
+CUDA only: ``poros.plan.entry.cuda_graphs_on`` says whether ``cuda_graphs`` applies to a device (the
+one rule of ``"auto"``); on CPU the executor has no ``BlockGraphs`` and runs as before.
 """
 
 from __future__ import annotations
@@ -98,12 +98,6 @@ AUTOCAST_SWITCH = "POROS_CUDA_GRAPHS_AUTOCAST"
 #: the environment variable that lets micro-major's block phases (inside the autograd engine) replay
 #: too (``1``): a probe for the H200 (tools/autocast_graph_probe.py ``micro-major``), off by default
 MICRO_MAJOR_SWITCH = "POROS_CUDA_GRAPHS_MICRO_MAJOR"
-
-
-def enabled(value: Any, device: torch.device) -> bool:
-    """Whether ``cuda_graphs=value`` applies on ``device``: graphs exist on CUDA only (off on CPU)."""
-    check(value)
-    return value is not False and device.type == "cuda"
 
 
 @dataclass
