@@ -297,7 +297,6 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     ``PorosModel`` (``unpatch()`` it to run another arm), or None when ``prepare`` failed.
     """
     import poros
-    from poros.plan import budget as planner
     from poros.plan.entry import workload_of
     from poros.plan.footprint import predict_prepared
 

@@ -642,9 +642,9 @@ def _parameter_counts(causal_lm: nn.Module) -> tuple[int, int]:
 def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -> None:
     """With several ranks on the node and the model loaded through the NF4 block cache, each host-kept
     embedding table becomes a copy-on-write mapping of one file beside the cache entry, so the node holds
-    it once, as it holds the blocks once (``poros.stream.tiers.share_host_table``; the values are the
+    it once, as it holds the blocks once (``poros.stream.block_file.share_host_table``; the values are the
     same bytes, checked). One process, or no cache: each table stays this process's own copy."""
-    from poros.stream.tiers import share_host_table
+    from poros.stream.block_file import share_host_table
 
     block_file = getattr(causal_lm, "poros_block_file", None)
     if not host_tables or block_file is None or world().local_size < 2:

@@ -26,19 +26,9 @@ from poros.errors import CheckpointLoadError, ConfigError
 from poros.plan import host_tiers
 from poros.plan.entry import plan_config, workload_of
 from poros.loading.prequantized import read_prequantized
-from poros.plan.footprint import (
-    BlockShapes,
-    activation_bytes,
-    attention_sms,
-    block_bytes,
-    chunked_footprints,
-    meta_skeleton,
-    nf4_experts_bytes,
-    padded,
-    quantized_linears,
-    tensor_bytes,
-    with_activations,
-)
+from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
+from poros.plan.block_bytes import block_bytes, meta_skeleton, nf4_experts_bytes, padded, quantized_linears, tensor_bytes
+from poros.plan.footprint import chunked_footprints, with_activations
 from poros.spellings import format_gb
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
 from poros.plan.budget import (
