@@ -20,7 +20,6 @@ import math
 import re
 import shlex
 import textwrap
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +28,13 @@ from typing import Any, Iterable
 import yaml
 
 from poros.errors import ConfigError
-from poros.settings import HOST_TIERS, SETTINGS, config_fields, problems as setting_problems
-from poros.spellings import FIELD_ALIASES, known_fields, parse_budget, suggestion
+from poros.settings import HOST_TIERS, SETTINGS, config_fields, documented_fields, fields_table
+from poros.settings import problems as setting_problems
+from poros.spellings import (YamlLoader, check_type, choice_list, known_fields, parse_budget, parse_overrides,
+                             yaml_line)
 
 __all__ = ["HOST_TIERS", "PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget", "report_to_names"]
 
-BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
-              "on": True, "off": False}
-NULL_WORDS = ("null", "none", "~")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")
 TARGET_KEYWORDS = ("all-linear", "default")
 
@@ -169,7 +167,7 @@ class PorosConfig:
     def __post_init__(self) -> None:
         hints = _type_hints()
         for f in dataclasses.fields(self):
-            value = _check_type(f.name, getattr(self, f.name), hints[f.name])
+            value = check_type(f.name, getattr(self, f.name), hints[f.name], _example)
             if f.name == "target_modules":
                 value = _normalize_targets(value)
             object.__setattr__(self, f.name, value)
@@ -200,8 +198,8 @@ class PorosConfig:
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
         for name in ("quantization", "compute_dtype", "schedule", "attn_implementation", "stream_schedule"):
             choices = _metadata(name)["choices"]
-            need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
-                 f"pick one of {_choice_list(choices)}")
+            need(getattr(self, name) in choices, name, f"one of {choice_list(choices)}",
+                 f"pick one of {choice_list(choices)}")
         need(bool(DEVICE_PATTERN.fullmatch(self.device)), "device", "'auto', 'cpu', 'cuda' or 'cuda:N'",
              "e.g. device: cuda:0")
         need(self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1, "pad_to_multiple_of",
@@ -264,7 +262,7 @@ class PorosConfig:
         names = report_to_names(self.report_to)
         choices = _metadata("report_to")["choices"]
         need(bool(names) and all(name in choices for name in names), "report_to",
-             f"one or more of {_choice_list(choices)}", "e.g. report_to: tensorboard, or tensorboard,wandb (--report-to tensorboard,wandb)")
+             f"one or more of {choice_list(choices)}", "e.g. report_to: tensorboard, or tensorboard,wandb (--report-to tensorboard,wandb)")
         need(len(names) == 1 or not {"none", "all"} & set(names), "report_to", "'none' and 'all' alone",
              "list the trackers, or write report_to: all")
 
@@ -332,7 +330,7 @@ class PorosConfig:
             raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
         try:
             with stream:
-                data = yaml.load(stream, Loader=_YamlLoader)  # SafeLoader + YAML 1.2 floats (2e-4)
+                data = yaml.load(stream, Loader=YamlLoader)  # SafeLoader + YAML 1.2 floats (2e-4)
         except yaml.YAMLError as error:
             raise ConfigError(f"{path} is not valid YAML: {error}. Fix the line shown, or write a fresh file "
                               "with `poros init`.") from None
@@ -350,7 +348,7 @@ class PorosConfig:
             The YAML text (what :meth:`from_yaml` reads back to an equal config).
         """
         if not commented:
-            text = "".join(_yaml_line(name, value) + "\n" for name, value in self.to_dict().items())
+            text = "".join(yaml_line(name, value) + "\n" for name, value in self.to_dict().items())
         else:
             name = shlex.quote(str(path)) if path is not None else "poros.yaml"
             lines = [
@@ -365,10 +363,10 @@ class PorosConfig:
                 meta = f.metadata
                 if meta["section"]:
                     lines += ["", f"# -- {meta['section']} " + "-" * (72 - len(meta["section"]))]
-                choices = f" Choices: {_choice_list(meta['choices'])}." if meta["choices"] else ""
+                choices = f" Choices: {choice_list(meta['choices'])}." if meta["choices"] else ""
                 lines += textwrap.wrap(f"{meta['doc']}{choices}", width=98, initial_indent="# ",
                                        subsequent_indent="#   ", break_on_hyphens=False)
-                lines.append(_yaml_line(f.name, getattr(self, f.name)))
+                lines.append(yaml_line(f.name, getattr(self, f.name)))
             text = "\n".join(lines) + "\n"
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
@@ -387,50 +385,8 @@ class PorosConfig:
             ConfigError: an argument that is not ``--key``, an unknown key (named, with the
                 closest field), a missing or unparsable value, or an invalid result.
         """
-        arguments = list(arguments)
-        hints = _type_hints()
-        names = [f.name for f in dataclasses.fields(PorosConfig)]
-        changes: dict[str, Any] = {}
-        index = 0
-        while index < len(arguments):
-            argument = arguments[index]
-            index += 1
-            if not argument.startswith("--") or len(argument) == 2:
-                raise ConfigError(
-                    f"unexpected argument {argument!r}; overrides are --key value pairs (e.g. --steps 50). Put "
-                    "the config file first: poros train poros.yaml --steps 50."
-                )
-            key, has_value, value = argument[2:].partition("=")
-            key = key.replace("-", "_")
-            key = FIELD_ALIASES.get(key, key) if key not in names else key  # --learning-rate: lr
-            negated = False
-            if key not in names and key.startswith("no_") and key[3:] in names \
-                    and bool in _allowed_types(hints[key[3:]]):
-                key, negated = key[3:], True
-            if key not in names:
-                raise ConfigError(f"unknown override --{argument[2:].partition('=')[0]}: PorosConfig has no field "
-                                  f"{key!r}{suggestion(key, names)}")
-            allowed = _allowed_types(hints[key])
-            if negated:
-                if has_value:
-                    raise ConfigError(f"--no-{key.replace('_', '-')} takes no value (got {value!r}); write "
-                                      f"--{key.replace('_', '-')} {value} instead")
-                changes[key] = False
-                continue
-            if not has_value:
-                following = arguments[index] if index < len(arguments) else None
-                takes_following = following is not None and (following.lower() in BOOL_WORDS or (
-                    type(None) in allowed and following.lower() in NULL_WORDS) or (
-                    str in allowed and not following.startswith("--")))  # a bool-or-word field: --cuda-graphs auto
-                if bool in allowed and not takes_following:
-                    changes[key] = True  # a bare --flag
-                    continue
-                if following is None or (following.startswith("--") and len(following) > 2):
-                    raise ConfigError(f"--{key.replace('_', '-')} needs a value ({_type_name(hints[key])}), e.g. "
-                                      f"--{key.replace('_', '-')} {_example(key)}")
-                value = following
-                index += 1
-            changes[key] = _parse_value(key, value, hints[key])
+        changes = parse_overrides(arguments, [f.name for f in dataclasses.fields(PorosConfig)], _type_hints(),
+                                  _example)
         try:
             return self.replace(**changes)
         except ConfigError as error:
@@ -456,91 +412,16 @@ def _fields_by_name() -> dict[str, dataclasses.Field]:
 def field_docs() -> list[dict[str, Any]]:
     """One dict per field: ``name``, ``type`` (as written in the docs), ``default``, ``choices``,
     ``doc``, ``section``; what ``docs/configuration.md`` tabulates."""
-    hints = _type_hints()
-    out, section = [], ""
-    for f in dataclasses.fields(PorosConfig):
-        section = f.metadata["section"] or section
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        out.append({"name": f.name, "type": _type_name(hints[f.name]), "default": default,
-                    "choices": list(f.metadata["choices"]), "doc": f.metadata["doc"], "section": section})
-    return out
+    return documented_fields(PorosConfig, _type_hints())
 
 
 #: section title -> field names, in declaration order.
-FIELD_SECTIONS: dict[str, list[str]] = {}
+FIELD_SECTIONS: dict[str, list[str]] = {}  # filled below, once PorosConfig has every field
 
 
 @functools.cache
 def _type_hints() -> dict[str, Any]:
     return typing.get_type_hints(PorosConfig)
-
-
-def _allowed_types(hint: Any) -> tuple[Any, ...]:
-    """``str | list[str] | None`` -> ``(str, list[str], NoneType)``."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return typing.get_args(hint)
-    return (hint,)
-
-
-def _type_name(hint: Any) -> str:
-    names = []
-    for allowed in _allowed_types(hint):
-        if allowed is type(None):
-            names.append("null")
-        elif typing.get_origin(allowed) is list:
-            names.append("list of str")
-        else:
-            names.append(allowed.__name__)
-    return " or ".join(names)
-
-
-def _check_type(name: str, value: Any, hint: Any) -> Any:
-    """``value`` if it has a type ``hint`` allows (int -> float for float fields, tuple -> list)."""
-    for allowed in _allowed_types(hint):
-        if allowed is type(None) and value is None:
-            return None
-        if allowed is bool and isinstance(value, bool):
-            return value
-        if allowed is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if allowed is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if allowed is str and isinstance(value, str):
-            return value
-        if typing.get_origin(allowed) is list and isinstance(value, (list, tuple)) \
-                and all(isinstance(item, str) for item in value):
-            return list(value)
-    raise ConfigError(
-        f"{name}={value!r} has type {type(value).__name__}, expected {_type_name(hint)}; e.g. {name}: "
-        f"{_example(name)}"
-    )
-
-
-def _parse_value(name: str, text: str, hint: Any) -> Any:
-    """Parse one command-line string by the field's type (see :meth:`PorosConfig.apply_overrides`)."""
-    allowed = _allowed_types(hint)
-    lowered = text.strip().lower()
-    if type(None) in allowed and lowered in NULL_WORDS:
-        return None
-    for kind in allowed:
-        if kind is bool and lowered in BOOL_WORDS:
-            return BOOL_WORDS[lowered]
-        if kind is int:
-            try:
-                return int(text)
-            except ValueError:
-                pass
-        if kind is float:
-            try:
-                return float(text)
-            except ValueError:
-                pass
-        if typing.get_origin(kind) is list and ("," in text or str not in allowed):
-            return [item.strip() for item in text.split(",") if item.strip()]
-        if kind is str:
-            return text
-    raise ConfigError(f"--{name.replace('_', '-')} {text!r}: expected {_type_name(hint)}; e.g. "
-                      f"--{name.replace('_', '-')} {_example(name)}")
 
 
 def _normalize_targets(value: str | list[str]) -> str | list[str]:
@@ -562,10 +443,6 @@ def _example(name: str) -> str:
     if isinstance(default, bool):
         return str(default).lower()
     return str(default)
-
-
-def _choice_list(choices: Iterable[Any]) -> str:
-    return ", ".join("null" if choice is None else str(choice) for choice in choices)
 
 
 def _given(data: dict[str, Any], source: str) -> dict[str, Any]:
@@ -590,50 +467,16 @@ def _accepting_aliases(init):
 PorosConfig.__init__ = _accepting_aliases(PorosConfig.__init__)  # type: ignore[method-assign]
 
 
-def _yaml_line(name: str, value: Any) -> str:
-    """``name: value`` as YAML; lists in flow style (``[q_proj, v_proj]``). Strings that would read
-    back as another type (``'null'``, ``'2e-4'``) are quoted."""
-    if isinstance(value, list):
-        return f"{name}: " + yaml.dump(value, Dumper=_YamlDumper, default_flow_style=True, width=1_000).strip()
-    return yaml.dump({name: value}, Dumper=_YamlDumper, default_flow_style=False, width=1_000).rstrip("\n")
-
-
 def fields_markdown() -> str:
     """The Markdown table of every field (name, type, default, what it does) that
     ``docs/configuration.md`` embeds between its ``fields`` markers; a test keeps them equal."""
-    lines = []
-    for section, names in FIELD_SECTIONS.items():
-        lines += [f"**{section}**", "", "| field | type | default | what it does |", "|---|---|---|---|"]
-        for doc in field_docs():
-            if doc["name"] not in names:
-                continue
-            default = _yaml_line("x", doc["default"]).removeprefix("x: ")
-            choices = f" Choices: {_choice_list(doc['choices'])}." if doc["choices"] else ""
-            text = f"{doc['doc']}{choices}".replace("|", "\\|")
-            lines.append(f"| `{doc['name']}` | {doc['type']} | `{default}` | {text} |")
-        lines.append("")
-    return "\n".join(lines).rstrip("\n") + "\n"
+    return fields_table(field_docs())
 
 
 def _copy(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads YAML 1.2 floats without a dot (``2e-4``), which YAML 1.1 calls strings."""
-
-
-class _YamlDumper(yaml.SafeDumper):
-    """SafeDumper that quotes the strings :class:`_YamlLoader` would read as floats (``'2e-4'``)."""
-
-
-for _resolving in (_YamlLoader, _YamlDumper):
-    _resolving.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
-        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-del _resolving
-
-_current = ""
-for _f in dataclasses.fields(PorosConfig):
-    _current = _f.metadata["section"] or _current
-    FIELD_SECTIONS.setdefault(_current, []).append(_f.name)
-del _current, _f
+for _doc in field_docs():
+    FIELD_SECTIONS.setdefault(_doc["section"], []).append(_doc["name"])
+del _doc

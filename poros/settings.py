@@ -23,11 +23,15 @@ config field, the prepare keyword, the YAML line, the ``--key`` flag and the doc
 it changes is read from ``StreamOptions`` by the engine and the planner; ``poros.plan`` decides any
 ``"auto"`` it allows.
 
-Torch-free: the standard library only.
+The documentation of a settings dataclass (every config field: :func:`documented_fields`,
+:func:`fields_table`, what ``docs/configuration.md`` embeds) is read from the same field metadata.
+
+Torch-free: the standard library and PyYAML only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import textwrap
 from collections.abc import Iterable
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from poros.errors import ConfigError
-from poros.spellings import parse_budget
+from poros.spellings import choice_list, parse_budget, type_name, yaml_line
 
 #: where the streamed blocks may live on the host, the one list of the tier names: ``host_tier``'s choices,
 #: the planner (``poros.plan.host_tiers``) and the engine's tier classes (``poros.stream.tiers``) read it
@@ -345,6 +349,36 @@ def keyword_fields(cls: type) -> type:
     return cls
 
 
+def documented_fields(cls: type, hints: dict[str, Any]) -> list[dict[str, Any]]:
+    """One dict per field of the dataclass ``cls`` (its types ``hints``), from the field's metadata:
+    ``name``, ``type`` (as the docs write it), ``default``, ``choices``, ``doc`` and ``section`` (the
+    last section title above it)."""
+    out, section = [], ""
+    for f in dataclasses.fields(cls):
+        section = f.metadata["section"] or section
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        out.append({"name": f.name, "type": type_name(hints[f.name]), "default": default,
+                    "choices": list(f.metadata["choices"]), "doc": f.metadata["doc"], "section": section})
+    return out
+
+
+def fields_table(docs: list[dict[str, Any]]) -> str:
+    """The Markdown tables of ``docs`` (:func:`documented_fields`), one per section: name, type, default
+    (as YAML writes it), what it does with its choices."""
+    lines, sections = [], {}
+    for doc in docs:
+        sections.setdefault(doc["section"], []).append(doc)
+    for section, rows in sections.items():
+        lines += [f"**{section}**", "", "| field | type | default | what it does |", "|---|---|---|---|"]
+        for doc in rows:
+            default = yaml_line("x", doc["default"]).removeprefix("x: ")
+            choices = f" Choices: {choice_list(doc['choices'])}." if doc["choices"] else ""
+            text = f"{doc['doc']}{choices}".replace("|", "\\|")
+            lines.append(f"| `{doc['name']}` | {doc['type']} | `{default}` | {text} |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
 def problems(values: Any, where: str = "both") -> list[str]:
     """Every setting's problem in ``values`` (an object with the settings as attributes), one line each."""
     found = [setting.message(getattr(values, setting.name)) for setting in STREAMING
@@ -353,4 +387,5 @@ def problems(values: Any, where: str = "both") -> list[str]:
 
 
 __all__ = ["BOUNDARY_STATES", "HOST_TIERS", "LORA_PLACEMENTS", "OPTIMIZER_STATES", "REQUIRABLE", "SETTINGS",
-           "STREAMING", "Setting", "config_fields", "keyword_fields", "problems"]
+           "STREAMING", "Setting", "config_fields", "documented_fields", "fields_table", "keyword_fields",
+           "problems"]

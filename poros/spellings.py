@@ -10,14 +10,24 @@
   bench and the results pages write them (:func:`format_gb`: the planner and its report, ``poros cache``).
   Two named functions because both forms are printed and asserted; everything else calls them.
 
-Torch-free: the standard library only.
+* Values as the command line and YAML spell them: ``--key value`` overrides (:func:`parse_overrides`,
+  :func:`parse_value`: ``true``/``on``, ``null``, ``1e-4``, ``q_proj,v_proj``), the type check of a value
+  (:func:`check_type`) and one ``key: value`` YAML line (:func:`yaml_line`; :class:`YamlLoader` reads
+  YAML 1.2 floats such as ``2e-4``).
+
+Torch-free: the standard library and PyYAML only.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import types
+import typing
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import yaml
 
 from poros.errors import ConfigError
 
@@ -134,5 +144,164 @@ def format_gb(nbytes: float) -> str:
             return f"{nbytes / size:.2f} {unit}" if unit == "GB" else f"{nbytes / size:.1f} {unit}"
     return f"{int(nbytes)} B"
 
+# -- values as the command line and YAML spell them -------------------------------------------------
+BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
+              "on": True, "off": False}
+NULL_WORDS = ("null", "none", "~")
 
-__all__ = ["FIELD_ALIASES", "aliases_of", "format_gb", "human_bytes", "known_fields", "parse_budget", "suggestion"]
+
+def allowed_types(hint: Any) -> tuple[Any, ...]:
+    """``str | list[str] | None`` -> ``(str, list[str], NoneType)``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def type_name(hint: Any) -> str:
+    names = []
+    for allowed in allowed_types(hint):
+        if allowed is type(None):
+            names.append("null")
+        elif typing.get_origin(allowed) is list:
+            names.append("list of str")
+        else:
+            names.append(allowed.__name__)
+    return " or ".join(names)
+
+
+def check_type(name: str, value: Any, hint: Any, example: Callable[[str], str]) -> Any:
+    """``value`` if it has a type ``hint`` allows (int -> float for float fields, tuple -> list); ``example(name)``
+    is a value the error message suggests."""
+    for allowed in allowed_types(hint):
+        if allowed is type(None) and value is None:
+            return None
+        if allowed is bool and isinstance(value, bool):
+            return value
+        if allowed is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if allowed is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if allowed is str and isinstance(value, str):
+            return value
+        if typing.get_origin(allowed) is list and isinstance(value, (list, tuple)) \
+                and all(isinstance(item, str) for item in value):
+            return list(value)
+    raise ConfigError(
+        f"{name}={value!r} has type {type(value).__name__}, expected {type_name(hint)}; e.g. {name}: "
+        f"{example(name)}"
+    )
+
+
+def parse_value(name: str, text: str, hint: Any, example: Callable[[str], str]) -> Any:
+    """Parse one command-line string by the field's type (see :func:`parse_overrides`)."""
+    allowed = allowed_types(hint)
+    lowered = text.strip().lower()
+    if type(None) in allowed and lowered in NULL_WORDS:
+        return None
+    for kind in allowed:
+        if kind is bool and lowered in BOOL_WORDS:
+            return BOOL_WORDS[lowered]
+        if kind is int:
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if kind is float:
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if typing.get_origin(kind) is list and ("," in text or str not in allowed):
+            return [item.strip() for item in text.split(",") if item.strip()]
+        if kind is str:
+            return text
+    raise ConfigError(f"--{name.replace('_', '-')} {text!r}: expected {type_name(hint)}; e.g. "
+                      f"--{name.replace('_', '-')} {example(name)}")
+
+
+def parse_overrides(arguments: Iterable[str], names: list[str], hints: dict[str, Any],
+                    example: Callable[[str], str]) -> dict[str, Any]:
+    """The field changes command-line overrides spell (nanoGPT's configurator, type-checked): ``--key
+    value``, ``--key=value``, ``--flag`` (a bool field set to true) and ``--no-flag`` (false), for the
+    fields ``names`` of types ``hints``; ``--seq-len`` and ``--seq_len`` are the same key, another
+    trainer's name means its field (:data:`FIELD_ALIASES`). Values are parsed by the field's type
+    (:func:`parse_value`); ``example(name)`` is a value an error message suggests.
+
+    Raises:
+        ConfigError: an argument that is not ``--key``, an unknown key (named, with the closest field),
+            a missing or unparsable value.
+    """
+    arguments = list(arguments)
+    changes: dict[str, Any] = {}
+    index = 0
+    while index < len(arguments):
+        argument = arguments[index]
+        index += 1
+        if not argument.startswith("--") or len(argument) == 2:
+            raise ConfigError(
+                f"unexpected argument {argument!r}; overrides are --key value pairs (e.g. --steps 50). Put "
+                "the config file first: poros train poros.yaml --steps 50."
+            )
+        key, has_value, value = argument[2:].partition("=")
+        key = key.replace("-", "_")
+        key = FIELD_ALIASES.get(key, key) if key not in names else key  # --learning-rate: lr
+        negated = False
+        if key not in names and key.startswith("no_") and key[3:] in names \
+                and bool in allowed_types(hints[key[3:]]):
+            key, negated = key[3:], True
+        if key not in names:
+            raise ConfigError(f"unknown override --{argument[2:].partition('=')[0]}: PorosConfig has no field "
+                              f"{key!r}{suggestion(key, names)}")
+        allowed = allowed_types(hints[key])
+        if negated:
+            if has_value:
+                raise ConfigError(f"--no-{key.replace('_', '-')} takes no value (got {value!r}); write "
+                                  f"--{key.replace('_', '-')} {value} instead")
+            changes[key] = False
+            continue
+        if not has_value:
+            following = arguments[index] if index < len(arguments) else None
+            takes_following = following is not None and (following.lower() in BOOL_WORDS or (
+                type(None) in allowed and following.lower() in NULL_WORDS) or (
+                str in allowed and not following.startswith("--")))  # a bool-or-word field: --cuda-graphs auto
+            if bool in allowed and not takes_following:
+                changes[key] = True  # a bare --flag
+                continue
+            if following is None or (following.startswith("--") and len(following) > 2):
+                raise ConfigError(f"--{key.replace('_', '-')} needs a value ({type_name(hints[key])}), e.g. "
+                                  f"--{key.replace('_', '-')} {example(key)}")
+            value = following
+            index += 1
+        changes[key] = parse_value(key, value, hints[key], example)
+    return changes
+
+
+def choice_list(choices: Iterable[Any]) -> str:
+    return ", ".join("null" if choice is None else str(choice) for choice in choices)
+
+
+def yaml_line(name: str, value: Any) -> str:
+    """``name: value`` as YAML; lists in flow style (``[q_proj, v_proj]``). Strings that would read
+    back as another type (``'null'``, ``'2e-4'``) are quoted."""
+    if isinstance(value, list):
+        return f"{name}: " + yaml.dump(value, Dumper=YamlDumper, default_flow_style=True, width=1_000).strip()
+    return yaml.dump({name: value}, Dumper=YamlDumper, default_flow_style=False, width=1_000).rstrip("\n")
+
+
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats without a dot (``2e-4``), which YAML 1.1 calls strings."""
+
+
+class YamlDumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings :class:`YamlLoader` would read as floats (``'2e-4'``)."""
+
+
+for _resolving in (YamlLoader, YamlDumper):
+    _resolving.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+del _resolving
+
+
+__all__ = ["BOOL_WORDS", "FIELD_ALIASES", "NULL_WORDS", "YamlDumper", "YamlLoader", "aliases_of", "allowed_types",
+           "check_type", "choice_list", "format_gb", "human_bytes", "known_fields", "parse_budget", "parse_overrides",
+           "parse_value", "suggestion", "type_name", "yaml_line"]

@@ -10,7 +10,7 @@ and classifies the outcome:
 * ``refused``: the resident PEFT model itself cannot be built or trained on a 4-bit base
   (``where: peft``), or it fails or silently changes the loss under Poros (``where: poros``).
 
-``poros.prepare`` gates adapter types (``poros.dropin.model.SUPPORTED_ADAPTERS``, LoRA only, raising
+``poros.prepare`` gates adapter types (``poros.dropin.detection.SUPPORTED_ADAPTERS``, LoRA only, raising
 ``UnsupportedAdapterError``; non-LoRA parameters inside a block raise ``TrainableInBlockError``).
 Each case records whether that gate refuses it (``gate``) and, to measure what the streaming engine
 itself does, classifies the run with the gate lifted for that one adapter type
@@ -250,11 +250,11 @@ def _error_text(error: BaseException) -> str:
 def adapter_gates_lifted(peft_model, extra_markers: tuple[str, ...] = ()):
     """Let ``poros.prepare`` accept ``peft_model``'s adapter type, to measure the engine; restored on exit.
 
-    Adds the PEFT type to ``poros.dropin.model.SUPPORTED_ADAPTERS`` and PEFT's own parameter prefix of the
+    Adds the PEFT type to ``poros.dropin.detection.SUPPORTED_ADAPTERS`` and PEFT's own parameter prefix of the
     type (``BaseTuner.prefix``: ``"oft_"``, ``"hada_"``...) to the adapter-parameter markers of the
     frozen-base gate, plus ``extra_markers``. Nothing else is relaxed.
     """
-    import poros.dropin.model as prepare_module
+    import poros.dropin.detection as prepare_module
 
     config = next(iter(peft_model.peft_config.values()))
     peft_type = str(config.peft_type).rsplit(".", 1)[-1].upper()

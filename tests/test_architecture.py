@@ -1,9 +1,11 @@
 """The package's shape: no import circle in ``poros/`` (function-local imports count), each layer (a
-folder) imports only the layers its package docstring names, no module over 700 lines, at most 16
+folder) imports only the layers its package docstring names, no module over 500 lines, at most 16
 modules at the package root, no function over 100 lines of code, and each module says at its head
-what it owns. ``docs/architecture.md`` draws the picture and is checked against the same rule. The
-tools beside the package (``tools/``) keep the same sizes, never edit ``sys.path`` and import the
-harness's pieces, not its command line."""
+what it owns. The planner is a layer of its own and the only one that builds a ``Workload``; each
+streaming setting is declared once (``poros.settings``). ``docs/architecture.md`` draws the picture and
+is checked against the same rule. The tools beside the package (``tools/``) keep modules under 700
+lines and functions under 100, never edit ``sys.path`` and import the harness's pieces, not its
+command line."""
 
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "poros"
-MAX_LINES = 700
+MAX_LINES = 500
+MAX_TOOL_LINES = 700
 MAX_TOP_LEVEL = 16
+#: Modules over MAX_LINES that other engineers are editing now (issue 40: the executor, by the speed and
+#: long-context work); the lead empties this set at merge. Nothing joins it: split a module by concept.
+MODULES_BEING_SPLIT: set[str] = {"poros/stream/executor.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -250,7 +256,9 @@ def test_old_module_paths_are_the_moved_modules():
 def test_module_size_and_docstring(module):
     path = MODULES[module]
     lines = path.read_text().count("\n")
-    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines (at most {MAX_LINES}): split it by job"
+    where = path.relative_to(PACKAGE.parent).as_posix()
+    assert lines <= MAX_LINES or where in MODULES_BEING_SPLIT, (
+        f"{where} has {lines} lines (at most {MAX_LINES}): split it along a concept its docstring names")
     if path.stat().st_size:
         assert ast.get_docstring(ast.parse(path.read_text())), f"{module} has no module docstring saying what it owns"
 
@@ -322,7 +330,7 @@ def test_no_function_over_100_lines_of_code(path):
 @pytest.mark.parametrize("path", TOOL_MODULES, ids=lambda p: p.name)
 def test_tool_module_size_and_docstring(path):
     lines = path.read_text().count("\n")
-    assert lines <= MAX_LINES, f"tools/{path.name} has {lines} lines (at most {MAX_LINES}): split it by job"
+    assert lines <= MAX_TOOL_LINES, f"tools/{path.name} has {lines} lines (at most {MAX_TOOL_LINES}): split it by job"
     assert ast.get_docstring(ast.parse(path.read_text())), f"tools/{path.name} has no docstring saying what it does"
 
 

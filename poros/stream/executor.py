@@ -45,7 +45,7 @@ Notable features:
   the trunk returns the streamed hidden states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
   LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise the same.
 * **Without grad, HF's own loop.** A forward without grad (generation, evaluation) is never
-  recomputed: the trunk's class ``forward`` runs with each layer a ``_StreamingLayer`` proxy
+  recomputed: the trunk's class ``forward`` runs with each layer a ``StreamingLayer`` proxy
   (fetch, run with HF's arguments, release), so HF's KV cache and whatever the trunk does
   between layers work as in the resident model.
 * **CUDA graphs, optionally.** With ``graphs`` (``graphs.py``, ``cuda_graphs=True``), the block
@@ -59,9 +59,7 @@ Notable features:
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -80,119 +78,8 @@ from poros.stream.replay import autocast_state, outside_autocast, replayed_autoc
 from poros.stream.router_logits import RouterRecorder
 from poros.stream.stash import DiskStash, HostStash
 from poros.stream.store import BlockStore
-
-
-# ---------------------------------------------------------------------------------------------
-# Capturing HF's own calls: recorders in place of the layers; what the streamed trunk returns.
-# ---------------------------------------------------------------------------------------------
-class _CaptureDone(Exception):
-    """Raised by the last recorder; carries nothing (the calls are in the recorders' list): it unwinds
-    HF's forward, the trunk's in a capture, the whole model's in layer-major's prelude phase."""
-
-
-class Phase(enum.Enum):
-    """What the streamed trunk does when the model calls it."""
-
-    STREAM = "stream"  # every call but layer-major's: stream the blocks (HF's own loop without grad)
-    PRELUDE = "prelude"  # layer-major's first call per micro-batch: record HF's layer calls, run nothing else
-    HEAD = "head"  # layer-major's second call: the blocks already ran; return the final norm of their output
-
-
-@dataclass(frozen=True)
-class TrunkState:
-    """The streamed trunk's phase and what it carries: the executor's one switch (``forward_backward``
-    sets it for one call of the model, then it is :data:`STREAMING` again)."""
-
-    phase: Phase
-    calls: list | None = None  # PRELUDE: where the recorders put HF's layer calls
-    hidden: torch.Tensor | None = None  # HEAD: the last block's output, a leaf the head's backward fills
-    router_logits: tuple | None = None  # HEAD: every block's router logits, leaves (output_router_logits)
-    asked: dict = field(default_factory=dict)  # PRELUDE: what HF asked the trunk for ("router": its logits)
-    autocast: list | None = None  # PRELUDE: where the trunk notes the autocast state the model's forward set
-
-
-STREAMING = TrunkState(Phase.STREAM)
-
-
-class _LayerRecorder(nn.Module):
-    def __init__(self, calls: list, last: bool) -> None:
-        super().__init__()
-        self.calls, self.last = calls, last
-
-    def forward(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        if self.last:
-            raise _CaptureDone
-        return args[0]
-
-
-class _StreamingLayer(nn.Module):
-    """Stands for decoder layer ``index`` in a forward without grad: fetch, run with HF's arguments, release.
-
-    Attributes HF reads from a layer (e.g. ``attention_type``) are the real layer's.
-    """
-
-    def __init__(self, executor: "StreamingExecutor", index: int) -> None:
-        super().__init__()
-        self.executor, self.index = executor, index
-
-    def forward(self, *args, **kwargs):
-        self.executor._make_resident(self.index)
-        self.executor._prefetch(self.index + 1)
-        try:
-            return self.executor.layers[self.index](*args, **kwargs)
-        finally:
-            self.executor.store.release(self.index)
-
-    def __getattr__(self, name: str):
-        if name in ("executor", "index") or name.startswith("_"):
-            return super().__getattr__(name)
-        return getattr(self.executor.layers[self.index], name)
-
-
-class _TrunkOutput:
-    """What callers read from the text model: ``last_hidden_state`` (and ``router_logits`` when asked for);
-    anything else is None."""
-
-    def __init__(self, last_hidden_state: torch.Tensor, router_logits: tuple | None = None) -> None:
-        self.last_hidden_state, self.router_logits = last_hidden_state, router_logits
-
-    def __getattr__(self, name: str) -> None:
-        return None
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if index != 0:
-            raise IndexError(index)
-        return self.last_hidden_state
-
-
-@contextlib.contextmanager
-def _swapped(parent: nn.Module, name: str, replacement: nn.Module):
-    original = parent._modules[name]
-    parent._modules[name] = replacement
-    try:
-        yield
-    finally:
-        parent._modules[name] = original
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-forward state: captured calls, carried-mapping versions, pending gradients, RNG.
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class _Step:
-    calls: list[LayerCall]
-    # carried mappings: (kwarg, key) -> (writer index, value) as seen when each block started
-    seen_at_entry: list[dict[tuple[str, Any], tuple[int, Any]]] = field(default_factory=list)
-    written_by: dict[int, list[tuple[str, Any]]] = field(default_factory=dict)
-    pending: dict[tuple[str, Any, int], list[torch.Tensor | None]] = field(default_factory=dict)
-    rng_states: dict[int, Any] = field(default_factory=dict)
-    # block index -> the autocast state its forward ran under (replayed by its recompute)
-    autocast_states: dict[int, Any] = field(default_factory=dict)
-    router: bool = False  # output_router_logits: each block's router logits are outputs of its node
-    router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> its forward's logits
-    # layer-major: the autocast state the model's forward set around its trunk call (the blocks run under it)
-    autocast: Any = None
+from poros.stream.trunk import (STREAMING, CaptureDone, LayerRecorder, Phase, Step, StreamingLayer, TrunkOutput,
+                                TrunkState, swapped)
 
 
 class StreamingExecutor:
@@ -241,8 +128,8 @@ class StreamingExecutor:
     # -- installing ----------------------------------------------------------------------------
     @functools.cached_property
     def _layer_proxies(self) -> nn.ModuleList:
-        """One :class:`_StreamingLayer` per decoder layer, made once (generation runs a forward per token)."""
-        return nn.ModuleList(_StreamingLayer(self, i) for i in range(len(self.layers)))
+        """One :class:`StreamingLayer` per decoder layer, made once (generation runs a forward per token)."""
+        return nn.ModuleList(StreamingLayer(self, i) for i in range(len(self.layers)))
 
     def install(self) -> None:
         """Stream this model in place: the trunk instance's ``forward`` becomes :meth:`trunk_forward`."""
@@ -258,16 +145,16 @@ class StreamingExecutor:
     __call__ = forward
 
     # -- the streamed trunk ----------------------------------------------------------------------
-    def trunk_forward(self, *args, **kwargs) -> "_TrunkOutput":
+    def trunk_forward(self, *args, **kwargs) -> "TrunkOutput":
         state = self._state
         if state.phase is Phase.HEAD:  # layer-major, second call: the blocks already ran
-            return _TrunkOutput(self.final_norm(state.hidden), state.router_logits)
+            return TrunkOutput(self.final_norm(state.hidden), state.router_logits)
         if self.before_forward is not None:
             self.before_forward(kwargs)
         if state.phase is Phase.STREAM and not torch.is_grad_enabled():
             return self._trunk_without_grad(*args, **kwargs)
         kwargs["use_cache"] = False  # a differentiable forward keeps no KV cache (training never needs one)
-        if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let _CaptureDone unwind the model
+        if state.phase is Phase.PRELUDE:  # layer-major, first call: record, and let CaptureDone unwind the model
             state.asked["router"] = self.routers.wanted(kwargs)
             if state.autocast is not None:  # e.g. accelerate's autocast around the model's forward only
                 state.autocast.append(autocast_state(self.store.device))
@@ -296,11 +183,11 @@ class StreamingExecutor:
             hidden, *logits = _StreamedBlock.apply(self, step, index, used, self._grad_anchor, hidden, output,
                                                    len(grad_inputs), *grad_inputs, *(p.view_as(p) for p in used))
             router_logits.extend(logits)
-        return _TrunkOutput(self.final_norm(hidden), tuple(router_logits) if step.router else None)
+        return TrunkOutput(self.final_norm(hidden), tuple(router_logits) if step.router else None)
 
     def _trunk_without_grad(self, *args, **kwargs):
         """A forward without grad (generation, evaluation): HF's own trunk forward, each decoder layer a
-        :class:`_StreamingLayer` that fetches its block, runs it, releases it.
+        :class:`StreamingLayer` that fetches its block, runs it, releases it.
 
         Nothing is recomputed later, so there is nothing to capture: HF runs its whole loop, with
         whatever it does between layers (a trunk may slice later layers' inputs to
@@ -316,7 +203,7 @@ class StreamingExecutor:
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         # HF's recorders look for the routers in the module tree, where the proxies stand: record them here
-        with _swapped(self._layers_parent, self._layers_attr, self._layer_proxies), \
+        with swapped(self._layers_parent, self._layers_attr, self._layer_proxies), \
                 self.routers.recording(self.layers, self.routers.wanted(kwargs)) as logits:
             output = self._trunk_class_forward(*args, **kwargs)
         if logits:
@@ -326,19 +213,19 @@ class StreamingExecutor:
     # -- prelude: HF's own code ----------------------------------------------------------------
     def _record(self, raw: list, *args, **kwargs) -> None:
         """HF's trunk forward with recorders for the layers: each layer call goes into ``raw``, and the
-        last recorder raises :class:`_CaptureDone`."""
+        last recorder raises :class:`CaptureDone`."""
         count = len(self.layers)
-        recorders = nn.ModuleList(_LayerRecorder(raw, last=i == count - 1) for i in range(count))
-        with _swapped(self._layers_parent, self._layers_attr, recorders):
+        recorders = nn.ModuleList(LayerRecorder(raw, last=i == count - 1) for i in range(count))
+        with swapped(self._layers_parent, self._layers_attr, recorders):
             self._trunk_class_forward(*args, **kwargs)
 
-    def _capture(self, *args, **kwargs) -> _Step:
+    def _capture(self, *args, **kwargs) -> Step:
         raw: list[tuple[tuple, dict]] = []
-        with contextlib.suppress(_CaptureDone):
+        with contextlib.suppress(CaptureDone):
             self._record(raw, *args, **kwargs)
         return self._step_of(raw)
 
-    def _step_of(self, raw: list[tuple[tuple, dict]]) -> _Step:
+    def _step_of(self, raw: list[tuple[tuple, dict]]) -> Step:
         """The per-forward state of HF's recorded layer calls (StreamingError: not one per layer)."""
         count = len(self.layers)
         if len(raw) != count:
@@ -346,10 +233,10 @@ class StreamingExecutor:
                 f"the model's forward called {len(raw)} of its {count} decoder layers; the descriptor's "
                 f"decoder_layers path {self.descriptor.decoder_layers!r} must name the list the forward loops over."
             )
-        return _Step(calls=[LayerCall.from_capture(a, k, self.mapping_kwargs) for a, k in raw])
+        return Step(calls=[LayerCall.from_capture(a, k, self.mapping_kwargs) for a, k in raw])
 
     # -- one block ---------------------------------------------------------------------------
-    def _run_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors=(),
+    def _run_block(self, step: Step, index: int, hidden: torch.Tensor, grad_tensors=(),
                    recompute_later: bool = True, keep: bool = False, graphable: bool = True) -> torch.Tensor:
         """Forward of block ``index`` (no grad inside the autograd node): fetch, run (a graph replay
         where ``self.graphs`` and ``graphable`` allow), release unless ``keep``."""
@@ -403,7 +290,7 @@ class StreamingExecutor:
         access = self.carried_access(index)
         return {position: access[name] for position, name in call.mapping_at.items()}
 
-    def _backward_block(self, step: _Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
+    def _backward_block(self, step: Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
                         hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False,
                         router_grads: list | None = None):
         """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release.
@@ -517,7 +404,7 @@ class StreamingExecutor:
             return DiskStash(device, self._stash_stream, self.spill_dir)
         return HostStash(device, self._stash_stream)
 
-    def _layer_major(self, model_call: Callable[..., Any], micro_batches: list[dict], steps: list[_Step],
+    def _layer_major(self, model_call: Callable[..., Any], micro_batches: list[dict], steps: list[Step],
                      stash: HostStash | DiskStash | None, own_backward: bool = False) -> list[torch.Tensor]:
         """:meth:`forward_backward` after the preludes: blocks forward, heads, blocks backward, preludes' backward."""
         count, last = len(self.layers), len(self.layers) - 1
@@ -597,12 +484,12 @@ class StreamingExecutor:
         finally:
             self._state = STREAMING
 
-    def _prelude(self, model_call: Callable[..., Any], batch: dict) -> _Step:
+    def _prelude(self, model_call: Callable[..., Any], batch: dict) -> Step:
         """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
-        records the layer calls; the last recorder's :class:`_CaptureDone` unwinds the model's forward, so
+        records the layer calls; the last recorder's :class:`CaptureDone` unwinds the model's forward, so
         no block, head or loss runs."""
         state = TrunkState(Phase.PRELUDE, calls=[], autocast=[])
-        with self._switched(state), contextlib.suppress(_CaptureDone):
+        with self._switched(state), contextlib.suppress(CaptureDone):
             model_call(**batch)
             raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
         step = self._step_of(state.calls)
@@ -611,7 +498,7 @@ class StreamingExecutor:
         return step
 
     # -- carried mappings --------------------------------------------------------------------
-    def _note_mapping_entry(self, step: _Step, index: int) -> None:
+    def _note_mapping_entry(self, step: Step, index: int) -> None:
         """Record, for block ``index``, which version (writer index, value) of each entry it will see."""
         seen: dict[tuple[str, Any], tuple[int, Any]] = {}
         previous = step.seen_at_entry[-1] if step.seen_at_entry else {}
@@ -626,7 +513,7 @@ class StreamingExecutor:
                     seen[(name, key)] = (writer, value)
         step.seen_at_entry.append(seen)
 
-    def _recompute_mappings(self, step: _Step, index: int, call: LayerCall):
+    def _recompute_mappings(self, step: Step, index: int, call: LayerCall):
         """Fresh mappings for a recompute: entries written by earlier blocks become grad leaves."""
         mappings, readers = {}, {}
         for name, original in call.mappings().items():
