@@ -36,7 +36,7 @@ import torch
 
 from poros.devices import resolve_device
 from poros.doctor.probe import measure_link
-from tools.timeline import CopyTimeline, allocator_delta, profile_step, sync_check, synchronize
+from tools.bench.timeline import CopyTimeline, allocator_delta, profile_step, sync_check, synchronize
 
 #: the unit of every ``*_gb`` and ``*_gb_per_s`` field of a report
 GB = 1e9

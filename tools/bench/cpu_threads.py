@@ -4,8 +4,8 @@ is chosen from.
 
 ::
 
-    python -m tools.cpu_threads                         # widths 128 256 512 1024, 20 steps each, JSON on stdout
-    python -m tools.cpu_threads --hidden 128 2048 --steps 10 --rounds 3 --json threads.json
+    python -m tools.bench.cpu_threads                         # widths 128 256 512 1024, 20 steps each, JSON on stdout
+    python -m tools.bench.cpu_threads --hidden 128 2048 --steps 10 --rounds 3 --json threads.json
 
 Per width: a random Qwen3 checkpoint (4 blocks, intermediate 3 x hidden, head_dim 32) with the bundled
 tokenizer, trained on the bundled chat data (seq_len 512, batch 1) by ``PorosTrainer`` with

@@ -15,19 +15,19 @@ process, one model; prints a table and writes the JSON report.
 
 The pieces are modules of the ``tools`` package, which the other tools import too:
 
-* :mod:`tools.shapes` -- the shapes (``--model``), their facts from ``registry/*.toml``;
-* :mod:`tools.models` -- the model (random NF4 weights at the shape, built the way
+* :mod:`tools.bench.shapes` -- the shapes (``--model``), their facts from ``registry/*.toml``;
+* :mod:`tools.bench.models` -- the model (random NF4 weights at the shape, built the way
   ``from_pretrained`` builds one), LoRA (PEFT, r16 / alpha 32 / dropout 0 on q,k,v,o,gate,up,down)
   and the batches;
-* :mod:`tools.arms` -- the arms (``resident``, ``control``, ``poros-device``, ``poros``) on ONE
+* :mod:`tools.bench.arms` -- the arms (``resident``, ``control``, ``poros-device``, ``poros``) on ONE
   model object from the same LoRA state, and their parity;
-* :mod:`tools.trainer_arms` -- the Trainer arms (``trl-resident``, ``trl-poros``, ``hf-resident``,
+* :mod:`tools.bench.trainer_arms` -- the Trainer arms (``trl-resident``, ``trl-poros``, ``hf-resident``,
   ``hf-poros``): TRL's ``SFTTrainer`` and HF's ``Trainer`` plain and with ``poros.prepare_trainer``;
-* :mod:`tools.unsloth_arm` -- the ``unsloth`` arm: the model saved as a bnb-4bit checkpoint, trained
+* :mod:`tools.bench.unsloth_arm` -- the ``unsloth`` arm: the model saved as a bnb-4bit checkpoint, trained
   by Unsloth's ``FastLanguageModel`` + ``SFTTrainer`` in a child process with its own packages;
-* :mod:`tools.timeline` -- ``--profile`` (one traced step) and ``--timeline`` (copy stalls);
-* :mod:`tools.provenance` -- device, versions, date and commit in every report;
-* :mod:`tools.report` -- the table printed here.
+* :mod:`tools.bench.timeline` -- ``--profile`` (one traced step) and ``--timeline`` (copy stalls);
+* :mod:`tools.bench.provenance` -- device, versions, date and commit in every report;
+* :mod:`tools.bench.report` -- the table printed here.
 
 Run the tools from the repository root as ``python -m tools.<name>`` (``tools/gpu_run.sh`` does).
 """
@@ -43,14 +43,14 @@ from pathlib import Path
 
 import torch
 
-from tools import unsloth_arm
-from tools.arms import ARMS, GB, compare_runs, free_memory, link_gb_per_s, trainable
-from tools.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
-from tools.provenance import start_tool
-from tools.report import print_table
-from tools.shapes import SHAPES, model_config
-from tools.trainer_arms import TRAINER_ARMS, compare_trainer_runs, run_trainer_arms, summaries, token_rows
-from tools.trainer_common import TrainerSetup
+from tools.bench import unsloth_arm
+from tools.bench.arms import ARMS, GB, compare_runs, free_memory, link_gb_per_s, trainable
+from tools.bench.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
+from tools.bench.provenance import start_tool
+from tools.bench.report import print_table
+from tools.bench.shapes import SHAPES, model_config
+from tools.bench.trainer_arms import TRAINER_ARMS, compare_trainer_runs, run_trainer_arms, summaries, token_rows
+from tools.bench.trainer_common import TrainerSetup
 
 #: every ``--arms`` name: the step arms, the Trainer arms, then Unsloth's (in its own process, last)
 ALL_ARMS = (*ARMS, *TRAINER_ARMS, unsloth_arm.ARM)
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
                         attn_implementation=args.attn, experts_implementation=args.experts,
                         quantize_experts=args.quantize_experts)
-    # Unsloth loads a checkpoint: these very weights, written before LoRA goes in (tools.unsloth_arm)
+    # Unsloth loads a checkpoint: these very weights, written before LoRA goes in (tools.bench.unsloth_arm)
     checkpoint = unsloth_arm.save_checkpoint(model, args, device) if unsloth_arm.ARM in args.arms else None
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
     if args.loss_chunks > 1:  # on the model both arms run, so the parity check compares like with like
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
                            mlp_chunks=args.mlp_chunks, boundary_states=args.boundary_states,
                            host_budget=args.host_budget, link_bytes_per_s=link * GB if link else None)
     report = {
-        "tool": "tools/bench.py",
+        "tool": "tools/bench/harness.py",
         "environment": env,
         "config": {
             "model": args.model, "model_info": info, "seq": args.seq, "batch": args.batch, "steps": args.steps,

@@ -1,9 +1,9 @@
 """Host work per step, Poros against the resident reference, with the device work made negligible.
 
-    python -m tools.host_overhead --json registry/results/cpu-2026-11-30/host-overhead.json
+    python -m tools.bench.host_overhead --json registry/results/cpu-2026-11-30/host-overhead.json
 
 On the H200 the 512-token steps are host-bound (the GPU waits for the host at most block
-boundaries, ``tools/bench.py --timeline``), so a step costs what the host spends issuing it. This
+boundaries, ``tools/bench/harness.py --timeline``), so a step costs what the host spends issuing it. This
 replays that regime on the CPU: the Qwen2.5-32B layer count (64) at a tiny width, one thread,
 so each op's execution is as cheap as a kernel launch and the step time is the host's work:
 Python, autograd, HF, PEFT, bitsandbytes and -- for Poros -- the executor. Arms, interleaved
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from tools.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
-from tools.provenance import environment
-from tools.shapes import model_config
+from tools.bench.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
+from tools.bench.provenance import environment
+from tools.bench.shapes import model_config
 
 
 def main(argv=None) -> int:
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
             handle.unpatch()
     medians = {arm: statistics.median(values[1:]) for arm, values in times.items()}  # the first step warms up
     report = {
-        "tool": "tools/host_overhead.py", "environment": environment(device, args.commit),
+        "tool": "tools/bench/host_overhead.py", "environment": environment(device, args.commit),
         "config": {"shape": f"qwen2.5-32b layer count ({args.layers}) at hidden 64, intermediate 128, vocab 256",
                    "seq": args.seq, "rounds": args.rounds, "steps_per_round": args.steps, "threads": 1,
                    "lora": {"rank": 16, "targets": list(SEVEN_PROJECTIONS)}},

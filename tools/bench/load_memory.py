@@ -11,7 +11,7 @@ child processes measures the peak RssAnon (/proc, sampled every 0.5 ms) above th
 
 Memory-mapped shard pages are file-backed and reclaimable, so they are not anonymous RSS.
 
-    python -m tools.load_memory --layers 16 --json registry/results/cpu-2026-11-30/load-memory.json
+    python -m tools.bench.load_memory --layers 16 --json registry/results/cpu-2026-11-30/load-memory.json
 
 tests/test_load.py runs :func:`measure` on a 16-layer checkpoint and asserts the bound.
 """
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import textwrap
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SHAPE = dict(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1536)
 
 CHILD = textwrap.dedent("""
@@ -87,11 +87,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from tools.provenance import environment
+    from tools.bench.provenance import environment
 
     with tempfile.TemporaryDirectory() as directory:
         result = measure(pathlib.Path(directory), layers=args.layers)
-    report = {"tool": "tools/load_memory.py", "environment": environment(torch.device("cpu"), args.commit), **result}
+    report = {"tool": "tools/bench/load_memory.py", "environment": environment(torch.device("cpu"), args.commit), **result}
     mb = 1e6
     print(f"bf16 shards {result['bf16_checkpoint_bytes'] / mb:.0f} MB: poros load peak "
           f"+{result['poros_peak_delta_bytes'] / mb:.0f} MB anonymous RSS, control "

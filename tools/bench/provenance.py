@@ -20,7 +20,7 @@ import torch
 
 from poros.devices import resolve_device
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def configure_threads(threads: int | None) -> None:

@@ -1,12 +1,12 @@
 """The lines a tool prints from its report: the bench's table, the copy stalls of a timeline, what an
 arm measured beside its step time, and the parity of two arms. Printing only: the numbers are the
-report's (:mod:`tools.arms`, :mod:`tools.timeline`)."""
+report's (:mod:`tools.bench.arms`, :mod:`tools.bench.timeline`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tools.provenance import environment_line
+from tools.bench.provenance import environment_line
 
 
 def format_value(value, digits: int = 3) -> str:
@@ -60,7 +60,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def print_unsloth(report: dict[str, Any]) -> None:
-    """The Unsloth arm's depth and its ratios against the other arms (tools.unsloth_arm.compare)."""
+    """The Unsloth arm's depth and its ratios against the other arms (tools.bench.unsloth_arm.compare)."""
     arm, ratios = report["arms"].get("unsloth"), report.get("unsloth")
     if arm is None:
         return
@@ -126,7 +126,7 @@ def diagnostics_line(summary: dict[str, Any]) -> str:
 
 
 def parity_line(title: str, diffs: dict[str, Any]) -> str:
-    """One line of :func:`tools.arms.parity`: the max abs diffs and whether the arms are bitwise equal."""
+    """One line of :func:`tools.bench.arms.parity`: the max abs diffs and whether the arms are bitwise equal."""
     return (f"{title}: max|dloss| {diffs['max_diff_loss']}  max|dadapter| {diffs['max_diff_adapter']}  "
             f"max|doptimizer| {diffs['max_diff_optimizer']}  ({'bitwise' if diffs['bitwise'] else 'NOT bitwise'}, "
             f"{diffs['adapter_tensors']} LoRA tensors, {diffs['optimizer_tensors']} AdamW state tensors)")

@@ -16,7 +16,7 @@ from typing import Any
 from poros import records
 
 #: Where a synthetic shape's facts come from, as the records write it (the bench's ``--model`` shapes).
-SYNTHETIC_SOURCE = "tools/bench.py"
+SYNTHETIC_SOURCE = "tools/bench/harness.py"
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ Arms (``--arms`` of :mod:`tools.bench`):
 
 Every arm starts from the same initial LoRA tensors (fp32, put back before each arm), the same rows in
 the same order (the same ``seed`` / ``data_seed``) and the arguments of
-:func:`tools.trainer_common.training_arguments`. Per arm: each optimizer step's wall time (the device
-synchronised before each clock read, :class:`tools.trainer_common.StepClock`), the peak allocated /
+:func:`tools.bench.trainer_common.training_arguments`. Per arm: each optimizer step's wall time (the device
+synchronised before each clock read, :class:`tools.bench.trainer_common.StepClock`), the peak allocated /
 reserved memory over the steps, tokens/s of the median step, the loss and ``grad_norm`` the Trainer
 logged at each step, and for a ``-poros`` arm how often each streamed block was fetched per optimizer
 step (about 2 when the accumulation window ran layer-major, about 2 x ``gradient_accumulation_steps``
-micro-major). :func:`compare_trainer_runs` gives each flow's parity (:func:`tools.arms.parity`: the
+micro-major). :func:`compare_trainer_runs` gives each flow's parity (:func:`tools.bench.arms.parity`: the
 logged losses, every LoRA tensor and every AdamW state tensor, ``torch.equal``) and the ratios
 poros/resident.
 """
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from tools.arms import ArmResult, free_memory, optimizer_snapshot, parity, snapshot, trainable
-from tools.trainer_common import (StepClock, TrainerSetup, logged_grad_norms, logged_losses, sft_config_arguments,
+from tools.bench.arms import ArmResult, free_memory, optimizer_snapshot, parity, snapshot, trainable
+from tools.bench.trainer_common import (StepClock, TrainerSetup, logged_grad_norms, logged_losses, sft_config_arguments,
                                   sft_dataset, throughput, training_arguments)
 
 #: the Trainer arms, in the order they run: each flow's resident reference before its one-line arm
@@ -150,7 +150,7 @@ def summaries(results: dict[str, ArmResult], setup: TrainerSetup) -> dict[str, d
 
 
 def compare_trainer_runs(results: dict[str, ArmResult], setup: TrainerSetup) -> dict[str, Any]:
-    """Per flow whose two arms finished: :func:`tools.arms.parity` of the one-line arm against the
+    """Per flow whose two arms finished: :func:`tools.bench.arms.parity` of the one-line arm against the
     resident one, and the ratios one-line/resident of the median step and the peaks."""
     out = {}
     for flow, (reference, other) in FLOWS.items():

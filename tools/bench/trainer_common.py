@@ -2,7 +2,7 @@
 arguments, the step clock and the rows.
 
 It imports only torch, transformers and (for :func:`sft_dataset`) datasets, never Poros or another
-tool, because :mod:`tools.unsloth_child` imports it under the Unsloth process's own transformers
+tool, because :mod:`tools.bench.unsloth_child` imports it under the Unsloth process's own transformers
 (the GPU host's 5.17, not the 5.24 of the Poros arms).
 
 * :class:`TrainerSetup` -- the run's settings, one object (device, steps, accumulation, seq, lr, seed);
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-#: the unit of every ``*_gb`` field (as tools.arms.GB)
+#: the unit of every ``*_gb`` field (as tools.bench.arms.GB)
 GB = 1e9
 
 

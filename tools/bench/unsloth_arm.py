@@ -2,10 +2,10 @@
 QLoRA + TRL's ``SFTTrainer``) in a child process with its own packages, beside the Poros arms.
 
 Unsloth 2026.10.9 pins transformers <= 5.17 and trl <= 1.15, while the Poros arms run transformers
-5.24, so the arm is a child process (:mod:`tools.unsloth_child`) whose ``PYTHONPATH`` starts with
-``--unsloth-site`` (``tools/gpu_run.sh`` installs ``.whl-unsloth/``, built by ``tools/unsloth-wheelhouse``,
+5.24, so the arm is a child process (:mod:`tools.bench.unsloth_child`) whose ``PYTHONPATH`` starts with
+``--unsloth-site`` (``tools/gpu_run.sh`` installs ``.whl-unsloth/``, built by ``tools/bench/unsloth-wheelhouse``,
 into ``/tmp/site-unsloth`` and exports ``POROS_UNSLOTH_SITE``), then the repository (for
-:mod:`tools.trainer_common`), then the host's own packages. The parent's wheel directory is not on it.
+:mod:`tools.bench.trainer_common`), then the host's own packages. The parent's wheel directory is not on it.
 
 The checkpoint. ``FastLanguageModel.from_pretrained`` loads a checkpoint directory. A bf16 checkpoint
 of a 32B/72B shape does not fit the GPU host's 64 GB disk, so the parent writes the bench's own model
@@ -20,7 +20,7 @@ says so (``layers``, ``full_depth``, ``depth_reason``); ratios against the other
 at the same depth.
 
 The data are the bench's rows, in the same order (the same ``seed``/``data_seed``), with the same
-``SFTConfig`` (:func:`tools.trainer_common.sft_config_arguments`); LoRA r/alpha on the same targets,
+``SFTConfig`` (:func:`tools.bench.trainer_common.sft_config_arguments`); LoRA r/alpha on the same targets,
 dropout 0, Unsloth's own gradient checkpointing (``use_gradient_checkpointing="unsloth"``, its default,
 ``--unsloth-checkpointing``). No parity is expected: Unsloth's kernels differ from the HF forward.
 
@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
-from tools.trainer_common import TrainerSetup, throughput
+from tools.bench.trainer_common import TrainerSetup, throughput
 
 ARM = "unsloth"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 #: the child's environment: no hub, no statistics ping (the GPU host has no internet)
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "UNSLOTH_DISABLE_STATISTICS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -64,7 +64,7 @@ def add_arguments(parser) -> None:
                              "tools/gpu_run.sh installs .whl-unsloth there)")
     parser.add_argument("--unsloth-command", metavar="CMD",
                         help="the child command, SPEC.json and OUT.json appended (default: this python -m "
-                             "tools.unsloth_child); given, the arm also runs on a CPU (the tests' stand-in child)")
+                             "tools.bench.unsloth_child); given, the arm also runs on a CPU (the tests' stand-in child)")
     parser.add_argument("--unsloth-layers", type=int, metavar="N",
                         help="decoder layers of Unsloth's checkpoint (default: the bench's, fewer if it does not "
                              "fit the disk)")
@@ -112,7 +112,7 @@ def save_checkpoint(model, args, device: torch.device) -> dict[str, Any]:
     where, how deep and why (``{"skipped": reason}`` when the arm does not run here)."""
     from safetensors.torch import save_file
 
-    from tools.trainer_arms import bundled_tokenizer
+    from tools.bench.trainer_arms import bundled_tokenizer
 
     reason = skip_reason(args, device)
     if reason is not None:
@@ -161,7 +161,7 @@ def save_checkpoint(model, args, device: torch.device) -> dict[str, Any]:
 
 
 def child_command(args) -> list[str]:
-    return shlex.split(args.unsloth_command) if args.unsloth_command else [sys.executable, "-m", "tools.unsloth_child"]
+    return shlex.split(args.unsloth_command) if args.unsloth_command else [sys.executable, "-m", "tools.bench.unsloth_child"]
 
 
 def child_environment(site: str | None) -> dict[str, str]:

@@ -1,20 +1,20 @@
-"""The Unsloth arm's child process (started by :mod:`tools.unsloth_arm`, under Unsloth's own packages):
+"""The Unsloth arm's child process (started by :mod:`tools.bench.unsloth_arm`, under Unsloth's own packages):
 ``FastLanguageModel`` QLoRA on the bench's bnb-4bit checkpoint, trained by TRL's ``SFTTrainer`` on the
 bench's rows with the bench's ``SFTConfig``; writes its JSON (always, an error included).
 
-    python -m tools.unsloth_child SPEC.json OUT.json
+    python -m tools.bench.unsloth_child SPEC.json OUT.json
 
 SPEC (written by the parent): ``checkpoint`` (the directory), ``setup``
-(:class:`tools.trainer_common.TrainerSetup` fields), ``rows`` (token id lists, in order), ``lora``
+(:class:`tools.bench.trainer_common.TrainerSetup` fields), ``rows`` (token id lists, in order), ``lora``
 (``rank``, ``alpha``, ``targets``), ``gradient_checkpointing`` (``"unsloth"``, ``"true"`` or
 ``"false"``) and ``deterministic`` (``torch.use_deterministic_algorithms(True, warn_only=True)``). OUT: ``status`` (``ok`` / ``oom`` / ``error``), ``error``,
 ``losses`` and ``grad_norms`` (as the Trainer logged them), ``step_times_s`` (per optimizer step,
-:class:`tools.trainer_common.StepClock`), ``peak_allocated_gb`` / ``peak_reserved_gb`` over the steps,
+:class:`tools.bench.trainer_common.StepClock`), ``peak_allocated_gb`` / ``peak_reserved_gb`` over the steps,
 ``allocated_before_gb``, ``load_s`` / ``peft_s`` / ``trainer_s``, ``trainable_parameters``, the
 ``device`` and the ``versions`` of the packages that ran.
 
 Imports Unsloth first (it patches transformers, TRL and PEFT on import, and asks to be first), then
-only torch, transformers, TRL, datasets and :mod:`tools.trainer_common`: never Poros.
+only torch, transformers, TRL, datasets and :mod:`tools.bench.trainer_common`: never Poros.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def train(spec: dict[str, Any], out: dict[str, Any]) -> None:
     import torch
     import trl
 
-    from tools.trainer_common import (StepClock, TrainerSetup, logged_grad_norms, logged_losses, sft_config_arguments,
+    from tools.bench.trainer_common import (StepClock, TrainerSetup, logged_grad_norms, logged_losses, sft_config_arguments,
                                       sft_dataset)
 
     out["import_s"] = round(time.perf_counter() - began, 2)
@@ -97,7 +97,7 @@ def train(spec: dict[str, Any], out: dict[str, Any]) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m tools.unsloth_child SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m tools.bench.unsloth_child SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec, target = json.loads(Path(argv[0]).read_text()), Path(argv[1])
     out: dict[str, Any] = {"status": "error", "error": None}

@@ -1,10 +1,10 @@
 """VRAM budget against step time: one model, the resident reference, then Poros at several budgets.
 
-    python -m tools.vram_curve --model qwen2.5-32b --grad-accum 8 --schedule layer-major \\
+    python -m tools.bench.vram_curve --model qwen2.5-32b --grad-accum 8 --schedule layer-major \\
         --points 5 --deterministic --json out/curve-qwen2.5-32b.json
-    python -m tools.vram_curve --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
+    python -m tools.bench.vram_curve --model tiny-qwen2 --device cpu --points 3 --steps 1 --warmup 1   # CI smoke
 
-The model is built once (``tools/models.py``'s random weights at the real shape). The resident arm
+The model is built once (``tools/bench/models.py``'s random weights at the real shape). The resident arm
 (HF + bnb NF4 + PEFT, gradient checkpointing) runs first; then, for each budget, the LoRA state
 is reset, ``poros.prepare(vram_budget=...)`` lets the planner pick slots and resident blocks,
 the arm runs, and ``unpatch()`` puts the weights back for the next budget. Budgets run from the
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from tools.arms import ArmResult, GB, compare, free_memory, link_gb_per_s, parity, restore, run_arm, run_poros_arm, snapshot, trainable
-from tools.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
-from tools.provenance import start_tool
-from tools.report import diagnostics_line, timeline_line
-from tools.shapes import SHAPES, model_config
+from tools.bench.arms import ArmResult, GB, compare, free_memory, link_gb_per_s, parity, restore, run_arm, run_poros_arm, snapshot, trainable
+from tools.bench.models import SEVEN_PROJECTIONS, add_lora, build_model, make_batches
+from tools.bench.provenance import start_tool
+from tools.bench.report import diagnostics_line, timeline_line
+from tools.bench.shapes import SHAPES, model_config
 
 GIB = 2**30
 #: what an arm measures beside its step time (run_arm), copied into each row as is
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     budgets = resolve_budgets(args.budgets, args.points, low, high)
     rows = []
     report = {
-        "tool": "tools/vram_curve.py", "environment": env,
+        "tool": "tools/bench/vram_curve.py", "environment": env,
         "config": run_config(args, info, budgets),
         "build": {"seconds": round(build_s, 2), "link_h2d_gb_per_s": link,
                   "compute_probe": None if compute is None else dataclasses.asdict(compute)},

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """NF4 block cache and host tiers at real shapes: start time cold vs cached, step time per tier.
 
-For one shape (``tools/shapes.py`` SHAPES, truncated to ``--layers`` decoder layers so that the
+For one shape (``tools/bench/shapes.py`` SHAPES, truncated to ``--layers`` decoder layers so that the
 checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
 
 1. ``nocache``: ``load_pretrained`` without the cache (read + quantize every block) + LoRA +
@@ -39,8 +39,8 @@ read, quantized, checked, pinned); ``--project A.json B.json`` fits ``t = fixed 
 through two runs of one shape at different depths, for each start's phases, and gives each at the
 shape's full depth (a projection, and labelled one; see :func:`project`).
 
-    python -m tools.cache_bench --model qwen2.5-32b --layers 4 --json out/cache-32b.json
-    python -m tools.cache_bench --project out/cache-32b-8.json out/cache-32b-24.json --json out/projected.json
+    python -m tools.checks.cache_bench --model qwen2.5-32b --layers 4 --json out/cache-32b.json
+    python -m tools.checks.cache_bench --project out/cache-32b-8.json out/cache-32b-24.json --json out/projected.json
     DEVICE=cpu tools/gpu_run.sh cache:tiny:steps=1:warmup=0:grad-accum=2:seq=16      # dry run
 """
 
@@ -61,9 +61,9 @@ from typing import Any
 import torch
 
 from poros.stream.units import format_gb
-from tools.models import add_lora, make_batches
-from tools.provenance import add_run_arguments, start_tool
-from tools.shapes import SHAPES, model_config
+from tools.bench.models import add_lora, make_batches
+from tools.bench.provenance import add_run_arguments, start_tool
+from tools.bench.shapes import SHAPES, model_config
 
 TIERS = ("pinned", "disk", "mapped")
 STARTS = ("nocache", "cold", "cached", "cached_warm", *(f"cached_{tier}{warm}" for tier in ("pinned", "mapped", "disk")
@@ -243,12 +243,12 @@ def start_in_fresh_process(name: str, work: Path, args, *, profile: bool = False
     child's clock) and ``process_start_s`` / ``process_through_first_step_s`` from the process's launch."""
     tier = name.split("_")[1] if name.count("_") >= 1 and name.split("_")[1] in TIERS else "auto"
     launched = time.time()
-    command = [sys.executable, "-m", "tools.cache_bench", "--start-child", name, "--start-tier", tier,
+    command = [sys.executable, "-m", "tools.checks.cache_bench", "--start-child", name, "--start-tier", tier,
                "--launched-at", repr(launched), "--dir", str(work), "--model", args.model, "--layers", str(args.layers),
                "--seq", str(args.seq), "--grad-accum", str(args.grad_accum), "--device", args.device,
                *(["--deterministic"] if args.deterministic else []), *(["--profile"] if profile else []),
                *(["--threads", str(args.threads)] if args.threads else [])]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     if done.returncode != 0:
         raise RuntimeError(f"start {name} failed:\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,22 +1,22 @@
 """Data parallel on GPUs: parity of Poros-DDP vs resident-DDP, and scaling of 1 vs N ranks. JSON out.
 
     # one H200 (issue 20): two gloo ranks share the device
-    python -m tools.ddp_check --parity --backend gloo --share-device --json parity-gloo.json
-    python -m tools.ddp_check --scale qwen2.5-32b --layers 8 --share-device --json scale-32b.json
+    python -m tools.checks.ddp_check --parity --backend gloo --share-device --json parity-gloo.json
+    python -m tools.checks.ddp_check --scale qwen2.5-32b --layers 8 --share-device --json scale-32b.json
     # the node's host copy through the block cache: mapped (shared, the default) vs pinned (one per rank)
-    python -m tools.ddp_check --scale qwen2.5-32b --layers 4 --share-device --cache --json scale-32b-mapped.json
-    python -m tools.ddp_check --scale qwen2.5-32b --layers 4 --share-device --cache --host-tier pinned --json x.json
+    python -m tools.checks.ddp_check --scale qwen2.5-32b --layers 4 --share-device --cache --json scale-32b-mapped.json
+    python -m tools.checks.ddp_check --scale qwen2.5-32b --layers 4 --share-device --cache --host-tier pinned --json x.json
     # two GPUs (issue 21): NCCL, one GPU per rank
-    python -m tools.ddp_check --parity --backend nccl --deterministic --json parity-nccl.json
-    python -m tools.ddp_check --scale qwen2.5-72b --layers 8 --json scale-72b.json
-    python -m tools.ddp_check --train-cli --json train-cli.json
+    python -m tools.checks.ddp_check --parity --backend nccl --deterministic --json parity-nccl.json
+    python -m tools.checks.ddp_check --scale qwen2.5-72b --layers 8 --json scale-72b.json
+    python -m tools.checks.ddp_check --train-cli --json train-cli.json
     DEVICE=cpu tools/gpu_run.sh ddp:parity:cases=qwen3 ddp:scale=tiny:ranks=1,2     # dry run here
 
 ``--parity`` starts ``torchrun -m poros.testing.distributed`` (every family's tiny variants, or
 ``--cases``; micro-major DDP with and without ``find_unused_parameters``, ``no_sync`` and layer-major
 accumulation, the HF Trainer drop-in with ``patch_hf_model`` and with ``prepare``) and gathers each
 rank's verdict. ``--scale SHAPE`` runs this module as a torchrun worker on 1 rank, then on
-``--ranks`` ranks: random NF4 weights at the real widths (``tools/shapes.py`` shapes, ``--layers``
+``--ranks`` ranks: random NF4 weights at the real widths (``tools/bench/shapes.py`` shapes, ``--layers``
 decoder layers), ``prepare``, layer-major accumulation (``--accum``) of micro-batch 1 at ``--seq``,
 and reports per rank the median step, tokens/s, peak allocated memory, H2D GB/s while streaming,
 the host RSS and PSS (the node's PSS sum is the host RAM of the node: pages the ranks share, like the
@@ -24,7 +24,7 @@ mapped tier's cache entry, count once), and a pinned 1 GiB copy's GB/s with each
 shows as a lower "together" rate). ``--train-cli`` runs ``poros train --nproc-per-node N`` on the
 bundled tiny model and keeps its metrics rows.
 
-``--cache`` writes a random bf16 checkpoint of the shape (``tools/cache_bench.py``) and the ranks load it
+``--cache`` writes a random bf16 checkpoint of the shape (``tools/checks/cache_bench.py``) and the ranks load it
 through the NF4 block cache inside ``shared_host_copy`` as ``PorosTrainer`` does: local rank 0 builds the
 entry, the others map it, and with several ranks the host tier is ``mapped`` unless ``--host-tier`` names
 one (``pinned``: one copy per rank, the comparison). Without ``--cache`` the random model is built in
@@ -46,17 +46,17 @@ from typing import Any
 
 import torch
 
-from tools.models import add_lora, build_model, make_batches
-from tools.provenance import configure_determinism, environment
-from tools.shapes import model_config
+from tools.bench.models import add_lora, build_model, make_batches
+from tools.bench.provenance import configure_determinism, environment
+from tools.bench.shapes import model_config
 from poros.config import HOST_TIERS
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 
 def checkout_env() -> dict[str, str]:
-    """PYTHONPATH with this checkout first: the ranks import its poros and tools (``-m tools.ddp_check --worker``)."""
+    """PYTHONPATH with this checkout first: the ranks import its poros and tools (``-m tools.checks.ddp_check --worker``)."""
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 
@@ -239,7 +239,7 @@ def scale(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=args.cache_work) as work:
         cached = {}
         if args.cache:  # a checkpoint on disk, loaded through the block cache by every run
-            from tools.cache_bench import write_checkpoint
+            from tools.checks.cache_bench import write_checkpoint
 
             config, _ = model_config(args.scale, layers=args.layers)
             checkpoint = pathlib.Path(work) / "checkpoint"
@@ -260,7 +260,7 @@ def _scale_runs(args, cached: dict[str, Any]) -> dict[str, Any]:
             forwarded += ["--share-device"] if args.share_device else []
             forwarded += ["--deterministic"] if args.deterministic else []
             forwarded += cached.get("forwarded", []) + (["--host-tier", args.host_tier] if args.host_tier else [])
-            done, seconds = torchrun(nproc, ["-m", "tools.ddp_check", "--worker", *forwarded], timeout=args.timeout)
+            done, seconds = torchrun(nproc, ["-m", "tools.checks.ddp_check", "--worker", *forwarded], timeout=args.timeout)
             run = json.loads(worker_out.read_text()) if worker_out.exists() else {}
             run.update(returncode=done.returncode, seconds=round(seconds, 1),
                        stderr_tail=done.stderr[-3000:] if done.returncode else "")
@@ -314,7 +314,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cases", default="all")
     parser.add_argument("--modes", default="micro,accum,hf_patch,hf_prepare")
     parser.add_argument("--ranks-parity", type=int, default=2)
-    parser.add_argument("--scale", default=None, metavar="SHAPE", help="a tools/shapes.py shape, e.g. qwen2.5-32b")
+    parser.add_argument("--scale", default=None, metavar="SHAPE", help="a tools/bench/shapes.py shape, e.g. qwen2.5-32b")
     parser.add_argument("--ranks", default="1,2", help="rank counts of the scaling runs")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--seq", type=int, default=512)

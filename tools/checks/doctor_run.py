@@ -1,10 +1,10 @@
 """``poros doctor`` on the GPU host, written to files: the paste-ready block and the JSON, with date and commit.
 
-    python -m tools.doctor_run --json out/doctor.json                      # the full doctor
-    python -m tools.doctor_run --model qwen2.5-32b --json out/doctor-32b.json   # + what the planner says
-    python -m tools.doctor_run --model poros-tiny-qwen3 --quick --json out/d.json   # CPU dry run
+    python -m tools.checks.doctor_run --json out/doctor.json                      # the full doctor
+    python -m tools.checks.doctor_run --model qwen2.5-32b --json out/doctor-32b.json   # + what the planner says
+    python -m tools.checks.doctor_run --model poros-tiny-qwen3 --quick --json out/d.json   # CPU dry run
 
-``--model`` takes what ``poros doctor --model`` takes, or a shape of ``tools/shapes.py`` (``SHAPES``,
+``--model`` takes what ``poros doctor --model`` takes, or a shape of ``tools/bench/shapes.py`` (``SHAPES``,
 facts from ``registry/<family>.toml``): its ``config.json`` is written to a temporary directory
 named after the shape, since the GPU host has no HF cache and no network. The text block goes to
 the ``.txt`` beside the JSON and to stdout (the run's log); the JSON holds the doctor's report
@@ -35,7 +35,7 @@ def relabel(data: dict, directory: str, shape_info: dict) -> None:
     name = shape_info["hf_id"] or shape_info["shape"]
     record = data["model"]
     record["model"] = name
-    record["found_in"] = f"config.json from {shape_info['facts_from']} (tools/bench.py shape {shape_info['shape']})"
+    record["found_in"] = f"config.json from {shape_info['facts_from']} (tools/bench/harness.py shape {shape_info['shape']})"
     record["checkpoint"] = None  # the scratch directory held only that config.json
     record["suggested_flags"] = [name if flag == directory else flag for flag in record["suggested_flags"]]
     data["problems"] = diagnostics.problems(data)
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", help="commit to record (default: $POROS_COMMIT or git)")
     args = parser.parse_args(argv)
 
-    from tools.provenance import git_commit
-    from tools.shapes import SHAPES, model_config
+    from tools.bench.provenance import git_commit
+    from tools.bench.shapes import SHAPES, model_config
     from poros.cli import doctor
 
     shape_info = None

@@ -2,7 +2,7 @@
 """Evaluation on the device: a run with evaluation is bit for bit the run without, and eval_loss is the
 resident PEFT model's on the same batches.
 
-    python3 -m tools.eval_check --device cuda --json out/eval.json              # every family
+    python3 -m tools.checks.eval_check --device cuda --json out/eval.json              # every family
     tools/gpu_run.sh eval                                                        # the same, from gpu_run
     DEVICE=cpu tools/gpu_run.sh eval:families=qwen3                              # a dry run here
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tools.provenance import start_tool
+from tools.bench.provenance import start_tool
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_5", "gemma3", "gemma4")
 SETTINGS = dict(steps=3, seq_len=64, batch_size=2, grad_accum=2, lr=2e-2, logging_steps=1, seed=11)

@@ -12,7 +12,7 @@ Reports peak device memory of each load, where the loaded tensors live, whether 
 is byte-identical to the reference's (quantized on the same device), and the parity of losses,
 LoRA tensors and AdamW state. JSON with ``--json``.
 
-    python -m tools.load_check --family qwen3 --layers 8 --hidden 2048 --json out/load.json
+    python -m tools.checks.load_check --family qwen3 --layers 8 --hidden 2048 --json out/load.json
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def main(argv=None) -> int:
     import transformers
 
     import poros
-    from tools.arms import ArmResult, optimizer_snapshot, parity, snapshot, trainable
-    from tools.models import make_batches
-    from tools.provenance import configure_determinism, environment
+    from tools.bench.arms import ArmResult, optimizer_snapshot, parity, snapshot, trainable
+    from tools.bench.models import make_batches
+    from tools.bench.provenance import configure_determinism, environment
     from poros.loading.load import adapters_to_device, load_pretrained
     from poros.testing import save_tiny_checkpoint
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     poros_result = train(peft_model, streamed)
 
     report = {
-        "tool": "tools/load_check.py",
+        "tool": "tools/checks/load_check.py",
         "environment": environment(device, args.commit),
         "config": {"family": args.family, "layers": args.layers, "hidden": args.hidden, "seq": args.seq,
                    "steps": args.steps, "deterministic": True},

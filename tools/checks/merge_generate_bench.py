@@ -12,13 +12,13 @@ multiple of the largest tensor (the embedding), not of the shard or the model. T
 depth: ``full_depth_estimate`` multiplies the measured GB/s by the full model's bytes (an estimate,
 labelled so).
 
-Generate: the shape's NF4 model with LoRA (``tools/bench.py build_model``/``add_lora``) generates
+Generate: the shape's NF4 model with LoRA (``tools/bench/harness.py build_model``/``add_lora``) generates
 ``--new-tokens`` greedy tokens after a ``--prompt-tokens`` prompt, resident, then streamed
 (``poros.prepare``: blocks on the host, one fetch per block per token); tokens must be equal. The
 per-token time of the streamed arm is dominated by the blocks crossing the link, so its full-depth
 estimate scales the measured per-token time by ``full_layers / layers`` (labelled an estimate).
 
-    python -m tools.merge_generate_bench --model qwen2.5-72b --layers 2 --json out/merge-72b.json
+    python -m tools.checks.merge_generate_bench --model qwen2.5-72b --layers 2 --json out/merge-72b.json
     DEVICE=cpu tools/gpu_run.sh merge:tiny:layers=2        # dry run
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GiB = 2**30
 IMPORTS_ONLY = ("import resource, peft, safetensors.torch, torch, transformers, poros.cli.main, poros.export.merge; "
@@ -47,7 +47,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-32b", help="a tools/bench.py shape")
+    parser.add_argument("--model", default="qwen2.5-32b", help="a tools/bench/harness.py shape")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers built (the full depth is reported)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shard-size", default="5GB", help="shard size of the random base (HF's default 5GB)")
@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from tools.provenance import start_tool
-    from tools.shapes import model_config
+    from tools.bench.provenance import start_tool
+    from tools.bench.shapes import model_config
 
     device, env = start_tool(args)
     config, shape = model_config(args.model, layers=args.layers)
@@ -207,8 +207,8 @@ def write_random_adapter(config, base: pathlib.Path, path: pathlib.Path, rank: i
 # ---------------------------------------------------------------------------------------------
 def bench_generate(config, device: torch.device, args: argparse.Namespace, full_layers: int) -> dict[str, Any]:
     import poros
-    from tools.arms import free_memory
-    from tools.models import add_lora, build_model
+    from tools.bench.arms import free_memory
+    from tools.bench.models import add_lora, build_model
     from poros.export.generate import generate
 
     model = add_lora(build_model(config, device), rank=args.rank, gradient_checkpointing=False)

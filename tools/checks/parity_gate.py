@@ -2,13 +2,13 @@
 
 ::
 
-    python -m tools.parity_gate --device cuda --json gate.json            # the GPU gate
-    python -m tools.parity_gate --device cuda --append-registry           # ... and record it
-    python -m tools.parity_gate --device cpu --tiny                       # CPU smoke test
-    python -m tools.parity_gate --only gemma4,gemma4-moe --attn eager     # a subset, another kernel
+    python -m tools.checks.parity_gate --device cuda --json gate.json            # the GPU gate
+    python -m tools.checks.parity_gate --device cuda --append-registry           # ... and record it
+    python -m tools.checks.parity_gate --device cpu --tiny                       # CPU smoke test
+    python -m tools.checks.parity_gate --only gemma4,gemma4-moe --attn eager     # a subset, another kernel
 
 With deterministic algorithms on (``torch.use_deterministic_algorithms(True)``,
-``CUBLAS_WORKSPACE_CONFIG=:4096:8``), each variant below is built by ``tools/models.py``'s builder (NF4
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``), each variant below is built by ``tools/bench/models.py``'s builder (NF4
 random weights at a real width, 4 layers), wrapped with PEFT LoRA (all-linear, plus the experts
 through ``target_parameters`` for the MoE variant), and trained ``--steps`` AdamW steps on
 batches of 2 rows with left padding in one row: first resident (HF, gradient checkpointing), then
@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from tools.arms import compare_runs, free_memory
-from tools.models import add_lora, build_model, make_batches
-from tools.provenance import REPO_ROOT, environment_line, start_tool
-from tools.shapes import model_config
+from tools.bench.arms import compare_runs, free_memory
+from tools.bench.models import add_lora, build_model, make_batches
+from tools.bench.provenance import REPO_ROOT, environment_line, start_tool
+from tools.bench.shapes import model_config
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -292,7 +292,7 @@ def validation_record(report: dict[str, Any], env: dict[str, Any], args) -> dict
         "label": report["label"], "adapter": "lora",
         "max_diff_loss": comparison["max_diff_loss"], "max_diff_adapter": comparison["max_diff_adapter"],
         "max_diff_optimizer": comparison["max_diff_optimizer"],
-        "source": "tools/parity_gate.py",
+        "source": "tools/checks/parity_gate.py",
         "variant": report["variant"],
         "shape": (f"{report['layers']} layers at {report['width_of']} width ({report['hidden_size']}), "
                   f"seq {args.seq}, batch {args.batch} (one row left-padded by {args.pad}), {args.steps} AdamW steps"),
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
         if record is not None:
             records.append((report["family"], record))
     output = {
-        "tool": "tools/parity_gate.py", "environment": env,
+        "tool": "tools/checks/parity_gate.py", "environment": env,
         "config": {"tiny": args.tiny, "layers": args.layers, "seq": args.seq, "batch": args.batch, "pad": args.pad,
                    "steps": args.steps, "lr": args.lr, "lora": {"rank": args.rank, "alpha": args.alpha,
                                                                 "targets": args.targets},

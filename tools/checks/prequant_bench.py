@@ -2,9 +2,9 @@
 """Pre-quantized checkpoints at real shapes: ``poros quantize``, the start from a bnb-4bit checkpoint, and
 the HF Trainer drop-in through ``poros.from_pretrained`` under a small memory cap.
 
-For one shape (``tools.shapes.SHAPES``, truncated to ``--layers`` decoder layers), the source of the
+For one shape (``tools.bench.shapes.SHAPES``, truncated to ``--layers`` decoder layers), the source of the
 bnb-4bit checkpoint is ``--source``: ``bf16`` writes a random bf16 checkpoint tensor by tensor
-(``tools.cache_bench.write_checkpoint``) and ``poros quantize`` quantizes it; ``random`` writes only the
+(``tools.checks.cache_bench.write_checkpoint``) and ``poros quantize`` quantizes it; ``random`` writes only the
 shape's ``config.json`` and ``poros quantize --random-weights`` builds the bnb-4bit checkpoint from it a
 block at a time, so the full depth fits a disk that cannot hold the bf16 form (Qwen2.5-72B: about 41
 GB against 145 GB; the tool refuses a bf16 source the disk cannot hold). Then it runs the arms of ``--arms``:
@@ -37,8 +37,8 @@ GB against 145 GB; the tool refuses a bf16 source the disk cannot hold). Then it
   process: the wall from its launch to the first step's line, each step's time (from ``metrics.jsonl``:
   tokens / tokens per second), its device peak, the detection line and the CUDA graphs line.
 
-    python -m tools.prequant_bench --model qwen2.5-72b --layers 8 --cap-gib 8 --json out/prequant-72b.json
-    python -m tools.prequant_bench --model qwen2.5-72b --layers 80 --source random --arms quantize --dir /tmp/pq
+    python -m tools.checks.prequant_bench --model qwen2.5-72b --layers 8 --cap-gib 8 --json out/prequant-72b.json
+    python -m tools.checks.prequant_bench --model qwen2.5-72b --layers 80 --source random --arms quantize --dir /tmp/pq
     DEVICE=cpu tools/gpu_run.sh prequant:tiny:steps=1:grad-accum=1:seq=16       # dry run without a GPU
 
 At full depth on the H200 host (64 GB disk, 10 minutes a command) the arms go in separate steps that share
@@ -60,12 +60,12 @@ from typing import Any
 
 import torch
 
-from tools import cache_bench
-from tools.models import SEVEN_PROJECTIONS, make_batches
-from tools.provenance import add_run_arguments, start_tool
-from tools.shapes import SHAPES, model_config
+from tools.checks import cache_bench
+from tools.bench.models import SEVEN_PROJECTIONS, make_batches
+from tools.bench.provenance import add_run_arguments, start_tool
+from tools.bench.shapes import SHAPES, model_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARMS = ("quantize", "starts", "dropin", "stranded", "train")
 STARTS = ("bf16", "cache_cold", "cached", "prequantized", "prequantized_warm")
 #: the starts that read the bf16 checkpoint
@@ -114,7 +114,7 @@ def in_fresh_process(name: str, args, work: Path) -> dict:
     """One ``--child NAME`` run in a new Python process; its row (the last stdout line), with the
     launch-relative times."""
     launched = time.time()
-    command = [sys.executable, "-m", "tools.prequant_bench", "--child", name, "--launched-at", repr(launched),
+    command = [sys.executable, "-m", "tools.checks.prequant_bench", "--child", name, "--launched-at", repr(launched),
                "--dir", str(work), "--model", args.model, "--layers", str(args.layers), "--seq", str(args.seq),
                "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--cap-gib", str(args.cap_gib),
                "--device", args.device, "--source", args.source, "--max-shard-size", args.max_shard_size,

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """PorosTrainer on CUDA against a resident HF+bnb+PEFT loop on CUDA (same batches), plus resume and save.
 
-    python -m tools.trainer_check qwen2 qwen3 qwen3_5 gemma3 gemma4     # report.json in $OUT
-    DEVICE=cpu python -m tools.trainer_check qwen2 qwen3 qwen3_5 gemma3 gemma4   # the same on the CPU
+    python -m tools.checks.trainer_check qwen2 qwen3 qwen3_5 gemma3 gemma4     # report.json in $OUT
+    DEVICE=cpu python -m tools.checks.trainer_check qwen2 qwen3 qwen3_5 gemma3 gemma4   # the same on the CPU
 
 Per family: a tiny sharded checkpoint with the bundled tokenizer, PorosTrainer.from_pretrained
 (streamed loader, blocks on the host) trained 4 steps (batch 2, grad_accum 2 -> layer-major) on the
@@ -16,7 +16,7 @@ from poros.data import BatchIterator, load_dataset
 from poros.testing import all_linear_targets, save_tiny_checkpoint
 from poros.training.trainer import PorosTrainer
 
-from tools.provenance import environment
+from tools.bench.provenance import environment
 
 out = pathlib.Path(os.environ.get("OUT", "/tmp/out"))
 out.mkdir(parents=True, exist_ok=True)

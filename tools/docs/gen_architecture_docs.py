@@ -13,8 +13,8 @@ page is hand-written and left alone. Torch-free.
 
 Usage::
 
-    python -m tools.gen_architecture_docs           # rewrite the page in place
-    python -m tools.gen_architecture_docs --check   # exit 1 if the page is stale (tests run this)
+    python -m tools.docs.gen_architecture_docs           # rewrite the page in place
+    python -m tools.docs.gen_architecture_docs --check   # exit 1 if the page is stale (tests run this)
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 from poros import records, registry
 from poros.descriptor import NORM_STYLES, ArchitectureDescriptor
-from tools import docgen  # write or --check
+from tools.docs import docgen  # write or --check
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 DOC_PATH = REPO / "docs" / "architecture-support.md"
 BLOCK = re.compile(

@@ -1,13 +1,13 @@
 """Render the generated tables of docs/consumer-gpus.md: what fits on which card, from the planner.
 
-    python -m tools.gen_consumer_docs            # rewrite the generated blocks of docs/consumer-gpus.md
-    python -m tools.gen_consumer_docs --check    # exit 1 if the page is stale (a test runs this)
+    python -m tools.docs.gen_consumer_docs            # rewrite the generated blocks of docs/consumer-gpus.md
+    python -m tools.docs.gen_consumer_docs --check    # exit 1 if the page is stale (a test runs this)
 
 Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` is
 rewritten. The numbers come from two places, and every table says which:
 
 * **measured**: the H200 bench records under ``registry/results/h200-*/`` (named in the table);
-* **predicted**: ``poros.plan.budget`` on the real shapes of ``tools/shapes.py``'s SHAPES (built
+* **predicted**: ``poros.plan.budget`` on the real shapes of ``tools/bench/shapes.py``'s SHAPES (built
   from their configs on the meta device, no download): block bytes exact, the rest its estimates.
   Step times use per-block compute times *derived* from the H200 measurements (COMPUTE_RULE, printed
   on the page), not measured on any consumer card.
@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tools import docgen  # tools/docgen.py: write or --check
+from tools.docs import docgen  # tools/docs/docgen.py: write or --check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "consumer-gpus.md"
 SHAPES = ("qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b", "qwen3-32b", "gemma3-27b", "gemma4-31b", "qwen3.6-27b")
 CARDS_GIB = (8, 12, 16, 24, 32)
@@ -38,7 +38,7 @@ COMPUTE_RULE = ("resident reference step on the H200 (median, deterministic algo
 
 
 def _shapes():
-    from tools import shapes  # the shapes and their configs
+    from tools.bench import shapes  # the shapes and their configs
 
     return shapes
 

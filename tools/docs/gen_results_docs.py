@@ -1,7 +1,7 @@
-"""Render docs/results-h200.md from the JSON that tools/bench.py and tools/parity_gate.py wrote.
+"""Render docs/results-h200.md from the JSON that tools/bench/harness.py and tools/checks/parity_gate.py wrote.
 
-    python -m tools.gen_results_docs            # rewrite the generated blocks of docs/results-h200.md
-    python -m tools.gen_results_docs --check    # exit 1 if the page is stale
+    python -m tools.docs.gen_results_docs            # rewrite the generated blocks of docs/results-h200.md
+    python -m tools.docs.gen_results_docs --check    # exit 1 if the page is stale
 
 Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` is
 rewritten; the analysis around it is prose kept in the page. Every number in the generated
@@ -14,9 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from tools import docgen  # write or --check
+from tools.docs import docgen  # write or --check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results-h200.md"
 RESULTS = sorted(ROOT.glob("registry/results/h200-*"))
 
@@ -69,7 +69,7 @@ def render_environment() -> str:
 
 
 def render_profile() -> str:
-    """One traced step per arm (``tools/bench.py --profile``): where the step's time goes, in ms."""
+    """One traced step per arm (``tools/bench/harness.py --profile``): where the step's time goes, in ms."""
     rows = ["| shape | seq | accum | det. | arm | traced span ms | kernels busy ms | H2D busy ms "
             "| H2D exposed ms | idle ms | JSON |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, report in bench_reports():
@@ -158,7 +158,7 @@ def _shape(config: dict) -> str:
 
 
 def render_curve() -> str:
-    """``tools/vram_curve.py``: Poros at budgets from the minimum to all-resident, predictions beside.
+    """``tools/bench/vram_curve.py``: Poros at budgets from the minimum to all-resident, predictions beside.
     Runs with a control or ``--rounds`` also give each row its ratio to the resident runs around it."""
     rows = ["| shape | accum | budget | resident blocks | slots | boundary states | peak GB (predicted, error) "
             "| step s (predicted, error) | x first resident | x resident runs around it | copy stall ms/step "
@@ -232,7 +232,7 @@ def render_host() -> str:
 
 
 def render_timeline() -> str:
-    """``tools/bench.py --timeline``: how long the compute waited for block copies, per step."""
+    """``tools/bench/harness.py --timeline``: how long the compute waited for block copies, per step."""
     rows = ["| shape | seq | accum | det. | step ratio | copy stall forward ms | copy stall backward ms "
             "| GPU behind host ms (median) | waits GPU-starved | JSON |", "|---|---|---|---|---|---|---|---|---|---|"]
     for path, report in bench_reports():
@@ -253,7 +253,7 @@ TRAINER_ARM_ORDER = ("trl-resident", "trl-poros", "hf-resident", "hf-poros", "un
 
 
 def render_trainer() -> str:
-    """``tools/bench.py --arms trl-*,hf-*,unsloth``: TRL SFTTrainer / HF Trainer plain and with the one line,
+    """``tools/bench/harness.py --arms trl-*,hf-*,unsloth``: TRL SFTTrainer / HF Trainer plain and with the one line,
     and Unsloth, side by side; a row saying so while no such run exists."""
     rows = ["| shape | layers | seq | accum | det. | arm | peak GB | reserved GB | step s | tokens/s | vs resident "
             "| parity | JSON |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,15 +1,15 @@
 """The smallest VRAM budget ``poros plan`` accepts at long sequences, with deterministic algorithms on and off.
 
-Each shape (``tools/shapes.py``, full depth, random weights never built: the planner reads the config) is
+Each shape (``tools/bench/shapes.py``, full depth, random weights never built: the planner reads the config) is
 planned for CUDA (the context counted, layer-major, one micro-batch, LoRA r16 on the seven projections,
 NF4 with double quantization, AdamW state and LoRA placement ``auto``), and the budget is bisected to
 0.25 GiB. Deterministic algorithms on, the flash backward's dQ accumulator is split by an H200's 132 SMs
 (``poros.plan.footprint.ASSUMED_SMS``, the count a CUDA run planned without its GPU assumes).
 ``docs/consumer-gpus.md`` quotes the table this writes.
 
-    python -m tools.long_context_minimums --json registry/results/cpu-2026-12-02/long-context-minimums.json
+    python -m tools.docs.long_context_minimums --json registry/results/cpu-2026-12-02/long-context-minimums.json
 
-Imports: poros, tools.shapes, tools.provenance.
+Imports: poros, tools.bench.shapes, tools.bench.provenance.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from poros.config import PorosConfig
     from poros.plan.run_plan import plan_run
-    from tools import provenance
-    from tools.shapes import model_config
+    from tools.bench import provenance
+    from tools.bench.shapes import model_config
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the rows and the environment here")
