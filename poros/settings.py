@@ -71,6 +71,7 @@ class Setting:
         example: a value for error messages (``--key EXAMPLE``); empty: the default.
         where: ``"both"`` (a config field and a prepare keyword) or ``"keyword"`` (prepare only).
         keyword_type, keyword_default: prepare's, where they differ from the config's.
+        size: a size (``"7GiB"``, bytes): ``StreamOptions`` keeps its bytes beside it (:meth:`to_bytes`).
         normalise: prepare's value as ``StreamOptions`` keeps it (after :meth:`check`).
     """
 
@@ -83,6 +84,7 @@ class Setting:
     choices: tuple[Any, ...] = ()
     example: str = ""
     where: str = "both"
+    size: bool = False
     keyword_type: Any = _SAME
     keyword_default: Any = _SAME
     normalise: Callable[[Any], Any] = lambda value: value
@@ -101,6 +103,19 @@ class Setting:
         message = self.message(value)
         if message is not None:
             raise ConfigError(message)
+
+    def to_bytes(self, value: Any) -> int | None:
+        """A size setting's bytes, parsed once (None stays None).
+
+        Raises:
+            ConfigError: not a size, with this setting's message.
+        """
+        if value is None:
+            return None
+        try:
+            return parse_budget(value, self.name)
+        except ConfigError:
+            raise ConfigError(self.message(value)) from None
 
     @property
     def prepare_type(self) -> Any:
@@ -203,7 +218,7 @@ STREAMING: tuple[Setting, ...] = (
         "decision; the plan is kept as ``PorosModel.budget_plan``. ``prepare`` needs ``workload`` with it; "
         "excludes ``resident_blocks``.",
         _size("'7GiB', '24GB', '7000MiB' or '7.5G'", "e.g. vram_budget: 7GiB"),
-        example="7GiB", keyword_type=str | int | None),
+        example="7GiB", size=True, keyword_type=str | int | None),
     Setting(
         "workload", "Workload | None", None, "",
         "the step the budget is planned for: a :class:`Workload` or a dict of its fields (``batch_size``, "
@@ -305,7 +320,7 @@ STREAMING: tuple[Setting, ...] = (
         "(``poros.plan.host_tiers.choose_host_tier``) keeps them on the host as above when they fit and streams "
         "them from disk otherwise; the decision is kept as ``PorosModel.host_plan``.",
         _size("'24GiB', '32GB' or '16G'", "e.g. host_budget: 24GiB"),
-        example="24GiB", keyword_type=str | int | None),
+        example="24GiB", size=True, keyword_type=str | int | None),
     Setting(
         "read_ahead", int, 3,
         "Ring buffers of the disk tier (>= 2): one copying to the device, the rest read ahead.",

@@ -28,7 +28,6 @@ from typing import Any
 
 from poros.errors import ConfigError
 from poros.settings import HOST_TIERS, REQUIRABLE, SETTINGS, STREAMING, keyword_fields
-from poros.spellings import parse_budget
 
 SCHEDULES = ("micro-major", "layer-major")
 
@@ -107,16 +106,19 @@ class StreamOptions:
     """
 
     def __post_init__(self) -> None:
+        sizes = {}  # the size settings in bytes, parsed once, here
         for setting in STREAMING:
-            setting.check(getattr(self, setting.name))
-            object.__setattr__(self, setting.name, setting.normalise(getattr(self, setting.name)))
+            value = getattr(self, setting.name)
+            if setting.size:
+                sizes[setting.name] = setting.to_bytes(value)
+            else:
+                setting.check(value)
+            object.__setattr__(self, setting.name, setting.normalise(value))
+        object.__setattr__(self, "_bytes", sizes)
         self._one_loss_chunks()
         if self.vram_budget is not None and self.resident_blocks is not None:
             raise ConfigError(f"resident_blocks={self.resident_blocks!r} with vram_budget={self.vram_budget!r}: "
                               "the budget planner chooses the resident blocks. Pass one of the two.")
-        sizes = {name: None if getattr(self, name) is None else parse_budget(getattr(self, name), name)
-                 for name in ("vram_budget", "host_budget")}
-        object.__setattr__(self, "_bytes", sizes)
 
     def _one_loss_chunks(self) -> None:
         """``loss_chunks`` has one value: the workload's is the option's (a workload's own, given without

@@ -4,7 +4,7 @@ Each shape (``tools/bench/shapes.py``, full depth, random weights never built: t
 planned for CUDA (the context counted, layer-major, one micro-batch, LoRA r16 on the seven projections,
 NF4 with double quantization, AdamW state and LoRA placement ``auto``), and the budget is bisected to
 0.25 GiB. Deterministic algorithms on, the flash backward's dQ accumulator is split by an H200's 132 SMs
-(``poros.plan.footprint.ASSUMED_SMS``, the count a CUDA run planned without its GPU assumes).
+(``poros.plan.activations.ASSUMED_SMS``, the count a CUDA run planned without its GPU assumes).
 ``docs/consumer-gpus.md`` quotes the table this writes.
 
     python -m tools.docs.long_context_minimums --json registry/results/cpu-2026-12-02/long-context-minimums.json
