@@ -433,14 +433,14 @@ def _results_docs():
 
 
 def predicted_and_measured(record_path: Path) -> tuple[int, float]:
-    """Today's prediction for a record's own run (``tools/record_peak.py``) and the peak it measured."""
-    from tools import record_peak
+    """Today's prediction for a record's own run (``poros.plan.calibration``) and the peak it measured."""
+    from poros.plan import calibration
 
     record = json.loads(record_path.read_text())
-    plan = record_peak.record_plan(record)
+    plan = calibration.record_plan(record)
     resident = record["arms"]["poros"].get("resident_blocks", ())
     assert plan.host_store_bytes - sum(plan.block_bytes[i] for i in resident) == record["arms"]["poros"]["host_bytes"]
-    return record_peak.predicted_peak(record), record["arms"]["poros"]["peak_allocated_gb"] * 1e9
+    return calibration.predicted_peak(record), record["arms"]["poros"]["peak_allocated_gb"] * 1e9
 
 
 def test_predicted_peak_is_within_15_percent_of_every_h200_record():
@@ -472,15 +472,16 @@ def test_predicted_peak_is_within_15_percent_across_the_published_curves():
     the norm backward's fp32 temporaries, issue 32), so at budgets that sat on a threshold it now keeps up
     to 3 resident blocks fewer, or the boundary states on the host. A re-run of the curves pins them again."""
     assert {json.loads(p.read_text())["config"]["model"] for p in CURVE_RECORDS} >= {"qwen2.5-32b", "qwen2.5-72b"}
-    from tools import record_peak
+    from poros.plan import calibration
 
     errors = {}
     for path in CURVE_RECORDS:
         record = json.loads(path.read_text())
         setup = record["config"]
         layers = setup["model_info"]["num_hidden_layers"]
-        plan = record_peak._plan(setup["model"], layers, setup["seq"], setup["batch"], True,
-                                 tuple(setup["lora"]["targets"]), setup["lora"]["rank"], "sdpa", 1, False, 1)
+        plan = calibration.plan_model(record, seq=setup["seq"], batch=setup["batch"], double_quant=True,
+                                      targets=tuple(setup["lora"]["targets"]), rank=setup["lora"]["rank"], attn="sdpa",
+                                      loss_chunks=1, quantize_experts=False, mlp_chunks=1)
         workload = Workload(setup["batch"], setup["seq"], setup["grad_accum"], setup["schedule"])
         for row in record["rows"]:
             name = f"{path.stem} @ {row['budget']}"

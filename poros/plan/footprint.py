@@ -337,7 +337,7 @@ LOSS_BYTES_PER_LOGIT = 12
 #: decomposed: ``x.float()``, ``pow``, ``mean``, ``rsqrt``, ``mul``, ``.to()``; its autograd graph's backward
 #: keeps the fp32 incoming gradient, ``grad * rsqrt``, ``grad * x``, the mean's expanded gradient and
 #: ``pow``'s ``2 * x * grad`` alive at once: 5, counted with a dispatch-level tracker of live tensors
-#: on a real decoder block, tools/saved_bytes.py)
+#: on a real decoder block, poros.testing.live_bytes)
 NORM_BACKWARD_FP32_VALUES = 5
 
 
@@ -439,7 +439,7 @@ def _per_token_parts(tokens: int, chunk_tokens: int, hidden: int, value_bytes: i
     their compute-dtype tensors -- the attention norm's output (q, k and v's one saved input), the
     post-attention norm's input and output -- and make one chunk's fp32 copies at a time; the tiled
     node's whole input gradient and the recomputed block's output are alive beside them (counted on a
-    real block, ``tools/saved_bytes.py``)."""
+    real block, ``poros.testing.live_bytes``)."""
     norm_backward = hidden * (4 * NORM_BACKWARD_FP32_VALUES + value_bytes)
     if chunks == 1:
         return dict(norms=tokens * 2 * 4 * hidden, lora_inputs=tokens * lora_input_bytes,
@@ -468,7 +468,7 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
       dequantizes one weight at a time, in forward and again in backward; grouped NF4 experts a whole
       fused expert tensor); plus the attention kernel's working set (:func:`attention_working_set`:
       ``seq x seq`` only for the math kernel). Counted against a real decoder block's live tensors on the
-      CPU (``tools/saved_bytes.py``, ``tests/test_footprint_live_bytes.py``) and the H200 records.
+      CPU (``poros.testing.live_bytes``, ``tests/test_footprint_live_bytes.py``) and the H200 records.
     * head: the logits in the compute dtype plus the fp32 loss working set
       (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
       ``loss_chunks`` N > 1 the head and the loss run one token chunk at a time: one chunk's

@@ -29,7 +29,7 @@ Importing ``poros.testing`` imports nothing heavy: each helper is looked up on f
 and the models' module (:mod:`poros.testing.models`) imports torch, transformers, PEFT and bitsandbytes;
 ``poros.testing.plugins`` stays torch-free.
 
-May import: poros.stream, poros.families, poros.data, and the core.
+May import: poros.plan, poros.stream, poros.families, poros.data, and the core.
 """
 
 from __future__ import annotations

@@ -1,19 +1,23 @@
-"""Today's planner prediction for a bench record's own run: what the calibration test
-(``tests/test_planner.py``) and the long-context table of ``docs/consumer-gpus.md`` put beside the peak the
-H200 measured.
+"""The planner against the H200: today's prediction for a bench record's own run, what the calibration
+tests (``tests/test_planner.py``) and the generated tables of ``docs/consumer-gpus.md`` and the README put
+beside the peak the H200 measured.
+
+    python -m poros.plan.calibration registry/results/h200-*/bench-*.json
 
 A record keeps the prediction the planner made when it ran (``arms.poros.prediction``); the planner has
-been refined since, so this re-plans the record's shape (``tools/bench/shapes.py``, cut to its depth) with the
-options the run ran with: the chunk counts the planner chose (``--vram-budget`` may raise them), the slots,
-resident blocks, boundary-state and LoRA placement it chose, where AdamW's state lived, and deterministic
-algorithms as the record says (the flash backward's dQ accumulator split, ``poros.plan.footprint.attention_sms``,
-for an H200's SMs: every record is an H200's).
+been refined since, so this re-plans the record's model -- the config it was built from, which the record
+keeps (``config.model_info.config_kwargs``, cut to the depth it ran) -- with the options the run ran with:
+the chunk counts the planner chose (``--vram-budget`` may raise them), the slots, resident blocks,
+boundary-state and LoRA placement it chose, where AdamW's state lived, and deterministic algorithms as the
+record says (the flash backward's dQ accumulator split, ``poros.plan.footprint.attention_sms``, for an
+H200's SMs: every record is an H200's).
 
-Imports: poros, tools.bench.shapes.
+Torch-lazy: transformers and torch are imported when a record is planned.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from functools import cache
@@ -25,19 +29,36 @@ H200_SMS = 132
 
 @cache
 def _configs() -> tempfile.TemporaryDirectory:
-    """Where the shapes' configs are saved for planning: one directory for the process, removed at its exit."""
-    return tempfile.TemporaryDirectory(prefix="poros-record-peak-")
+    """Where the records' configs are saved for planning: one directory for the process, removed at its exit."""
+    return tempfile.TemporaryDirectory(prefix="poros-calibration-")
+
+
+def record_config(record: dict):
+    """The HF text config a record's model was built from (its family's text ``model_type``)."""
+    from transformers import AutoConfig
+
+    from poros import registry
+
+    info = record["config"]["model_info"]
+    return AutoConfig.for_model(registry.get(info["family"]).model_types[0], **info["config_kwargs"])
+
+
+def plan_model(record: dict, *, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...], rank: int,
+               attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
+    """The :class:`~poros.plan.run_plan.Plan` of a record's model with the given options (cached)."""
+    info = record["config"]["model_info"]
+    return _plan(info["family"], json.dumps(info["config_kwargs"], sort_keys=True), seq, batch, double_quant,
+                 targets, rank, attn, loss_chunks, quantize_experts, mlp_chunks)
 
 
 @cache
-def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...], rank: int,
-          attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
+def _plan(family: str, config_kwargs: str, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...],
+          rank: int, attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
     from poros.config import PorosConfig
     from poros.plan.run_plan import plan_run
-    from tools.bench.shapes import model_config
 
-    config, _ = model_config(model, layers=layers)
-    directory = Path(_configs().name) / f"{model}-{layers}"
+    config = record_config({"config": {"model_info": {"family": family, "config_kwargs": json.loads(config_kwargs)}}})
+    directory = Path(_configs().name) / hashlib.sha256(config_kwargs.encode()).hexdigest()[:16]
     config.save_pretrained(directory)
     return plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                 double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
@@ -46,14 +67,15 @@ def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, tar
 
 
 def record_plan(record: dict):
-    """The :class:`~poros.plan.run_plan.Plan` of a record's shape and options (cached per shape and options)."""
+    """The :class:`~poros.plan.run_plan.Plan` of a record's model and the options it ran with (cached)."""
     setup, measured = record["config"], record["arms"]["poros"]
     ran = measured.get("prediction") or {}  # the chunk counts it ran with: the planner's where it raised them
-    return _plan(setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"], setup["batch"],
-                 setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]), setup["lora"]["rank"],
-                 setup.get("attn_implementation"), ran.get("loss_chunks") or setup.get("loss_chunks", 1),
-                 bool(setup.get("quantize_experts")),  # records before --quantize-experts: bf16 experts
-                 ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1)
+    return plan_model(record, seq=setup["seq"], batch=setup["batch"], double_quant=setup["quantization"]["double_quant"],
+                      targets=tuple(setup["lora"]["targets"]), rank=setup["lora"]["rank"],
+                      attn=setup.get("attn_implementation"),
+                      loss_chunks=ran.get("loss_chunks") or setup.get("loss_chunks", 1),
+                      quantize_experts=bool(setup.get("quantize_experts")),  # before --quantize-experts: bf16
+                      mlp_chunks=ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1)
 
 
 def predicted_peak(record: dict) -> int:
