@@ -366,3 +366,31 @@ def test_tools_import_the_harness_pieces_not_its_command_line():
                               if name.startswith("_")]
     assert not offenders, (f"{offenders}; import the piece from tools.bench.shapes, tools.bench.models, "
                            "tools.bench.arms, tools.bench.timeline, tools.bench.provenance or tools.bench.report")
+
+
+# -- family facts live with the family, not in tests ------------------------------------------------
+def family_branches(tree: ast.AST) -> list[int]:
+    """Lines where a branch (``if``, a conditional expression, a comprehension's ``if``, ``while``) tests a
+    name ``family`` against a string: a family's fact written in a test instead of in its declaration."""
+    tests = [node.test for node in ast.walk(tree) if isinstance(node, (ast.If, ast.IfExp, ast.While))]
+    tests += [condition for node in ast.walk(tree) if isinstance(node, ast.comprehension) for condition in node.ifs]
+    return sorted({compare.lineno for test in tests for compare in ast.walk(test)
+                   if isinstance(compare, ast.Compare) and isinstance(compare.left, ast.Name)
+                   and compare.left.id == "family"
+                   and any(isinstance(c, (ast.Constant, ast.Tuple, ast.List, ast.Set)) for c in compare.comparators)})
+
+
+def test_the_family_branch_finder_finds_branches_only():
+    source = ('x = 1 if family == "qwen2" else 2\nif family in ("a", "b"):\n    pass\n'
+              'ys = [f for f in fs if family != "c"]\nassert family == "qwen2"\n')
+    assert family_branches(ast.parse(source)) == [1, 2, 4]
+
+
+def test_no_family_branch_in_tests():
+    """What a family needs from a test (layers, head_dim rule, chunk length, packing...) is declared by the
+    family (its descriptor, its ``TinyVariant``: ``poros.testing.strategies`` reads it), never as an
+    ``if family == ...`` in a test."""
+    offenders = [f"tests/{path.name}:{line}" for path in sorted(Path(__file__).resolve().parent.glob("*.py"))
+                 for line in family_branches(ast.parse(path.read_text()))]
+    assert not offenders, (f"family branches at {offenders}; declare the fact in the family's descriptor or "
+                           "TinyVariant and read it (poros.testing.strategies)")

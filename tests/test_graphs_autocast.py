@@ -31,9 +31,10 @@ from poros.stream import graphs as graphs_module
 from poros.stream.graphs import AUTOCAST_SWITCH, MICRO_MAJOR_SWITCH, BlockGraphs
 from poros.stream.replay import CastCacheWatch, autocast_state, uncached
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
+from poros.testing.strategies import min_layers
 from test_gemma4_graphs import ReplayedOnCPU
 from test_layer_major import with_item_counts
-from test_parity import MIN_LAYERS, assert_bitwise, make_batch, trainable
+from test_parity import assert_bitwise, make_batch, trainable
 
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
 LORA = {"lora_rank": 4, "lora_alpha": 8, "seed": 3}
@@ -80,7 +81,7 @@ def graphed_steps(streamed, steps, region=contextlib.nullcontext):
 
 
 def checkpoint(tmp_path, family, variant="default"):
-    layers = max(2, MIN_LAYERS.get((family, variant), 1))
+    layers = max(2, min_layers(family, variant))
     return save_tiny_checkpoint(tmp_path / f"{family}-{variant}", family, variant, seed=3, num_layers=layers)
 
 
