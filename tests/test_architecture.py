@@ -394,3 +394,37 @@ def test_no_family_branch_in_tests():
                  for line in family_branches(ast.parse(path.read_text()))]
     assert not offenders, (f"family branches at {offenders}; declare the fact in the family's descriptor or "
                            "TinyVariant and read it (poros.testing.strategies)")
+
+
+# -- measured numbers live in registry/results, not in the package ----------------------------------
+MEASURED_WORD = re.compile(r"\b(H200|measured|measurements?)\b", re.I)
+#: a figure as the results pages write one: decimal GB (budgets are spelled in GiB), seconds, ratios, percent
+FIGURE = re.compile(r"(?<![\w.])\d+(\.\d+)?([-–]\d+(\.\d+)?)?(x| ?(GB|GB/s|ms|s|%|tokens/s|TFLOPS?))(?![\w/])")
+
+
+def measured_figures(tree: ast.AST, window: int = 120) -> list[tuple[int, str]]:
+    """``(line, text)`` of each string constant (docstrings included) that writes a figure with its unit
+    within ``window`` characters of "H200" or "measured": a measurement copied into the code."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for word in MEASURED_WORD.finditer(node.value):
+                near = node.value[max(0, word.start() - window):word.end() + window]
+                if FIGURE.search(near):
+                    found.append((node.lineno, " ".join(near.split())[:100]))
+                    break
+    return found
+
+
+def test_the_measured_figure_finder():
+    source = ('"""Peaks at 7.9 GB on the H200."""\nA = "within 3 % of the H200 measurements"\n'
+              'B = "the H200 (docs/results-h200.md)"\nC = "e.g. --vram-budget 8GiB"\n')
+    assert [line for line, _ in measured_figures(ast.parse(source))] == [1, 2]
+
+
+def test_no_measured_number_in_package_strings():
+    """A number the H200 measured is published from registry/results through a generated block; the
+    package's strings and docstrings link the results page (docs/results-h200.md) instead of copying it."""
+    offenders = [f"{path.relative_to(PACKAGE.parent).as_posix()}:{line}: {text}"
+                 for path in sorted(PACKAGE.rglob("*.py")) for line, text in measured_figures(ast.parse(path.read_text()))]
+    assert not offenders, "measured figures in the package's strings (link docs/results-h200.md):\n" + "\n".join(offenders)

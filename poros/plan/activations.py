@@ -166,7 +166,8 @@ def flash_backward_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, 
     rounded]`` (``splits`` = ``ceil(sms / (batch x heads))`` when deterministic, else 1), with grouped KV
     heads the dK and dV expanded to every query head, dQ, dK, dV themselves, and the fp32 ``softmax_d``.
     At long sequences with many sequence chunks this, not the MLP's chunk, is a block backward's peak (the
-    H200's 32B at 32K with 16 chunks measured 2.17 GB above the estimate without it)."""
+    H200's long-context records showed the estimate short by about this much without it:
+    docs/results-h200-log.md, the tenth session)."""
     heads = shapes.num_attention_heads
     width = shapes.attention_width or shapes.hidden_size
     head_dim = width // heads

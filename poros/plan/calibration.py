@@ -23,6 +23,11 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+#: runs with mlp_chunks > 1 made before mlp_chunks tiled the norms and attention projections too (issue 32,
+#: 2026-12-02 ninth session): only their MLP was tiled, which today's footprint no longer prices; the
+#: re-runs of those shapes (h200-2026-12-02-s9) are the calibration
+MLP_ONLY_TILING = ("h200-2026-11-", "h200-2026-12-01", "h200-2026-12-02-s8")
+
 #: the H200's streaming multiprocessors (``torch.cuda.get_device_properties(0).multi_processor_count``)
 H200_SMS = 132
 
@@ -99,6 +104,31 @@ def predicted_peak(record: dict) -> int:
                                 boundary_on_host=boundary in ("host", "disk"),
                                 optimizer_on_host=setup.get("optimizer_states") == "host",
                                 lora_on_host=lora_placement == "host").total
+
+
+def counted(path: Path) -> bool:
+    """Whether a bench record calibrates the planner: its Poros arm finished, and it is no MLP-only tiling run."""
+    record = json.loads(path.read_text())
+    if record["arms"].get("poros", {}).get("status") != "ok":
+        return False
+    return not ((record["config"].get("mlp_chunks") or 1) > 1 and path.parent.name.startswith(MLP_ONLY_TILING))
+
+
+def calibration_records(results: Path | None = None) -> list[Path]:
+    """The H200 bench records the planner is calibrated against (``registry/results/h200-*/bench-*.json``)."""
+    from poros import records
+
+    folder = results or records.data_dir() / "results"
+    return sorted(path for path in folder.glob("h200-*/bench-*.json") if counted(path))
+
+
+def peak_errors(paths: list[Path]) -> dict[Path, float]:
+    """Today's predicted peak against the measured one, ``predicted / measured - 1``, per record."""
+    errors = {}
+    for path in paths:
+        record = json.loads(path.read_text())
+        errors[path] = predicted_peak(record) / (record["arms"]["poros"]["peak_allocated_gb"] * 1e9) - 1
+    return errors
 
 
 def main(argv: list[str] | None = None) -> int:

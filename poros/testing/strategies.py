@@ -56,11 +56,18 @@ def head_dim_config(family: str, variant: str, head_dim: int) -> dict[str, int]:
     return {} if tiny_variant(family, variant).head_dim_from_hidden else {"head_dim": head_dim}
 
 
-def _maybe(draw, name: str, values, out: dict[str, Any]) -> None:
-    """Draw ``name`` from ``values`` (a ``(low, high)`` range or a list) into ``out``, unless ``values`` is None."""
-    if values is None:
-        return
-    out[name] = draw(st.integers(*values) if isinstance(values, tuple) else st.sampled_from(values))
+def _maybe(draw, name: str, strategy, out: dict[str, Any]) -> None:
+    """Draw ``name`` from ``strategy`` into ``out``, unless the strategy is None (not drawn)."""
+    if strategy is not None:
+        out[name] = draw(strategy)
+
+
+def _range(bounds: tuple[int, int] | None):
+    return None if bounds is None else st.integers(*bounds)
+
+
+def _choice(values: Sequence[int] | None):
+    return None if values is None else st.sampled_from(list(values))
 
 
 @st.composite
@@ -95,15 +102,15 @@ def tiny_setups(draw, family: str, variant: str, *, max_layers: int = 4, kv_head
         config["head_dim"] = draw(st.sampled_from(list(head_dims)))
     config["attn_implementation"] = draw(st.sampled_from(["sdpa", "eager"]))
     setup: dict[str, Any] = {"config": config, "seed": draw(st.integers(0, 2**16))}
-    _maybe(draw, "micro_batches", micro_batches, setup)
+    _maybe(draw, "micro_batches", _range(micro_batches), setup)
     setup["batch"] = draw(st.integers(*batch))
     setup["seq"] = draw(st.integers(seq[0], longest_seq(family, variant, seq[1], past_chunk=past_chunk)))
     setup["padding"] = draw(st.sampled_from(["none", "left", "right"]))
-    _maybe(draw, "lora_rank", lora_ranks, setup)
-    _maybe(draw, "lora_alpha", lora_alphas, setup)
+    _maybe(draw, "lora_rank", _choice(lora_ranks), setup)
+    _maybe(draw, "lora_alpha", _choice(lora_alphas), setup)
     if double_quant:
         setup["double_quant"] = draw(st.booleans())
-    _maybe(draw, "mlp_chunks", mlp_chunks, setup)
+    _maybe(draw, "mlp_chunks", _range(mlp_chunks), setup)
     setup["steps"] = draw(st.integers(*steps))
     if reference_checkpointing:
         setup["reference_checkpointing"] = draw(st.booleans())

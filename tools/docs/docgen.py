@@ -28,6 +28,15 @@ def accum_label(config: dict) -> str:
     return label + (", boundary states on the host" if config.get("boundary_states") == "host" else "")
 
 
+def parity_label(comparison: dict | None) -> str:
+    """A bench comparison in words: ``bitwise (0.0)``, or how far the losses differ; ``-`` for none."""
+    if not comparison:
+        return "-"
+    if comparison.get("bitwise"):
+        return "bitwise (0.0)"
+    return f"differs (loss {comparison['max_diff_loss']:.1e})"
+
+
 def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:
     """Replace the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``
     with ``blocks[name]()`` for every name; the prose around the markers is kept."""

@@ -41,12 +41,7 @@ def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _parity(comparison: dict | None) -> str:
-    if not comparison:
-        return "-"
-    if comparison.get("bitwise"):
-        return "bitwise (0.0)"
-    return f"differs (loss {comparison['max_diff_loss']:.1e})"
+_parity = docgen.parity_label
 
 
 def bench_reports() -> list[tuple[Path, dict]]:
