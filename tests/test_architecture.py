@@ -152,19 +152,15 @@ def test_the_layers_form_no_circle():
     assert _cycles({layer: set(allowed) for layer, allowed in LAYERS.items()}) == []
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_layers_import_downward(module):
+def test_layers_import_downward():
     """A module imports its own layer, the core, and only the layers its folder's docstring names;
     the lazy ``poros`` namespace may name anything."""
-    if module == "poros":
-        return
-    allowed = may_import(module)
-    for target in GRAPH[module]:
-        theirs = layer_of(target)
-        if theirs is None or theirs == layer_of(module):
-            continue
-        assert theirs in allowed, (f"{module} imports {target}, but {layer_of(module) or 'the core'} may import only "
-                                   f"{sorted(allowed) or 'the core'} (its package docstring's 'May import:' line)")
+    offenders = [f"{module} imports {target} ({layer_of(module) or 'the core'} may import only "
+                 f"{sorted(may_import(module)) or 'the core'})"
+                 for module in sorted(MODULES) if module != "poros" for target in GRAPH[module]
+                 if layer_of(target) not in (None, layer_of(module)) and layer_of(target) not in may_import(module)]
+    assert not offenders, "imports against the layers (each package docstring's 'May import:' line):\n" + "\n".join(
+        offenders)
 
 
 def test_families_import_only_the_core():
@@ -246,24 +242,23 @@ def test_old_module_paths_are_the_moved_modules():
     assert importlib.import_module("poros.run_lock") is importlib.import_module("poros.training.run_lock")
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_module_size_and_docstring(module):
-    path = MODULES[module]
-    lines = path.read_text().count("\n")
-    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines (at most {MAX_LINES}): split it by job"
-    if path.stat().st_size:
-        assert ast.get_docstring(ast.parse(path.read_text())), f"{module} has no module docstring saying what it owns"
+def test_module_size_and_docstring():
+    """Every module holds at most MAX_LINES lines and opens with a docstring saying what it owns."""
+    long = [f"{path.relative_to(PACKAGE.parent)} ({n} lines)" for path in MODULES.values()
+            if (n := path.read_text().count("\n")) > MAX_LINES]
+    undocumented = [module for module, path in sorted(MODULES.items())
+                    if path.stat().st_size and not ast.get_docstring(ast.parse(path.read_text()))]
+    assert not long, f"over {MAX_LINES} lines: {sorted(long)}; split each by job"
+    assert not undocumented, f"no module docstring saying what it owns: {undocumented}"
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_no_private_name_is_imported_from_another_module(module):
+def test_no_private_name_is_imported_from_another_module():
     """A ``_name`` is its module's own: what another module needs is public (or moves)."""
-    tree = ast.parse(MODULES[module].read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("poros"):
-            private = [alias.name for alias in node.names
-                       if alias.name.startswith("_") and not alias.name.startswith("__")]
-            assert not private, f"{module} imports {private} from {node.module}"
+    offenders = [f"{module} imports {alias.name} from {node.module}" for module in sorted(MODULES)
+                 for node in ast.walk(ast.parse(MODULES[module].read_text()))
+                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("poros")
+                 for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not offenders, f"private names imported across modules: {offenders}"
 
 
 # -- function size, and the tools beside the package ----------------------------------------------
@@ -307,13 +302,13 @@ def test_the_line_counter_counts_code_only():
     assert found == {"outer": 5, "outer.inner": 1, "empty": 0}
 
 
-@pytest.mark.parametrize("path", [*sorted(PACKAGE.rglob("*.py")), *TOOL_MODULES],
-                         ids=lambda p: p.relative_to(PACKAGE.parent).as_posix())
-def test_no_function_over_100_lines_of_code(path):
-    source = path.read_text()
-    where = path.relative_to(PACKAGE.parent).as_posix()
-    long = {f"{where}::{name}": n for name, node in functions(ast.parse(source))
-            if (n := code_lines(node, source.splitlines())) > MAX_FUNCTION_LINES}
+def test_no_function_over_100_lines_of_code():
+    long = {}
+    for path in [*sorted(PACKAGE.rglob("*.py")), *TOOL_MODULES]:
+        source = path.read_text()
+        where = path.relative_to(PACKAGE.parent).as_posix()
+        long |= {f"{where}::{name}": n for name, node in functions(ast.parse(source))
+                 if (n := code_lines(node, source.splitlines())) > MAX_FUNCTION_LINES}
     unexpected = {name: n for name, n in long.items() if name not in LONG_FUNCTIONS_BEING_SPLIT}
     assert not unexpected, (f"{unexpected}: lines of code over {MAX_FUNCTION_LINES} (blank lines, comments and the "
                             "docstring not counted); split the function by job")
