@@ -64,3 +64,16 @@ def main(description: str, page: Path, render: Callable[[str], str], argv: list[
         page.write_text(fresh, encoding="utf-8")
         print(f"rewrote {page.relative_to(ROOT)}")
     return 0
+
+
+def main_for_blocks(description: str, page: Path, blocks: dict[str, Callable[[], str]], argv: list[str] | None = None,
+                    *, quiet: bool = False) -> int:
+    """:func:`main` for a page of generated blocks (:func:`fill_blocks`); ``quiet``: transformers' warnings
+    and log lines off (a generator that builds configs)."""
+    if quiet:
+        import logging
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+    return main(description, page, lambda text: fill_blocks(text, blocks, page), argv)

@@ -352,17 +352,8 @@ BLOCKS = {
 }
 
 
-def render(page: str) -> str:
-    return docgen.fill_blocks(page, BLOCKS, PAGE)
-
-
 def main(argv=None) -> int:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    return docgen.main(__doc__, PAGE, render, argv)
+    return docgen.main_for_blocks(__doc__, PAGE, BLOCKS, argv, quiet=True)
 
 
 if __name__ == "__main__":

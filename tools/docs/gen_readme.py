@@ -64,17 +64,8 @@ def render_planner() -> str:
 BLOCKS = {"measured": render_measured, "moe": render_moe, "planner": render_planner}
 
 
-def render(page: str) -> str:
-    return docgen.fill_blocks(page, BLOCKS, PAGE)
-
-
 def main(argv=None) -> int:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    return docgen.main(__doc__, PAGE, render, argv)
+    return docgen.main_for_blocks(__doc__, PAGE, BLOCKS, argv, quiet=True)
 
 
 if __name__ == "__main__":

@@ -305,12 +305,8 @@ BLOCKS = {
 }
 
 
-def render(page: str) -> str:
-    return docgen.fill_blocks(page, BLOCKS, PAGE)
-
-
 def main(argv=None) -> int:
-    return docgen.main(__doc__, PAGE, render, argv)
+    return docgen.main_for_blocks(__doc__, PAGE, BLOCKS, argv)
 
 
 if __name__ == "__main__":
