@@ -336,7 +336,7 @@ def sys_path_uses(tree: ast.AST) -> list[int]:
 
 
 def test_no_test_or_tool_edits_sys_path():
-    """The tools are a package run as ``python -m tools.X`` from the repository root, and pytest puts the
+    """The tools are a package run as ``python -m tools.<job>.<name>`` from the repository root, and pytest puts the
     root on the path (``pythonpath`` in pyproject.toml): no tool and no test needs ``sys.path``."""
     tests = sorted(Path(__file__).resolve().parent.rglob("*.py"))
     offenders = [f"{path.relative_to(TOOLS.parent).as_posix()}:{line}" for path in [*TOOL_MODULES, *tests]

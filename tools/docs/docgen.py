@@ -1,6 +1,6 @@
-"""The one write-or-check step of the docs generators (tools/gen_*_docs.py).
+"""The one write-or-check step of the docs generators (tools/docs/gen_*.py).
 
-``python -m tools.gen_X_docs`` rewrites its page; ``--check`` exits 1 when the page on disk is
+``python -m tools.docs.gen_X`` rewrites its page; ``--check`` exits 1 when the page on disk is
 not what the generator would write (the tests run that, so a page cannot drift from its data).
 """
 
@@ -57,7 +57,7 @@ def main(description: str, page: Path, render: Callable[[str], str], argv: list[
     fresh = render(current)
     if args.check:
         if fresh != current:
-            print(f"{page.relative_to(ROOT)} is stale: run python -m tools.{Path(sys.argv[0]).stem}", file=sys.stderr)
+            print(f"{page.relative_to(ROOT)} is stale: run python -m tools.docs.{Path(sys.argv[0]).stem}", file=sys.stderr)
             return 1
         return 0
     if fresh != current:
