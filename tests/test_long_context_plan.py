@@ -189,8 +189,8 @@ def test_the_flash_backward_buffers_are_priced_as_fa2_allocates_them():
     # at 16 sequence chunks they, not the MLP's chunk, set a block backward's peak: the H200's 32B at 32K
     # under a 12 GB cap measured 9.50 GB allocated, 2.17 GB above the estimate without them
     # (tests/test_planner.py's calibration holds that record within 15 %; today's estimate is 9.32 GB)
-    parts = footprint.activation_parts(
-        footprint.BlockShapes(**{**shapes.__dict__, "linear_outputs": 5120 + 2 * 1024 + 5120 + 3 * 27648,
+    parts = activations.activation_parts(
+        activations.BlockShapes(**{**shapes.__dict__, "linear_outputs": 5120 + 2 * 1024 + 5120 + 3 * 27648,
                                  "mlp_outputs": 3 * 27648}),
         batch_size=1, seq_len=seq, value_bytes=bf16, attn_implementation="sdpa", mlp_chunks=16, attention_sms=132)
     assert parts.attention.backward - parts.post_attention_norm > max(parts.norm_backward, parts.mlp + parts.dequantized_weight)
