@@ -21,6 +21,8 @@ Schema of one family file::
     tie_word_embeddings = false
     max_position_embeddings = 131072
     multimodal = false                  # true: the checkpoint stores a VLM, Poros trains its text tower
+    rope_theta = 1000000.0              # rotary and norm facts, under the config's own keys (rms_norm_eps,
+    rms_norm_eps = 1e-06                # rope_parameters, rope_scaling...): the one place a checkpoint's facts live
 
     [[validation]]                      # one per parity/benchmark record, appended by tools/
     platform = "NVIDIA H200"            # or "cpu-x86_64"
@@ -68,6 +70,8 @@ CONFIG_KEYS = {"layers": "num_hidden_layers", **{key: key for key in (
     "num_kv_shared_layers", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_experts",
     "top_k_experts", "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
     "linear_key_head_dim", "linear_value_head_dim", "num_experts_per_tok", "shared_expert_intermediate_size",
+    "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "rope_local_base_freq", "use_sliding_window",
+    "final_logit_softcapping", "vocab_size_per_layer_input", "enable_moe_block",
 )}}
 
 

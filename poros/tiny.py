@@ -54,6 +54,9 @@ class TinyVariant:
         head_dim_multiple: ``head_dim`` must be a multiple of this (8 where a quarter of each head
             rotates).
         head_dim_from_hidden: the config has no separate ``head_dim`` (``hidden_size // num_heads``).
+        min_layers: the fewest layers that hold every layer kind of the variant (tests build no fewer).
+        chunk_length: the variant computes in chunks of this many tokens along the sequence (0: it does
+            not), e.g. a Gated DeltaNet's delta rule; tests draw sequences that cross a chunk boundary.
         description: what the variant turns on, for the docs.
     """
 
@@ -65,6 +68,8 @@ class TinyVariant:
     fields: Callable[[TinyShape, dict[str, Any]], dict[str, Any]]
     head_dim_multiple: int = 2
     head_dim_from_hidden: bool = False
+    min_layers: int = 1
+    chunk_length: int = 0
     description: str = ""
 
 

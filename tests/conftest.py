@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 import poros
+from poros.testing.plugins import builtin_families
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-#: The built-in families, in registration order (``poros.registry.DEFAULT_PLUGINS``): what a listing
-#: shows before any third-party family. Written here once; tests import it (``from conftest import ...``).
-BUILTIN_FAMILIES = ["qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"]
+#: The built-in families, in registration order, from ``poros.registry.DEFAULT_PLUGINS``: what a listing
+#: shows before any third-party family (tests import it: ``from conftest import BUILTIN_FAMILIES``).
+BUILTIN_FAMILIES = builtin_families()
 
 
 class FamilyPlugin:

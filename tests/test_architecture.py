@@ -158,19 +158,15 @@ def test_the_layers_form_no_circle():
     assert _cycles({layer: set(allowed) for layer, allowed in LAYERS.items()}) == []
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_layers_import_downward(module):
+def test_layers_import_downward():
     """A module imports its own layer, the core, and only the layers its folder's docstring names;
     the lazy ``poros`` namespace may name anything."""
-    if module == "poros":
-        return
-    allowed = may_import(module)
-    for target in GRAPH[module]:
-        theirs = layer_of(target)
-        if theirs is None or theirs == layer_of(module):
-            continue
-        assert theirs in allowed, (f"{module} imports {target}, but {layer_of(module) or 'the core'} may import only "
-                                   f"{sorted(allowed) or 'the core'} (its package docstring's 'May import:' line)")
+    offenders = [f"{module} imports {target} ({layer_of(module) or 'the core'} may import only "
+                 f"{sorted(may_import(module)) or 'the core'})"
+                 for module in sorted(MODULES) if module != "poros" for target in GRAPH[module]
+                 if layer_of(target) not in (None, layer_of(module)) and layer_of(target) not in may_import(module)]
+    assert not offenders, "imports against the layers (each package docstring's 'May import:' line):\n" + "\n".join(
+        offenders)
 
 
 def test_families_import_only_the_core():
@@ -252,26 +248,24 @@ def test_old_module_paths_are_the_moved_modules():
     assert importlib.import_module("poros.run_lock") is importlib.import_module("poros.training.run_lock")
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_module_size_and_docstring(module):
-    path = MODULES[module]
-    lines = path.read_text().count("\n")
-    where = path.relative_to(PACKAGE.parent).as_posix()
-    assert lines <= MAX_LINES or where in MODULES_BEING_SPLIT, (
-        f"{where} has {lines} lines (at most {MAX_LINES}): split it along a concept its docstring names")
-    if path.stat().st_size:
-        assert ast.get_docstring(ast.parse(path.read_text())), f"{module} has no module docstring saying what it owns"
+def test_module_size_and_docstring():
+    """Every module holds at most MAX_LINES lines and opens with a docstring saying what it owns."""
+    long = [f"{where} ({n} lines)" for path in MODULES.values()
+            if (n := path.read_text().count("\n")) > MAX_LINES
+            and (where := path.relative_to(PACKAGE.parent).as_posix()) not in MODULES_BEING_SPLIT]
+    undocumented = [module for module, path in sorted(MODULES.items())
+                    if path.stat().st_size and not ast.get_docstring(ast.parse(path.read_text()))]
+    assert not long, f"over {MAX_LINES} lines: {sorted(long)}; split each by job"
+    assert not undocumented, f"no module docstring saying what it owns: {undocumented}"
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_no_private_name_is_imported_from_another_module(module):
+def test_no_private_name_is_imported_from_another_module():
     """A ``_name`` is its module's own: what another module needs is public (or moves)."""
-    tree = ast.parse(MODULES[module].read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("poros"):
-            private = [alias.name for alias in node.names
-                       if alias.name.startswith("_") and not alias.name.startswith("__")]
-            assert not private, f"{module} imports {private} from {node.module}"
+    offenders = [f"{module} imports {alias.name} from {node.module}" for module in sorted(MODULES)
+                 for node in ast.walk(ast.parse(MODULES[module].read_text()))
+                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("poros")
+                 for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not offenders, f"private names imported across modules: {offenders}"
 
 
 # -- function size, and the tools beside the package ----------------------------------------------
@@ -315,13 +309,13 @@ def test_the_line_counter_counts_code_only():
     assert found == {"outer": 5, "outer.inner": 1, "empty": 0}
 
 
-@pytest.mark.parametrize("path", [*sorted(PACKAGE.rglob("*.py")), *TOOL_MODULES],
-                         ids=lambda p: p.relative_to(PACKAGE.parent).as_posix())
-def test_no_function_over_100_lines_of_code(path):
-    source = path.read_text()
-    where = path.relative_to(PACKAGE.parent).as_posix()
-    long = {f"{where}::{name}": n for name, node in functions(ast.parse(source))
-            if (n := code_lines(node, source.splitlines())) > MAX_FUNCTION_LINES}
+def test_no_function_over_100_lines_of_code():
+    long = {}
+    for path in [*sorted(PACKAGE.rglob("*.py")), *TOOL_MODULES]:
+        source = path.read_text()
+        where = path.relative_to(PACKAGE.parent).as_posix()
+        long |= {f"{where}::{name}": n for name, node in functions(ast.parse(source))
+                 if (n := code_lines(node, source.splitlines())) > MAX_FUNCTION_LINES}
     unexpected = {name: n for name, n in long.items() if name not in LONG_FUNCTIONS_BEING_SPLIT}
     assert not unexpected, (f"{unexpected}: lines of code over {MAX_FUNCTION_LINES} (blank lines, comments and the "
                             "docstring not counted); split the function by job")
@@ -349,7 +343,7 @@ def sys_path_uses(tree: ast.AST) -> list[int]:
 
 
 def test_no_test_or_tool_edits_sys_path():
-    """The tools are a package run as ``python -m tools.X`` from the repository root, and pytest puts the
+    """The tools are a package run as ``python -m tools.<job>.<name>`` from the repository root, and pytest puts the
     root on the path (``pythonpath`` in pyproject.toml): no tool and no test needs ``sys.path``."""
     tests = sorted(Path(__file__).resolve().parent.rglob("*.py"))
     offenders = [f"{path.relative_to(TOOLS.parent).as_posix()}:{line}" for path in [*TOOL_MODULES, *tests]
@@ -374,3 +368,65 @@ def test_tools_import_the_harness_pieces_not_its_command_line():
                               if name.startswith("_")]
     assert not offenders, (f"{offenders}; import the piece from tools.bench.shapes, tools.bench.models, "
                            "tools.bench.arms, tools.bench.timeline, tools.bench.provenance or tools.bench.report")
+
+
+# -- family facts live with the family, not in tests ------------------------------------------------
+def family_branches(tree: ast.AST) -> list[int]:
+    """Lines where a branch (``if``, a conditional expression, a comprehension's ``if``, ``while``) tests a
+    name ``family`` against a string: a family's fact written in a test instead of in its declaration."""
+    tests = [node.test for node in ast.walk(tree) if isinstance(node, (ast.If, ast.IfExp, ast.While))]
+    tests += [condition for node in ast.walk(tree) if isinstance(node, ast.comprehension) for condition in node.ifs]
+    return sorted({compare.lineno for test in tests for compare in ast.walk(test)
+                   if isinstance(compare, ast.Compare) and isinstance(compare.left, ast.Name)
+                   and compare.left.id == "family"
+                   and any(isinstance(c, (ast.Constant, ast.Tuple, ast.List, ast.Set)) for c in compare.comparators)})
+
+
+def test_the_family_branch_finder_finds_branches_only():
+    source = ('x = 1 if family == "qwen2" else 2\nif family in ("a", "b"):\n    pass\n'
+              'ys = [f for f in fs if family != "c"]\nassert family == "qwen2"\n')
+    assert family_branches(ast.parse(source)) == [1, 2, 4]
+
+
+def test_no_family_branch_in_tests():
+    """What a family needs from a test (layers, head_dim rule, chunk length, packing...) is declared by the
+    family (its descriptor, its ``TinyVariant``: ``poros.testing.strategies`` reads it), never as an
+    ``if family == ...`` in a test."""
+    offenders = [f"tests/{path.name}:{line}" for path in sorted(Path(__file__).resolve().parent.glob("*.py"))
+                 for line in family_branches(ast.parse(path.read_text()))]
+    assert not offenders, (f"family branches at {offenders}; declare the fact in the family's descriptor or "
+                           "TinyVariant and read it (poros.testing.strategies)")
+
+
+# -- measured numbers live in registry/results, not in the package ----------------------------------
+MEASURED_WORD = re.compile(r"\b(H200|measured|measurements?)\b", re.I)
+#: a figure as the results pages write one: decimal GB (budgets are spelled in GiB), seconds, ratios, percent
+FIGURE = re.compile(r"(?<![\w.])\d+(\.\d+)?([-–]\d+(\.\d+)?)?(x| ?(GB|GB/s|ms|s|%|tokens/s|TFLOPS?))(?![\w/])")
+
+
+def measured_figures(tree: ast.AST, window: int = 120) -> list[tuple[int, str]]:
+    """``(line, text)`` of each string constant (docstrings included) that writes a figure with its unit
+    within ``window`` characters of "H200" or "measured": a measurement copied into the code."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for word in MEASURED_WORD.finditer(node.value):
+                near = node.value[max(0, word.start() - window):word.end() + window]
+                if FIGURE.search(near):
+                    found.append((node.lineno, " ".join(near.split())[:100]))
+                    break
+    return found
+
+
+def test_the_measured_figure_finder():
+    source = ('"""Peaks at 7.9 GB on the H200."""\nA = "within 3 % of the H200 measurements"\n'
+              'B = "the H200 (docs/results-h200.md)"\nC = "e.g. --vram-budget 8GiB"\n')
+    assert [line for line, _ in measured_figures(ast.parse(source))] == [1, 2]
+
+
+def test_no_measured_number_in_package_strings():
+    """A number the H200 measured is published from registry/results through a generated block; the
+    package's strings and docstrings link the results page (docs/results-h200.md) instead of copying it."""
+    offenders = [f"{path.relative_to(PACKAGE.parent).as_posix()}:{line}: {text}"
+                 for path in sorted(PACKAGE.rglob("*.py")) for line, text in measured_figures(ast.parse(path.read_text()))]
+    assert not offenders, "measured figures in the package's strings (link docs/results-h200.md):\n" + "\n".join(offenders)

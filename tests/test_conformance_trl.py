@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conformance_flows import FAMILY_VARIANTS, assert_same_files, assert_same_outcome, assert_same_trainer_state, run_sft
+from poros import registry
 from poros.testing import save_tiny_checkpoint
 
 trl = pytest.importorskip("trl")
@@ -27,8 +28,8 @@ def test_sft_trainer_with_peft_config_is_bitwise(family, variant, bf16, line, tm
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
     flow = dict(bf16=bf16, gradient_accumulation_steps=4, max_steps=-1, num_train_epochs=1, eval_steps=1,
                 save_steps=1)
-    if family == "qwen3_5":  # its linear-attention layers keep packed sequences apart only with causal_conv1d
-        flow["packing"] = False  # (TRL refuses without it, plain as well): padded rows, one per text
+    if registry.get(family).packing_unsupported:  # qwen3_5: linear-attention layers keep packed sequences
+        flow["packing"] = False  # apart only with causal_conv1d (TRL refuses without it): padded rows, one per text
     plain = run_sft(checkpoint, tmp_path / "plain", None, **flow)
     streamed = run_sft(checkpoint, tmp_path / "poros", line, **flow)
     assert plain["trainer"].args.bf16 == bf16 and plain["trainer"].args.gradient_checkpointing

@@ -31,6 +31,7 @@ from poros.testing import (  # noqa: E402
     tiny_config,
     tiny_model,
 )
+from poros.testing.strategies import tiny_variant  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -283,7 +284,7 @@ def test_drawn_tiny_shapes_build_or_raise_value_error(case, drawn):
     """Any drawn shape either raises ValueError or builds a model that meets its descriptor and runs."""
     family, variant = case
     num_layers, num_heads, head_dim = drawn["num_layers"], drawn["num_heads"], drawn["head_dim"]
-    if family == "qwen2":  # qwen2 derives head_dim from hidden_size // num_heads
+    if tiny_variant(family, variant).head_dim_from_hidden:  # qwen2: head_dim is hidden_size // num_heads
         shape = dict(drawn, head_dim=None, hidden_size=num_heads * head_dim)
     else:
         shape = dict(drawn, hidden_size=16 * num_heads)
@@ -300,8 +301,8 @@ def test_drawn_tiny_shapes_build_or_raise_value_error(case, drawn):
     with torch.no_grad():
         logits = model(input_ids=_token_ids(length=5), use_cache=False).logits
     assert logits.shape == (2, 5, 256) and torch.isfinite(logits).all()
-    if num_layers >= 2:  # every kind of the variant is represented
-        assert len(set(config.layer_types)) == (1 if variant == "default" and family in ("qwen2", "qwen3") else 2)
+    if num_layers >= 2:  # every kind of the variant is represented, as in its default shape
+        assert set(config.layer_types) == set(tiny_config(family, variant).layer_types)
 
 
 # -- the contract check catches what is wrong --------------------------------------------------------

@@ -127,7 +127,7 @@ def test_the_metadata_llama_cpp_reads(merged):
     assert _field(reader, f"{prefix}.attention.head_count_kv") == config.num_key_value_heads
     assert _field(reader, f"{prefix}.rope.freq_base") == pytest.approx(config.rope_parameters["rope_theta"])
     assert _field(reader, f"{prefix}.attention.layer_norm_rms_epsilon") == pytest.approx(config.rms_norm_eps)
-    if getattr(config, "head_dim", None) is not None and family == "qwen3":
+    if getattr(config, "head_dim", None) is not None:
         assert _field(reader, f"{prefix}.attention.key_length") == config.head_dim
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -14,7 +14,7 @@ graphed path (a recorder that reruns the captured body on its static buffers at 
 (autocast per forward, backward outside), every family; (3) in a region around several steps the
 blocks run eagerly from the second ``forward_backward`` on (``autocast cache across steps``) and match
 the resident run in that region — without that check they do not (the gate's failure, on CPU).
-Capture and replay on a GPU are the H200 probe's (tools/autocast_graph_probe.py).
+Capture and replay on a GPU: the H200 gate's (tools/checks/parity_gate.py --cuda-graphs).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from poros.stream import graphs as graphs_module
 from poros.stream.graphs import AUTOCAST_SWITCH, MICRO_MAJOR_SWITCH, BlockGraphs
 from poros.stream.replay import CastCacheWatch, autocast_state, uncached
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
+from poros.testing.strategies import min_layers
 from test_gemma4_graphs import ReplayedOnCPU
 from test_layer_major import with_item_counts
-from test_parity import MIN_LAYERS, assert_bitwise, make_batch, trainable
+from test_parity import assert_bitwise, make_batch, trainable
 
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
 LORA = {"lora_rank": 4, "lora_alpha": 8, "seed": 3}
@@ -80,7 +81,7 @@ def graphed_steps(streamed, steps, region=contextlib.nullcontext):
 
 
 def checkpoint(tmp_path, family, variant="default"):
-    layers = max(2, MIN_LAYERS.get((family, variant), 1))
+    layers = max(2, min_layers(family, variant))
     return save_tiny_checkpoint(tmp_path / f"{family}-{variant}", family, variant, seed=3, num_layers=layers)
 
 
@@ -226,32 +227,12 @@ def test_the_gate_enters_autocast_per_forward_and_is_bitwise_for_qwen3_5(tmp_pat
     assert variant["comparison"]["bitwise"] and variant["autocast_region"] == "forward"
 
 
-def test_the_probe_runs_on_cpu_with_its_captures_skipped(tmp_path):
-    """tools/autocast_graph_probe.py (the H200's ``autocast-probe`` step): the eager cases compare equal on
-    CPU, the captured ones say they were skipped, the stale-cache case shows a region's cast outliving an
-    in-place update (the gate's old reference) and a new region seeing it."""
-    from tools import autocast_graph_probe
-
-    out = tmp_path / "probe.json"
-    assert autocast_graph_probe.main(["--device", "cpu", "--cases", "layer,accumulate,stale", "--width", "64",
-                                      "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["verdict"] == {"layer": True, "accumulate": True, "stale": True}
-    layer = report["cases"]["layer"]
-    assert layer["captured"] == "skipped (CPU)" and layer["base"] == "bnb.nn.Linear4bit"
-    assert layer["eager cache off, region per micro-batch"]["equal"]
-    assert layer["eager cache off, region per micro-batch"]["of"] == 4  # output, input grad, lora_A, lora_B
-    assert set(report["cases"]["accumulate"]) == {"2 micro-batches", "4 micro-batches"}
-    stale = report["cases"]["stale"]
-    assert stale["changed inside one region (False: the cast is stale)"] is False and stale["changed in a new region"]
-
-
 @pytest.mark.parametrize("autocast", [False, True])
 def test_micro_major_phases_replay_bitwise_with_their_switch(tmp_path, monkeypatch, autocast):
     """Micro-major (HF Trainer's ``loss.backward()`` per micro-batch): with ``POROS_CUDA_GRAPHS_MICRO_MAJOR=1``
     its forward and its recompute+backward (inside the autograd engine, gradients handed back to the
     engine in use order) replay, and train bitwise the resident model; whether a capture holds inside
-    the engine on a GPU is the probe's question (tools/autocast_graph_probe.py ``micro-major``)."""
+    the engine on a GPU was the H200 probe's question (docs/results-h200-log.md, issue 30)."""
     path = checkpoint(tmp_path, "qwen3")
     steps = plan()
     mixed = bf16 if autocast else contextlib.nullcontext

@@ -15,13 +15,13 @@ import tempfile
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
 import poros
 from poros.errors import StreamingError
 from poros.stream.stash import DiskStash, HostStash
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
-from test_parity import MIN_LAYERS, make_batch, trainable, assert_bitwise
+from poros.testing.strategies import min_layers, tiny_setups
+from test_parity import make_batch, trainable, assert_bitwise
 
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
 
@@ -59,24 +59,9 @@ def layer_major_steps(streamed, steps: list[list[dict]]):
     return losses, optimizer
 
 
-@st.composite
-def setups(draw, family: str, variant: str):
-    num_heads = draw(st.sampled_from([2, 4]))
-    return {
-        "config": {
-            "num_layers": draw(st.integers(MIN_LAYERS.get((family, variant), 1), 4)),
-            "num_heads": num_heads,
-            "num_kv_heads": draw(st.sampled_from([k for k in (1, 2) if num_heads % k == 0])),
-            "attn_implementation": draw(st.sampled_from(["sdpa", "eager"])),
-        },
-        "seed": draw(st.integers(0, 2**16)),
-        "micro_batches": draw(st.integers(2, 4)),
-        "batch": draw(st.integers(1, 2)),
-        "seq": draw(st.integers(9, 70 if family == "qwen3_5" else 20)),
-        "padding": draw(st.sampled_from(["none", "left", "right"])),
-        "lora_rank": draw(st.sampled_from([2, 8])),
-        "steps": draw(st.integers(1, 2)),
-    }
+def setups(family: str, variant: str):
+    """2 to 4 micro-batches a step, the variant's default widths."""
+    return tiny_setups(family, variant, micro_batches=(2, 4), seq=(9, 20), lora_ranks=(2, 8))
 
 
 def run(family: str, variant: str, setup: dict, directory: pathlib.Path, boundary_states: str = "device",
@@ -128,7 +113,7 @@ def test_boundary_states_on_the_host_are_bitwise_too(family, variant, tmp_path, 
     original = HostStash.take
     monkeypatch.setattr(HostStash, "take", lambda self, key: taken.append(key) or original(self, key))
     setup = {**FIXED_SETUP, "config": {**FIXED_SETUP["config"],
-                                       "num_layers": max(3, MIN_LAYERS.get((family, variant), 1))}}
+                                       "num_layers": max(3, min_layers(family, variant))}}
     streamed = run(family, variant, setup, tmp_path, boundary_states="host")
     layers = len(streamed.executor.layers)
     assert streamed.executor.boundary_states == "host"
@@ -201,7 +186,7 @@ def test_boundary_states_on_disk_are_bitwise_device_host_and_resident(family, va
     monkeypatch.setattr(DiskStash, "put", put)
     monkeypatch.setattr(DiskStash, "close", close)
     setup = {**FIXED_SETUP, "config": {**FIXED_SETUP["config"],
-                                       "num_layers": max(3, MIN_LAYERS.get((family, variant), 1))}}
+                                       "num_layers": max(3, min_layers(family, variant))}}
     results = {}
     for placement in ("device", "host", "disk"):
         streamed = run(family, variant, setup, tmp_path / placement, boundary_states=placement,

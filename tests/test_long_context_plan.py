@@ -173,24 +173,24 @@ def test_the_flash_backward_buffers_are_priced_as_fa2_allocates_them():
     an fp32 ``softmax_d``. Qwen2.5-32B (40 query heads, 8 KV heads of 128) at 32K on an H200 (132 SMs): 4 splits."""
     import torch
 
-    from poros.plan import activations as footprint  # the activations (flash backward) of a footprint
+    from poros.plan import activations
 
-    shapes = footprint.BlockShapes(hidden_size=5120, vocab_size=152064, num_attention_heads=40, linear_outputs=0,
+    shapes = activations.BlockShapes(hidden_size=5120, vocab_size=152064, num_attention_heads=40, linear_outputs=0,
                                    largest_linear=0, logit_softcapping=False, attention_width=5120, kv_width=1024)
     seq, bf16 = 32768, 2
     dq_accum = seq * 40 * 128 * 4
     rest = 2 * seq * 5120 * bf16 + seq * (5120 + 2 * 1024) * bf16 + 40 * seq * 4
-    assert footprint.flash_backward_bytes(shapes, batch_size=1, seq_len=seq, value_bytes=bf16, sms=132) == 4 * dq_accum + rest
-    assert footprint.flash_backward_bytes(shapes, batch_size=1, seq_len=seq, value_bytes=bf16, sms=0) == dq_accum + rest
+    assert activations.flash_backward_bytes(shapes, batch_size=1, seq_len=seq, value_bytes=bf16, sms=132) == 4 * dq_accum + rest
+    assert activations.flash_backward_bytes(shapes, batch_size=1, seq_len=seq, value_bytes=bf16, sms=0) == dq_accum + rest
     # no split without deterministic algorithms, or off CUDA; a CUDA run planned without its GPU assumes an H200's SMs
-    assert footprint.attention_sms("cuda", False) == 0 and footprint.attention_sms("cpu", True) == 0
+    assert activations.attention_sms("cuda", False) == 0 and activations.attention_sms("cpu", True) == 0
     if not torch.cuda.is_available():
-        assert footprint.attention_sms("cuda", True) == footprint.ASSUMED_SMS == 132
+        assert activations.attention_sms("cuda", True) == activations.ASSUMED_SMS == 132
     # at 16 sequence chunks they, not the MLP's chunk, set a block backward's peak: the H200's 32B at 32K
     # under a 12 GB cap measured 9.50 GB allocated, 2.17 GB above the estimate without them
     # (tests/test_planner.py's calibration holds that record within 15 %; today's estimate is 9.32 GB)
-    parts = footprint.activation_parts(
-        footprint.BlockShapes(**{**shapes.__dict__, "linear_outputs": 5120 + 2 * 1024 + 5120 + 3 * 27648,
+    parts = activations.activation_parts(
+        activations.BlockShapes(**{**shapes.__dict__, "linear_outputs": 5120 + 2 * 1024 + 5120 + 3 * 27648,
                                  "mlp_outputs": 3 * 27648}),
         batch_size=1, seq_len=seq, value_bytes=bf16, attn_implementation="sdpa", mlp_chunks=16, attention_sms=132)
     assert parts.attention.backward - parts.post_attention_norm > max(parts.norm_backward, parts.mlp + parts.dequantized_weight)

@@ -40,7 +40,7 @@ from poros.loading.experts import (EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS,
 from poros.loading import experts_grouped
 from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, dequantize_all
 from poros.stream.store import packed_block_bytes
-from poros.testing import all_linear_targets, load_qlora, save_tiny_checkpoint
+from poros.testing import all_linear_targets, load_qlora, save_tiny_checkpoint, tiny_config
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
 from test_parity import assert_bitwise, make_batch, parity_setups, train, trainable
 from test_trainer import adapters, assert_same_training_state, load_reference_base, optimizer_states
@@ -222,7 +222,8 @@ def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path, capsys)
 def test_layer_major_with_nf4_experts_is_bitwise_resident_accumulation(family, variant, tmp_path):
     """Layer-major accumulation (each block's bytes serve every micro-batch), NF4 experts, and for
     qwen3_5_moe the router aux loss across micro-batches."""
-    aux = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if family == "qwen3_5_moe" else {}
+    router_aux = hasattr(tiny_config(family, variant), "router_aux_loss_coef")  # qwen3_5_moe's load-balancing loss
+    aux = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if router_aux else {}
     path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=9, num_layers=3, **aux)
     steps = [with_item_counts([make_batch(10 * s + m, 2, 14, "right") for m in range(3)]) for s in range(2)]
     reference = poros.quantize_experts(load_qlora(path, seed=9, lora_rank=4))

@@ -30,7 +30,7 @@ from poros.descriptor import resolve_path
 from poros.config import PorosConfig
 from poros.errors import ConfigError
 from poros.doctor import probe
-from poros.plan import run_plan
+from poros.plan import calibration, run_plan
 from poros.plan import footprint as footprint_module
 from poros.plan import budget as planner
 from poros.stream.options import StreamOptions
@@ -409,20 +409,7 @@ def test_decisions_keep_their_promises(fp, workload, slots, context, timed, data
 
 # -- calibration against the H200 --------------------------------------------------------------
 
-#: runs with mlp_chunks > 1 made before mlp_chunks tiled the norms and attention projections too (issue 32,
-#: 2026-12-02 ninth session): only their MLP was tiled, which today's footprint no longer prices; the
-#: re-runs of those shapes (h200-2026-12-02-s9) are the calibration
-MLP_ONLY_TILING = ("h200-2026-11-", "h200-2026-12-01", "h200-2026-12-02-s8")
-
-
-def _counted(path) -> bool:
-    record = json.loads(path.read_text())
-    if record["arms"].get("poros", {}).get("status") != "ok":
-        return False
-    return not ((record["config"].get("mlp_chunks") or 1) > 1 and path.parent.name.startswith(MLP_ONLY_TILING))
-
-
-BENCH_RECORDS = sorted(p for p in (ROOT / "registry" / "results").glob("h200-*/bench-*.json") if _counted(p))
+BENCH_RECORDS = calibration.calibration_records(ROOT / "registry" / "results")
 
 
 @cache
@@ -433,14 +420,13 @@ def _results_docs():
 
 
 def predicted_and_measured(record_path: Path) -> tuple[int, float]:
-    """Today's prediction for a record's own run (``tools/record_peak.py``) and the peak it measured."""
-    from tools import record_peak
+    """Today's prediction for a record's own run (``poros.plan.calibration``) and the peak it measured."""
 
     record = json.loads(record_path.read_text())
-    plan = record_peak.record_plan(record)
+    plan = calibration.record_plan(record)
     resident = record["arms"]["poros"].get("resident_blocks", ())
     assert plan.host_store_bytes - sum(plan.block_bytes[i] for i in resident) == record["arms"]["poros"]["host_bytes"]
-    return record_peak.predicted_peak(record), record["arms"]["poros"]["peak_allocated_gb"] * 1e9
+    return calibration.predicted_peak(record), record["arms"]["poros"]["peak_allocated_gb"] * 1e9
 
 
 def test_predicted_peak_is_within_15_percent_of_every_h200_record():
@@ -472,15 +458,14 @@ def test_predicted_peak_is_within_15_percent_across_the_published_curves():
     the norm backward's fp32 temporaries, issue 32), so at budgets that sat on a threshold it now keeps up
     to 3 resident blocks fewer, or the boundary states on the host. A re-run of the curves pins them again."""
     assert {json.loads(p.read_text())["config"]["model"] for p in CURVE_RECORDS} >= {"qwen2.5-32b", "qwen2.5-72b"}
-    from tools import record_peak
-
     errors = {}
     for path in CURVE_RECORDS:
         record = json.loads(path.read_text())
         setup = record["config"]
         layers = setup["model_info"]["num_hidden_layers"]
-        plan = record_peak._plan(setup["model"], layers, setup["seq"], setup["batch"], True,
-                                 tuple(setup["lora"]["targets"]), setup["lora"]["rank"], "sdpa", 1, False, 1)
+        plan = calibration.plan_model(record, seq=setup["seq"], batch=setup["batch"], double_quant=True,
+                                      targets=tuple(setup["lora"]["targets"]), rank=setup["lora"]["rank"], attn="sdpa",
+                                      loss_chunks=1, quantize_experts=False, mlp_chunks=1)
         workload = Workload(setup["batch"], setup["seq"], setup["grad_accum"], setup["schedule"])
         for row in record["rows"]:
             name = f"{path.stem} @ {row['budget']}"
@@ -602,16 +587,6 @@ def test_plan_errors_exit_1(capsys, tiny_checkpoint):
     assert status == 1 and "vram_budget='7 GB?'" in err
     status, _, err = run_cli(capsys, "plan", "--vram-budget", "1GiB", "--device", "cpu", "--block-ms", "fast")
     assert status == 1 and "--block-ms 'fast'" in err
-
-
-# -- docs/consumer-gpus.md -----------------------------------------------------------------------
-
-def test_consumer_gpus_page_matches_the_planner_and_the_records(child_env):
-    import subprocess
-
-    result = subprocess.run([sys.executable, "-m", "tools.docs.gen_consumer_docs", "--check"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300, env=child_env(OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_plan_says_the_host_tier_a_run_gets(capsys, tiny_checkpoint):

@@ -10,7 +10,6 @@ import tempfile
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
 import poros
 from poros import registry
@@ -19,11 +18,12 @@ from poros.errors import ConfigError
 from poros.stream.options import StreamOptions
 from poros.stream.tiling import mlp_modules, per_token_modules, tile_mlp
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
+from poros.testing.strategies import longest_seq, tiny_setups
 from poros.tiny import TINY_SLIDING_WINDOW
 from test_chunked_loss import in_graph
 from test_host_optimizer import FAMILIES, assert_same, run_steps, steps_of
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
-from test_parity import MIN_LAYERS, assert_bitwise, make_batch, train, trainable
+from test_parity import assert_bitwise, make_batch, train, trainable
 
 CASES = [(family, variant) for family, variants in TINY_VARIANTS.items() for variant in variants]
 
@@ -33,28 +33,12 @@ def computed_tiled(loss: torch.Tensor) -> bool:
     return in_graph(loss, "_TiledMlpFunctionBackward")
 
 
-@st.composite
-def tiled_setups(draw, family: str, variant: str):
-    num_heads = draw(st.sampled_from([2, 4]))
-    # past the sliding window (Gemma, Qwen2/3 sliding), and past the delta rule's 64-token chunk (Qwen3.5)
-    longest = 80 if family == "qwen3_5" else 3 * TINY_SLIDING_WINDOW
-    return {
-        "config": {
-            "num_layers": draw(st.integers(MIN_LAYERS.get((family, variant), 1), 3)),
-            "num_heads": num_heads,
-            "num_kv_heads": draw(st.sampled_from([k for k in (1, 2) if num_heads % k == 0])),
-            "hidden_size": num_heads * 16,
-            **({} if family == "qwen2" else {"head_dim": 16}),
-            "attn_implementation": draw(st.sampled_from(["sdpa", "eager"])),
-        },
-        "seed": draw(st.integers(0, 2**16)),
-        "batch": draw(st.integers(1, 2)),
-        "seq": draw(st.integers(TINY_SLIDING_WINDOW + 2, longest)),
-        "padding": draw(st.sampled_from(["none", "left", "right"])),
-        "mlp_chunks": draw(st.integers(2, 5)),
-        "steps": draw(st.integers(1, 2)),
-        "reference_checkpointing": draw(st.booleans()),
-    }
+def tiled_setups(family: str, variant: str):
+    """Sequences past the sliding window (Gemma, Qwen2/3 sliding), and past the first chunk where the
+    variant computes in chunks (the delta rule's), 2 to 5 MLP chunks."""
+    return tiny_setups(family, variant, max_layers=3, widths=(16,), head_dims=(16,),
+                       seq=(TINY_SLIDING_WINDOW + 2, 3 * TINY_SLIDING_WINDOW), past_chunk=16, mlp_chunks=(2, 5),
+                       reference_checkpointing=True)
 
 
 def run_tiled_parity(family: str, variant: str, setup: dict, directory: pathlib.Path) -> None:
@@ -95,7 +79,7 @@ def test_streamed_tiled_mlp_is_bitwise_a_resident_run_with_the_same_tiling(famil
 def test_layer_major_with_tiled_mlp_is_bitwise_resident_accumulation(family, variant, tmp_path):
     """``forward_backward`` over 3 micro-batches per step, with clipping-free AdamW, tiled on both sides."""
     path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
-    seq = 70 if family == "qwen3_5" else 2 * TINY_SLIDING_WINDOW + 3
+    seq = longest_seq(family, variant, 2 * TINY_SLIDING_WINDOW + 3)
     steps = [with_item_counts([make_batch(7 + 10 * s + m, 2, seq, "left") for m in range(3)]) for s in range(2)]
     reference = load_qlora(path, seed=7)
     tile_mlp(reference, 4)

@@ -22,6 +22,7 @@ from poros.assets import asset_path
 from poros.data import BatchIterator, load_dataset
 from poros.errors import OutputDirError
 from poros.testing import TINY_VARIANTS, all_linear_targets, save_tiny_checkpoint
+from poros.testing.strategies import min_layers
 from poros.stream.chunked_loss import use_chunked_loss
 from poros.stream.tiling import tile_mlp
 from poros.training.trainer import METRIC_FIELDS, PorosTrainer
@@ -48,13 +49,10 @@ def chat_file(tmp_path_factory):
     return path
 
 
-#: the fewest layers that still hold every layer kind of the family's default variant (speed)
-MIN_LAYERS = {"qwen3_5": 2, "gemma3": 2, "gemma4": 3}
-
-
 def make_checkpoint(directory, family, tokenizer, variant="default"):
-    layers = {"num_layers": MIN_LAYERS[family]} if family in MIN_LAYERS else {}
-    path = save_tiny_checkpoint(directory, family, variant, seed=5, vocab_size=len(tokenizer), **layers)
+    """The fewest layers that hold every layer kind of the variant (speed), and at least two blocks."""
+    path = save_tiny_checkpoint(directory, family, variant, seed=5, vocab_size=len(tokenizer),
+                                num_layers=max(2, min_layers(family, variant)))
     tokenizer.save_pretrained(path)
     return path
 

@@ -15,8 +15,6 @@
 #   tools/gpu_run.sh cache:qwen2.5-32b:layers=4 cache:qwen2.5-72b:layers=4:host-budget-gib=1
 #   tools/gpu_run.sh prequant:qwen2.5-72b:layers=8:cap-gib=8     # poros quantize, bnb-4bit starts, the drop-in at 8 GiB
 #   tools/gpu_run.sh gate:cuda-graphs:no-diagnose:grad-accum=2:schedule=layer-major:steps=4        # graphs' gate
-#   tools/gpu_run.sh autocast-probe autocast-probe:cases=blocks:only=qwen3      # graphs under autocast, step by step
-#   tools/gpu_run.sh capture-probe capture-probe:cublas-config                  # why a backward's capture fails
 #   POROS_CUDA_GRAPHS_AUTOCAST=1 tools/gpu_run.sh gate:cuda-graphs:autocast=bf16:no-diagnose:grad-accum=2:schedule=layer-major:steps=4
 #   tools/gpu_run.sh bench:qwen2.5-72b:cuda-graphs:schedule=layer-major:deterministic:profile:arms=resident,poros-device,poros
 #   tools/gpu_run.sh bench:qwen2.5-32b:arms=trl-resident,trl-poros,unsloth:grad-accum=8:deterministic:steps=2:warmup=1:unsloth-timeout=240
@@ -32,9 +30,7 @@
 # (tools/checks/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
 # (tools/checks/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
 # `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds) or `ddp`
-# (tools/checks/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`) or
-# `autocast-probe` (tools/autocast_graph_probe.py: CUDA graphs under autocast vs eager, case by case) or
-# `capture-probe` (tools/capture_probe.py: which ingredient makes a backward's capture fail), each
+# (tools/checks/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
 # becomes `--flag`). Steps run one after another; a failing step does not stop the next, and the
 # exit status is non-zero if any step failed.
@@ -199,16 +195,8 @@ main() {
       doctor)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.checks.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
-      autocast-probe)
-        mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.autocast_graph_probe --device "$DEVICE" --json "$json_dir/$file.json"
-             ${extra[@]+"${extra[@]}"}) ;;
-      capture-probe)
-        mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.capture_probe --device "$DEVICE" --json "$json_dir/$file.json"
-             ${extra[@]+"${extra[@]}"}) ;;
       *)
-        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], cache:SHAPE[:k=v...], load[:k=v...], eval[:k=v...], doctor[:k=v...], ddp[:k=v...], autocast-probe[:k=v...] or capture-probe[:k=v...])"
+        echo "unknown step $step (expected gate[:k=v...], bench:SHAPE[:k=v...], curve:SHAPE[:k=v...], merge:SHAPE[:k=v...], cache:SHAPE[:k=v...], load[:k=v...], eval[:k=v...], doctor[:k=v...] or ddp[:k=v...])"
         summary+=("$step rc=2"); status=1; continue ;;
     esac
     echo

@@ -161,10 +161,11 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
     lines += ["", "Decisions:", *(f"  - {note}" for note in bp.notes),
               f"Minimum budget for this run: {gb(bp.minimum_bytes)} (1 slot, nothing resident), "
               f"{gb(bp.pipelined_minimum_bytes)} with {bp.requested_slots} slots.",
-              "Block bytes are exact; the peak's parts are estimates (within 3 % of the H200 measurements in "
-              "registry/results, at 512 to 2048 tokens; not yet measured at long sequences); step times are a pipeline model of the measured or given GPU times, a lower "
-              "bound where the host cannot keep the GPU busy (on the H200 at 512 tokens the predictions were "
-              "14-62 % below the measured steps: docs/results-h200.md)."]
+              "Block bytes are exact; the peak's parts are estimates, checked against every H200 record in "
+              "registry/results from 512 tokens to long context (how close: the README and "
+              "docs/consumer-gpus.md); step times are a pipeline model of the measured or given GPU times, a "
+              "lower bound where the host cannot keep the GPU busy (how far below the H200's steps: "
+              "docs/results-h200.md)."]
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
 
 #: tiny test models (:mod:`poros.tiny`).
 TINY_VARIANTS = (
-    TinyVariant("gemma3", "default", "Gemma3TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields),
+    TinyVariant("gemma3", "default", "Gemma3TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields, min_layers=2),
 )
 
 #: the tiny multimodal model (Gemma 3 4B+): a one-layer SigLIP vision tower.

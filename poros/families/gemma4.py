@@ -154,9 +154,10 @@ def _tiny_fields(e2b: bool):
 #: with 1 global KV head, per-layer inputs off (modelled on 26B-A4B).
 TINY_VARIANTS = (
     TinyVariant("gemma4", "e2b", "Gemma4TextConfig", num_layers=6, head_dim=16, fields=_tiny_fields(True),
-                head_dim_multiple=8, description="per-layer inputs, KV sharing, double-wide MLP, global_head_dim"),
+                head_dim_multiple=8, min_layers=3,
+                description="per-layer inputs, KV sharing, double-wide MLP, global_head_dim"),
     TinyVariant("gemma4", "moe", "Gemma4TextConfig", num_layers=4, head_dim=16, fields=_tiny_fields(False),
-                head_dim_multiple=8, description="MoE block, attention_k_eq_v, per-layer inputs off"),
+                head_dim_multiple=8, min_layers=2, description="MoE block, attention_k_eq_v, per-layer inputs off"),
 )
 
 #: the tiny multimodal model: a one-layer vision tower, no audio tower.

@@ -48,7 +48,8 @@ TINY_VARIANTS = (
     TinyVariant("qwen2", "default", "Qwen2Config", num_layers=2, head_dim=16, fields=_tiny_fields(False),
                 head_dim_from_hidden=True),
     TinyVariant("qwen2", "sliding", "Qwen2Config", num_layers=4, head_dim=16, fields=_tiny_fields(True),
-                head_dim_from_hidden=True, description="use_sliding_window, the upper half of the layers sliding"),
+                head_dim_from_hidden=True, min_layers=2,
+                description="use_sliding_window, the upper half of the layers sliding"),
 )
 
 

@@ -37,7 +37,7 @@ def _tiny_fields(sliding: bool):
 #: ``sliding``: ``use_sliding_window`` with the upper half of the layers sliding.
 TINY_VARIANTS = (
     TinyVariant("qwen3", "default", "Qwen3Config", num_layers=2, head_dim=32, fields=_tiny_fields(False)),
-    TinyVariant("qwen3", "sliding", "Qwen3Config", num_layers=4, head_dim=32, fields=_tiny_fields(True),
+    TinyVariant("qwen3", "sliding", "Qwen3Config", num_layers=4, head_dim=32, fields=_tiny_fields(True), min_layers=2,
                 description="use_sliding_window, the upper half of the layers sliding"),
 )
 

@@ -67,7 +67,7 @@ def tiny_fields(shape: TinyShape, overrides: dict) -> dict:
 #: tiny test models (:mod:`poros.tiny`): partial rotary 0.25 -> 8 rotary channels, mrope [2, 1, 1].
 TINY_VARIANTS = (
     TinyVariant("qwen3_5", "default", "Qwen3_5TextConfig", num_layers=4, head_dim=32, fields=tiny_fields,
-                head_dim_multiple=8),
+                head_dim_multiple=8, min_layers=2, chunk_length=64),  # the delta rule's 64-token chunks
 )
 
 #: the tiny multimodal model (Qwen 3.5/3.6 with their vision tower): one vision block.

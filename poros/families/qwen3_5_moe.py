@@ -68,7 +68,8 @@ def _tiny_fields(shape: TinyShape, overrides: dict) -> dict:
 #: (4 experts, top 2, a shared expert).
 TINY_VARIANTS = (
     TinyVariant("qwen3_5_moe", "default", "Qwen3_5MoeTextConfig", num_layers=4, head_dim=32, fields=_tiny_fields,
-                head_dim_multiple=8, description="4 experts (top 2) and a shared expert in every layer"),
+                head_dim_multiple=8, min_layers=2, chunk_length=64,  # the delta rule's 64-token chunks
+                description="4 experts (top 2) and a shared expert in every layer"),
 )
 
 #: the tiny multimodal model: one vision block.

@@ -166,7 +166,8 @@ def flash_backward_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, 
     rounded]`` (``splits`` = ``ceil(sms / (batch x heads))`` when deterministic, else 1), with grouped KV
     heads the dK and dV expanded to every query head, dQ, dK, dV themselves, and the fp32 ``softmax_d``.
     At long sequences with many sequence chunks this, not the MLP's chunk, is a block backward's peak (the
-    H200's 32B at 32K with 16 chunks measured 2.17 GB above the estimate without it)."""
+    H200's long-context records showed the estimate short by about this much without it:
+    docs/results-h200-log.md, the tenth session)."""
     heads = shapes.num_attention_heads
     width = shapes.attention_width or shapes.hidden_size
     head_dim = width // heads
@@ -223,7 +224,7 @@ LOSS_BYTES_PER_LOGIT = 12
 #: decomposed: ``x.float()``, ``pow``, ``mean``, ``rsqrt``, ``mul``, ``.to()``; its autograd graph's backward
 #: keeps the fp32 incoming gradient, ``grad * rsqrt``, ``grad * x``, the mean's expanded gradient and
 #: ``pow``'s ``2 * x * grad`` alive at once: 5, counted with a dispatch-level tracker of live tensors
-#: on a real decoder block, tools/saved_bytes.py)
+#: on a real decoder block, poros.testing.live_bytes)
 NORM_BACKWARD_FP32_VALUES = 5
 
 
@@ -325,7 +326,7 @@ def per_token_parts(tokens: int, chunk_tokens: int, hidden: int, value_bytes: in
     their compute-dtype tensors -- the attention norm's output (q, k and v's one saved input), the
     post-attention norm's input and output -- and make one chunk's fp32 copies at a time; the tiled
     node's whole input gradient and the recomputed block's output are alive beside them (counted on a
-    real block, ``tools/saved_bytes.py``)."""
+    real block, ``poros.testing.live_bytes``)."""
     norm_backward = hidden * (4 * NORM_BACKWARD_FP32_VALUES + value_bytes)
     if chunks == 1:
         return dict(norms=tokens * 2 * 4 * hidden, lora_inputs=tokens * lora_input_bytes,
@@ -354,7 +355,7 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
       dequantizes one weight at a time, in forward and again in backward; grouped NF4 experts a whole
       fused expert tensor); plus the attention kernel's working set (:func:`attention_working_set`:
       ``seq x seq`` only for the math kernel). Counted against a real decoder block's live tensors on the
-      CPU (``tools/saved_bytes.py``, ``tests/test_footprint_live_bytes.py``) and the H200 records.
+      CPU (``poros.testing.live_bytes``, ``tests/test_footprint_live_bytes.py``) and the H200 records.
     * head: the logits in the compute dtype plus the fp32 loss working set
       (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
       ``loss_chunks`` N > 1 the head and the loss run one token chunk at a time: one chunk's

@@ -7,8 +7,8 @@ loaded model or a meta skeleton) and the shape of its step (:class:`Workload`) g
   forward-backward turn (all boundary states + the head's working set), a block's recompute and
   backward (its working set + the LoRA gradients + the boundary states still held), the optimizer
   step -- on top of the slots, the resident blocks, the modules outside the blocks and the LoRA
-  parameters with their AdamW state. Checked against the H200 bench records (docs/results-h200.md;
-  ``tests/test_planner.py`` holds them to 15 %). :func:`peak_upper_bound` adds the same parts
+  parameters with their AdamW state. Checked against the H200 bench records (:mod:`poros.plan.calibration`;
+  ``tests/test_planner.py`` holds every one to its tolerance, the README quotes the spread). :func:`peak_upper_bound` adds the same parts
   all at once (the dry run's estimate).
 * **the step** (:func:`predict_step`, from :mod:`poros.plan.step_time`): with per-block compute
   times (:class:`ComputeTimes`) and the link bandwidth, a simulation of the executor's copies and

@@ -1,8 +1,8 @@
 """The training step on a CUDA stream of torch's pool, off the legacy default stream, when blocks replay
 from CUDA graphs.
 
-Measured on the H200 (2026-12-02, ``tools/autocast_graph_probe.py --trace``): every backward capture of
-the engine under bf16 autocast, and every micro-major one, failed with "operation would make the legacy
+Measured on the H200 (2026-12-02, the autocast graph probe traced; docs/results-h200-log.md): every
+backward capture of the engine under bf16 autocast, and every micro-major one, failed with "operation would make the legacy
 stream depend on a capturing blocking stream" (reported at the capture's end as "operation failed due to
 a previous error during capture"): while a block's backward was being captured, work was queued on the
 legacy default stream, where torch runs everything unless told otherwise. The same cases run on a stream

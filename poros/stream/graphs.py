@@ -27,7 +27,7 @@ cost of queueing ~500 kernels per block disappears.
   ``forward_backward`` (``replay.CastCacheWatch``) and its blocks run eagerly (``autocast cache across
   steps``), matching a resident run in the same region. With the switch at ``0``, blocks under autocast
   with the cache on run eagerly (``autocast cache``). Captures hold on the H200 when the step runs off
-  the legacy default stream (poros.stream.compute_stream; tools/autocast_graph_probe.py).
+  the legacy default stream (poros.stream.compute_stream; docs/results-h200-log.md, the eighth session).
 * **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
   capture points the block's trainable parameters at static buffers (``.data``), each replay
   copies the running block's values in. Backward returns their gradients from static buffers; the
@@ -101,7 +101,7 @@ MAX_GRAPHS = 24
 #: (poros.stream.compute_stream; read when a :class:`BlockGraphs` is made)
 AUTOCAST_SWITCH = "POROS_CUDA_GRAPHS_AUTOCAST"
 #: the environment variable that lets micro-major's block phases (inside the autograd engine) replay
-#: too (``1``): a probe for the H200 (tools/autocast_graph_probe.py ``micro-major``), off by default
+#: too (``1``): a probe for the H200 (its micro-major captures: docs/results-h200-log.md), off by default
 MICRO_MAJOR_SWITCH = "POROS_CUDA_GRAPHS_MICRO_MAJOR"
 
 

@@ -29,7 +29,7 @@ Importing ``poros.testing`` imports nothing heavy: each helper is looked up on f
 and the models' module (:mod:`poros.testing.models`) imports torch, transformers, PEFT and bitsandbytes;
 ``poros.testing.plugins`` stays torch-free.
 
-May import: poros.stream, poros.families, poros.data, and the core.
+May import: poros.plan, poros.stream, poros.families, poros.data, and the core.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import importlib
 from typing import Any
 
 #: what lives where; everything else is in :mod:`poros.testing.models`
-_ELSEWHERE = {"registered_plugin": "poros.testing.plugins"}
+_ELSEWHERE = {"registered_plugin": "poros.testing.plugins", "builtin_families": "poros.testing.plugins"}
 
 __all__ = [
     "MULTIMODAL_FAMILIES",
@@ -47,6 +47,7 @@ __all__ = [
     "all_linear_targets",
     "assert_bitwise_training",
     "assert_descriptor_matches",
+    "builtin_families",
     "check_descriptor",
     "load_qlora",
     "mapping_memory",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-__all__ = ["registered_plugin"]
+__all__ = ["builtin_families", "registered_plugin"]
 
 
 @contextlib.contextmanager
@@ -58,3 +58,17 @@ def registered_plugin(plugin: Any, name: str | None = None) -> Iterator[str]:
     finally:
         manager.unregister(plugin)
         reg.invalidate()
+
+
+def builtin_families() -> list[str]:
+    """The built-in families in registration order: those the modules of ``poros.registry.DEFAULT_PLUGINS``
+    register, what a listing shows before any third-party family. Asks each module's hook directly, so
+    no registry is loaded."""
+    import importlib
+
+    from poros.registry import DEFAULT_PLUGINS
+
+    names: list[str] = []
+    for module in DEFAULT_PLUGINS:
+        importlib.import_module(module).poros_register_architectures(register=lambda d: names.append(d.name))
+    return names

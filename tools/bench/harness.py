@@ -29,7 +29,7 @@ The pieces are modules of the ``tools`` package, which the other tools import to
 * :mod:`tools.bench.provenance` -- device, versions, date and commit in every report;
 * :mod:`tools.bench.report` -- the table printed here.
 
-Run the tools from the repository root as ``python -m tools.<name>`` (``tools/gpu_run.sh`` does).
+Run the tools from the repository root as ``python -m tools.<job>.<name>`` (``tools/gpu_run.sh`` does).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The model shapes the tools build with random weights: data, not code.
 
-``SHAPES`` names each shape; the facts of its checkpoint (layers, widths, vocab...) come from
-``registry/<family>.toml`` (a shape whose checkpoint the registry does not list is an error); what
-the registry does not hold (rotary, norm eps, ...) is written here, under the ``config.json`` it came
-from. The ``tiny*`` shapes are synthetic: every feature of each family at width 64, for CPU smoke runs.
+``SHAPES`` names each shape; the facts of its checkpoint (layers, widths, vocab, rotary, norm eps...)
+come from ``registry/<family>.toml``, the one place a checkpoint's facts live (a shape whose checkpoint
+the registry does not list is an error); what the registry leaves out as unconfirmed and a benchmark
+must still choose is written here, with why. The ``tiny*`` shapes are synthetic: every feature of each family at width 64, for CPU smoke runs.
 :func:`model_config` turns a shape into the HF text config, optionally truncated to fewer layers.
 Torch-free (transformers is imported when a config is built).
 """
@@ -28,7 +28,8 @@ class Shape:
         model_type: the text config's ``model_type`` (``AutoConfig.for_model``).
         hf_id: the registry entry (``registry/<family>.toml``) whose facts (layers, widths,
             vocab...) are used; ``None`` for synthetic shapes.
-        extra: config keyword arguments the registry does not hold (rotary, eps, layer pattern).
+        extra: config keyword arguments the registry does not hold: a synthetic shape's every fact, a
+            real one's unconfirmed assumptions.
     """
 
     family: str
@@ -44,71 +45,30 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
              head_dim=16, vocab_size=256, max_position_embeddings=512)
 
 SHAPES: dict[str, Shape] = {
-    # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
-    "qwen2.5-7b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-7B",
-        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_sliding_window=False)),
-    # https://huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json
-    "qwen2.5-14b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-14B",
-        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
-    # https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
-    "qwen2.5-32b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-32B",
-        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
-    # https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json
-    "qwen2.5-72b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-72B",
-        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5, use_sliding_window=False)),
-    # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
-    "qwen3-8b": Shape("qwen3", "qwen3", "Qwen/Qwen3-8B",
-        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
-    # https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json
-    "qwen3-32b": Shape("qwen3", "qwen3", "Qwen/Qwen3-32B",
-        extra=dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6)),
-    # https://huggingface.co/Qwen/Qwen3.5-9B/blob/main/config.json (text_config)
-    "qwen3.5-9b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.5-9B",
-        extra=dict(rms_norm_eps=1e-6, linear_key_head_dim=128, linear_value_head_dim=128,
-                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
-    # https://huggingface.co/Qwen/Qwen3.6-27B/blob/main/config.json (text_config)
+    "qwen2.5-7b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-7B"),
+    "qwen2.5-14b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-14B"),
+    "qwen2.5-32b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-32B"),
+    "qwen2.5-72b": Shape("qwen2", "qwen2", "Qwen/Qwen2.5-72B"),
+    "qwen3-8b": Shape("qwen3", "qwen3", "Qwen/Qwen3-8B"),
+    "qwen3-32b": Shape("qwen3", "qwen3", "Qwen/Qwen3-32B"),
+    "qwen3.5-9b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.5-9B"),
     # tie_word_embeddings is unconfirmed in the registry; the model card lists a separate LM output
-    "qwen3.6-27b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.6-27B",
-        extra=dict(tie_word_embeddings=False, rms_norm_eps=1e-6, linear_key_head_dim=128, linear_value_head_dim=128,
-                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
-    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json (text_config)
-    # rope theta 1e7: THUDM/slime scripts/models/qwen3.5-35B-A3B.sh (--rotary-base 10000000)
-    "qwen3.5-35b-a3b": Shape("qwen3_5_moe", "qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B",
-        extra=dict(rms_norm_eps=1e-6,
-                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
-    # https://huggingface.co/Qwen/Qwen3.5-122B-A10B/blob/main/config.json (text_config)
-    # rope theta 1e7: apxml.com/models/qwen35-122b-a10b; shared expert 1024 (its "dense FFN") and the DeltaNet heads
+    "qwen3.6-27b": Shape("qwen3_5", "qwen3_5_text", "Qwen/Qwen3.6-27B", extra=dict(tie_word_embeddings=False)),
+    "qwen3.5-35b-a3b": Shape("qwen3_5_moe", "qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B"),
+    # shared expert 1024 (its "dense FFN", apxml.com/models/qwen35-122b-a10b) and the DeltaNet heads
     # (transformers' Qwen3_5MoeTextConfig defaults, 16 key / 32 value heads of 128) are unconfirmed in the registry
     "qwen3.5-122b-a10b": Shape("qwen3_5_moe", "qwen3_5_moe_text", "Qwen/Qwen3.5-122B-A10B",
-        extra=dict(rms_norm_eps=1e-6, shared_expert_intermediate_size=1024, tie_word_embeddings=False,
-                   rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                                        mrope_section=[11, 11, 10], mrope_interleaved=True))),
-    # https://huggingface.co/google/gemma-3-12b-pt/blob/main/config.json (text_config)
-    "gemma3-12b": Shape("gemma3", "gemma3_text", "google/gemma-3-12b-pt",
-        extra=dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                   rope_scaling=dict(rope_type="linear", factor=8.0))),
-    # https://huggingface.co/google/gemma-3-27b-pt/blob/main/config.json (text_config)
+        extra=dict(shared_expert_intermediate_size=1024, tie_word_embeddings=False)),
+    "gemma3-12b": Shape("gemma3", "gemma3_text", "google/gemma-3-12b-pt"),
     # vocab_size is unconfirmed in the registry; the 4B and 12B text configs say 262208
-    "gemma3-27b": Shape("gemma3", "gemma3_text", "google/gemma-3-27b-pt",
-        extra=dict(vocab_size=262208, rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
-                   rope_scaling=dict(rope_type="linear", factor=8.0))),
-    # https://huggingface.co/google/gemma-4-E4B-it/blob/main/config.json (text_config)
-    "gemma4-e4b": Shape("gemma4", "gemma4_text", "google/gemma-4-E4B-it",
-        extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, use_double_wide_mlp=True,
-                   vocab_size_per_layer_input=262144)),
-    # https://huggingface.co/google/gemma-4-26B-A4B-it/blob/main/config.json (text_config)
+    "gemma3-27b": Shape("gemma3", "gemma3_text", "google/gemma-3-27b-pt", extra=dict(vocab_size=262208)),
+    "gemma4-e4b": Shape("gemma4", "gemma4_text", "google/gemma-4-E4B-it"),
     # attention_k_eq_v / 2 global KV heads: transformers 5.24's Gemma4TextConfig EP-plan comment for this
     # checkpoint ("num_global_key_value_heads=2"); unconfirmed in the registry
     "gemma4-26b-a4b": Shape("gemma4", "gemma4_text", "google/gemma-4-26B-A4B-it",
-        extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
-                   enable_moe_block=True, attention_k_eq_v=True, num_global_key_value_heads=2)),
-    # https://huggingface.co/google/gemma-4-31B-it/blob/main/config.json (text_config)
+        extra=dict(attention_k_eq_v=True, num_global_key_value_heads=2)),
     # attention_k_eq_v / num_global_key_value_heads unconfirmed: the transformers defaults are used
-    "gemma4-31b": Shape("gemma4", "gemma4_text", "google/gemma-4-31B-it",
-        extra=dict(rms_norm_eps=1e-6, final_logit_softcapping=30.0, hidden_size_per_layer_input=0)),
+    "gemma4-31b": Shape("gemma4", "gemma4_text", "google/gemma-4-31B-it"),
     # Synthetic shapes for CPU smoke tests: every feature of each family, at width 64.
     "tiny": Shape("qwen2", "qwen2", None, extra=dict(_TINY, num_hidden_layers=2, head_dim=None)),
     "tiny-qwen2": Shape("qwen2", "qwen2", None, extra=dict(_TINY, num_hidden_layers=4, head_dim=None)),

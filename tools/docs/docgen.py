@@ -1,6 +1,6 @@
-"""The one write-or-check step of the docs generators (tools/gen_*_docs.py).
+"""The one write-or-check step of the docs generators (tools/docs/gen_*.py).
 
-``python -m tools.gen_X_docs`` rewrites its page; ``--check`` exits 1 when the page on disk is
+``python -m tools.docs.gen_X`` rewrites its page; ``--check`` exits 1 when the page on disk is
 not what the generator would write (the tests run that, so a page cannot drift from its data).
 """
 
@@ -28,6 +28,15 @@ def accum_label(config: dict) -> str:
     return label + (", boundary states on the host" if config.get("boundary_states") == "host" else "")
 
 
+def parity_label(comparison: dict | None) -> str:
+    """A bench comparison in words: ``bitwise (0.0)``, or how far the losses differ; ``-`` for none."""
+    if not comparison:
+        return "-"
+    if comparison.get("bitwise"):
+        return "bitwise (0.0)"
+    return f"differs (loss {comparison['max_diff_loss']:.1e})"
+
+
 def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:
     """Replace the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``
     with ``blocks[name]()`` for every name; the prose around the markers is kept."""
@@ -48,10 +57,23 @@ def main(description: str, page: Path, render: Callable[[str], str], argv: list[
     fresh = render(current)
     if args.check:
         if fresh != current:
-            print(f"{page.relative_to(ROOT)} is stale: run python -m tools.{Path(sys.argv[0]).stem}", file=sys.stderr)
+            print(f"{page.relative_to(ROOT)} is stale: run python -m tools.docs.{Path(sys.argv[0]).stem}", file=sys.stderr)
             return 1
         return 0
     if fresh != current:
         page.write_text(fresh, encoding="utf-8")
         print(f"rewrote {page.relative_to(ROOT)}")
     return 0
+
+
+def main_for_blocks(description: str, page: Path, blocks: dict[str, Callable[[], str]], argv: list[str] | None = None,
+                    *, quiet: bool = False) -> int:
+    """:func:`main` for a page of generated blocks (:func:`fill_blocks`); ``quiet``: transformers' warnings
+    and log lines off (a generator that builds configs)."""
+    if quiet:
+        import logging
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+    return main(description, page, lambda text: fill_blocks(text, blocks, page), argv)

@@ -8,7 +8,8 @@ facts live between marker comments::
     <!-- BEGIN GENERATED: family qwen2 -->     ... <!-- END GENERATED: family qwen2 -->
 
 and this script rewrites only what is between them, from ``poros.registry.architectures()``
-(built-in families) and ``poros.records`` (``registry/<family>.toml``). Everything else on the
+(built-in families), ``poros.records`` (``registry/<family>.toml``) and, for the MoE table
+(``moe measured``), the H200 bench records in ``registry/results/``. Everything else on the
 page is hand-written and left alone. Torch-free.
 
 Usage::
@@ -193,10 +194,40 @@ def family_block(reg: registry.Registration) -> str:
     return "\n".join(lines)
 
 
+def moe_records() -> list[tuple[Path, dict]]:
+    """The H200 bench records of a Qwen3.5 MoE shape with NF4 experts (``--quantize-experts``), by shape."""
+    from tools.docs.gen_results_docs import bench_reports
+
+    found = [(path, report) for path, report in bench_reports()
+             if report["config"]["model_info"]["family"] == "qwen3_5_moe" and report["config"].get("quantize_experts")]
+    return sorted(found, key=lambda item: item[1]["config"]["model_info"]["full_depth"])
+
+
+def moe_measured_block() -> str:
+    """The MoE table: per record, the resident arm (NF4 experts, uncapped) and the streamed arm under its cap."""
+    rows = []
+    for path, report in moe_records():
+        config, comparison = report["config"], report.get("comparison")
+        shape = config["model_info"]["hf_id"].split("/")[-1]
+        depth = config["model_info"]
+        if depth["num_hidden_layers"] != depth["full_depth"]:
+            shape += f" ({depth['num_hidden_layers']} of {depth['full_depth']} layers)"
+        link = f"[JSON](../{path.relative_to(REPO).as_posix()})"
+        for arm, cap, parity in (("resident", "none", "reference"),
+                                 ("poros", f"{config['vram_limit_gb']:g} GB", docgen.parity_label(comparison))):
+            measured = report["arms"][arm]
+            rows.append([shape, cap, arm, f"NF4 (`{config['experts_implementation']}`)",
+                         f"{measured['peak_allocated_gb']:.2f} GB", f"{measured['median_step_s']:.3f} s",
+                         f"{measured['tokens_per_s']:,.0f}", parity, link])
+    return table(["shape", "cap", "arm", "experts", "peak allocated", "step time", "tokens/s", "parity",
+                  "record"], rows)
+
+
 def render_blocks() -> dict[str, str]:
     blocks = {"summary": summary_block()}
     for reg in builtin_registrations():
         blocks[f"family {reg.descriptor.name}"] = family_block(reg)
+    blocks["moe measured"] = moe_measured_block()
     return blocks
 
 

@@ -308,11 +308,11 @@ def _long_context_cell(found: tuple[Path, dict] | None) -> str:
     if found is None:
         return "not measured"
     path, record = found
-    from tools import record_peak
+    from poros.plan import calibration
 
     poros = record["arms"]["poros"]
     return (f"{poros['peak_allocated_gb']:.2f} allocated / {poros['peak_reserved_gb']:.2f} reserved GB "
-            f"(predicted {_gb(record_peak.predicted_peak(record))} for its own options), "
+            f"(predicted {_gb(calibration.predicted_peak(record))} for its own options), "
             f"{poros['median_step_s']:.1f} s, {poros['tokens_per_s']:,.0f} tokens/s, host {poros['host_peak_rss_gb']:.1f} GB "
             f"({_link(path)})")
 
@@ -352,17 +352,8 @@ BLOCKS = {
 }
 
 
-def render(page: str) -> str:
-    return docgen.fill_blocks(page, BLOCKS, PAGE)
-
-
 def main(argv=None) -> int:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    return docgen.main(__doc__, PAGE, render, argv)
+    return docgen.main_for_blocks(__doc__, PAGE, BLOCKS, argv, quiet=True)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,7 @@ def _x(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _parity(comparison: dict | None) -> str:
-    if not comparison:
-        return "-"
-    if comparison.get("bitwise"):
-        return "bitwise (0.0)"
-    return f"differs (loss {comparison['max_diff_loss']:.1e})"
+_parity = docgen.parity_label
 
 
 def bench_reports() -> list[tuple[Path, dict]]:
@@ -310,12 +305,8 @@ BLOCKS = {
 }
 
 
-def render(page: str) -> str:
-    return docgen.fill_blocks(page, BLOCKS, PAGE)
-
-
 def main(argv=None) -> int:
-    return docgen.main(__doc__, PAGE, render, argv)
+    return docgen.main_for_blocks(__doc__, PAGE, BLOCKS, argv)
 
 
 if __name__ == "__main__":

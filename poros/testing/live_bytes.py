@@ -1,7 +1,7 @@
 """Count what one decoder block's recompute and backward hold, on the CPU: the live tensors' bytes.
 
-    python -m tools.saved_bytes                      # tiny Qwen2 (72B ratios), 4096 tokens, mlp_chunks 8
-    python -m tools.saved_bytes --seq 4096 --mlp-chunks 1 --top 20
+    python -m poros.testing.live_bytes                      # tiny Qwen2 (72B ratios), 4096 tokens, mlp_chunks 8
+    python -m poros.testing.live_bytes --seq 4096 --mlp-chunks 1 --top 20
 
 The CPU has no allocator statistics, so a ``TorchDispatchMode`` follows every tensor storage an op
 makes (a weak reference each) and sums those still alive after each op: the peak of that sum over one
@@ -11,7 +11,8 @@ real transformers class with bitsandbytes NF4 linears and PEFT LoRA (fp32 LoRA w
 default), the tiled MLP installed as the engine does (``poros.stream.tiling``). It prints the peak in
 bytes per token per hidden unit, what was alive there (largest first) and the footprint's estimate of
 one block's recompute working set (``poros.plan.footprint.activation_parts``) for the same shapes.
-The block's input, its output gradient and the weights are made outside the count.
+The block's input, its output gradient and the weights are made outside the count. The planner's
+calibration on the CPU: ``tests/test_footprint_live_bytes.py`` holds the footprint to this count.
 """
 
 from __future__ import annotations
