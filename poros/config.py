@@ -184,6 +184,11 @@ class PorosConfig:
     mlp_chunks: int = _field(1, "Run each block's MLP, norms and attention projections over this many sequence chunks, "
                              "each saving only its input; 1: whole. Above 1 bitwise a resident run with the same "
                              "mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
+    recompute: str = _field("auto", "Which blocks recompute their forward in backward: 'all' (each block keeps only "
+                            "its input), 'none' (each block keeps its saved tensors from its forward to its backward) "
+                            "or 'auto' (the last blocks keep theirs, as many as vram_budget -- or, without one on "
+                            "CUDA, the free device memory -- holds; `poros plan` shows how many). Bitwise the same "
+                            "whichever.", choices=("auto", "all", "none"))
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. Fewer lengths "
                                             "for cuda_graphs to capture (each length is graphs of its own). Bitwise a "
@@ -246,7 +251,7 @@ class PorosConfig:
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
         for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule",
-                     "optimizer_states", "lora_placement", "host_tier"):
+                     "optimizer_states", "lora_placement", "host_tier", "recompute"):
             choices = _metadata(name)["choices"]
             need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
                  f"pick one of {_choice_list(choices)}")

@@ -607,9 +607,11 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
                     device)
     from poros.loading import cache
 
+    plan = found.get("budget_plan")
     executor = StreamingExecutor(causal_lm, descriptor, store, options, graphs=block_graphs,
                                  before_forward=_runtime_gates(causal_lm, layers, placement),
-                                 spill_dir=cache.cache_root(options.cache_dir) / "spill")
+                                 spill_dir=cache.cache_root(options.cache_dir) / "spill",
+                                 kept_bytes=plan.kept_activation_bytes if plan is not None else None)
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back

@@ -378,6 +378,15 @@ class ActivationParts:
     def head(self) -> int:
         return self.logits + self.loss + self.softcap
 
+    @property
+    def kept(self) -> int:
+        """What one block's forward keeps for its backward when it is not recomputed
+        (``StreamOptions.recompute``): its input and the tensors its recompute's forward half holds (norms, LoRA
+        input copies, projections, the attention kernel's, the MLP's working set); an estimate, and the
+        executor takes the measured bytes where they are larger (``poros.stream.recompute_choice``)."""
+        return (self.boundary + self.norms + self.lora_inputs + self.projections + self.attention.bytes
+                + self.mlp + self.tiled_buffers)
+
     def named(self) -> tuple[tuple[str, int], ...]:
         """The parts by name, for ``poros plan``'s table."""
         loss = "" if self.loss_chunks == 1 else f", one of {self.loss_chunks} chunks"
@@ -526,7 +535,7 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
                              attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
                              attention_sms=footprint.attention_sms, packed=workload.packed)
     return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
-                               head_bytes=parts.head, parts=parts.named(),
+                               head_bytes=parts.head, kept_bytes=parts.kept, parts=parts.named(),
                                attention=f"{parts.attention.kernel} ({parts.attention.reason})",
                                loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
 

@@ -35,6 +35,8 @@ from poros.stream.placement import check_boundary_states
 SCHEDULES = ("micro-major", "layer-major")
 #: where the streamed blocks live on the host (``poros/stream/tiers.py``; chosen by ``poros.loading.host_tiers``)
 HOST_TIERS = ("pinned", "mapped", "disk")
+#: which blocks recompute their forward in backward (StreamOptions.recompute)
+RECOMPUTE = ("auto", "all", "none")
 #: the guarantee labels ``require`` may ask for, weakest first (docs/parity-modes.md)
 REQUIRABLE = ("numerical", "bitwise")
 
@@ -161,6 +163,12 @@ class StreamOptions:
             activations and one chunk's fp32 norm and LoRA input copies alive at a time;
             1: the MLP over the whole sequence. Bitwise a resident run with the same tiling
             (``poros.stream.tiling.tile_mlp``), not the untiled one.
+        recompute: which blocks recompute their forward in backward: ``"all"`` (every block saves only its
+            input and is recomputed), ``"none"`` (every block runs its forward with autograd and keeps its saved
+            tensors until its backward) or ``"auto"`` (the last blocks keep theirs, as many as the VRAM
+            budget's headroom holds -- the plan's ``kept_activation_blocks`` -- or without a budget, on CUDA,
+            the free device memory at the first training step; none on a CPU without a budget). Recompute is
+            exact, so every choice trains the same bits (``poros.stream.kept``).
 
     Raises:
         ConfigError: a value of the wrong kind or out of range; ``resident_blocks`` with
@@ -183,6 +191,7 @@ class StreamOptions:
     lora_placement: str = "device"
     loss_chunks: int = 1
     mlp_chunks: int = 1
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         normal = {"num_slots": 2 if self.num_slots is None else self.num_slots,
@@ -333,6 +342,9 @@ def _check_choices(options: StreamOptions) -> None:
     adamw_states.check(options.optimizer_states)
     adamw_states.check_lora(options.lora_placement)
     check_cuda_graphs(options.cuda_graphs)
+    if options.recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={options.recompute!r}: expected one of {', '.join(RECOMPUTE)} ('auto': keep "
+                          "the activations of as many blocks as memory allows). Fix: e.g. recompute: auto.")
 
 
 def _check_budgets(options: StreamOptions) -> None:

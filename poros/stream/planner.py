@@ -34,6 +34,7 @@ from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
 from poros.stream.chunk_choice import ChunkChoice, choose_chunks
 from poros.stream.options import SCHEDULES, StreamOptions, Workload
+from poros.stream.recompute_choice import kept_activations
 from poros.stream.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
 from poros.stream.units import format_gb, human_bytes
 
@@ -63,6 +64,8 @@ class Footprint:
         lora_parameter_bytes: the trainable (LoRA) parameters; their gradients are as large, their
             AdamW state twice, AdamW's step one more copy for a moment.
         boundary_bytes, recompute_bytes, head_bytes: per micro-batch.
+        kept_bytes: what a block that keeps its activations (no recompute) holds from its forward to its
+            backward, per micro-batch (an estimate).
         workspace_bytes: library workspaces inside the allocator (cuBLAS on CUDA).
         parts: the sequence-proportional activations by name (per micro-batch; what ``poros plan``
             tabulates: attention, MLP, head and loss...), or empty where unknown.
@@ -85,6 +88,7 @@ class Footprint:
     loss_chunks: int = 1
     mlp_chunks: int = 1
     attention_sms: int = 0
+    kept_bytes: int = 0  # one block's kept activations, per micro-batch (ActivationParts.kept)
 
     @property
     def num_blocks(self) -> int:
@@ -238,6 +242,9 @@ class BudgetPlan:
             budget cannot hold the step otherwise (:mod:`poros.stream.chunk_choice`).
         parts: the footprint's sequence-proportional activations by name (per micro-batch).
         attention: the attention kernel the estimate assumes, and why.
+        kept_activation_blocks, kept_activation_bytes: how many blocks (the last ones) keep their activations
+            instead of being recomputed, and the bytes they hold at once (:func:`kept_activations`; beside
+            ``peak``, in the budget it leaves).
     """
 
     budget_bytes: int
@@ -271,6 +278,8 @@ class BudgetPlan:
     mlp_chunks: int = 1
     parts: tuple[tuple[str, int], ...] = ()
     attention: str = ""
+    kept_activation_blocks: int = 0
+    kept_activation_bytes: int = 0
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -283,6 +292,7 @@ class BudgetPlan:
             f", mlp_chunks={self.mlp_chunks}" if self.mlp_chunks > 1 else "")
         boundary += ", AdamW state on the host" if self.optimizer_states == "host" else ""
         boundary += ", LoRA tensors on the host" if self.lora_placement == "host" else ""
+        boundary += f", {self.kept_activation_blocks} blocks keep their activations" if self.kept_activation_blocks else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
                 f"{'s' if self.num_slots != 1 else ''}, embeddings on the {'host' if self.embeddings_on_host else 'device'}"
                 f"{boundary}"
@@ -527,6 +537,12 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
                         f"the host budget ({format_gb(parse_budget(options.host_budget, 'host_budget'))}) cannot hold "
                         f"them ({format_gb(boundary_total)}) beside the streamed blocks "
                         f"({format_gb(_streamed_bytes(footprint, resident_blocks))})"))
+    kept, kept_bytes = kept_activations(footprint, workload, options.recompute, blocks,
+                                        headroom=budget_bytes - needed, slack=slack)
+    if kept:
+        notes.append(f"{kept} of {blocks} blocks keep their activations (recompute={options.recompute}: "
+                     f"{format_gb(kept_bytes)}, {'the budget left after the plan' if options.recompute == 'auto' else 'asked'}"
+                     "); the others are recomputed in backward")
     if chosen is not None and chosen.raised:
         notes.insert(0, f"loss_chunks={chosen.loss_chunks}, mlp_chunks={chosen.mlp_chunks} (asked "
                         f"{asked_chunks[0]} and {asked_chunks[1]}): "
@@ -545,7 +561,8 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
         hide_copy_bytes=hiding[1], hide_copy_peak_bytes=hiding[2], hide_copy_step=hiding[3], notes=tuple(notes),
         optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device",
         loss_chunks=workload.loss_chunks, mlp_chunks=footprint.mlp_chunks, parts=footprint.parts,
-        attention=footprint.attention)
+        attention=footprint.attention, kept_activation_blocks=kept, kept_activation_bytes=kept_bytes)
+
 
 
 def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Workload, options: StreamOptions,
