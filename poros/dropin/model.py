@@ -611,7 +611,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     executor = StreamingExecutor(causal_lm, descriptor, store, options, graphs=block_graphs,
                                  before_forward=_runtime_gates(causal_lm, layers, placement),
                                  spill_dir=cache.cache_root(options.cache_dir) / "spill",
-                                 kept_bytes=plan.kept_activation_bytes if plan is not None else None)
+                                 kept_blocks=plan.kept_activation_blocks if plan is not None else None)
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back

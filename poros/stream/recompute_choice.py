@@ -2,13 +2,13 @@
 
 * ``"all"``: none (every block saves its input only and is recomputed in backward);
 * ``"none"``: every block;
-* ``"auto"``: the last K blocks, K = the bytes allotted to kept activations // one block's kept bytes at this
-  step's shape (micro-batches x tokens). The allotment is the VRAM plan's headroom
-  (``BudgetPlan.kept_activation_bytes``) when there is a plan; without one, on CUDA, what is free on the device
-  at the first training step less what the rest of the step will still allocate (boundary states, a
-  recompute's and the head's working sets, LoRA gradients and AdamW state) and a margin; on a CPU, nothing.
-  One block's bytes are the footprint's estimate (``ActivationParts.kept``) or, once a block of that shape has
-  kept its tensors, the measured bytes when larger.
+* ``"auto"``: with a VRAM plan, the last ``BudgetPlan.kept_activation_blocks`` (the planner priced them for its
+  workload). Without one, on CUDA, the last K blocks, K = the bytes free for kept activations // one block's
+  kept bytes at this step's shape (micro-batches x tokens): what is free on the device at the first training
+  step less what the rest of the step will still allocate (boundary states, a recompute's and the head's
+  working sets, LoRA gradients and AdamW state) and a margin; one block's bytes are the footprint's estimate
+  (``ActivationParts.kept``) or, once a block of that shape has kept its tensors, the measured bytes when
+  larger. On a CPU without a plan, none.
 
 The last blocks, because the last of forward are the first of backward: their tensors are held the shortest.
 """
@@ -24,11 +24,11 @@ FREE_MARGIN_BYTES = 2 << 30
 
 
 class RecomputeChoice:
-    """Decides :meth:`blocks` per step for one executor; ``allotted_bytes`` is the plan's (None: decided at the
-    first step, on CUDA from the free memory)."""
+    """Decides :meth:`blocks` per step for one executor; ``planned`` is the plan's count (None: no plan)."""
 
-    def __init__(self, executor: Any, mode: str, allotted_bytes: int | None = None) -> None:
-        self.executor, self.mode, self.allotted_bytes = executor, mode, allotted_bytes
+    def __init__(self, executor: Any, mode: str, planned: int | None = None) -> None:
+        self.executor, self.mode, self.planned = executor, mode, planned
+        self.allotted_bytes: int | None = None  # without a plan: decided at the first step
         self.measured: dict[tuple[int, ...], int] = {}  # hidden shape -> largest kept bytes of one block, one micro-batch
         self._parts: dict[tuple[int, ...], Any] = {}
         self.last: frozenset[int] = frozenset()  # the last step's choice (reports)
@@ -42,6 +42,8 @@ class RecomputeChoice:
             kept = 0
         elif self.mode == "none":
             kept = count
+        elif self.planned is not None:
+            kept = min(count, self.planned)
         else:
             per_block = micro_batches * self.block_bytes(hidden)
             allotted = self._allotted(hidden, micro_batches)
