@@ -180,6 +180,7 @@ def trainer_setup(args, device) -> TrainerSetup:
     return TrainerSetup(device=str(device), warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
                         batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, cuda_graphs=args.cuda_graphs,
                         vram_budget=args.vram_budget, resident_blocks=args.resident_blocks, recompute=args.recompute,
+                        profile=args.profile,
                         output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tools.kernel_profile import KernelProfile
 from tools.arms import ArmResult, free_memory, optimizer_snapshot, parity, snapshot, trainable
 from tools.trainer_common import (StepClock, TrainerSetup, logged_grad_norms, logged_losses, sft_config_arguments,
                                   sft_dataset, throughput, training_arguments)
@@ -87,9 +88,12 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     restore_lora(named, initial)
     result, handle, trainer = ArmResult(name), None, None
     clock = StepClock(setup.device)
+    profiler = KernelProfile(setup.warmup, setup.device) if setup.profile and setup.warmup else None
     try:
         trainer = _trainer(flow, peft_model, rows, setup, clock, tokenizer if tokenizer is not None
                            else bundled_tokenizer())
+        if profiler is not None:  # the last warm-up step, untimed
+            trainer.add_callback(profiler)
         if line == "poros":
             handle = poros.prepare_trainer(trainer, **setup.prepare_options())  # the one line
             handle.store.stats.reset()
@@ -115,6 +119,8 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
         result.status, result.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.extra.update(clock.memory())
+    if profiler is not None:
+        result.extra["kernel_profile"] = profiler.result
     if getattr(peft_model, "_require_grads_hook", None) is not None:
         peft_model.disable_input_require_grads()  # SFTTrainer enabled it; the next arm's trainer does again
     for _, param in named:

@@ -47,6 +47,7 @@ class TrainerSetup:
         cuda_graphs: the ``-poros`` arms' ``prepare_trainer(trainer, cuda_graphs=...)``.
         vram_budget: the ``-poros`` arms' ``vram_budget`` (the planner picks slots and resident blocks for
             a layer-major window of this batch, seq and accumulation; :meth:`prepare_options`), or None.
+        profile: trace the last warm-up step of each arm by kernel category (``tools.kernel_profile``).
         recompute: the ``-poros`` arms' ``recompute`` (None: prepare's default, ``"auto"``).
         resident_blocks: the ``-poros`` arms' ``resident_blocks`` (the last N blocks stay on the device),
             or None.
@@ -63,6 +64,7 @@ class TrainerSetup:
     output_dir: str
     cuda_graphs: bool = False
     recompute: str | None = None
+    profile: bool = False
     vram_budget: str | None = None
     resident_blocks: int | None = None
 

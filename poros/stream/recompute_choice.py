@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+#: before a block of the step's shape was measured, its estimate is taken this much larger
+UNMEASURED_FACTOR = 1.25
 #: what auto leaves free of the device beside the step's own needs, as a fraction of its memory
 FREE_MARGIN = 0.08
 #: and in bytes, for the allocator's fragmentation and the library workspaces
@@ -52,9 +54,13 @@ class RecomputeChoice:
         return self.last
 
     def block_bytes(self, hidden: torch.Tensor) -> int:
-        """One block's kept bytes for one micro-batch of this shape: the estimate, or the measured when larger."""
+        """One block's kept bytes for one micro-batch of this shape: the measured bytes once a block of this shape
+        kept its tensors (never below the estimate), before that the estimate with :data:`UNMEASURED_FACTOR`."""
         shape = tuple(hidden.shape)
-        return max(self._activation_parts(hidden).kept, self.measured.get(shape, 0))
+        estimate = self._activation_parts(hidden).kept
+        if shape in self.measured:
+            return max(estimate, self.measured[shape])
+        return int(estimate * UNMEASURED_FACTOR)
 
     def note(self, hidden_shape: tuple[int, ...], saved_bytes: int) -> None:
         """A kept block's measured saved bytes (one micro-batch)."""
