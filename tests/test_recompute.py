@@ -16,7 +16,7 @@ from poros.dropin.model import _quantization
 from poros.stream.placement import host_embedding_tables
 from conformance_flows import FAMILY_IDS, FAMILY_VARIANTS, assert_same_outcome, load, rows, run_trainer
 from poros.errors import ConfigError
-from poros.stream.footprint import plan_for_model
+from poros.plan.footprint import plan_for_model
 from poros.stream.kept import KeptBlock
 from poros.stream.options import StreamOptions, Workload
 from poros.testing import save_tiny_checkpoint

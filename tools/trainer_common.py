@@ -75,7 +75,7 @@ class TrainerSetup:
         if self.recompute is not None:
             options["recompute"] = self.recompute
         if self.vram_budget is not None:
-            from poros.stream import planner
+            from poros.plan import budget as planner
 
             options.update(vram_budget=self.vram_budget, workload=planner.Workload(
                 batch_size=self.batch, seq_len=self.seq, grad_accum=self.grad_accum, schedule="layer-major"))

@@ -213,14 +213,15 @@ class StreamingExecutor:
         before_forward: called with the trunk's kwargs before each streamed forward (prepare's runtime gates).
         spill_dir: ``boundary_states="disk"``: the directory the state files go under (prepare: the
             cache's ``spill/``; None: ``$TMPDIR``).
-        kept_blocks: ``recompute="auto"``: how many blocks the plan keeps (None: no plan; decided at the first
-            step, :class:`~poros.stream.recompute_choice.RecomputeChoice`).
+        kept_blocks, kept_estimate: ``recompute="auto"``: how many blocks the plan keeps (None: no plan), and
+            without one the activation estimate the first step decides with
+            (:class:`~poros.stream.recompute_choice.RecomputeChoice`).
     """
 
     def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore,
                  options: StreamOptions = StreamOptions(), *, graphs: Any = None,
                  before_forward: Callable[[dict], None] | None = None, spill_dir: Any = None,
-                 kept_blocks: int | None = None) -> None:
+                 kept_blocks: int | None = None, kept_estimate: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.causal_lm, self.descriptor, self.store, self.options = causal_lm, descriptor, store, options
         self.graphs, self.before_forward = graphs, before_forward
         self.trunk = resolve_path(causal_lm, descriptor.text_model)
@@ -239,7 +240,7 @@ class StreamingExecutor:
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
         self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
         #: which blocks keep their activations (``options.recompute``; ``poros.stream.recompute_choice``)
-        self.recompute = RecomputeChoice(self, options.recompute, kept_blocks)
+        self.recompute = RecomputeChoice(self, options.recompute, kept_blocks, kept_estimate)
 
     @property
     def boundary_states(self) -> str:

@@ -15,7 +15,7 @@ The last blocks, because the last of forward are the first of backward: their te
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 #: before a block of the step's shape was measured, its estimate is taken this much larger
 UNMEASURED_FACTOR = 1.25
@@ -26,10 +26,13 @@ FREE_MARGIN_BYTES = 2 << 30
 
 
 class RecomputeChoice:
-    """Decides :meth:`blocks` per step for one executor; ``planned`` is the plan's count (None: no plan)."""
+    """Decides :meth:`blocks` per step for one executor; ``planned`` is the plan's count (None: no plan);
+    ``estimate(hidden)`` the activation parts of one micro-batch shaped like ``hidden`` (``prepare`` passes
+    ``poros.plan.footprint.activation_estimate``; None: auto without a plan keeps nothing)."""
 
-    def __init__(self, executor: Any, mode: str, planned: int | None = None) -> None:
-        self.executor, self.mode, self.planned = executor, mode, planned
+    def __init__(self, executor: Any, mode: str, planned: int | None = None,
+                 estimate: Callable[[Any], Any] | None = None) -> None:
+        self.executor, self.mode, self.planned, self.estimate = executor, mode, planned, estimate
         self.allotted_bytes: int | None = None  # without a plan: decided at the first step
         self.measured: dict[tuple[int, ...], int] = {}  # hidden shape -> largest kept bytes of one block, one micro-batch
         self._parts: dict[tuple[int, ...], Any] = {}
@@ -46,6 +49,8 @@ class RecomputeChoice:
             kept = count
         elif self.planned is not None:
             kept = min(count, self.planned)
+        elif self.estimate is None:
+            kept = 0
         else:
             per_block = micro_batches * self.block_bytes(hidden)
             allotted = self._allotted(hidden, micro_batches)
@@ -67,15 +72,9 @@ class RecomputeChoice:
         self.measured[hidden_shape] = max(self.measured.get(hidden_shape, 0), saved_bytes)
 
     def _activation_parts(self, hidden: torch.Tensor):
-        shape = tuple(hidden.shape)
+        shape = (tuple(hidden.shape), hidden.dtype)
         if shape not in self._parts:
-            from poros.stream.footprint import activation_parts, model_shapes
-
-            executor = self.executor
-            shapes, value_bytes, attention = model_shapes(executor.causal_lm, list(executor.layers), hidden.dtype)
-            batch, seq = (shape[0], shape[1]) if len(shape) >= 3 else (1, shape[0])
-            self._parts[shape] = activation_parts(shapes, batch_size=batch, seq_len=seq, value_bytes=value_bytes,
-                                                  attn_implementation=attention)
+            self._parts[shape] = self.estimate(hidden)
         return self._parts[shape]
 
     def _allotted(self, hidden: torch.Tensor, micro_batches: int) -> int:

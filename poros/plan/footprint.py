@@ -13,7 +13,7 @@
   buffer sizes (``tests/test_cli_train.py`` checks it on every tiny family).
 * **Activations are estimates** (:func:`activation_bytes`): the saved block inputs (exact), one
   block's recompute working set, and the head's logits and loss working set.
-* :func:`footprint_of_model` measures a loaded model as a :class:`~poros.stream.planner.Footprint`;
+* :func:`footprint_of_model` measures a loaded model as a :class:`~poros.plan.budget.Footprint`;
   :func:`plan_for_model` is what ``prepare(vram_budget=...)`` asks; :func:`predict_prepared`
   what the bench records next to its measurements.
 """
@@ -23,15 +23,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from poros.stream.attention import seq_by_seq_mask_bytes
+from poros.plan.attention import seq_by_seq_mask_bytes
 from poros.stream.options import StreamOptions
 from poros.stream.placement import graph_reserve_bytes
-from poros.stream.planner import (
+from poros.plan.budget import (
     CUDA_CONTEXT_BYTES,
     CUDA_WORKSPACE_BYTES,
     BudgetPlan,
@@ -413,7 +413,7 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
                      attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1,
                      attention_sms: int = 0, packed: bool = False) -> ActivationParts:
     """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts;
-    ``attention_sms``: :func:`attention_sms`; ``packed``: :attr:`~poros.stream.planner.Workload.packed`)."""
+    ``attention_sms``: :func:`attention_sms`; ``packed``: :attr:`~poros.plan.budget.Workload.packed`)."""
     tokens = batch_size * seq_len
     hidden = shapes.hidden_size
     attention_linears = shapes.linear_outputs - shapes.mlp_outputs
@@ -525,6 +525,18 @@ def model_shapes(causal_lm: nn.Module, layers: list[nn.Module], compute_dtype: t
             getattr(config, "_attn_implementation", None))
 
 
+def activation_estimate(causal_lm: nn.Module, layers: list[nn.Module]) -> Callable[[torch.Tensor], ActivationParts]:
+    """``estimate(hidden)``: the activation parts of one micro-batch whose block inputs are shaped like ``hidden``
+    (batch x seq x hidden, its dtype the activations'): what ``recompute="auto"`` prices a kept block with when
+    there is no plan (``poros.stream.recompute_choice``)."""
+    def estimate(hidden: torch.Tensor) -> ActivationParts:
+        shapes, value_bytes, attention = model_shapes(causal_lm, layers, hidden.dtype)
+        batch, seq = (hidden.shape[0], hidden.shape[1]) if hidden.dim() >= 3 else (1, hidden.shape[0])
+        return activation_parts(shapes, batch_size=batch, seq_len=seq, value_bytes=value_bytes,
+                                attn_implementation=attention)
+    return estimate
+
+
 def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Workload, *, value_bytes: int,
                      attn_implementation: str | None, mlp_chunks: int = 1,
                      loss_chunks: int | None = None) -> Footprint:
@@ -543,7 +555,7 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
 def chunked_footprints(footprint: Footprint, shapes: BlockShapes, workload: Workload, *, value_bytes: int,
                        attn_implementation: str | None):
     """``(loss_chunks, mlp_chunks) -> Footprint``: the planner's ``footprint_for`` (see
-    :func:`~poros.stream.planner.plan_budget`)."""
+    :func:`~poros.plan.budget.plan_budget`)."""
     def footprint_for(loss_chunks: int, mlp_chunks: int) -> Footprint:
         return with_activations(footprint, shapes, workload, value_bytes=value_bytes,
                                 attn_implementation=attn_implementation, mlp_chunks=mlp_chunks,
@@ -615,5 +627,5 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                                                         attn_implementation=attention))
 
 
-__all__ = ["GROUPED_NF4_EXPERTS", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "ActivationParts", "AttentionEstimate", "BlockShapes", "activation_bytes",
+__all__ = ["GROUPED_NF4_EXPERTS", "activation_estimate", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "ActivationParts", "AttentionEstimate", "BlockShapes", "activation_bytes",
            "activation_parts", "attention_working_set", "chunked_footprints", "model_shapes", "with_activations", "block_bytes", "device_context_bytes", "footprint_of_model", "grouped_experts_values", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]
