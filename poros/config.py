@@ -1,10 +1,10 @@
 """``PorosConfig``: every knob of a training run, as one typed dataclass.
 
-The same object comes from a commented ``poros.yaml`` (written by ``poros init``), from a dict,
-from ``--key value`` overrides on the ``poros train`` command line, or from Python. Every way in
-is type-checked against the dataclass annotations, and an unknown key fails by name with the
-closest field as a suggestion (nanoGPT's configurator, made strict); HF / TRL / axolotl names
-(``learning_rate``, ``max_steps``...) mean their Poros field everywhere (:mod:`poros.spellings`)::
+The same object comes from a commented ``poros.yaml`` (written by ``poros init``), from a dict, from ``--key value``
+overrides on the ``poros train`` command line, or from Python. Every way in is type-checked against the dataclass
+annotations, and an unknown key fails by name with the closest field as a suggestion (nanoGPT's configurator, made
+strict); HF / TRL / axolotl names (``learning_rate``, ``max_steps``...) mean their Poros field everywhere
+(:mod:`poros.spellings`)::
 
     config = PorosConfig.from_yaml("poros.yaml").apply_overrides(["--steps", "50", "--lr", "1e-4"])
     config.to_yaml("poros.yaml")          # commented: every field with its doc line and choices
@@ -38,14 +38,12 @@ BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, 
 NULL_WORDS = ("null", "none", "~")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")
 TARGET_KEYWORDS = ("all-linear", "default")
-#: where the streamed blocks may live on the host, the one list of the tier names: ``host_tier``'s choices,
-#: the planner (``poros.plan.host_tiers``) and the engine's tier classes (``poros.stream.tiers``) read it
+#: the host tiers' names, the one list: ``host_tier``'s choices, ``poros.plan.host_tiers`` and ``poros.stream.tiers``
 HOST_TIERS = ("pinned", "mapped", "disk")
 
 
 def _field(default: Any, doc: str, *, choices: tuple[Any, ...] = (), section: str = "") -> Any:
-    """A dataclass field carrying its one-line ``doc``, its ``choices`` and, on the first field of a
-    group, the ``section`` title used by the YAML and the docs."""
+    """A dataclass field with its one-line ``doc``, its ``choices`` and, first in a group, its ``section`` title."""
     metadata = {"doc": doc, "choices": choices, "section": section}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
@@ -184,11 +182,9 @@ class PorosConfig:
     mlp_chunks: int = _field(1, "Run each block's MLP, norms and attention projections over this many sequence chunks, "
                              "each saving only its input; 1: whole. Above 1 bitwise a resident run with the same "
                              "mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
-    recompute: str = _field("auto", "Which blocks recompute their forward in backward: 'all' (each block keeps only "
-                            "its input), 'none' (each block keeps its saved tensors from its forward to its backward) "
-                            "or 'auto' (the last blocks keep theirs, as many as vram_budget -- or, without one on "
-                            "CUDA, the free device memory -- holds; `poros plan` shows how many). Bitwise the same "
-                            "whichever.", choices=("auto", "all", "none"))
+    recompute: str = _field("auto", "Blocks recomputed in backward: 'all', 'none' (each keeps its forward's saved tensors) or "
+                            "'auto' (the last blocks keep theirs, as many as vram_budget or the free CUDA memory "
+                            "holds; `poros plan` shows how many). Bitwise the same.", choices=("auto", "all", "none"))
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. Fewer lengths "
                                             "for cuda_graphs to capture (each length is graphs of its own). Bitwise a "
@@ -521,8 +517,7 @@ def _fields_by_name() -> dict[str, dataclasses.Field]:
 
 
 def field_docs() -> list[dict[str, Any]]:
-    """One dict per field: ``name``, ``type`` (as written in the docs), ``default``, ``choices``,
-    ``doc``, ``section``; what ``docs/configuration.md`` tabulates."""
+    """One dict per field (name, type as the docs write it, default, choices, doc, section): the docs' table."""
     hints = _type_hints()
     out, section = [], ""
     for f in dataclasses.fields(PorosConfig):

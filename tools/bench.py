@@ -166,6 +166,14 @@ def experts_implementation(model) -> str | None:
     return model.config.get_text_config()._experts_implementation if experts_modules(model) else None
 
 
+def step_arm_rates(arms: dict, args) -> None:
+    """Tokens trained per second of the step arms: batch x seq x grad_accum per step."""
+    for arm in arms.values():
+        if arm.get("median_step_s"):
+            arm["tokens_per_step"] = args.batch * args.seq * args.grad_accum
+            arm["tokens_per_s"] = round(arm["tokens_per_step"] / arm["median_step_s"], 1)
+
+
 def write_report(report: dict, path: Path | None) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,10 +297,7 @@ def main(argv=None) -> int:
         "arms": {name: result.summary(args.warmup) for name, result in outcome["arms"].items()},
         "comparison": outcome["comparison"],
     }
-    for arm in report["arms"].values():  # tokens trained per second: batch x seq x grad_accum per step
-        if arm.get("median_step_s"):
-            arm["tokens_per_step"] = args.batch * args.seq * args.grad_accum
-            arm["tokens_per_s"] = round(arm["tokens_per_step"] / arm["median_step_s"], 1)
+    step_arm_rates(report["arms"], args)
     setup = trainer_setup(args, device)
     report["trainer_setup"] = {**setup.to_dict(), "tokens_per_step": setup.tokens_per_step}
     report["trainer"] = trainer_arms_report(args, peft_model, batches, setup, report["arms"])
@@ -305,8 +310,7 @@ def main(argv=None) -> int:
         report["arms"][unsloth_arm.ARM] = unsloth_arm.run(args, checkpoint, token_rows(batches), setup)
         report["arms"][unsloth_arm.ARM]["parent_allocated_gb"] = parent  # what this process still held meanwhile
         report["unsloth"] = unsloth_arm.compare(report["arms"], config.num_hidden_layers)
-    report["dense_bf16_tflops"] = dense
-    add_machine_numbers(report["arms"], config.get_text_config(), args.seq, dense)
+    add_machine_numbers(report["arms"], config.get_text_config(), args.seq, report.setdefault("dense_bf16_tflops", dense))
     achieved = report["arms"].get("poros", {}).get("h2d_gb_per_s")
     if link and achieved is not None:
         report["arms"]["poros"]["h2d_fraction_of_link"] = round(achieved / link, 4)

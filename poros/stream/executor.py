@@ -400,8 +400,7 @@ class StreamingExecutor:
         return output
 
     def _keeps(self, step: _Step, index: int, mappings: dict) -> bool:
-        """Whether block ``index`` keeps its activations in this forward: chosen, and nothing carried beside the
-        hidden states (a carried mapping or router logits: those blocks are recomputed)."""
+        """Whether block ``index`` keeps its activations: chosen, with nothing carried (mappings, router logits)."""
         return index in step.kept_blocks and not mappings and not step.router
 
     def _kept_forward(self, step: _Step, index: int, hidden: torch.Tensor, grad_tensors) -> torch.Tensor:
