@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from tools.timeline import _length, _union
 
 #: (category, regex on the kernel name), first match wins
 CATEGORIES = (
@@ -29,6 +28,16 @@ CATEGORIES = (
     ("elementwise_norm", r"."),
 )
 _COMPILED = tuple((name, re.compile(pattern)) for name, pattern in CATEGORIES)
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals``."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 def category(kernel: str) -> str:
@@ -50,7 +59,7 @@ def breakdown(events: list[tuple[str, float, float]]) -> dict[str, Any]:
         entry[1] += 1
         entry[2] += end - start
     begin, finish = min(s for _, s, _ in events), max(e for _, _, e in events)
-    busy = _length(_union([(s, e) for _, s, e in events]))
+    busy = busy_ms([(s, e) for _, s, e in events])
     return {"span_ms": round(finish - begin, 3), "busy_ms": round(busy, 3), "idle_ms": round(finish - begin - busy, 3),
             "category_ms": {k: round(v, 3) for k, v in by.items()}, "category_calls": calls,
             "top_kernels": [{"name": n[:100], "category": k, "calls": c, "ms": round(ms, 3)}
@@ -84,4 +93,4 @@ class KernelProfile(TrainerCallback):
         self._profiler = None
 
 
-__all__ = ["CATEGORIES", "KernelProfile", "breakdown", "category"]
+__all__ = ["CATEGORIES", "KernelProfile", "breakdown", "busy_ms", "category"]
