@@ -2,7 +2,7 @@
 
 * ``"all"``: none (every block saves its input only and is recomputed in backward);
 * ``"none"``: every block;
-* ``"auto"``: with a VRAM plan, the last ``BudgetPlan.kept_activation_blocks`` (the planner priced them for its
+* ``"auto"``: none with CUDA graphs at micro-batches under :data:`GRAPHS_MIN_TOKENS` tokens; else with a VRAM plan, the last ``BudgetPlan.kept_activation_blocks`` (the planner priced them for its
   workload). Without one, on CUDA, the last K blocks, K = the bytes free for kept activations // one block's
   kept bytes at this step's shape (micro-batches x tokens): what is free on the device at the first training
   step less what the rest of the step will still allocate (boundary states, a recompute's and the head's
@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+#: with CUDA graphs, auto keeps no block when a micro-batch has fewer tokens: a kept block runs eagerly (its
+#: forward keeps an autograd graph, which no replay graph holds), and a short micro-batch's step is bound by
+#: launching kernels, not by computing them (docs/results-h200.md, the recompute rows)
+GRAPHS_MIN_TOKENS = 2048
 #: before a block of the step's shape was measured, its estimate is taken this much larger
 UNMEASURED_FACTOR = 1.25
 #: what auto leaves free of the device beside the step's own needs, as a fraction of its memory
@@ -47,6 +51,8 @@ class RecomputeChoice:
             kept = 0
         elif self.mode == "none":
             kept = count
+        elif self.executor.graphs is not None and hidden.shape[:-1].numel() < GRAPHS_MIN_TOKENS:
+            kept = 0  # launch-bound: an eager kept block costs more than its replayed recompute
         elif self.planned is not None:
             kept = min(count, self.planned)
         elif self.estimate is None:
@@ -115,4 +121,4 @@ def kept_activations(footprint: Any, workload: Any, recompute: str, blocks: int,
     return count, count * per_block
 
 
-__all__ = ["FREE_MARGIN", "FREE_MARGIN_BYTES", "RecomputeChoice", "kept_activations"]
+__all__ = ["FREE_MARGIN", "GRAPHS_MIN_TOKENS", "FREE_MARGIN_BYTES", "RecomputeChoice", "kept_activations"]
