@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from tools import docgen  # write or --check
+from tools import docgen, results_speed  # write or --check
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results-h200.md"
@@ -307,6 +307,7 @@ BLOCKS = {
     "curve": render_curve,
     "timeline": render_timeline,
     "trainer": render_trainer,
+    **results_speed.blocks(bench_reports, ROOT),
 }
 
 

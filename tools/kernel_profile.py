@@ -1,10 +1,12 @@
 """One Trainer step under ``torch.profiler``, its GPU time by kernel category (``tools/bench.py --profile`` on the
-Trainer arms): GEMM, dequantize, attention, elementwise/norm, LoRA, optimizer, copies and idle, in milliseconds.
+Trainer arms): GEMM, dequantize, attention, elementwise/norm, LoRA, optimizer, copies, host-to-device copies and
+idle, in milliseconds.
 
 Categories come from the kernel names (first match wins, :data:`CATEGORIES`): bitsandbytes' dequantize kernels;
 attention kernels (flash / memory-efficient / cuDNN SDPA); fp32 GEMMs (``sgemm``, FFMA kernels, ``gemv``: PEFT's
 fp32 LoRA matmuls run there, the bf16 base's GEMMs do not) as LoRA; every other GEMM (cuBLAS/CUTLASS/nvjet);
-AdamW's fused and foreach kernels as optimizer; copies (memcpy, memset, dtype casts and ``copy_`` kernels);
+AdamW's fused and foreach kernels (and gradient clipping's) as optimizer; host-to-device copies (Poros' block
+fetches, on their own stream, under the compute) as h2d; other copies (memcpy, memset, dtype casts, ``copy_``);
 the rest elementwise/norm. ``idle`` is the step's span less the union of every kernel and copy interval.
 """
 
@@ -19,6 +21,7 @@ from transformers import TrainerCallback
 
 #: (category, regex on the kernel name), first match wins
 CATEGORIES = (
+    ("h2d", r"Memcpy HtoD"),
     ("dequantize", r"dequant|kDequantize|kgemm_4bit|gemm_4bit"),
     ("attention", r"flash|fmha|attention|sdpa|mha_|cudnn.*(sdpa|attn)"),
     ("optimizer", r"multi_tensor|adam|Adam|foreach|fused_adam"),
