@@ -133,3 +133,22 @@ def test_recompute_is_checked_and_carried_by_the_config():
     assert StreamOptions.from_config(config).recompute == "none"
     with pytest.raises(ConfigError, match="recompute"):
         poros.PorosConfig(recompute="some")
+
+
+def test_poros_plan_says_how_many_blocks_keep_their_activations(capsys):
+    """``poros plan`` prints the kept blocks (a table row and a decision) and ``--json`` reports
+    ``kept_activation_blocks``; ``--recompute all`` keeps none."""
+    import json
+
+    from poros.cli.main import main
+
+    assert main(["plan", "--vram-budget", "2GiB", "--device", "cpu", "--grad-accum", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "kept activations" in out and "blocks keep their activations (recompute=auto" in out
+    assert main(["plan", "--vram-budget", "2GiB", "--device", "cpu", "--grad-accum", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"]["kept_activation_blocks"] > 0
+    assert main(["plan", "--vram-budget", "2GiB", "--device", "cpu", "--grad-accum", "4", "--recompute", "all",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"]["kept_activation_blocks"] == 0
