@@ -92,8 +92,8 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     try:
         trainer = _trainer(flow, peft_model, rows, setup, clock, tokenizer if tokenizer is not None
                            else bundled_tokenizer())
-        if profiler is not None:  # the last warm-up step, untimed
-            trainer.add_callback(profiler)
+        if profiler is not None:  # the last warm-up step, untimed: first, so the clock's read of that step
+            trainer.callback_handler.callbacks.insert(0, profiler)  # comes after the trace is processed
         if line == "poros":
             handle = poros.prepare_trainer(trainer, **setup.prepare_options())  # the one line
             handle.store.stats.reset()
