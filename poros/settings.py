@@ -52,6 +52,8 @@ BOUNDARY_STATES = ("device", "host", "disk")
 #: (``lora_placement``); each also takes ``"auto"`` (the budget decides)
 OPTIMIZER_STATES = ("device", "host")
 LORA_PLACEMENTS = ("device", "host")
+#: which blocks recompute their forward in backward (``recompute``)
+RECOMPUTE = ("auto", "all", "none")
 
 _SAME = object()  # a keyword facet that is the config's
 
@@ -287,6 +289,22 @@ STREAMING: tuple[Setting, ...] = (
         "resident run with the same tiling (``poros.stream.tiling.tile_mlp``), not the untiled one.",
         _at_least(1, "1: the MLP over the whole sequence", "mlp_chunks: 8")),
     Setting(
+        "recompute", str, "auto",
+        "Which blocks recompute their forward in backward: 'all' (each block keeps only its input), 'none' (each "
+        "keeps its forward's saved tensors until its backward) or 'auto' (the last blocks keep theirs, as many as "
+        "vram_budget or, without one on CUDA, the free device memory holds; `poros plan` shows how many). Bitwise "
+        "the same whichever.",
+        "which blocks recompute their forward in backward: ``\"all\"`` (every block saves only its input and "
+        "is recomputed), ``\"none\"`` (every block runs its forward with autograd and keeps its saved tensors "
+        "until its backward) or ``\"auto\"`` (the last blocks keep theirs: with ``vram_budget`` the plan's "
+        "``kept_activation_blocks``; without one, on CUDA, as many as the free device memory holds at the first "
+        "training step; none on a CPU without a budget, and none under CUDA graphs at micro-batches under "
+        "``poros.stream.recompute_choice.GRAPHS_MIN_TOKENS`` tokens). Recompute is exact, so every choice "
+        "trains the same bits (``poros.stream.kept``).",
+        _one_of(RECOMPUTE, "auto: keep the activations of as many blocks as memory allows",
+                "pick one, e.g. recompute: auto"),
+        choices=RECOMPUTE),
+    Setting(
         "cuda_graphs", bool | str, False,
         "Replay each streamed block's forward and recompute+backward from a CUDA graph captured once per device "
         "slot and block kind: the eager kernels, bit for bit, without their host cost. true, false or 'auto' "
@@ -401,6 +419,6 @@ def problems(values: Any, where: str = "both") -> list[str]:
     return [line for line in found if line is not None]
 
 
-__all__ = ["BOUNDARY_STATES", "HOST_TIERS", "LORA_PLACEMENTS", "OPTIMIZER_STATES", "REQUIRABLE", "SETTINGS",
+__all__ = ["BOUNDARY_STATES", "HOST_TIERS", "LORA_PLACEMENTS", "OPTIMIZER_STATES", "RECOMPUTE", "REQUIRABLE", "SETTINGS",
            "STREAMING", "Setting", "config_fields", "documented_fields", "fields_table", "keyword_fields",
            "problems"]

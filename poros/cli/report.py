@@ -115,6 +115,8 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
         ("head", "device (head streaming not implemented)"),
         ("loss_chunks", str(bp.loss_chunks)),
         ("mlp_chunks", str(bp.mlp_chunks)),
+        ("kept activations", f"{bp.kept_activation_blocks} of {bp.num_blocks} blocks ({gb(bp.kept_activation_bytes)}; "
+                             "the others recomputed in backward)"),
         ("attention kernel", bp.attention.split(":")[0] if bp.attention else "unknown"),
     ]
     memory = [(name, n) for name, n in (*bp.peak.persistent, *bp.peak.transient) if n]

@@ -181,8 +181,7 @@ class PorosModel:
         return self.detection.guarantee if self.detection else None
 
     def unpatch(self) -> nn.Module:
-        """Put every frozen tensor back in its module (on the compute device), give the model its own
-        class back, and return it (the same object)."""
+        """Every frozen tensor back in its module (on the compute device), the model's own class back; returns it."""
         self.executor.uninstall()
         self.causal_lm.__dict__.pop("_poros_handle", None)
         if self.lora_placement is not None:
@@ -371,10 +370,13 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         logger.info("cuda_graphs: off on %s (CUDA graphs exist on CUDA devices only); every block runs eagerly",
                     device)
     from poros.loading import cache
+    from poros.plan.footprint import activation_estimate
 
     executor = StreamingExecutor(causal_lm, descriptor, store, options, graphs=block_graphs,
                                  before_forward=runtime_gates(causal_lm, layers, placement),
-                                 spill_dir=cache.cache_root(options.cache_dir) / "spill")
+                                 spill_dir=cache.cache_root(options.cache_dir) / "spill",
+                                 kept_blocks=getattr(found.get("budget_plan"), "kept_activation_blocks", None),
+                                 kept_estimate=activation_estimate(causal_lm, layers))
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back

@@ -265,6 +265,15 @@ class ActivationParts:
     def head(self) -> int:
         return self.logits + self.loss + self.softcap
 
+    @property
+    def kept(self) -> int:
+        """What one block's forward keeps for its backward when it is not recomputed
+        (``StreamOptions.recompute``): its input and the tensors its recompute's forward half holds (norms, LoRA
+        input copies, projections, the attention kernel's, the MLP's working set); an estimate, and the
+        executor takes the measured bytes where they are larger (``poros.stream.recompute_choice``)."""
+        return (self.boundary + self.norms + self.lora_inputs + self.projections + self.attention.bytes
+                + self.mlp + self.tiled_buffers)
+
     def named(self) -> tuple[tuple[str, int], ...]:
         """The parts by name, for ``poros plan``'s table."""
         loss = "" if self.loss_chunks == 1 else f", one of {self.loss_chunks} chunks"

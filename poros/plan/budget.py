@@ -34,6 +34,7 @@ from poros.stream import optimizer_states as adamw_states
 from poros.plan.chunk_choice import ChunkChoice, choose_chunks
 from poros.stream.options import SCHEDULES, StreamOptions, Workload
 from poros.plan.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
+from poros.stream.recompute_choice import kept_activations
 from poros.spellings import format_gb, human_bytes
 from poros.plan.peak import (
     ALLOCATOR_SLACK,
@@ -266,6 +267,12 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
                         f"the host budget ({format_gb(options.host_budget_bytes)}) cannot hold "
                         f"them ({format_gb(boundary_total)}) beside the streamed blocks "
                         f"({format_gb(_streamed_bytes(footprint, resident_blocks))})"))
+    kept, kept_bytes = kept_activations(footprint, workload, options.recompute, blocks,
+                                        headroom=budget_bytes - needed, slack=slack)
+    if kept:
+        notes.append(f"{kept} of {blocks} blocks keep their activations (recompute={options.recompute}: "
+                     f"{format_gb(kept_bytes)}, {'the budget left after the plan' if options.recompute == 'auto' else 'asked'}"
+                     "); the others are recomputed in backward")
     if chosen is not None and chosen.raised:
         notes.insert(0, f"loss_chunks={chosen.loss_chunks}, mlp_chunks={chosen.mlp_chunks} (asked "
                         f"{asked_chunks[0]} and {asked_chunks[1]}): "
@@ -284,7 +291,7 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
         hide_copy_bytes=hiding[1], hide_copy_peak_bytes=hiding[2], hide_copy_step=hiding[3], notes=tuple(notes),
         optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device",
         loss_chunks=workload.loss_chunks, mlp_chunks=footprint.mlp_chunks, parts=footprint.parts,
-        attention=footprint.attention)
+        attention=footprint.attention, kept_activation_blocks=kept, kept_activation_bytes=kept_bytes)
 
 
 def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Workload, options: StreamOptions,

@@ -50,6 +50,9 @@ class BudgetPlan:
             budget cannot hold the step otherwise (:mod:`poros.plan.chunk_choice`).
         parts: the footprint's sequence-proportional activations by name (per micro-batch).
         attention: the attention kernel the estimate assumes, and why.
+        kept_activation_blocks, kept_activation_bytes: how many blocks (the last ones) keep their activations
+            instead of being recomputed, and the bytes they hold at once
+            (:func:`poros.stream.recompute_choice.kept_activations`; beside ``peak``, in the budget it leaves).
     """
 
     budget_bytes: int
@@ -83,6 +86,8 @@ class BudgetPlan:
     mlp_chunks: int = 1
     parts: tuple[tuple[str, int], ...] = ()
     attention: str = ""
+    kept_activation_blocks: int = 0
+    kept_activation_bytes: int = 0
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -95,6 +100,7 @@ class BudgetPlan:
             f", mlp_chunks={self.mlp_chunks}" if self.mlp_chunks > 1 else "")
         boundary += ", AdamW state on the host" if self.optimizer_states == "host" else ""
         boundary += ", LoRA tensors on the host" if self.lora_placement == "host" else ""
+        boundary += f", {self.kept_activation_blocks} blocks keep their activations" if self.kept_activation_blocks else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
                 f"{'s' if self.num_slots != 1 else ''}, embeddings on the {'host' if self.embeddings_on_host else 'device'}"
                 f"{boundary}"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -100,6 +100,18 @@ def model_shapes(causal_lm: nn.Module, layers: list[nn.Module], compute_dtype: t
             getattr(config, "_attn_implementation", None))
 
 
+def activation_estimate(causal_lm: nn.Module, layers: list[nn.Module]) -> Callable[[torch.Tensor], ActivationParts]:
+    """``estimate(hidden)``: the activation parts of one micro-batch whose block inputs are shaped like ``hidden``
+    (batch x seq x hidden, its dtype the activations'): what ``recompute="auto"`` prices a kept block with when
+    there is no plan (``poros.stream.recompute_choice``)."""
+    def estimate(hidden: torch.Tensor) -> ActivationParts:
+        shapes, value_bytes, attention = model_shapes(causal_lm, layers, hidden.dtype)
+        batch, seq = (hidden.shape[0], hidden.shape[1]) if hidden.dim() >= 3 else (1, hidden.shape[0])
+        return activation_parts(shapes, batch_size=batch, seq_len=seq, value_bytes=value_bytes,
+                                attn_implementation=attention)
+    return estimate
+
+
 def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Workload, *, value_bytes: int,
                      attn_implementation: str | None, mlp_chunks: int = 1,
                      loss_chunks: int | None = None) -> Footprint:
@@ -110,7 +122,7 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
                              attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
                              attention_sms=footprint.attention_sms, packed=workload.packed)
     return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
-                               head_bytes=parts.head, parts=parts.named(),
+                               head_bytes=parts.head, kept_bytes=parts.kept, parts=parts.named(),
                                attention=f"{parts.attention.kernel} ({parts.attention.reason})",
                                loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
 
@@ -183,5 +195,5 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                                                         attn_implementation=attention))
 
 
-__all__ = ["GROUPED_NF4_EXPERTS", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "ActivationParts", "AttentionEstimate", "BlockShapes", "activation_bytes",
+__all__ = ["GROUPED_NF4_EXPERTS", "activation_estimate", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "ActivationParts", "AttentionEstimate", "BlockShapes", "activation_bytes",
            "activation_parts", "attention_working_set", "chunked_footprints", "model_shapes", "with_activations", "block_bytes", "device_context_bytes", "footprint_of_model", "grouped_experts_values", "meta_skeleton", "padded", "plan_for_model", "predict_prepared", "quantized_linears", "quantized_tensor_bytes", "tensor_bytes"]

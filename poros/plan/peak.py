@@ -46,6 +46,8 @@ class Footprint:
         lora_parameter_bytes: the trainable (LoRA) parameters; their gradients are as large, their
             AdamW state twice, AdamW's step one more copy for a moment.
         boundary_bytes, recompute_bytes, head_bytes: per micro-batch.
+        kept_bytes: what a block that keeps its activations (no recompute) holds from its forward to its
+            backward, per micro-batch (an estimate).
         workspace_bytes: library workspaces inside the allocator (cuBLAS on CUDA).
         parts: the sequence-proportional activations by name (per micro-batch; what ``poros plan``
             tabulates: attention, MLP, head and loss...), or empty where unknown.
@@ -68,6 +70,7 @@ class Footprint:
     loss_chunks: int = 1
     mlp_chunks: int = 1
     attention_sms: int = 0
+    kept_bytes: int = 0  # one block's kept activations, per micro-batch (ActivationParts.kept)
 
     @property
     def num_blocks(self) -> int:

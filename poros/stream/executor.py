@@ -72,8 +72,10 @@ from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_root
 from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  # noqa: F401 (the last two re-exported)
 from poros.stream.block_node import StreamedBlock as _StreamedBlock
 from poros.stream.block_node import recording_use as _recording_use
+from poros.stream.kept import KeptBlock, run_kept
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
+from poros.stream.recompute_choice import RecomputeChoice
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
 from poros.stream.router_logits import RouterRecorder
 from poros.stream.stash import DiskStash, HostStash
@@ -96,11 +98,15 @@ class StreamingExecutor:
         before_forward: called with the trunk's kwargs before each streamed forward (prepare's runtime gates).
         spill_dir: ``boundary_states="disk"``: the directory the state files go under (prepare: the
             cache's ``spill/``; None: ``$TMPDIR``).
+        kept_blocks, kept_estimate: ``recompute="auto"``: how many blocks the plan keeps (None: no plan), and
+            without one the activation estimate the first step decides with
+            (:class:`~poros.stream.recompute_choice.RecomputeChoice`).
     """
 
     def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore,
                  options: StreamOptions = StreamOptions(), *, graphs: Any = None,
-                 before_forward: Callable[[dict], None] | None = None, spill_dir: Any = None) -> None:
+                 before_forward: Callable[[dict], None] | None = None, spill_dir: Any = None,
+                 kept_blocks: int | None = None, kept_estimate: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.causal_lm, self.descriptor, self.store, self.options = causal_lm, descriptor, store, options
         self.graphs, self.before_forward = graphs, before_forward
         self.trunk = resolve_path(causal_lm, descriptor.text_model)
@@ -118,6 +124,8 @@ class StreamingExecutor:
         self.spill_dir = spill_dir  # boundary_states="disk": where the state files go
         self._use_order: dict[int, list[nn.Parameter]] = {}  # block -> trainable parameters in use order
         self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
+        #: which blocks keep their activations (``options.recompute``; ``poros.stream.recompute_choice``)
+        self.recompute = RecomputeChoice(self, options.recompute, kept_blocks, kept_estimate)
 
     @property
     def boundary_states(self) -> str:
@@ -163,6 +171,7 @@ class StreamingExecutor:
         step = self._capture(*args, **kwargs)
         step.router = self.routers.wanted(kwargs)
         hidden = step.calls[0].leaves[0]
+        step.kept_blocks = self.recompute.blocks(hidden, 1)
         last = len(self.layers) - 1
         router_logits: list[torch.Tensor] = []
         for index in range(len(self.layers)):
@@ -250,7 +259,9 @@ class StreamingExecutor:
         before = {(name, key): value for name, m in mappings.items() for key, value in m.items()}
         leaves = call.leaves_with(hidden, grad_tensors)
         output = None
-        if self.graphs is not None and (not graphable or step.router):
+        if self._keeps(step, index, mappings):
+            output = self._kept_forward(step, index, hidden, grad_tensors)
+        elif self.graphs is not None and (not graphable or step.router):
             self.graphs.note_eager("router logits" if step.router else "micro-major")
         elif self.graphs is not None:
             output = self.graphs.forward(index, leaves, call.unflatten, self._carried_at(index, call))
@@ -272,6 +283,19 @@ class StreamingExecutor:
         if not keep:
             self.store.release(index)
         return output
+
+    def _keeps(self, step: Step, index: int, mappings: dict) -> bool:
+        """Whether block ``index`` keeps its activations: chosen, with nothing carried (mappings, router logits)."""
+        return index in step.kept_blocks and not mappings and not step.router
+
+    def _kept_forward(self, step: Step, index: int, hidden: torch.Tensor, grad_tensors) -> torch.Tensor:
+        """Block ``index``'s forward with autograd, kept on ``step`` until its backward (:func:`run_kept`)."""
+        if self.graphs is not None:
+            self.graphs.note_eager("kept activations")
+        step.kept[index] = run_kept(self.layers[index], step.calls[index], index, hidden, grad_tensors,
+                                    self.store.buffer_of)
+        self.recompute.note(tuple(hidden.shape), step.kept[index].saved_bytes)
+        return step.kept[index].output.detach()
 
     def block_parameters(self, index: int) -> list[nn.Parameter]:
         """The trainable parameters of block ``index`` (its adapters), in registration order."""
@@ -305,13 +329,21 @@ class StreamingExecutor:
         self._make_resident(index)
         self._prefetch(index - 1)
         call = step.calls[index]
-        leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
-        leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
+        kept = step.kept.pop(index, None)
+        if kept is not None:  # its forward kept the graph: its weights' references now point at its bytes now
+            kept.bind_contexts()
+            leaf_hidden, leaf_inputs = kept.leaf_hidden, kept.leaf_inputs
+            hidden_needs_grad = hidden_needs_grad and leaf_hidden.requires_grad
+        else:
+            leaf_hidden = hidden.detach().requires_grad_(hidden_needs_grad)
+            leaf_inputs = [t.detach().requires_grad_(True) for t in grad_inputs]
         mappings, readers = self._recompute_mappings(step, index, call)
         # what later readers sent back to the entries this block wrote: more output gradients of its recompute
         written_grads = [(name, key, pending) for name, key in step.written_by.get(index, [])
                          if (pending := step.pending.pop((name, key, index), None)) is not None]
-        if self.graphs is not None and (step.router or (return_parameter_grads and not self.graphs.micro_major)):
+        if kept is not None:
+            pass  # no recompute, no graph replay: back-propagate the kept graph below
+        elif self.graphs is not None and (step.router or (return_parameter_grads and not self.graphs.micro_major)):
             self.graphs.note_eager("router logits" if step.router else "micro-major")
         elif self.graphs is not None:
             replayed = self.graphs.backward(
@@ -324,11 +356,14 @@ class StreamingExecutor:
                 if not keep:
                     self.store.release(index)
                 return hidden_grad, input_grads, parameter_grads
-        with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
-                replayed_autocast(step.autocast_states.get(index), hidden.device):
-            args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
-            with self.routers.recording(self.layers[index], step.router) as logits:
-                output = self.layers[index](*args, **kwargs)
+        if kept is not None:
+            output, logits = kept.output, []
+        else:
+            with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
+                    replayed_autocast(step.autocast_states.get(index), hidden.device):
+                args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
+                with self.routers.recording(self.layers[index], step.router) as logits:
+                    output = self.layers[index](*args, **kwargs)
         written = [(mappings[name][key], sent) for name, key, sent in written_grads]
         live = recompute_roots(output, grad_output, written + ([(logits, router_grads)] if router_grads else []))
         parameters = self.block_parameters(index) if return_parameter_grads else []
@@ -411,6 +446,9 @@ class StreamingExecutor:
         # 2. forward, block-major: each block fetched once for all micro-batches
         hidden = [step.calls[0].leaves[0] for step in steps]
         inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
+        kept_blocks = self.recompute.blocks(hidden[0], len(steps))
+        for step in steps:
+            step.kept_blocks = kept_blocks
         # the forward's autocast state where it differs from this thread's (None: run as the caller runs)
         outer = autocast_state(self.store.device)
         autocasts = [None if step.autocast is None or step.autocast == outer else step.autocast for step in steps]

@@ -223,6 +223,14 @@ class BlockStore:
         block = self.blocks[index]
         return block.resident or block.slot is not None
 
+    def buffer_of(self, index: int) -> torch.Tensor | None:
+        """Block ``index``'s device bytes now (its slot's first ``nbytes``, or its resident buffer); None when
+        it is not on the device."""
+        block = self.blocks[index]
+        if block.resident:
+            return block.buffer
+        return None if block.slot is None else self.slots[block.slot][: block.nbytes]
+
     @property
     def resident_blocks(self) -> tuple[int, ...]:
         """Indices of the blocks kept on the device for good."""

@@ -131,6 +131,8 @@ class Step:
     router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> its forward's logits
     # layer-major: the autocast state the model's forward set around its trunk call (the blocks run under it)
     autocast: Any = None
+    kept_blocks: frozenset = frozenset()  # blocks whose forward keeps its saved tensors (no recompute)
+    kept: dict[int, Any] = field(default_factory=dict)  # block -> its KeptBlock (poros.stream.kept), until its backward
 
 
 __all__ = ["CaptureDone", "LayerRecorder", "Phase", "STREAMING", "Step", "StreamingLayer", "TrunkOutput", "TrunkState", "swapped"]

@@ -49,6 +49,7 @@ from tools.bench.models import SEVEN_PROJECTIONS, add_lora, build_model, make_ba
 from tools.bench.provenance import start_tool
 from tools.bench.report import print_table
 from tools.bench.shapes import SHAPES, model_config
+from tools.bench.throughput import add_machine_numbers, dense_bf16_tflops
 from tools.bench.trainer_arms import TRAINER_ARMS, compare_trainer_runs, run_trainer_arms, summaries, token_rows
 from tools.bench.trainer_common import TrainerSetup
 
@@ -101,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "planner decides")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the poros arm replays its block phases from CUDA graphs (prepare(cuda_graphs=True))")
+    parser.add_argument("--recompute", choices=("auto", "all", "none"),
+                        help="the -poros Trainer arms: prepare_trainer(recompute=...) (default: prepare's, auto)")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
                         help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks "
@@ -136,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for tiny shapes on CPU)")
     unsloth_arm.add_arguments(parser)
+    parser.add_argument("--sweep", action="store_true",
+                        help="seq 512/2048/4096/8192 x --grad-accum 1/4/8, one process each (tools/bench/sweep.py); "
+                             "default arms trl-resident,trl-poros,unsloth; --json gets the merged rows")
     parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
@@ -173,8 +179,8 @@ def trainer_setup(args, device) -> TrainerSetup:
 
     return TrainerSetup(device=str(device), warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
                         batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, cuda_graphs=args.cuda_graphs,
-                        vram_budget=args.vram_budget, resident_blocks=args.resident_blocks,
-                        output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
+                        vram_budget=args.vram_budget, resident_blocks=args.resident_blocks, recompute=args.recompute,
+                        profile=args.profile, output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 
 def trainer_arms_report(args, peft_model, batches, setup: TrainerSetup, arms: dict) -> dict:
@@ -193,29 +199,41 @@ def trainer_arms_report(args, peft_model, batches, setup: TrainerSetup, arms: di
     return compare_trainer_runs(results, setup)
 
 
+def compute_probe(args, config, targets, device):
+    """The planner's compute probe of one block (``--probe``; default on CUDA with the poros arm), before the
+    model takes the memory; None when it does not run."""
+    if "poros" not in args.arms or not (args.probe or (args.probe is None and device.type == "cuda")):
+        return None
+    from poros.doctor import probe
+    from poros.plan.entry import workload_of
+
+    compute = probe.probe_compute(
+        config, workload_of(batch_size=args.batch, seq_len=args.seq, grad_accum=args.grad_accum,
+                            schedule=args.schedule, loss_chunks=args.loss_chunks), device,
+        compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
+        lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)
+        else targets)
+    free_memory(device)
+    return compute
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.sweep:
+        from tools.bench import sweep
+
+        return sweep.run(list(sys.argv[1:] if argv is None else argv), args.json)
     if args.vram_limit and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # Under a cap the allocator's reserved bytes count: without expandable segments, segments left
         # partly used by building the model stay reserved (they OOM-ed a 72B run under an 8 GB cap:
         # docs/results-h200.md). Set before the first CUDA allocation; recorded in the environment.
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     device, env = start_tool(args)
+    dense = dense_bf16_tflops(device)  # the machine's dense bf16 rate, before anything else holds the device
     targets = "all-linear" if args.targets == "all-linear" else tuple(args.targets.split(","))
     config, info = model_config(args.model, layers=args.layers)
     link = link_gb_per_s(device) if "poros" in args.arms else None
-    compute = None
-    if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):
-        from poros.doctor import probe  # the planner's own probe, before the model takes the memory
-        from poros.plan.entry import workload_of
-
-        compute = probe.probe_compute(
-            config, workload_of(batch_size=args.batch, seq_len=args.seq, grad_accum=args.grad_accum,
-                                schedule=args.schedule, loss_chunks=args.loss_chunks), device,
-            compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
-            lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)
-            else targets)
-        free_memory(device)
+    compute = compute_probe(args, config, targets, device)
 
     start = time.perf_counter()
     model = build_model(config, device, seed=args.seed, double_quant=not args.no_double_quant,
@@ -294,6 +312,7 @@ def main(argv=None) -> int:
         report["arms"][unsloth_arm.ARM] = unsloth_arm.run(args, checkpoint, token_rows(batches), setup)
         report["arms"][unsloth_arm.ARM]["parent_allocated_gb"] = parent  # what this process still held meanwhile
         report["unsloth"] = unsloth_arm.compare(report["arms"], config.num_hidden_layers)
+    add_machine_numbers(report["arms"], config.get_text_config(), args.seq, report.setdefault("dense_bf16_tflops", dense))
     achieved = report["arms"].get("poros", {}).get("h2d_gb_per_s")
     if link and achieved is not None:
         report["arms"]["poros"]["h2d_fraction_of_link"] = round(achieved / link, 4)

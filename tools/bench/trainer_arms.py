@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tools.bench.kernel_profile import KernelProfile
 from tools.bench.arms import ArmResult, free_memory, optimizer_snapshot, parity, snapshot, trainable
 from tools.bench.trainer_common import (StepClock, TrainerSetup, logged_grad_norms, logged_losses, sft_config_arguments,
                                   sft_dataset, throughput, training_arguments)
@@ -87,9 +88,12 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     restore_lora(named, initial)
     result, handle, trainer = ArmResult(name), None, None
     clock = StepClock(setup.device)
+    profiler = KernelProfile(setup.warmup, setup.device) if setup.profile and setup.warmup else None
     try:
         trainer = _trainer(flow, peft_model, rows, setup, clock, tokenizer if tokenizer is not None
                            else bundled_tokenizer())
+        if profiler is not None:  # the last warm-up step, untimed: first, so the clock's read of that step
+            trainer.callback_handler.callbacks.insert(0, profiler)  # comes after the trace is processed
         if line == "poros":
             handle = poros.prepare_trainer(trainer, **setup.prepare_options())  # the one line
             handle.store.stats.reset()
@@ -103,6 +107,8 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
             fetches = sum(handle.store.stats.fetches)
             result.extra.update({"guarantee": handle.guarantee, "blocks": len(handle.store.blocks),
                                  "resident_blocks": list(handle.store.resident_blocks),
+                                 "recompute": handle.stream_options.recompute,
+                                 "kept_activation_blocks": len(handle.executor.recompute.last),
                                  "budget_plan": None if handle.budget_plan is None else handle.budget_plan.to_dict(),
                                  "block_fetches_per_step": round(fetches / len(handle.store.blocks)
                                                                  / max(1, len(clock.step_times)), 3),
@@ -113,6 +119,8 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
         result.status, result.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.extra.update(clock.memory())
+    if profiler is not None:
+        result.extra["kernel_profile"] = profiler.result
     if getattr(peft_model, "_require_grads_hook", None) is not None:
         peft_model.disable_input_require_grads()  # SFTTrainer enabled it; the next arm's trainer does again
     for _, param in named:

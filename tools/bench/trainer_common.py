@@ -47,6 +47,8 @@ class TrainerSetup:
         cuda_graphs: the ``-poros`` arms' ``prepare_trainer(trainer, cuda_graphs=...)``.
         vram_budget: the ``-poros`` arms' ``vram_budget`` (the planner picks slots and resident blocks for
             a layer-major window of this batch, seq and accumulation; :meth:`prepare_options`), or None.
+        profile: trace the last warm-up step of each arm by kernel category (``tools.bench.kernel_profile``).
+        recompute: the ``-poros`` arms' ``recompute`` (None: prepare's default, ``"auto"``).
         resident_blocks: the ``-poros`` arms' ``resident_blocks`` (the last N blocks stay on the device),
             or None.
     """
@@ -61,6 +63,8 @@ class TrainerSetup:
     seed: int
     output_dir: str
     cuda_graphs: bool = False
+    recompute: str | None = None
+    profile: bool = False
     vram_budget: str | None = None
     resident_blocks: int | None = None
 
@@ -68,6 +72,8 @@ class TrainerSetup:
         """The keywords a ``-poros`` arm passes to ``poros.prepare_trainer`` (to ``poros.prepare``): with a
         ``vram_budget`` the planner's workload too, layer-major as the trainer's windows run."""
         options: dict[str, Any] = {"cuda_graphs": self.cuda_graphs}
+        if self.recompute is not None:
+            options["recompute"] = self.recompute
         if self.vram_budget is not None:
             from poros.plan.entry import workload_of
 

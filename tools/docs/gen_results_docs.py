@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from tools.docs import docgen  # write or --check
+from tools.docs import docgen, results_speed  # write or --check
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results-h200.md"
@@ -302,6 +302,7 @@ BLOCKS = {
     "curve": render_curve,
     "timeline": render_timeline,
     "trainer": render_trainer,
+    **results_speed.blocks(bench_reports, ROOT),
 }
 
 

@@ -1,0 +1,163 @@
+"""Kept activations: a block that runs its forward with autograd and keeps the saved tensors until its
+backward, instead of saving only its input and recomputing (``StreamOptions.recompute``).
+
+The trap is the block's own weights. A streamed block's frozen tensors are views of a device slot that
+another block fills once this one is released; whatever the forward's autograd graph saved of them would
+then read the other block's bytes in backward. Two kinds of references hold them:
+
+* tensors saved with ``save_for_backward`` (a norm's weight in ``weight * x``, a bias): while a kept forward
+  runs, :meth:`KeptBlock.saving` installs ``saved_tensors_hooks`` that pack every saved tensor lying in the
+  block's device bytes as a :class:`SlotRef` (its byte offset in the block, dtype, shape, stride), and unpack
+  it as a view of the bytes the block has *when its backward runs*;
+* tensors a custom ``autograd.Function`` keeps as attributes of its context (bitsandbytes' ``MatMul4Bit``
+  keeps its packed weight as ``ctx.tensors = (None, B)``, out of the hooks' sight): after the forward,
+  :meth:`KeptBlock.detach_contexts` walks the block's graph and replaces each such tensor by a
+  :class:`SlotRef`; :meth:`KeptBlock.bind_contexts`, after the block is fetched again for its backward, puts
+  back views of the current bytes. (Its ``QuantState`` is the same object across fetches: the store rebinds
+  its tensors in place.)
+
+Unpacking or binding while the block is not on the device raises :class:`~poros.errors.StreamingError`:
+no kept block can ever read a slot another block owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from poros.errors import StreamingError
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """A tensor inside a block's device bytes, by place: resolved against the bytes the block has then."""
+
+    offset: int  # bytes from the start of the block's device buffer
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _ref(tensor: Any, buffer: torch.Tensor) -> SlotRef | None:
+    """``tensor`` as a :class:`SlotRef` into ``buffer`` (a uint8 block buffer), or None when it lies elsewhere."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device != buffer.device or tensor.numel() == 0:
+        return None
+    try:
+        if tensor.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            return None
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, a meta tensor)
+        return None
+    offset = tensor.storage_offset() * tensor.element_size() - buffer.storage_offset()
+    if not 0 <= offset < buffer.numel():
+        return None
+    return SlotRef(offset, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def _view(ref: SlotRef, buffer: torch.Tensor) -> torch.Tensor:
+    size = torch.empty((), dtype=ref.dtype).element_size()
+    start = buffer.storage_offset() + ref.offset
+    if start % size:
+        raise StreamingError(f"a kept block's saved weight at byte {ref.offset} is not aligned to its dtype "
+                             f"{ref.dtype}; the store's layout must align every tensor (it does at 512 bytes).")
+    return torch.empty(0, dtype=ref.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), start // size, ref.shape, ref.stride)
+
+
+class KeptBlock:
+    """One kept forward of block ``index`` (one micro-batch): its leaves, its output and the references to
+    rebind; ``buffer_of(index)`` is the store's device buffer of the block now (None: not on the device)."""
+
+    def __init__(self, index: int, buffer_of: Callable[[int], torch.Tensor | None]) -> None:
+        self.index, self.buffer_of = index, buffer_of
+        self.contexts: list[tuple[Any, str, Any]] = []  # (graph node, attribute, value with SlotRefs)
+        self.leaf_hidden: torch.Tensor | None = None
+        self.leaf_inputs: list[torch.Tensor] = []
+        self.output: Any = None
+        self.saved_bytes = 0  # what the graph keeps besides the block's weights (distinct storages)
+        self._seen: set[int] = set()
+
+    def _buffer(self) -> torch.Tensor:
+        buffer = self.buffer_of(self.index)
+        if buffer is None:
+            raise StreamingError(f"block {self.index} kept its activations but is not on the device for its backward; "
+                                 "the executor must fetch it before back-propagating it.")
+        return buffer
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        ref = _ref(tensor, self._buffer())
+        if ref is not None:
+            return ref
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.saved_bytes += storage.nbytes()
+        return tensor
+
+    def _unpack(self, value: Any) -> torch.Tensor:
+        return _view(value, self._buffer()) if isinstance(value, SlotRef) else value
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around the kept forward: saved tensors in the block's bytes are kept by place."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def detach_contexts(self, roots: list[torch.Tensor]) -> None:
+        """After the kept forward: tensors in the block's bytes that graph nodes hold as attributes
+        (custom Functions' contexts) are replaced by :class:`SlotRef` s."""
+        buffer = self._buffer()
+        stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+        seen: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            stack.extend(n for n, _ in node.next_functions)
+            for name, value in list(getattr(node, "__dict__", {}).items()):
+                replaced = _map(value, lambda t: _ref(t, buffer))
+                if replaced is not value:
+                    setattr(node, name, replaced)
+                    self.contexts.append((node, name, replaced))
+
+    def bind_contexts(self) -> None:
+        """Before the backward (the block fetched again): the contexts' references become views of its bytes now."""
+        buffer = self._buffer()
+        for node, name, value in self.contexts:
+            setattr(node, name, _map(value, lambda r: _view(r, buffer) if isinstance(r, SlotRef) else None))
+        self.contexts = []
+
+
+def run_kept(layer: torch.nn.Module, call: Any, index: int, hidden: torch.Tensor, grad_tensors,
+             buffer_of: Callable[[int], torch.Tensor | None]) -> KeptBlock:
+    """Block ``index``'s forward with autograd from leaves of ``hidden`` and ``grad_tensors`` (its
+    :class:`~poros.stream.layer_call.LayerCall` ``call`` gives HF's other arguments): the graph is kept, the
+    block's weights in it by place. Its backward is ``output``'s, with the block on the device again."""
+    kept = KeptBlock(index, buffer_of)
+    kept.leaf_hidden = hidden.detach().requires_grad_(index > 0 or hidden.requires_grad)
+    kept.leaf_inputs = [t.detach().requires_grad_(True) for t in grad_tensors]
+    with torch.enable_grad(), kept.saving():
+        args, kwargs = call.build(kept.leaf_hidden, kept.leaf_inputs)
+        kept.output = layer(*args, **kwargs)
+    kept.detach_contexts([kept.output])
+    return kept
+
+
+def _map(value: Any, change: Callable[[Any], Any]) -> Any:
+    """``value`` with each tensor (or SlotRef) ``change`` returns something for replaced (a tuple or list is
+    rebuilt only when an item changed); ``value`` itself when nothing changed."""
+    if isinstance(value, (torch.Tensor, SlotRef)):
+        new = change(value)
+        return value if new is None else new
+    if isinstance(value, (tuple, list)):
+        items = [_map(v, change) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(items)
+    return value
+
+
+__all__ = ["KeptBlock", "SlotRef", "run_kept"]

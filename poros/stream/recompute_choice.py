@@ -1,0 +1,124 @@
+"""Which blocks keep their activations this step (``StreamOptions.recompute``; the mechanism is ``kept.py``).
+
+* ``"all"``: none (every block saves its input only and is recomputed in backward);
+* ``"none"``: every block;
+* ``"auto"``: none with CUDA graphs at micro-batches under :data:`GRAPHS_MIN_TOKENS` tokens; else with a VRAM plan, the last ``BudgetPlan.kept_activation_blocks`` (the planner priced them for its
+  workload). Without one, on CUDA, the last K blocks, K = the bytes free for kept activations // one block's
+  kept bytes at this step's shape (micro-batches x tokens): what is free on the device at the first training
+  step less what the rest of the step will still allocate (boundary states, a recompute's and the head's
+  working sets, LoRA gradients and AdamW state) and a margin; one block's bytes are the footprint's estimate
+  (``ActivationParts.kept``) or, once a block of that shape has kept its tensors, the measured bytes when
+  larger. On a CPU without a plan, none.
+
+The last blocks, because the last of forward are the first of backward: their tensors are held the shortest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+#: with CUDA graphs, auto keeps no block when a micro-batch has fewer tokens: a kept block runs eagerly (its
+#: forward keeps an autograd graph, which no replay graph holds), and a short micro-batch's step is bound by
+#: launching kernels, not by computing them (docs/results-h200.md, the recompute rows)
+GRAPHS_MIN_TOKENS = 2048
+#: before a block of the step's shape was measured, its estimate is taken this much larger
+UNMEASURED_FACTOR = 1.25
+#: what auto leaves free of the device beside the step's own needs, as a fraction of its memory
+FREE_MARGIN = 0.08
+#: and in bytes, for the allocator's fragmentation and the library workspaces
+FREE_MARGIN_BYTES = 2 << 30
+
+
+class RecomputeChoice:
+    """Decides :meth:`blocks` per step for one executor; ``planned`` is the plan's count (None: no plan);
+    ``estimate(hidden)`` the activation parts of one micro-batch shaped like ``hidden`` (``prepare`` passes
+    ``poros.plan.footprint.activation_estimate``; None: auto without a plan keeps nothing)."""
+
+    def __init__(self, executor: Any, mode: str, planned: int | None = None,
+                 estimate: Callable[[Any], Any] | None = None) -> None:
+        self.executor, self.mode, self.planned, self.estimate = executor, mode, planned, estimate
+        self.allotted_bytes: int | None = None  # without a plan: decided at the first step
+        self.measured: dict[tuple[int, ...], int] = {}  # hidden shape -> largest kept bytes of one block, one micro-batch
+        self._parts: dict[tuple[int, ...], Any] = {}
+        self.last: frozenset[int] = frozenset()  # the last step's choice (reports)
+
+    def blocks(self, hidden: torch.Tensor, micro_batches: int) -> frozenset[int]:
+        """The blocks whose forward keeps its saved tensors in a step of ``micro_batches`` micro-batches whose
+        block inputs are shaped like ``hidden``."""
+        count = len(self.executor.layers)
+        if self.mode == "all" or not count or self.executor.options.lora_placement == "host":
+            # (host-kept LoRA tensors move with their block: a kept graph would hold stale ones)
+            kept = 0
+        elif self.mode == "none":
+            kept = count
+        elif self.executor.graphs is not None and hidden.shape[:-1].numel() < GRAPHS_MIN_TOKENS:
+            kept = 0  # launch-bound: an eager kept block costs more than its replayed recompute
+        elif self.planned is not None:
+            kept = min(count, self.planned)
+        elif self.estimate is None:
+            kept = 0
+        else:
+            per_block = micro_batches * self.block_bytes(hidden)
+            allotted = self._allotted(hidden, micro_batches)
+            kept = count if per_block <= 0 else min(count, allotted // per_block)
+        self.last = frozenset(range(count - kept, count))
+        return self.last
+
+    def block_bytes(self, hidden: torch.Tensor) -> int:
+        """One block's kept bytes for one micro-batch of this shape: the measured bytes once a block of this shape
+        kept its tensors (never below the estimate), before that the estimate with :data:`UNMEASURED_FACTOR`."""
+        shape = tuple(hidden.shape)
+        estimate = self._activation_parts(hidden).kept
+        if shape in self.measured:
+            return max(estimate, self.measured[shape])
+        return int(estimate * UNMEASURED_FACTOR)
+
+    def note(self, hidden_shape: tuple[int, ...], saved_bytes: int) -> None:
+        """A kept block's measured saved bytes (one micro-batch)."""
+        self.measured[hidden_shape] = max(self.measured.get(hidden_shape, 0), saved_bytes)
+
+    def _activation_parts(self, hidden: torch.Tensor):
+        shape = (tuple(hidden.shape), hidden.dtype)
+        if shape not in self._parts:
+            self._parts[shape] = self.estimate(hidden)
+        return self._parts[shape]
+
+    def _allotted(self, hidden: torch.Tensor, micro_batches: int) -> int:
+        if self.allotted_bytes is None:
+            self.allotted_bytes = self._free_for_kept(hidden, micro_batches)
+        return self.allotted_bytes
+
+    def _free_for_kept(self, hidden: torch.Tensor, micro_batches: int) -> int:
+        """Without a plan: the device's free memory now less the rest of the step's needs and a margin (CPU: 0)."""
+        import torch
+
+        device = hidden.device
+        if device.type != "cuda":
+            return 0
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        parts = self._activation_parts(hidden)
+        blocks = len(self.executor.layers)
+        lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
+        still_needed = (micro_batches * (blocks + 2) * parts.boundary + parts.recompute + parts.head
+                        + 3 * lora + int(FREE_MARGIN * total) + FREE_MARGIN_BYTES)
+        return max(0, free + cached - still_needed)
+
+
+def kept_activations(footprint: Any, workload: Any, recompute: str, blocks: int, *, headroom: int,
+                     slack: float) -> tuple[int, int]:
+    """``(blocks, bytes)`` that keep their activations instead of being recomputed (``StreamOptions.recompute``):
+    ``"all"`` none, ``"none"`` every block, ``"auto"`` as many as ``headroom`` (the budget less what the plan
+    needs) holds with the allocator's slack. A kept block holds ``footprint.kept_bytes`` per micro-batch: M of
+    them in layer-major (all M forwards run before its backward), one in micro-major."""
+    per_block = footprint.kept_bytes * (workload.grad_accum if workload.schedule == "layer-major" else 1)
+    if recompute == "all" or not blocks:
+        count = 0
+    elif recompute == "none" or per_block <= 0:
+        count = blocks
+    else:
+        count = max(0, min(blocks, int(headroom // (per_block * (1 + slack)))))
+    return count, count * per_block
+
+
+__all__ = ["FREE_MARGIN", "GRAPHS_MIN_TOKENS", "FREE_MARGIN_BYTES", "RecomputeChoice", "kept_activations"]

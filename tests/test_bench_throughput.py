@@ -1,0 +1,59 @@
+"""The bench's machine numbers (tools/bench/throughput.py, kernel_profile.py, sweep.py): N counts a real HF
+model's block linears, the FLOPs follow the formulas of docs/benchmarking.md, kernels fall in their
+categories, and the sweep's child command lines drop the swept flags."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from tools.bench.kernel_profile import breakdown, busy_ms, category
+from tools.bench.sweep import strip
+from tools.bench.throughput import add_machine_numbers, block_linear_parameters, flops_per_token
+
+SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _config():
+    return transformers.Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=128)
+
+
+def test_n_is_the_blocks_seven_linears_of_a_real_model():
+    config = _config()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    linears = sum(m.weight.numel() for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in SEVEN)
+    assert block_linear_parameters(config) == linears
+
+
+def test_flops_per_token_and_mfu():
+    config, seq = _config(), 32
+    n, attention = block_linear_parameters(config), 2 * 3 * seq * 4 * 16
+    assert flops_per_token(config, seq, 0.0) == (4 * n + 3 * attention, 4 * n + 3 * attention)
+    assert flops_per_token(config, seq, 1.0)[1] == 6 * n + 4 * attention
+    arms = {"trl-resident": {"median_step_s": 2.0, "tokens_per_step": 1000},
+            "trl-poros": {"median_step_s": 1.0, "tokens_per_step": 1000, "kept_activation_blocks": 3}}
+    add_machine_numbers(arms, config, seq, dense_tflops=1e-6)
+    model = (4 * n + 3 * attention) * 1000 / 1e12
+    assert arms["trl-poros"]["hardware_tflops"] == arms["trl-poros"]["model_tflops"] == round(model, 1)
+    assert arms["trl-poros"]["mfu"] == round(round(model, 1) / 1e-6, 4)
+
+
+def test_kernel_categories_and_idle():
+    assert category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm"
+    assert category("ampere_sgemm_128x64_tn") == "lora"
+    assert category("void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>") == "dequantize"
+    assert category("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert category("Memcpy HtoD (Pinned -> Device)") == "h2d"
+    assert category("void at::native::multi_tensor_apply_kernel") == "optimizer"
+    assert category("void at::native::reduce_kernel<512, 1>") == "elementwise_norm"
+    assert busy_ms([(0, 2), (1, 3), (5, 6)]) == 4
+    result = breakdown([("ampere_sgemm", 0.0, 1.0), ("nvjet", 1.0, 3.0), ("Memcpy HtoD", 5.0, 6.0)])
+    assert result["idle_ms"] == 2 and result["category_ms"]["gemm"] == 2
+
+
+def test_the_sweep_drops_the_flags_it_sets():
+    assert strip(["--model", "x", "--seq", "512", "--grad-accum=4", "--json", "a.json", "--cuda-graphs"],
+                 ("--seq", "--grad-accum", "--json")) == ["--model", "x", "--cuda-graphs"]

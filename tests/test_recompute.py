@@ -1,0 +1,154 @@
+"""Kept activations (``recompute``): blocks that keep their forward's saved tensors until their backward train the
+plain HF Trainer's bits under ``prepare_trainer`` (layer-major accumulation of 4), on every family, bf16 on and
+off; kept blocks run each decoder layer once per micro-batch, recomputed ones twice; a kept block's backward
+reads its own weights even when another block overwrote the slot it ran in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import poros
+from poros import registry
+from poros.adapters import causal_lm_of
+from poros.descriptor import resolve_path
+from poros.dropin.model import _quantization
+from poros.stream.placement import host_embedding_tables
+from conformance_flows import FAMILY_IDS, FAMILY_VARIANTS, assert_same_outcome, load, rows, run_trainer
+from poros.errors import ConfigError
+from poros.plan.footprint import plan_for_model
+from poros.stream.kept import KeptBlock
+from poros.stream.options import StreamOptions, Workload
+from poros.testing import save_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FLOW = dict(gradient_accumulation_steps=4, per_device_train_batch_size=2)
+WORKLOAD = Workload(batch_size=2, seq_len=29, grad_accum=4, schedule="layer-major")
+
+
+def _budget_keeping(model, kept: int) -> str:
+    """A VRAM budget whose plan keeps ``kept`` blocks' activations (every block resident, the rest of the
+    budget for kept activations), planned as ``prepare`` plans it."""
+    causal_lm = causal_lm_of(model)
+    descriptor = registry.for_config(causal_lm.config)
+    layers = list(resolve_path(causal_lm, descriptor.decoder_layers))
+    options = StreamOptions(vram_budget=1 << 40, workload=WORKLOAD, embeddings_on_host=False)
+    plan = plan_for_model(causal_lm, layers, host_embedding_tables(causal_lm, descriptor), options,
+                          device=torch.device("cpu"), compute_dtype=getattr(torch, _quantization(causal_lm)[2]))
+    per_block = plan.kept_activation_bytes // plan.kept_activation_blocks
+    return str(plan.needed_bytes + int((kept + 0.5) * per_block * (1 + plan.slack)))
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("family", "variant"), FAMILY_VARIANTS, ids=FAMILY_IDS)
+def test_kept_activations_train_the_plain_bits(family, variant, bf16, tmp_path):
+    """Every family, bf16 off and on: ``recompute="auto"`` under a budget that keeps one block (bf16 off) and
+    ``recompute="none"`` (every block keeps; bf16 on) give the plain Trainer's losses, grad_norm, every LoRA
+    tensor and every AdamW tensor (torch.equal), accumulation 4 run layer-major."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
+    flow = dict(train_rows=rows(8, 29), bf16=bf16, **FLOW)
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", **flow)
+    if bf16:
+        keywords = dict(recompute="none")
+    else:
+        keywords = dict(vram_budget=_budget_keeping(load(checkpoint), 1), workload=WORKLOAD)
+    run = run_trainer(load(checkpoint), tmp_path / "poros",
+                      line=lambda trainer: poros.prepare_trainer(trainer, **keywords), **flow)
+    assert_same_outcome(plain, run)
+    assert run["trainer"]._poros_window.windows_run == 2  # layer-major windows of 4
+    model = run["trainer"].model
+    count = len(model.executor.layers)
+    if bf16:
+        assert model.executor.recompute.last == frozenset(range(count))
+    else:
+        assert model.budget_plan.kept_activation_blocks == 1
+        assert model.executor.recompute.last == frozenset({count - 1})
+
+
+def test_kept_blocks_run_their_forward_once_recomputed_twice(tmp_path):
+    """Decoder-layer forward calls in one optimizer step (accumulation 4), auto keeping the last block of three:
+    the kept block's layer runs once per micro-batch, the recomputed ones twice (forward, then recompute)."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7, num_hidden_layers=3)
+    calls: dict[int, int] = {}
+
+    def line(trainer):
+        model = poros.prepare_trainer(trainer, vram_budget=_budget_keeping(trainer.model, 1), workload=WORKLOAD)
+        for index, layer in enumerate(model.executor.layers):
+            layer.register_forward_pre_hook(lambda *_, i=index: calls.__setitem__(i, calls.get(i, 0) + 1))
+
+    run_trainer(load(checkpoint), tmp_path / "poros", train_rows=rows(8, 29), max_steps=1, line=line, **FLOW)
+    assert calls == {0: 8, 1: 8, 2: 4}
+
+
+def test_a_kept_block_reads_its_own_weights_after_its_slot_is_reused(tmp_path):
+    """Block 1 keeps its MLP's graph (bitsandbytes' MatMul4Bit holds the packed weight in its context, the norm
+    its weight as a saved tensor), leaves its slot, block 2 overwrites that slot, block 1 comes back in the other
+    slot: the backward is bitwise a fresh recompute's. The negative control keeps a plain graph over the same
+    moves and gets other gradients: without the rebinding this test fails."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7, num_hidden_layers=3)
+    model = poros.prepare(load(checkpoint), num_slots=2, recompute="all")
+    store, layers = model.store, model.executor.layers
+    width = model.config.hidden_size
+    x = torch.randn(2, 5, width, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(2, 5, width, generator=torch.Generator().manual_seed(4))
+
+    def mlp(layer, inputs):
+        return layer.mlp(layer.post_attention_layernorm(inputs))
+
+    def input_grad(kept: KeptBlock | None):
+        store.release_all()
+        store.fetch(1)  # slot 0
+        assert store.blocks[1].slot == 0
+        leaf = x.clone().requires_grad_(True)
+        with torch.enable_grad(), (kept.saving() if kept else torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, lambda t: t)):
+            out = mlp(layers[1], leaf)
+        if kept:
+            kept.detach_contexts([out])
+        store.release(1)
+        store.fetch(2)  # overwrites slot 0
+        store.fetch(1)  # block 1 back, in slot 1
+        assert store.blocks[2].slot == 0 and store.blocks[1].slot == 1
+        if kept:
+            kept.bind_contexts()
+        out.backward(grad)
+        return leaf.grad
+
+    store.release_all()
+    store.fetch(1)
+    leaf = x.clone().requires_grad_(True)
+    with torch.enable_grad():
+        mlp(layers[1], leaf).backward(grad)
+    reference = leaf.grad
+    assert torch.equal(input_grad(KeptBlock(1, store.buffer_of)), reference)
+    assert not torch.equal(input_grad(None), reference)  # the trap is real: a plain kept graph reads block 2
+    store.release_all()
+
+
+def test_recompute_is_checked_and_carried_by_the_config():
+    with pytest.raises(ConfigError, match="recompute='some'"):
+        StreamOptions(recompute="some")
+    config = poros.PorosConfig(recompute="none")
+    assert StreamOptions.from_config(config).recompute == "none"
+    with pytest.raises(ConfigError, match="recompute"):
+        poros.PorosConfig(recompute="some")
+
+
+def test_poros_plan_says_how_many_blocks_keep_their_activations(capsys):
+    """``poros plan`` prints the kept blocks (a table row and a decision) and ``--json`` reports
+    ``kept_activation_blocks``; ``--recompute all`` keeps none."""
+    import json
+
+    from poros.cli.main import main
+
+    assert main(["plan", "--vram-budget", "2GiB", "--device", "cpu", "--grad-accum", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "kept activations" in out and "blocks keep their activations (recompute=auto" in out
+    assert main(["plan", "--vram-budget", "2GiB", "--device", "cpu", "--grad-accum", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"]["kept_activation_blocks"] > 0
+    assert main(["plan", "--vram-budget", "2GiB", "--device", "cpu", "--grad-accum", "4", "--recompute", "all",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"]["kept_activation_blocks"] == 0

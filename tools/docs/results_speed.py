@@ -1,0 +1,82 @@
+"""The results page's issue-41 tables (``tools.docs.gen_results_docs`` fills them): each Trainer / Unsloth arm's
+machine numbers (tokens/s, model and hardware TFLOP/s, MFU against the dense bf16 rate its run measured, kept
+blocks) and the kernel-category profile of the traced step (``python -m tools.bench --profile``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+#: the arms the machine table lists, in this order
+ARMS = ("trl-resident", "trl-poros", "hf-resident", "hf-poros", "unsloth")
+#: the profile's categories, in the table's order (tools.bench.kernel_profile.CATEGORIES)
+CATEGORIES = ("gemm", "dequantize", "attention", "elementwise_norm", "lora", "optimizer", "copies", "h2d")
+
+
+def _cell(value, pattern: str = "{}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _link(path: Path, root: Path) -> str:
+    return f"[{path.name}](../{path.relative_to(root)})"
+
+
+def render_machine(reports: list[tuple[Path, dict]], root: Path) -> str:
+    """One row per arm of every bench report with a dense bf16 rate (issue 41's runs on)."""
+    rows = ["| shape | seq | accum | det. | arm | step s | tokens/s | model TFLOP/s | hardware TFLOP/s | MFU | "
+            "dense bf16 TFLOP/s | kept blocks | peak GB | JSON |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, report in reports:
+        dense = report.get("dense_bf16_tflops")
+        if dense is None:
+            continue
+        config = report["config"]
+        for name in (n for n in ARMS if n in report["arms"]):
+            arm = report["arms"][name]
+            kept = arm.get("kept_activation_blocks")
+            rows.append(f"| {config['model']} | {config['seq']} | {config.get('grad_accum', 1)} | "
+                        f"{'on' if config['deterministic'] else 'off'} | {name} | {_cell(arm.get('median_step_s'), '{:.3f}')} | "
+                        f"{_cell(arm.get('tokens_per_s'))} | {_cell(arm.get('model_tflops'))} | "
+                        f"{_cell(arm.get('hardware_tflops'))} | {_cell(arm.get('mfu'), '{:.1%}')} | {dense} | "
+                        f"{_cell(kept) if name.endswith('-poros') else '-'} | {_cell(arm.get('peak_allocated_gb'), '{:.2f}')} | "
+                        f"{_link(path, root)} |")
+    if len(rows) == 2:
+        rows.append("| pending the H200 run | | | | | | | | | | | | | |")
+    return "\n".join(rows)
+
+
+def render_kernel_profile(reports: list[tuple[Path, dict]], root: Path) -> str:
+    """One row per traced arm: the step's span, its GPU time by category and its idle time, in ms (h2d: copies
+    from the host, which Poros runs on a side stream under the compute)."""
+    rows = ["| shape | seq | accum | arm | span | " + " | ".join(c.replace("_", "/") for c in CATEGORIES)
+            + " | idle | JSON |", "|---|---|---|---|---|" + "---|" * len(CATEGORIES) + "---|---|"]
+    for path, report in reports:
+        config = report["config"]
+        for name, arm in report["arms"].items():
+            profile = arm.get("kernel_profile")
+            if not profile or "category_ms" not in profile:
+                continue
+            cells = " | ".join(f"{ms:.0f}" for ms in _categories(profile).values())
+            rows.append(f"| {config['model']} | {config['seq']} | {config.get('grad_accum', 1)} | {name} | "
+                        f"{profile['span_ms']:.0f} | {cells} | {profile['idle_ms']:.0f} | {_link(path, root)} |")
+    if len(rows) == 2:
+        rows.append("| pending the H200 run |" + " |" * (len(CATEGORIES) + 6))
+    return "\n".join(rows)
+
+
+def _categories(profile: dict) -> dict[str, float]:
+    """The profile's milliseconds per category; a profile from before ``h2d`` was its own category has its
+    host-to-device copies moved out of ``copies`` from its top kernels."""
+    ms = {c: profile["category_ms"].get(c, 0.0) for c in CATEGORIES}
+    if "h2d" not in profile["category_ms"]:
+        ms["h2d"] = sum(k["ms"] for k in profile.get("top_kernels", []) if "Memcpy HtoD" in k["name"])
+        ms["copies"] -= ms["h2d"]
+    return ms
+
+
+def blocks(reports: Callable[[], list[tuple[Path, dict]]], root: Path) -> dict[str, Callable[[], str]]:
+    """The generated blocks this module fills, by name."""
+    return {"machine": lambda: render_machine(reports(), root),
+            "kernel-profile": lambda: render_kernel_profile(reports(), root)}
+
+
+__all__ = ["ARMS", "CATEGORIES", "blocks", "render_kernel_profile", "render_machine"]
