@@ -53,11 +53,12 @@ EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 def load(path, setup: dict, experts: str):
-    """The checkpoint as the reference loads it, with its experts ``"bf16"``, ``"nf4"`` or ``"lora"`` (bf16
-    with LoRA on them through target_parameters, beside LoRA on the attention projections)."""
+    """The checkpoint as the reference loads it, with its experts ``"bf16"``, ``"nf4"`` or with LoRA on them
+    through target_parameters, beside LoRA on the attention projections: ``"lora"`` (bf16 experts),
+    ``"nf4+lora"`` (quantize_experts, then get_peft_model) or ``"lora+nf4"`` (get_peft_model, then quantize)."""
     lora = {"lora_rank": setup["lora_rank"], "lora_alpha": setup["lora_alpha"], "seed": setup["seed"],
             "double_quant": setup["double_quant"]}
-    if experts != "lora":
+    if "lora" not in experts:
         model = load_qlora(path, **lora)
         if experts == "bf16":
             return model
@@ -69,8 +70,12 @@ def load(path, setup: dict, experts: str):
                                                              device_map={"": "cpu"}, dtype=torch.bfloat16)
     config = peft.LoraConfig(r=setup["lora_rank"], lora_alpha=setup["lora_alpha"], lora_dropout=0.0,
                              target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMETERS)
+    if experts == "nf4+lora":
+        poros.quantize_experts(base)
     torch.manual_seed(setup["seed"])
     model = peft.get_peft_model(base, config)
+    if experts == "lora+nf4":
+        poros.quantize_experts(model)
     generator = torch.Generator().manual_seed(setup["seed"])
     with torch.no_grad():
         for name, parameter in sorted(model.named_parameters()):
@@ -96,7 +101,7 @@ def run_moe_parity(family, variant, setup, directory, experts, **config):
     return model
 
 
-@pytest.mark.parametrize("experts", ["nf4", "nf4-loop", "lora"])
+@pytest.mark.parametrize("experts", ["nf4", "nf4-loop", "lora", "nf4+lora", "lora+nf4"])
 @pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
 def test_streamed_moe_training_is_bitwise_resident(family, variant, experts):
     """bf16 experts are drawn by tests/test_parity.py (every tiny variant); here NF4 experts (the default,
@@ -109,12 +114,13 @@ def test_streamed_moe_training_is_bitwise_resident(family, variant, experts):
             model = run_moe_parity(family, variant, {**setup, "reference_checkpointing": False},
                                    pathlib.Path(directory), experts)
             modules = experts_modules(model)
-            assert modules and all(is_quantized(m) == experts.startswith("nf4") for _, m in modules)
-            if experts.startswith("nf4"):
+            assert modules and all(is_quantized(m) == ("nf4" in experts) for _, m in modules)
+            if experts in ("nf4", "nf4-loop"):
                 assert model.config.get_text_config()._experts_implementation == (
                     GROUPED_EXPERTS_IMPLEMENTATION if experts == "nf4" else EXPERTS_IMPLEMENTATION)
-            if experts == "lora":
-                assert any(".experts." in name and "lora_A" in name for name in trainable(model))
+            if "lora" in experts:  # two LoRA pairs per experts module (gate_up_proj and down_proj), trained
+                expert_lora = [name for name in trainable(model) if ".experts." in name and ".lora_" in name]
+                assert len(expert_lora) == 4 * len(modules), expert_lora
 
     check()
 
@@ -123,10 +129,11 @@ FIXED = {"config": {"num_layers": 4}, "seed": 5, "batch": 2, "seq": 18, "padding
          "lora_alpha": 8, "double_quant": False, "steps": 2}
 
 
-@pytest.mark.parametrize("experts", ["bf16", "nf4"])
+@pytest.mark.parametrize("experts", ["bf16", "nf4", "nf4+lora", "lora+nf4"])
 def test_router_aux_loss_is_bitwise_resident(experts, tmp_path):
     """output_router_logits=True: the loss adds router_aux_loss_coef x the load-balancing loss over every
-    block's router logits; their gradients flow back through each streamed block's recompute."""
+    block's router logits; their gradients flow back through each streamed block's recompute. With LoRA on the
+    NF4 experts in both orders too (Gemma 4's MoE has no router aux loss in transformers)."""
     aux = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
     model = run_moe_parity("qwen3_5_moe", "default", FIXED, tmp_path, experts, **aux)
     with torch.no_grad():
@@ -253,9 +260,32 @@ def test_quantize_experts_refuses_what_it_cannot_pack(tmp_path):
     path = save_tiny_checkpoint(tmp_path / "dense", "qwen3", seed=0)
     with pytest.raises(PorosError, match="no fused MoE experts"):
         poros.quantize_experts(load_qlora(path))
-    moe = save_tiny_checkpoint(tmp_path / "moe", "qwen3_5_moe", seed=0, num_layers=2)
-    with pytest.raises(PorosError, match="target_parameters"):
-        poros.quantize_experts(load(moe, {**FIXED, "lora_rank": 2}, "lora"))
+
+
+@pytest.mark.parametrize("order", ["nf4+lora", "lora+nf4"])
+def test_target_parameters_that_match_nothing_name_the_expert_parameters(order, tmp_path):
+    """LoRA on NF4 experts through PEFT's own call: a target_parameters entry that matches nothing after
+    quantization (PEFT only warns) is an error naming the fused expert parameters that exist."""
+    from poros.errors import UnsupportedAdapterError
+
+    path = save_tiny_checkpoint(tmp_path / "moe", "qwen3_5_moe", seed=0, num_layers=2)
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization,
+                                                              device_map={"": "cpu"}, dtype=torch.bfloat16)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["experts.gate_proj"])
+    expected = r"\['experts.gate_proj'\] match no parameter.*\['experts.gate_up_proj', 'experts.down_proj'\]"
+    if order == "nf4+lora":
+        poros.quantize_experts(model)
+        with pytest.warns(RuntimeWarning, match="no parameter was matched"):
+            model = peft.get_peft_model(model, config)
+        with pytest.raises(UnsupportedAdapterError, match=expected):
+            poros.prepare(model)
+    else:
+        with pytest.warns(RuntimeWarning, match="no parameter was matched"):
+            model = peft.get_peft_model(model, config)
+        with pytest.raises(UnsupportedAdapterError, match=expected):
+            poros.quantize_experts(model)
 
 
 def routed(module, tokens: int, seed: int):

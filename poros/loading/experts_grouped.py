@@ -107,9 +107,16 @@ class GroupedDequantizedLinear(torch.autograd.Function):
 
 
 def _grouped_linear(module: nn.Module, tensor_name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return GroupedDequantizedLinear.apply(
+    """Each row block through its expert's NF4 matrix, plus its expert's LoRA where the experts carry one: two
+    grouped matmuls over the same offsets, ``(x A_g^T) B_g^T * scaling`` (no per-expert loop, no host sync)."""
+    from poros.loading.experts import expert_lora_factors
+
+    out = GroupedDequantizedLinear.apply(
         x, offsets, getattr(module, f"{tensor_name}_nf4"), getattr(module, f"{tensor_name}_absmax"),
         module.nf4_code, module.poros_nf4[tensor_name])
+    for a, b, scaling in expert_lora_factors(module, tensor_name, x.dtype):
+        out = out + _grouped_mm(_grouped_mm(x, a, offsets), b, offsets) * scaling
+    return out
 
 
 def nf4_grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
