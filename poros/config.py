@@ -39,7 +39,7 @@ NULL_WORDS = ("null", "none", "~")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")
 TARGET_KEYWORDS = ("all-linear", "default")
 #: where the streamed blocks may live on the host, the one list of the tier names: ``host_tier``'s choices,
-#: the planner (``poros.loading.host_tiers``) and the engine's tier classes (``poros.stream.tiers``) read it
+#: the planner (``poros.plan.host_tiers``) and the engine's tier classes (``poros.stream.tiers``) read it
 HOST_TIERS = ("pinned", "mapped", "disk")
 
 

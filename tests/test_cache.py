@@ -489,7 +489,7 @@ def test_the_disk_tier_holding_blocks_in_ram_trains_bitwise(family, variant, tmp
 
 def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_not():
     from poros.errors import ConfigError
-    from poros.loading.host_tiers import choose_host_tier
+    from poros.plan.host_tiers import choose_host_tier
 
     blocks = [100 << 20] * 10
     assert choose_host_tier(blocks).tier == "pinned"
@@ -509,7 +509,7 @@ def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_
 
 
 def test_host_plan_shares_the_cache_entry_between_the_ranks_of_a_node():
-    from poros.loading.host_tiers import choose_host_tier
+    from poros.plan.host_tiers import choose_host_tier
 
     blocks = [100 << 20] * 10
     plan = choose_host_tier(blocks, ranks_per_node=4, shared_file=True)

@@ -161,9 +161,9 @@ def test_the_report_counts_what_ran_eagerly():
 def test_the_planner_counts_the_graphs_memory(checkpoints):
     """prepare(vram_budget=..., cuda_graphs=True) plans with the graphs' pool and static buffers held
     beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes)."""
-    from poros.stream.footprint import footprint_of_model, plan_for_model
+    from poros.plan.footprint import footprint_of_model, plan_for_model
     from poros.stream.placement import graph_reserve_bytes
-    from poros.stream.planner import Workload
+    from poros.plan.budget import Workload
 
     model = load_qlora(checkpoints["qwen3"], lora_rank=4, lora_alpha=8)
     causal = model.get_base_model()

@@ -16,7 +16,7 @@ import torch
 import poros
 from poros.config import PorosConfig
 from poros.errors import ConfigError
-from poros.stream import planner
+from poros.plan import budget as planner
 from poros.stream.options import StreamOptions, Workload, option_names
 from poros.stream.tiers import DiskTier
 from poros.testing import load_qlora, save_tiny_checkpoint

@@ -31,10 +31,10 @@ from poros.config import PorosConfig
 from poros.errors import ConfigError
 from poros.doctor import probe
 from poros.training import plan as run_plan
-from poros.stream import footprint as footprint_module
-from poros.stream import planner
+from poros.plan import footprint as footprint_module
+from poros.plan import budget as planner
 from poros.stream.options import StreamOptions
-from poros.stream.planner import ComputeTimes, Footprint, Workload
+from poros.plan.budget import ComputeTimes, Footprint, Workload
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
 from test_parity import BASE_SETUP, assert_bitwise, make_batch, run_parity

@@ -297,8 +297,8 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     ``PorosModel`` (``unpatch()`` it to run another arm), or None when ``prepare`` failed.
     """
     import poros
-    from poros.stream import planner
-    from poros.stream.footprint import predict_prepared
+    from poros.plan import budget as planner
+    from poros.plan.footprint import predict_prepared
 
     peft_model.get_base_model().activation_checkpointing_disable()
     batch, seq = batches[0]["input_ids"].shape

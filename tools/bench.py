@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     compute = None
     if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):
         from poros.doctor import probe  # the planner's own probe, before the model takes the memory
-        from poros.stream import planner
+        from poros.plan import budget as planner
 
         compute = probe.probe_compute(
             config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule, args.loss_chunks), device,

@@ -28,7 +28,7 @@ checkpoint fits the GPU host's disk) this writes a random bf16 checkpoint, then:
    the read rate while reading and over the step. ``--rounds N`` runs the tiers in turn N times
    (pinned, mapped, disk, pinned, ...), so that the order in the process is not mistaken for a tier's
    cost; the median is over every timed step of every round;
-5. the drive's sequential read rate (``poros.loading.host_tiers.measure_disk_read``, O_DIRECT where possible).
+5. the drive's sequential read rate (``poros.plan.host_tiers.measure_disk_read``, O_DIRECT where possible).
 
 Targets (issue 14): cached start >= 10x faster than quantizing; ``mapped`` within 3 % of ``pinned``;
 ``disk`` at >= 90 % of the drive's rate while streaming and within 1.2x of ``pinned``.
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     # thread's stack once a minute: the log then says where, not only that it stopped.
     faulthandler.dump_traceback_later(60, repeat=True, file=sys.stderr)
     from poros.loading import cache
-    from poros.loading.host_tiers import measure_disk_read
+    from poros.plan.host_tiers import measure_disk_read
 
     device, env = start_tool(args)
     config, info = model_config(args.model, layers=args.layers)

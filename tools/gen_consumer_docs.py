@@ -7,7 +7,7 @@ Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATE
 rewritten. The numbers come from two places, and every table says which:
 
 * **measured**: the H200 bench records under ``registry/results/h200-*/`` (named in the table);
-* **predicted**: ``poros.stream.planner`` on the real shapes of ``tools/shapes.py``'s SHAPES (built
+* **predicted**: ``poros.plan.budget`` on the real shapes of ``tools/shapes.py``'s SHAPES (built
   from their configs on the meta device, no download): block bytes exact, the rest its estimates.
   Step times use per-block compute times *derived* from the H200 measurements (COMPUTE_RULE, printed
   on the page), not measured on any consumer card.
@@ -77,7 +77,7 @@ def shape_plan(name: str):
     projections, seq 512, batch 1, on CUDA with the embeddings on the host."""
     if name not in _PLANS:
         from poros.config import PorosConfig
-        from poros.training.plan import plan_run
+        from poros.plan.run_plan import plan_run
 
         config, _ = _shapes().model_config(name)
         with tempfile.TemporaryDirectory() as directory:
@@ -91,7 +91,7 @@ def shape_plan(name: str):
 
 def derived_compute(name: str):
     """Per-block compute times of shape ``name`` derived from its H200 resident step (COMPUTE_RULE)."""
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     _, record = reference_records()[name]
     blocks = record["config"]["model_info"]["num_hidden_layers"]
@@ -104,7 +104,7 @@ def _plan(name: str, budget, link_gb_per_s: float | None = None, optimizer_state
     """The planner's decision for ``name`` at ``budget``; ``optimizer_states="auto"`` is what
     ``poros plan`` and ``prepare(vram_budget=...)`` ask (AdamW's state to the host only where nothing
     fits with it on the device)."""
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     plan = shape_plan(name)
     from poros.stream.options import StreamOptions
@@ -125,7 +125,7 @@ def _link(path: Path) -> str:
 
 
 def render_measured() -> str:
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     rows = ["| shape | blocks | resident peak GB | Poros peak GB | planner peak GB (error) | resident step s | "
             "Poros step s | planner step s (derived compute, link as measured) | JSON |",
@@ -181,8 +181,8 @@ def render_minimums() -> str:
 
 def host_ram(name: str, resident_blocks) -> str:
     """Host RAM of the streamed blocks: pinned (or mapped, once per node), and the disk tier's ring
-    (``poros.loading.host_tiers`` default read-ahead: 3 blocks) for hosts with less RAM than that."""
-    from poros.loading.host_tiers import DEFAULT_READ_AHEAD
+    (``poros.plan.host_tiers`` default read-ahead: 3 blocks) for hosts with less RAM than that."""
+    from poros.plan.host_tiers import DEFAULT_READ_AHEAD
 
     streamed = [n for i, n in enumerate(shape_plan(name).block_bytes) if i not in set(resident_blocks)]
     if not streamed:
@@ -193,7 +193,7 @@ def host_ram(name: str, resident_blocks) -> str:
 def render_cards() -> str:
     from poros.errors import ConfigError
 
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     rows = ["| shape | card | fits | AdamW state | slots | resident blocks | peak allocated GB | needed GB | step s, "
             "PCIe 4 (copy hidden) | step s, PCIe 5 (copy hidden) | host RAM GB, pinned (disk tier ring) |",
@@ -222,7 +222,7 @@ def render_small_cards() -> str:
     the slot ring does not fit with it on the device); a measured column where a capped H200 record
     has that shape, cap and AdamW placement."""
     from poros.errors import ConfigError
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     measured = {}
     for path, record in capped_records():
@@ -270,9 +270,9 @@ def long_context_plan(name: str, seq: int, card_gib: int):
     PorosConfig default), on a ``card_gib`` card: what ``poros plan --seq-len SEQ --vram-budget CARDGiB`` decides."""
     from poros.config import PorosConfig
     from poros.errors import ConfigError
-    from poros.stream import planner
+    from poros.plan import budget as planner
     from poros.stream.options import StreamOptions
-    from poros.training.plan import plan_run
+    from poros.plan.run_plan import plan_run
 
     config, _ = _shapes().model_config(name)
     with tempfile.TemporaryDirectory() as directory:
@@ -314,8 +314,8 @@ def _long_context_cell(found: tuple[Path, dict] | None) -> str:
 
 
 def render_long_context() -> str:
-    from poros.loading import host_tiers
-    from poros.training.plan import host_ram_parts
+    from poros.plan import host_tiers
+    from poros.plan.run_plan import host_ram_parts
 
     rows = ["| shape | seq | card | fits | loss_chunks | mlp_chunks | boundary states (all) | peak allocated GB "
             "(phase) | largest parts GB | host RAM GB | measured under that cap (H200, full depth) |",

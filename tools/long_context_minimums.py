@@ -4,7 +4,7 @@ Each shape (``tools/shapes.py``, full depth, random weights never built: the pla
 planned for CUDA (the context counted, layer-major, one micro-batch, LoRA r16 on the seven projections,
 NF4 with double quantization, AdamW state and LoRA placement ``auto``), and the budget is bisected to
 0.25 GiB. Deterministic algorithms on, the flash backward's dQ accumulator is split by an H200's 132 SMs
-(``poros.stream.footprint.ASSUMED_SMS``, the count a CUDA run planned without its GPU assumes).
+(``poros.plan.footprint.ASSUMED_SMS``, the count a CUDA run planned without its GPU assumes).
 ``docs/consumer-gpus.md`` quotes the table this writes.
 
     python -m tools.long_context_minimums --json registry/results/cpu-2026-12-02/long-context-minimums.json
@@ -28,7 +28,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def minimum_gib(plan, lo: float = 1.0, hi: float = 256.0, step: float = 0.25) -> float:
     """The smallest budget (GiB, to ``step``) the planner fits ``plan``'s run in."""
     from poros.errors import ConfigError
-    from poros.stream import planner
+    from poros.plan import budget as planner
     from poros.stream.options import StreamOptions
 
     def fits(gib: float) -> bool:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from poros.config import PorosConfig
-    from poros.training.plan import plan_run
+    from poros.plan.run_plan import plan_run
     from tools import provenance
     from tools.shapes import model_config
 

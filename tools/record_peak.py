@@ -6,7 +6,7 @@ A record keeps the prediction the planner made when it ran (``arms.poros.predict
 been refined since, so this re-plans the record's shape (``tools/shapes.py``, cut to its depth) with the
 options the run ran with: the chunk counts the planner chose (``--vram-budget`` may raise them), the slots,
 resident blocks, boundary-state and LoRA placement it chose, where AdamW's state lived, and deterministic
-algorithms as the record says (the flash backward's dQ accumulator split, ``poros.stream.footprint.attention_sms``,
+algorithms as the record says (the flash backward's dQ accumulator split, ``poros.plan.footprint.attention_sms``,
 for an H200's SMs: every record is an H200's).
 
 Imports: poros, tools.shapes.
@@ -33,7 +33,7 @@ def _configs() -> tempfile.TemporaryDirectory:
 def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...], rank: int,
           attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
     from poros.config import PorosConfig
-    from poros.training.plan import plan_run
+    from poros.plan.run_plan import plan_run
     from tools.shapes import model_config
 
     config, _ = model_config(model, layers=layers)
@@ -46,7 +46,7 @@ def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, tar
 
 
 def record_plan(record: dict):
-    """The :class:`~poros.training.plan.Plan` of a record's shape and options (cached per shape and options)."""
+    """The :class:`~poros.plan.run_plan.Plan` of a record's shape and options (cached per shape and options)."""
     setup, measured = record["config"], record["arms"]["poros"]
     ran = measured.get("prediction") or {}  # the chunk counts it ran with: the planner's where it raised them
     return _plan(setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"], setup["batch"],
@@ -60,7 +60,7 @@ def predicted_peak(record: dict) -> int:
     """Today's predicted peak allocated bytes for the run a record describes."""
     import dataclasses
 
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     setup, measured = record["config"], record["arms"]["poros"]
     plan = record_plan(record)

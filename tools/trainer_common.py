@@ -69,7 +69,7 @@ class TrainerSetup:
         ``vram_budget`` the planner's workload too, layer-major as the trainer's windows run."""
         options: dict[str, Any] = {"cuda_graphs": self.cuda_graphs}
         if self.vram_budget is not None:
-            from poros.stream import planner
+            from poros.plan import budget as planner
 
             options.update(vram_budget=self.vram_budget, workload=planner.Workload(
                 batch_size=self.batch, seq_len=self.seq, grad_accum=self.grad_accum, schedule="layer-major"))

@@ -44,7 +44,7 @@ def budget_range(peft_model, workload, device: torch.device, num_slots: int = 2)
     resident) in bytes, as the planner computes them for this loaded model."""
     from poros import registry
     from poros.descriptor import resolve_path
-    from poros.stream.footprint import plan_for_model
+    from poros.plan.footprint import plan_for_model
     from poros.stream.options import StreamOptions
     from poros.stream.placement import embeddings_on_host, host_embedding_tables
 
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     device, env = start_tool(args)
     config, info = model_config(args.model, layers=args.layers)
     from poros.doctor import probe
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)
     link = link_gb_per_s(device)

@@ -360,9 +360,9 @@ def run(args: argparse.Namespace) -> int:
     quiet_known_noise()  # bitsandbytes' kernels-community notice, printed as the GPU part imports it
     data = report()
     data.update(gpu_report(data, quick=args.quick, model=args.model, vram_budget=args.vram_budget))
-    if getattr(args, "disk", False):  # the disk host tier's drive (poros.loading.host_tiers)
+    if getattr(args, "disk", False):  # the disk host tier's drive (poros.plan.host_tiers)
         from poros.loading.cache import cache_root
-        from poros.loading.host_tiers import measure_disk_read
+        from poros.plan.host_tiers import measure_disk_read
 
         data["disk_read"] = measure_disk_read(cache_root())
     if args.json:

@@ -2,5 +2,5 @@
 and their fixes (:mod:`~poros.doctor.diagnostics`) and the compute probe with the one random NF4 model
 builder (:mod:`~poros.doctor.probe`, shared with ``tools.models``).
 
-May import: poros.training, poros.dropin, poros.export, poros.loading, poros.stream, poros.data, and the core.
+May import: poros.training, poros.dropin, poros.export, poros.plan, poros.loading, poros.stream, poros.data, and the core.
 """

@@ -338,8 +338,8 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
     first card's total memory, else none (the minimum only)."""
     from poros.config import PorosConfig, parse_budget
     from poros.errors import PorosError
-    from poros.training.plan import plan_run
-    from poros.stream import planner
+    from poros.plan.run_plan import plan_run
+    from poros.plan import budget as planner
     from poros.stream.options import StreamOptions
 
     try:

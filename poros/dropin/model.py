@@ -80,7 +80,7 @@ class PorosModel:
         host_tables: the embedding tables kept on the host (``embeddings_on_host``).
         detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
-        host_plan: the host tier decision (``poros.loading.host_tiers.HostPlan``: tier, read-ahead, why).
+        host_plan: the host tier decision (``poros.plan.host_tiers.HostPlan``: tier, read-ahead, why).
         lora_placement: the :class:`~poros.stream.lora_placement.LoraPlacement` keeping the streamed
             blocks' adapters on the host (``lora_placement="host"``), else None.
         stream_options: the :class:`~poros.stream.options.StreamOptions` the run applies (the executor's
@@ -541,7 +541,7 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
     on_host = choose_embeddings_on_host(options.embeddings_on_host, device)
     budget_plan = None
     if options.vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
-        from poros.stream.footprint import plan_for_model
+        from poros.plan.footprint import plan_for_model
 
         data_parallel = world().size > 1  # never chosen there (see the refusal below)
         asked = options.replace(embeddings_on_host=on_host, cuda_graphs=graphs.enabled(options.cuda_graphs, device),
@@ -661,7 +661,7 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
     """The host plan and the store.s host tier object, for ``options.host_tier``,
     ``host_budget``, ``read_ahead`` and ``cache_dir``."""
     from poros.loading import cache
-    from poros.loading.host_tiers import DEFAULT_READ_AHEAD, plan_host_tier
+    from poros.plan.host_tiers import DEFAULT_READ_AHEAD, plan_host_tier
     from poros.stream.store import packed_block_bytes
     from poros.stream.tiers import make_host_tier
 

@@ -33,7 +33,7 @@ from poros.stream import optimizer_states as adamw_states
 from poros.stream.placement import check_boundary_states
 
 SCHEDULES = ("micro-major", "layer-major")
-#: where the streamed blocks live on the host (``poros/stream/tiers.py``; chosen by ``poros.loading.host_tiers``)
+#: where the streamed blocks live on the host (``poros/stream/tiers.py``; chosen by ``poros.plan.host_tiers``)
 HOST_TIERS = ("pinned", "mapped", "disk")
 #: the guarantee labels ``require`` may ask for, weakest first (docs/parity-modes.md)
 REQUIRABLE = ("numerical", "bitwise")
@@ -89,7 +89,7 @@ class Workload:
             if unknown:
                 raise ConfigError(f"workload has unknown keys {unknown}; expected {', '.join(fields)}.")
             return cls(**value)
-        raise ConfigError(f"workload={value!r}: expected a poros.stream.planner.Workload or a dict of its fields, "
+        raise ConfigError(f"workload={value!r}: expected a poros.plan.budget.Workload or a dict of its fields, "
                           "e.g. {'seq_len': 512, 'batch_size': 1}.")
 
 
@@ -114,7 +114,7 @@ class StreamOptions:
         resident_blocks: blocks kept on the device for good instead of streamed: an int N for the
             last N blocks (the last of forward are the first of backward), or block indices.
         vram_budget: device memory the run may use (``"7GiB"``, ``"24GB"``, an int of bytes): the
-            planner (``poros.stream.planner.plan_budget``) picks the slots and the resident blocks
+            planner (``poros.plan.budget.plan_budget``) picks the slots and the resident blocks
             for it and logs its decision; the plan is kept as ``PorosModel.budget_plan``. ``prepare``
             needs ``workload`` with it; excludes ``resident_blocks``.
         workload: the step the budget is planned for: a :class:`Workload` or a dict of its fields
@@ -136,7 +136,7 @@ class StreamOptions:
             entry's pages; where the device will not register the mapping, pinned copies), else
             ``"pinned"``.
         host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
-            planner (``poros.loading.host_tiers.choose_host_tier``) keeps them on the host as above
+            planner (``poros.plan.host_tiers.choose_host_tier``) keeps them on the host as above
             when they fit and streams them from disk otherwise; the decision is kept as
             ``PorosModel.host_plan``.
         read_ahead: ring buffers of the disk tier (>= 2; None: 3, or with ``host_budget`` what fits).

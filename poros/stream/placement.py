@@ -67,7 +67,7 @@ def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
     set; the forward's fits inside it) and, per graph (forward and backward for each slot, and block
     0's backward, whose input needs no gradient), static inputs and outputs (the boundary states in and
     out and the output gradient) and the block's LoRA values and gradients. ``footprint`` is a
-    ``poros.stream.planner.Footprint``; activations per micro-batch."""
+    ``poros.plan.budget.Footprint``; activations per micro-batch."""
     lora_per_block = footprint.lora_parameter_bytes // max(len(footprint.block_bytes), 1)
     graphs = 2 * max(num_slots, 1) + 1
     return footprint.recompute_bytes + graphs * (3 * footprint.boundary_bytes + 2 * lora_per_block)

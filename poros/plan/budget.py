@@ -1,6 +1,6 @@
 """The budget model: pure arithmetic on bytes and seconds, torch-free (no tensor is touched).
 
-A run's device bytes by kind (:class:`Footprint`, measured by :mod:`poros.stream.footprint` from a
+A run's device bytes by kind (:class:`Footprint`, measured by :mod:`poros.plan.footprint` from a
 loaded model or a meta skeleton) and the shape of its step (:class:`Workload`) give:
 
 * **the peak** (:func:`predict_peak`), the one peak model: the largest of a step's phases -- the
@@ -10,15 +10,15 @@ loaded model or a meta skeleton) and the shape of its step (:class:`Workload`) g
   parameters with their AdamW state. Checked against the H200 bench records (docs/results-h200.md;
   ``tests/test_planner.py`` holds them to 15 %). :func:`peak_upper_bound` adds the same parts
   all at once (the dry run's estimate).
-* **the step** (:func:`predict_step`, from :mod:`poros.stream.step_time`): with per-block compute
+* **the step** (:func:`predict_step`, from :mod:`poros.plan.step_time`): with per-block compute
   times (:class:`ComputeTimes`) and the link bandwidth, a simulation of the executor's copies and
   compute stage by stage.
 * **the budget plan** (:func:`plan_budget`): embedding tables to the host, the slot ring, then as
   many resident blocks as fit, the last ones first; and the budget that takes the copy off the
   critical path.
 
-``prepare(vram_budget=...)`` asks it through :func:`poros.stream.footprint.plan_for_model`;
-``poros plan`` through the dry-run plan (:mod:`poros.training.plan`) and prints it with
+``prepare(vram_budget=...)`` asks it through :func:`poros.plan.footprint.plan_for_model`;
+``poros plan`` through the dry-run plan (:mod:`poros.plan.run_plan`) and prints it with
 :mod:`poros.cli.report`.
 """
 
@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterable
 from poros.config import parse_budget
 from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
-from poros.stream.chunk_choice import ChunkChoice, choose_chunks
+from poros.plan.chunk_choice import ChunkChoice, choose_chunks
 from poros.stream.options import SCHEDULES, StreamOptions, Workload
-from poros.stream.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
+from poros.plan.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
 from poros.stream.units import format_gb, human_bytes
 
 #: LoRA tensors are fp32 (PEFT upcasts adapters of a 4-bit base): parameter + gradient + AdamW exp_avg
@@ -69,7 +69,7 @@ class Footprint:
         attention: the attention kernel the estimate assumes and why, in words.
         loss_chunks, mlp_chunks: the chunk counts the activations are estimated for.
         attention_sms: the SM count the flash backward's deterministic dQ accumulator is split by (0: not
-            split; :func:`poros.stream.footprint.attention_sms`), a fact of the device and the run's mode.
+            split; :func:`poros.plan.footprint.attention_sms`), a fact of the device and the run's mode.
     """
 
     block_bytes: tuple[int, ...]
@@ -235,7 +235,7 @@ class BudgetPlan:
         notes: the decisions, in words.
         optimizer_states: where AdamW's state lives: ``"device"``, or ``"host"`` (``HostAdamW``; asked, or no ring fit).
         loss_chunks, mlp_chunks: the chunk counts the plan runs with: those asked for, raised when the
-            budget cannot hold the step otherwise (:mod:`poros.stream.chunk_choice`).
+            budget cannot hold the step otherwise (:mod:`poros.plan.chunk_choice`).
         parts: the footprint's sequence-proportional activations by name (per micro-batch).
         attention: the attention kernel the estimate assumes, and why.
     """
@@ -483,7 +483,7 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
         slack: allocator slack, a fraction of the peak.
         footprint_for: ``(loss_chunks, mlp_chunks) -> Footprint`` (``footprint.chunked_footprints``): with
             it the plan may raise the chunk counts when the budget cannot hold the step with those asked
-            for (:func:`poros.stream.chunk_choice.choose_chunks`); without, they stand.
+            for (:func:`poros.plan.chunk_choice.choose_chunks`); without, they stand.
 
     Layer-major's boundary states, once off the device, go to disk instead of pinned host memory when
     ``options.boundary_states`` says ``"disk"``, or when ``options.host_budget`` cannot hold them beside
@@ -550,7 +550,7 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
 
 def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Workload, options: StreamOptions,
                    budget_bytes: int, on_host: bool, context_bytes: int, slack: float) -> ChunkChoice:
-    """The chunk counts for this budget (:func:`~poros.stream.chunk_choice.choose_chunks`), each priced as the
+    """The chunk counts for this budget (:func:`~poros.plan.chunk_choice.choose_chunks`), each priced as the
     smallest budget its step needs with the placements ``options`` allow and nothing resident."""
     def needed(footprint: Footprint, loss_chunks: int, slots: int) -> int:
         sized = dataclasses.replace(workload, loss_chunks=loss_chunks)

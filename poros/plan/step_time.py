@@ -5,7 +5,7 @@ and the link bandwidth give :func:`predict_step`: each stage (a block's forward,
 micro-batches layer-major; the head and loss; a block's recompute and backward) starts when the
 stage before it is done and its block is in, and a block's copy when the executor issues it, the
 copy engine is free and a slot is. :func:`copy_bytes_per_step` is the link's share. The budget
-planner (:mod:`poros.stream.planner`, which re-exports all of it) prices its plans with them.
+planner (:mod:`poros.plan.budget`, which re-exports all of it) prices its plans with them.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 :class:`~poros.config.PorosConfig` and the checkpoint's ``config.json`` alone -- no weight is read,
 nothing is downloaded, nothing is trained. :func:`locate_checkpoint_config` finds the config (a local
 directory, the bundled model, the HF cache); :func:`plan_run` builds the text tower as a meta skeleton
-and counts its bytes with :mod:`poros.stream.footprint` (the memory plan), and with
-:class:`PlanOptions` (``poros plan``) also plans the VRAM budget (:mod:`poros.stream.planner`), the host
-tier (:func:`poros.loading.host_tiers.plan_host_tier`, the decision ``prepare`` takes) and the node's host
+and counts its bytes with :mod:`poros.plan.footprint` (the memory plan), and with
+:class:`PlanOptions` (``poros plan``) also plans the VRAM budget (:mod:`poros.plan.budget`), the host
+tier (:func:`poros.plan.host_tiers.plan_host_tier`, the decision ``prepare`` takes) and the node's host
 RAM: :attr:`Plan.budget`. Multimodal checkpoints (a config with ``text_config``) are planned for their
 text tower, the part Poros trains.
 """
@@ -23,10 +23,10 @@ from poros.descriptor import resolve_path
 from poros.devices import resolve_device
 from poros.distributed import check_batch_divides
 from poros.errors import CheckpointLoadError, ConfigError
-from poros.loading import host_tiers
+from poros.plan import host_tiers
 from poros.stream import graphs
 from poros.loading.prequantized import read_prequantized
-from poros.stream.footprint import (
+from poros.plan.footprint import (
     BlockShapes,
     activation_bytes,
     attention_sms,
@@ -43,7 +43,7 @@ from poros.stream.footprint import (
 from poros.stream.units import format_gb
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
 from poros.stream.options import StreamOptions
-from poros.stream.planner import (
+from poros.plan.budget import (
     CUDA_WORKSPACE_BYTES,
     LORA_BYTES_PER_PARAMETER,
     LORA_VALUE_BYTES,
@@ -200,7 +200,7 @@ class Plan:
     loss_chunks: int = 1
     mlp_chunks: int = 1
     experts: str | None = None  # MoE models: experts per block, their bf16 and NF4 bytes (None: no experts)
-    attention_sms: int = 0  # the flash backward's deterministic dQ split (poros.stream.footprint.attention_sms)
+    attention_sms: int = 0  # the flash backward's deterministic dQ split (poros.plan.footprint.attention_sms)
     packed: bool = False  # packing: true (rows of several examples: a seq x seq mask, no flash kernel)
 
     @property
@@ -237,7 +237,7 @@ class Plan:
 
     @property
     def peak_device_bytes_estimate(self) -> int:
-        """An upper bound: every part of the peak model at once (:func:`~poros.stream.planner.peak_upper_bound`),
+        """An upper bound: every part of the peak model at once (:func:`~poros.plan.budget.peak_upper_bound`),
         though the head's and a block's working sets never coincide."""
         return peak_upper_bound(self.footprint(), self.workload, num_slots=self.num_slots,
                                 embeddings_on_host=self.host_embedding_bytes > 0)

@@ -26,7 +26,7 @@ class ChunkChoice:
 
     loss_chunks: int
     mlp_chunks: int
-    footprint: Any  # poros.stream.planner.Footprint
+    footprint: Any  # poros.plan.budget.Footprint
     raised: bool  # above what was asked, because the budget needed it
     fits: bool  # the step fits the budget with them (else: the counts that came closest)
 

@@ -143,7 +143,7 @@ def plan_host_tier(block_bytes: Iterable[int], resident: Iterable[int] = (), *, 
                    host_budget: str | int | None = None, read_ahead: int | None = None, ranks_per_node: int = 1,
                    shared_file: bool = False) -> HostPlan:
     """The host tier a run gets: the one decision ``prepare`` (``poros.dropin.model``) and ``poros plan``
-    (``poros.training.plan``) both take. ``block_bytes`` are every block's packed bytes and ``resident``
+    (``poros.plan.run_plan``) both take. ``block_bytes`` are every block's packed bytes and ``resident``
     the indices of those kept on the device (the others stream); ``host_tier``, ``host_budget`` (bytes or
     ``"24GiB"``) and ``read_ahead`` are the run's options; ``ranks_per_node`` the node's processes that
     each stream the model; ``shared_file``: the blocks are views of an NF4 block cache entry (loaded, or
@@ -164,7 +164,7 @@ def node_host_ram(footprint: Any, host: HostPlan, embeddings_on_host: bool, *, s
     and the host embedding tables (once when ``shared_tables``: the node's ranks map one copy of each when
     the model comes through the block cache; once per rank else); beside them the two bounds, one copy per
     rank and one shared copy. ``host_bytes_per_node`` is what the run will use. ``footprint`` is a
-    ``poros.stream.planner.Footprint``."""
+    ``poros.plan.budget.Footprint``."""
     ranks = host.ranks_per_node
     one = sum(footprint.block_bytes) + (footprint.host_embedding_bytes if embeddings_on_host else 0)
     tables = footprint.host_embedding_bytes if embeddings_on_host else 0

@@ -13,7 +13,7 @@
   buffer sizes (``tests/test_cli_train.py`` checks it on every tiny family).
 * **Activations are estimates** (:func:`activation_bytes`): the saved block inputs (exact), one
   block's recompute working set, and the head's logits and loss working set.
-* :func:`footprint_of_model` measures a loaded model as a :class:`~poros.stream.planner.Footprint`;
+* :func:`footprint_of_model` measures a loaded model as a :class:`~poros.plan.budget.Footprint`;
   :func:`plan_for_model` is what ``prepare(vram_budget=...)`` asks; :func:`predict_prepared`
   what the bench records next to its measurements.
 """
@@ -28,10 +28,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from poros.stream.attention import seq_by_seq_mask_bytes
+from poros.plan.attention import seq_by_seq_mask_bytes
 from poros.stream.options import StreamOptions
 from poros.stream.placement import graph_reserve_bytes
-from poros.stream.planner import (
+from poros.plan.budget import (
     CUDA_CONTEXT_BYTES,
     CUDA_WORKSPACE_BYTES,
     BudgetPlan,
@@ -404,7 +404,7 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
                      attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1,
                      attention_sms: int = 0, packed: bool = False) -> ActivationParts:
     """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts;
-    ``attention_sms``: :func:`attention_sms`; ``packed``: :attr:`~poros.stream.planner.Workload.packed`)."""
+    ``attention_sms``: :func:`attention_sms`; ``packed``: :attr:`~poros.plan.budget.Workload.packed`)."""
     tokens = batch_size * seq_len
     hidden = shapes.hidden_size
     attention_linears = shapes.linear_outputs - shapes.mlp_outputs
@@ -534,7 +534,7 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
 def chunked_footprints(footprint: Footprint, shapes: BlockShapes, workload: Workload, *, value_bytes: int,
                        attn_implementation: str | None):
     """``(loss_chunks, mlp_chunks) -> Footprint``: the planner's ``footprint_for`` (see
-    :func:`~poros.stream.planner.plan_budget`)."""
+    :func:`~poros.plan.budget.plan_budget`)."""
     def footprint_for(loss_chunks: int, mlp_chunks: int) -> Footprint:
         return with_activations(footprint, shapes, workload, value_bytes=value_bytes,
                                 attn_implementation=attn_implementation, mlp_chunks=mlp_chunks,
