@@ -35,8 +35,8 @@ import poros
 from poros.assets import asset_path
 from poros.data import BatchIterator, load_dataset
 from poros.errors import PorosError
-from poros.loading.experts import (EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS, dequantized_expert, experts_modules,
-                                   is_quantized)
+from poros.loading.experts import (EXPERT_PARAMETERS, EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS,
+                                   dequantized_expert, experts_modules, is_quantized)
 from poros.loading import experts_grouped
 from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, dequantize_all
 from poros.stream.store import packed_block_bytes
@@ -48,8 +48,6 @@ from test_trainer import adapters, assert_same_training_state, load_reference_ba
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MOE = [("qwen3_5_moe", "default"), ("gemma4", "moe")]
 IDS = [f"{f}-{v}" for f, v in MOE]
-#: PEFT's target_parameters for the fused experts (the same leaf names in both families)
-EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 def load(path, setup: dict, experts: str):
@@ -155,7 +153,8 @@ def write_chat(path: pathlib.Path) -> pathlib.Path:
 @pytest.mark.parametrize("experts", ["bf16", "nf4"])
 def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path, capsys):
     """PorosTrainer on qwen3_5_moe == an HF + bitsandbytes + PEFT loop: the same batches, AdamW, schedule,
-    clipping, quantize_experts and output_router_logits in both arms; grad_accum 2 (the trainer runs
+    clipping, quantize_experts, output_router_logits and LoRA on the experts (the trainer's default
+    lora_on_experts: PEFT's target_parameters, on NF4 or bf16 experts) in both arms; grad_accum 2 (the trainer runs
     layer-major, the loop micro-major); torch.equal on the losses, every LoRA tensor and AdamW state.
 
     Both arms tokenize with the checkpoint's tokenizer as ``AutoTokenizer.from_pretrained(checkpoint)`` loads
@@ -188,7 +187,8 @@ def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path, capsys)
     model.config.output_router_logits = router
     torch.manual_seed(11)
     reference = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                                           target_modules=all_linear_targets(model)))
+                                                           target_modules=all_linear_targets(model),
+                                                           target_parameters=EXPERT_PARAMETERS))
     reference.train()
     parameters = list(adapters(reference).values())
     optimizer = torch.optim.AdamW(parameters, lr=2e-2, weight_decay=0.01)
@@ -441,6 +441,31 @@ def test_the_trainer_quantizes_moe_experts_by_default_and_says_so(requested, tmp
         "loss alone" in out
     if requested is None:  # grouped_mm computes on this CPU (torch >= 2.9): the graph-capturable forward
         assert f"forward {GROUPED_EXPERTS_IMPLEMENTATION}" in out
+
+
+@pytest.mark.parametrize("flag", [None, "--no-lora-on-experts"])
+def test_the_trainer_puts_lora_on_the_experts_by_default(flag, tmp_path, capsys):
+    """lora_on_experts (default true): LoRA of rank lora_rank per expert on both fused tensors of every NF4 experts
+    module, said in the summary; --no-lora-on-experts: LoRA on the linears only."""
+    from poros.config import PorosConfig
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=0, num_layers=2)
+    config = PorosConfig().replace(model=str(path), output_dir=str(tmp_path / "out"), device="cpu", lora_rank=2,
+                                   lora_alpha=4).apply_overrides([flag] if flag else [])
+    trainer = poros.PorosTrainer.from_config(config)
+    out = capsys.readouterr().out
+    modules = experts_modules(trainer.model)
+    assert len(modules) == 2 and all(is_quantized(m) for _, m in modules)
+    expert_lora = {name: p for name, p in trainer.model.named_parameters() if ".experts." in name and ".lora_" in name}
+    if flag:
+        assert expert_lora == {} and "poros: MoE experts without LoRA (lora_on_experts=false)" in out
+        return
+    assert len(expert_lora) == 2 * 2 * 2 and all(p.requires_grad for p in expert_lora.values())
+    experts = modules[0][1].num_experts
+    assert {p.shape[0] for n, p in expert_lora.items() if ".lora_A." in n} == {2 * experts}  # rank 2 per expert
+    assert f"poros: LoRA on the MoE experts (lora_on_experts=true): rank 2 per expert on experts.gate_up_proj and " \
+        f"experts.down_proj, {experts} experts x 2 modules" in out
+    assert {id(p) for p in expert_lora.values()} <= {id(p) for p in trainer.model.trainable_parameters()}
 
 
 def child_env(**overrides):
