@@ -382,19 +382,22 @@ def test_nf4_experts_backward_keeps_no_bf16_expert_weight(grouped, tmp_path):
         assert any(t.dtype == torch.int32 and t.shape == (module.num_experts,) for t in saved)  # the offsets
 
 
-def test_replayed_grouped_nf4_blocks_train_bitwise_resident(tmp_path):
-    """Gemma 4 MoE (26B-A4B-like) with grouped NF4 experts: every block captured and replayed with the CPU
-    recorder of tests/test_gemma4_graphs.py (it reruns the captured body on the static buffers and poisons the
-    capture's outputs), layer-major 2 steps x 3 micro-batches: bitwise the resident NF4-expert run. (The tiny
-    qwen3_5_moe's blocks are kept eager on CPU for an expanded-view argument, "argument layout", which is not
-    the experts' doing: its graph_unsafe_reason is None, checked above.)"""
+@pytest.mark.parametrize("experts", ["nf4", "nf4+lora"])
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_replayed_grouped_nf4_blocks_train_bitwise_resident(family, variant, experts, tmp_path):
+    """Grouped NF4 experts, with and without LoRA on them: every block captured and replayed with the CPU recorder
+    of tests/test_gemma4_graphs.py (it reruns the captured body on the static buffers and poisons the capture's
+    outputs), layer-major 2 steps x 3 micro-batches: bitwise the resident run. Qwen3.5 MoE's blocks are captured
+    too: its text model passes position_ids as an expanded view, which the descriptor's contiguous_arguments
+    hands the block as a contiguous copy (an expanded view kept them eager: "argument layout")."""
     from test_gemma4_graphs import ReplayedOnCPU
 
-    path = save_tiny_checkpoint(tmp_path / "ckpt", "gemma4", "moe", seed=5, num_layers=6)
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5, num_layers=4)
     plan = [with_item_counts([make_batch(5 + 10 * s + m, 2, 14, "left") for m in range(3)]) for s in range(2)]
-    reference = poros.quantize_experts(load_qlora(path, lora_rank=4, lora_alpha=8, seed=5))
+    setup = {**FIXED, "seed": 5}
+    reference = load(path, setup, experts)
     ref_losses, ref_opt = resident_steps(reference, plan)
-    model = poros.quantize_experts(load_qlora(path, lora_rank=4, lora_alpha=8, seed=5))
+    model = load(path, setup, experts)
     streamed = poros.prepare(model)
     assert streamed.descriptor.graph_unsafe_reason(streamed.config.get_text_config()) is None
     streamed.executor.graphs = ReplayedOnCPU(streamed.store, streamed.executor.layers)

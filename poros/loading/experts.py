@@ -50,8 +50,8 @@ from torch import nn
 from peft.tuners.lora.layer import ParamWrapper
 
 from poros.errors import PorosError
-from poros.loading.experts_grouped import (GROUPED_EXPERTS_IMPLEMENTATION, dequantize_nf4, grouped_mm_works,
-                                           nf4_grouped_experts_forward)
+from poros.loading.experts_grouped import (GROUPED_EXPERTS_IMPLEMENTATION, dequantize_nf4, expert_lora_factors,
+                                           grouped_mm_works, nf4_grouped_experts_forward)
 
 #: the name of the NF4 experts forward in transformers' ``ExpertsInterface`` (``config._experts_implementation``)
 EXPERTS_IMPLEMENTATION = "poros_nf4"
@@ -152,12 +152,11 @@ def placeholder(module: nn.Module, tensor_name: str) -> nn.Parameter:
 def _hook_parent(model: nn.Module, name: str, module: nn.Module) -> None:
     """A forward pre-hook on the experts' parent (the MoE block or decoder layer): before the experts' wrapper
     runs, PEFT wrappers added since (``get_peft_model`` after :func:`quantize_experts`) are adopted."""
-    if getattr(module, "poros_nf4_hooked", False):
+    if "poros_nf4_hook" in module.__dict__:
         return
     owner = _unwrapped([name])[0].rpartition(".")[0]  # above PEFT's wrappers, which take the experts' place
     parent = model.get_submodule(owner) if owner else model
-    parent.register_forward_pre_hook(_adopt_before_forward)
-    module.poros_nf4_hooked = True
+    module.__dict__["poros_nf4_hook"] = parent.register_forward_pre_hook(_adopt_before_forward)
 
 
 def _adopt_before_forward(owner: nn.Module, args: tuple) -> None:
@@ -179,7 +178,8 @@ def adopt_expert_lora(model: nn.Module, *, drop_placeholders: bool = False) -> i
     """Turn PEFT's ``ParamWrapper`` over NF4 experts into :class:`NF4ExpertsLoRA` (the experts forward adds the
     LoRA) and drop the placeholders of the tensors so wrapped, and check every PEFT ``target_parameters`` entry
     matched; returns how many wrappers are on NF4 experts. Idempotent; cheap when there is nothing to do.
-    ``drop_placeholders`` (``poros.prepare``) drops every placeholder: the store streams real tensors only.
+    ``drop_placeholders`` (``poros.prepare``) drops every placeholder (the store streams real tensors only) and
+    the forward pre-hooks (a streamed block with a hook is not captured in a CUDA graph).
 
     Raises:
         UnsupportedAdapterError: a ``target_parameters`` entry of a PEFT config on ``model`` matches no parameter
@@ -192,11 +192,14 @@ def adopt_expert_lora(model: nn.Module, *, drop_placeholders: bool = False) -> i
         lora = experts.__dict__.setdefault("poros_expert_lora", {})  # a plain dict: not a submodule
         lora[wrapper.parameter_name] = wrapper
         experts._parameters.pop(wrapper.parameter_name, None)  # the wrapper's get_param makes one when asked
-    if drop_placeholders:
+    if drop_placeholders:  # and the pre-hooks: a hooked block is not captured in a CUDA graph ("module hooks")
         for _, module in experts_modules(model):
             if is_quantized(module):
                 for tensor_name in FUSED_EXPERT_TENSORS:
                     module._parameters.pop(tensor_name, None)
+                hook = module.__dict__.pop("poros_nf4_hook", None)
+                if hook is not None:
+                    hook.remove()
     _check_target_parameters(model)
     return len(wrappers)
 
@@ -269,28 +272,6 @@ class NF4ExpertsLoRA(ParamWrapper):
         raise PorosError(
             f"LoRA on NF4 experts ({self.parameter_name}) cannot merge into 4-bit codes; merge the saved adapter "
             "into the bf16 checkpoint: poros merge --adapter DIR (or PEFT's merge_and_unload on the bf16 model).")
-
-
-def expert_lora_factors(module: nn.Module, tensor_name: str, dtype: torch.dtype) -> list[tuple]:
-    """``(A [E, in, r], B [E, r, out], scaling)`` per active adapter of the LoRA on ``module.<tensor_name>`` (NF4
-    experts adopted by :func:`adopt_expert_lora`), in ``dtype``; ``[]`` without one or with adapters disabled.
-    ``r`` is padded with zeros to a multiple of 8: CUDA's grouped_mm wants 16-byte strides."""
-    wrapper = getattr(module, "poros_expert_lora", {}).get(tensor_name)
-    if wrapper is None or wrapper.disable_adapters:
-        return []
-    factors = []
-    for adapter in wrapper.active_adapters:
-        if adapter not in wrapper.lora_A:
-            continue
-        weight_a, weight_b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
-        experts = wrapper.num_experts
-        a = weight_a.to(dtype).view(experts, -1, weight_a.shape[-1])  # [E, r, in]
-        b = weight_b.to(dtype).view(weight_b.shape[0], -1, experts).permute(2, 1, 0)  # [E, r, out]
-        pad = -a.shape[1] % 8
-        if pad:
-            a, b = nn.functional.pad(a, (0, 0, 0, pad)), nn.functional.pad(b, (0, 0, 0, pad))
-        factors.append((a.transpose(-2, -1).contiguous(), b.contiguous(), wrapper.scaling[adapter]))
-    return factors
 
 
 def dequantized_expert(module: nn.Module, tensor_name: str, expert: int) -> torch.Tensor:
