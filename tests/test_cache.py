@@ -544,9 +544,9 @@ def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, chil
 
 
 def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_env):
-    """python -m tools.cache_bench on the CPU (the GPU run's dry run): start times, per-tier steps, disk read rates."""
+    """python -m tools.checks.cache_bench on the CPU (the GPU run's dry run): start times, per-tier steps, disk read rates."""
     report_path = tmp_path / "cache.json"
-    subprocess.run([sys.executable, "-m", "tools.cache_bench", "--model", "tiny", "--device", "cpu", "--steps", "1",
+    subprocess.run([sys.executable, "-m", "tools.checks.cache_bench", "--model", "tiny", "--device", "cpu", "--steps", "1",
                     "--warmup", "0", "--grad-accum", "2", "--seq", "16", "--dir", str(tmp_path / "work"),
                     "--rounds", "2", "--start-tiers", "auto,pinned", "--json", str(report_path)],
                    cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(POROS_COMMIT="test"),
@@ -588,7 +588,7 @@ def test_cache_bench_projects_two_depths_to_the_full_depth(tmp_path, child_env):
     paths[0].write_text(json.dumps(report(24, 4 + 2 * 24, 3 + 0.1 * 24, launch=14, first=1.2)))
     paths[1].write_text(json.dumps(report(8, 4 + 2 * 8, 3 + 0.1 * 8, launch=18, first=2.0)))
     out = tmp_path / "projected.json"
-    subprocess.run([sys.executable, "-m", "tools.cache_bench", "--project", *map(str, paths), "--json", str(out)],
+    subprocess.run([sys.executable, "-m", "tools.checks.cache_bench", "--project", *map(str, paths), "--json", str(out)],
                    cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(), capture_output=True, text=True,
                    check=True)
     projected = json.loads(out.read_text())

@@ -197,10 +197,10 @@ BENCH_RECORDS = [  # the cut-depth bench runs that had a Poros arm (an Unsloth s
 
 @pytest.mark.parametrize("record_path", BENCH_RECORDS, ids=[f"{p.parent.name}/{p.stem}" for p in BENCH_RECORDS])
 def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch, record_path):
-    """Real shapes (cut to a few layers) as tools/bench.py built them on the GPU: exact block bytes,
+    """Real shapes (cut to a few layers) as tools/bench/harness.py built them on the GPU: exact block bytes,
     and a peak estimate at or above the peak the bench measured."""
     from poros.plan.run_plan import plan_run
-    from tools.shapes import model_config
+    from tools.bench.shapes import model_config
     record = json.loads(record_path.read_text())
     setup, measured = record["config"], record["arms"]["poros"]
     config, _ = model_config(setup["model"], layers=setup["model_info"]["num_hidden_layers"])

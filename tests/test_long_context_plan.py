@@ -215,13 +215,13 @@ def test_packing_prices_the_seq_by_seq_mask_transformers_builds(capsys):
 
 def test_the_published_long_context_minimums_are_the_planners(tmp_path):
     """docs/consumer-gpus.md quotes registry/results/cpu-2026-12-02/long-context-minimums.json
-    (``tools/long_context_minimums.py``): its 32B row is what the planner finds today, deterministic or not."""
+    (``tools/docs/long_context_minimums.py``): its 32B row is what the planner finds today, deterministic or not."""
     from pathlib import Path
 
     from poros.config import PorosConfig
     from poros.plan.run_plan import plan_run
-    from tools import long_context_minimums
-    from tools.shapes import model_config
+    from tools.docs import long_context_minimums
+    from tools.bench.shapes import model_config
 
     record = json.loads((Path(__file__).resolve().parents[1] / "registry" / "results" / "cpu-2026-12-02"
                          / "long-context-minimums.json").read_text())

@@ -373,7 +373,7 @@ def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applie
     assert_same(reference, ref_opt, streamed, opt, ref_losses, losses)
 
 
-# -- tools/bench.py --------------------------------------------------------------------------------------
+# -- tools/bench/harness.py --------------------------------------------------------------------------------------
 def test_bench_runs_the_poros_arm_with_the_lora_tensors_on_the_host(tmp_path, child_env):
     """The bench's CPU dry run of the small-card setup: layer-major, HostAdamW, LoRA on the host; bitwise."""
     import json

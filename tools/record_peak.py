@@ -3,13 +3,13 @@
 H200 measured.
 
 A record keeps the prediction the planner made when it ran (``arms.poros.prediction``); the planner has
-been refined since, so this re-plans the record's shape (``tools/shapes.py``, cut to its depth) with the
+been refined since, so this re-plans the record's shape (``tools/bench/shapes.py``, cut to its depth) with the
 options the run ran with: the chunk counts the planner chose (``--vram-budget`` may raise them), the slots,
 resident blocks, boundary-state and LoRA placement it chose, where AdamW's state lived, and deterministic
 algorithms as the record says (the flash backward's dQ accumulator split, ``poros.plan.footprint.attention_sms``,
 for an H200's SMs: every record is an H200's).
 
-Imports: poros, tools.shapes.
+Imports: poros, tools.bench.shapes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, tar
           attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
     from poros.config import PorosConfig
     from poros.plan.run_plan import plan_run
-    from tools.shapes import model_config
+    from tools.bench.shapes import model_config
 
     config, _ = model_config(model, layers=layers)
     directory = Path(_configs().name) / f"{model}-{layers}"

@@ -1,6 +1,6 @@
 """``poros doctor``'s machinery: the GPU checks (:mod:`~poros.doctor.gpu_probe`), the named findings
 and their fixes (:mod:`~poros.doctor.diagnostics`) and the compute probe with the one random NF4 model
-builder (:mod:`~poros.doctor.probe`, shared with ``tools.models``).
+builder (:mod:`~poros.doctor.probe`, shared with ``tools.bench.models``).
 
 May import: poros.training, poros.dropin, poros.export, poros.plan, poros.loading, poros.stream, poros.data, and the core.
 """

@@ -545,7 +545,7 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
                      link_bytes_per_s: float | None = None, optimizer_states: str = "device") -> dict[str, Any]:
     """What the planner predicts for a :class:`~poros.dropin.model.PorosModel` as :func:`poros.prepare` set it
     up (its slots, resident blocks and embedding placement; AdamW's state where the run keeps it): the peak and its parts, the copy bytes
-    per step, and with compute times and a link the step. ``tools/bench.py`` records it next to
+    per step, and with compute times and a link the step. ``tools/bench/harness.py`` records it next to
     what it measures."""
     store = model.store
     device = store.device
