@@ -257,6 +257,25 @@ def test_nf4_experts_stream_under_0_4_of_the_bf16_block_bytes(family, variant, t
     assert sum(block.nbytes for block in streamed.store.blocks) == nf4_bytes
 
 
+def test_the_prepared_model_prices_the_dequantized_experts(tmp_path):
+    """What predict_prepared (the bench's recorded prediction) reads after prepare: the grouped forward's whole
+    dequantized fused expert tensor, counted from the module's experts (the store empties the codes' buffer in
+    the block; read from its shape, the count was 0 and the 122B-A10B prediction 23 % low)."""
+    from poros.plan.budget import Workload
+    from poros.plan.footprint import grouped_experts_values, predict_prepared
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=0, num_layers=2, num_experts=16,
+                                moe_intermediate_size=128)
+    model = poros.quantize_experts(load_qlora(path, lora_rank=2))
+    layer = model.get_base_model().model.layers[0]
+    values = grouped_experts_values(layer)
+    assert values == 16 * 2 * 128 * 64  # gate_up_proj [E, 2I, H], the larger
+    streamed = poros.prepare(model)
+    assert layer.mlp.experts.gate_up_proj_nf4.numel() == 0  # the store's placeholder
+    parts = predict_prepared(streamed, Workload(1, 16, 1, "micro-major"))["activation_parts"]
+    assert parts["block recompute: one dequantized weight"] == values * 2
+
+
 def test_quantize_experts_refuses_what_it_cannot_pack(tmp_path):
     path = save_tiny_checkpoint(tmp_path / "dense", "qwen3", seed=0)
     with pytest.raises(PorosError, match="no fused MoE experts"):
