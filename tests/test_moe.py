@@ -518,11 +518,14 @@ def test_plan_of_qwen3_5_122b_a10b_counts_its_experts_offline(tmp_path):
     assert "family      qwen3_5_moe (model_type qwen3_5_moe_text, text tower of qwen3_5_moe): 48 decoder blocks" \
         in done.stdout
     assert "experts     256 experts in each of 48 blocks: 231.93 GB in bf16, 65.23 GB in NF4" in done.stdout
+    # lora_on_experts (default): rank 16 per expert on both fused tensors, 48 x 256 x 16 x (5120 + 4096)
+    assert "LoRA rank 16 per expert (lora_on_experts): 1811.9 M parameters, 28.99 GB with gradients and AdamW " \
+        "state" in done.stdout
     assert "predicted peak allocated" in done.stdout
-    kept = subprocess.run([*command, "--quantize-experts", "false"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    kept = subprocess.run([*command, "--quantize-experts", "false", "--no-lora-on-experts"], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert kept.returncode == 0, kept.stderr[-3000:]
-    assert "(quantize_experts=false)" in kept.stdout
+    assert "(quantize_experts=false); no LoRA on the experts (lora_on_experts=false)" in kept.stdout
 
 
 def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
