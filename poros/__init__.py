@@ -68,6 +68,7 @@ MOVED_MODULES = {
     "poros.stream.footprint": "poros.plan.footprint",
     "poros.stream.planner": "poros.plan.budget",
     "poros.stream.step_time": "poros.plan.step_time",
+    "poros.stream.units": "poros.spellings",
     "poros.testing_distributed": "poros.testing.distributed",
     "poros.tracking": "poros.training.tracking",
     "poros.training.plan": "poros.plan.run_plan",

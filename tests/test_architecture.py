@@ -189,6 +189,52 @@ def test_docs_architecture_shows_every_layer_and_what_it_may_import():
             f"docs/architecture.md says {layer} may import {sorted(named)}; its docstring says {list(allowed)}")
 
 
+def _calls_named(path: Path, name: str) -> list[int]:
+    """Lines of ``path`` that call something named ``name`` (``name(...)`` or ``x.name(...)``)."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+
+
+def test_the_planner_is_a_layer_and_the_only_one_that_builds_a_workload():
+    """``poros.plan`` builds the step a run is planned for (``poros.plan.entry.workload_of``); prepare, the
+    trainer, ``poros plan``, ``poros doctor`` and the tools ask it, so none of them can drop a field."""
+    assert "poros.plan" in LAYERS
+    builders = [f"{path.relative_to(PACKAGE.parent).as_posix()}:{line}"
+                for path in [*sorted(PACKAGE.rglob("*.py")), *sorted(TOOLS.rglob("*.py"))]
+                if not path.is_relative_to(PACKAGE / "plan") for line in _calls_named(path, "Workload")]
+    assert not builders, f"{builders} build a Workload; call poros.plan.entry.workload_of (or plan_config) instead"
+
+
+def test_each_streaming_setting_is_declared_once():
+    """``poros.settings.STREAMING`` holds each streaming setting's name, type, default, doc and check; the config
+    fields and prepare's keywords (``StreamOptions``) are built from it and declare none of their own."""
+    import dataclasses
+
+    from poros.config import PorosConfig
+    from poros.settings import STREAMING
+    from poros.stream.options import StreamOptions
+
+    names = {setting.name for setting in STREAMING}
+    for path, cls in ((PACKAGE / "config.py", "PorosConfig"), (PACKAGE / "stream" / "options.py", "StreamOptions")):
+        body = next(node for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ClassDef) and node.name == cls).body
+        declared = {node.target.id for node in body if isinstance(node, ast.AnnAssign)} & names
+        assert not declared, f"{cls} declares {sorted(declared)} itself; they are rows of poros.settings.STREAMING"
+    config = {f.name: f for f in dataclasses.fields(PorosConfig)}
+    options = {f.name: f for f in dataclasses.fields(StreamOptions)}
+    assert list(options) == [setting.name for setting in STREAMING]
+    for setting in STREAMING:
+        assert options[setting.name].default == setting.prepare_default
+        if setting.where == "both":
+            assert (config[setting.name].default, config[setting.name].metadata["doc"]) == (setting.default, setting.doc)
+        else:
+            assert setting.name not in config
+    tiers = [path for path in PACKAGE.rglob("*.py") for line in path.read_text().splitlines()
+             if line.startswith("HOST_TIERS =")]
+    assert len(tiers) == 1, f"HOST_TIERS is defined in {tiers}; it lives in poros/settings.py"
+
+
 def test_old_module_paths_are_the_moved_modules():
     import importlib
 

@@ -16,7 +16,7 @@ from poros.doctor import diagnostics
 from poros.doctor import gpu_probe
 from poros.cli import doctor
 from poros.cli.main import main
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 GIB = 2**30
 DRIVER = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65"

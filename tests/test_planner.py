@@ -30,7 +30,7 @@ from poros.descriptor import resolve_path
 from poros.config import PorosConfig
 from poros.errors import ConfigError
 from poros.doctor import probe
-from poros.training import plan as run_plan
+from poros.plan import run_plan
 from poros.plan import footprint as footprint_module
 from poros.plan import budget as planner
 from poros.stream.options import StreamOptions

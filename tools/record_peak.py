@@ -61,11 +61,12 @@ def predicted_peak(record: dict) -> int:
     import dataclasses
 
     from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
 
     setup, measured = record["config"], record["arms"]["poros"]
     plan = record_plan(record)
-    workload = planner.Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1),
-                                setup.get("schedule") or "micro-major", plan.loss_chunks)
+    workload = workload_of(batch_size=setup["batch"], seq_len=setup["seq"], grad_accum=setup.get("grad_accum", 1),
+                           schedule=setup.get("schedule") or "micro-major", loss_chunks=plan.loss_chunks)
     # everything the run ran with: the planner's choices where it chose (--vram-budget), else what it asked
     chosen = measured.get("budget_plan") or {}
     boundary = chosen.get("boundary_states") or setup.get("boundary_states") or "device"

@@ -22,7 +22,7 @@ from typing import Any
 from poros.cli.output import print_json
 
 from poros.packages import INSTALL_HINT, OPTIONAL_PACKAGES, TRAIN_PACKAGES, installed_version  # noqa: F401
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 DESCRIPTION = """\
 Print what Poros needs to know about this machine, in a ```text block ready to paste into an

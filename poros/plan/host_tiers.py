@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 from poros.config import HOST_TIERS, parse_budget
 from poros.errors import ConfigError
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 DEFAULT_READ_AHEAD = 3  # ring buffers of the disk tier: one copying, two read ahead
 MAX_READ_AHEAD = 8

@@ -24,25 +24,13 @@ from poros.devices import resolve_device
 from poros.distributed import check_batch_divides
 from poros.errors import CheckpointLoadError, ConfigError
 from poros.plan import host_tiers
-from poros.stream import graphs
+from poros.plan.entry import plan_config, workload_of
 from poros.loading.prequantized import read_prequantized
-from poros.plan.footprint import (
-    BlockShapes,
-    activation_bytes,
-    attention_sms,
-    block_bytes,
-    chunked_footprints,
-    device_context_bytes,
-    meta_skeleton,
-    nf4_experts_bytes,
-    padded,
-    quantized_linears,
-    tensor_bytes,
-    with_activations,
-)
-from poros.stream.units import format_gb
+from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
+from poros.plan.block_bytes import block_bytes, meta_skeleton, nf4_experts_bytes, padded, quantized_linears, tensor_bytes
+from poros.plan.footprint import chunked_footprints, with_activations
+from poros.spellings import format_gb
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
-from poros.stream.options import StreamOptions
 from poros.plan.budget import (
     CUDA_WORKSPACE_BYTES,
     LORA_BYTES_PER_PARAMETER,
@@ -52,7 +40,6 @@ from poros.plan.budget import (
     Footprint,
     Workload,
     peak_upper_bound,
-    plan_budget,
 )
 
 def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tuple[pathlib.Path, str]:
@@ -427,21 +414,18 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
     """The plan for ``budget`` on ``device``, the host tier and the node's host RAM (see :func:`plan_run`)."""
     ranks = options.ranks_per_node
     per_rank_batch = config.batch_size  # per device, as HF / axolotl / torchtune count it
-    workload = Workload(per_rank_batch, config.seq_len, config.grad_accum, config.stream_schedule, config.loss_chunks,
-                        packed=config.packing)
+    workload = workload_of(config)
     compute, link, link_source, notices = _times(config, options, plan, text_config, workload, device)
     footprint = plan.footprint()
     on_host = embeddings_on_host(config.embeddings_on_host, device)
-    context = device_context_bytes(footprint, device, cuda_graphs=graphs.enabled(config.cuda_graphs, device),
-                                   num_slots=config.num_slots)
-    stream_options = StreamOptions.from_config(config, vram_budget=budget, embeddings_on_host=on_host, workload=workload)
-    budget_plan = plan_budget(footprint, workload, stream_options, compute=compute, link_bytes_per_s=link,
-                              context_bytes=context, footprint_for=plan.footprint_for())
+    stream_options, budget_plan = plan_config(config, footprint, vram_budget=budget, device=device, compute=compute,
+                                              link_bytes_per_s=link, footprint_for=plan.footprint_for(),
+                                              embeddings_on_host=on_host)
     # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
     # the same from the loaded model's entry), unless the run packs MoE experts after loading (pinned buffers)
     cached = not config.no_cache and not (plan.experts and config.quantize_experts is not False)
     host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks, host_tier=config.host_tier,
-                                     host_budget=config.host_budget, read_ahead=config.read_ahead,
+                                     host_budget=stream_options.host_budget_bytes, read_ahead=config.read_ahead,
                                      ranks_per_node=ranks, shared_file=cached)
     node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
     return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,

@@ -297,13 +297,13 @@ def run_poros_arm(peft_model, batches: list[dict], *, device: torch.device, warm
     ``PorosModel`` (``unpatch()`` it to run another arm), or None when ``prepare`` failed.
     """
     import poros
-    from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
     from poros.plan.footprint import predict_prepared
 
     peft_model.get_base_model().activation_checkpointing_disable()
     batch, seq = batches[0]["input_ids"].shape
-    workload = planner.Workload(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule,
-                                loss_chunks=loss_chunks)
+    workload = workload_of(batch_size=batch, seq_len=seq, grad_accum=grad_accum, schedule=schedule,
+                           loss_chunks=loss_chunks)
     try:
         extra = {"host_budget": host_budget} if host_budget is not None else {}
         streamed = poros.prepare(peft_model, num_slots=num_slots, vram_budget=vram_budget,

@@ -207,10 +207,11 @@ def main(argv=None) -> int:
     compute = None
     if "poros" in args.arms and (args.probe or (args.probe is None and device.type == "cuda")):
         from poros.doctor import probe  # the planner's own probe, before the model takes the memory
-        from poros.plan import budget as planner
+        from poros.plan.entry import workload_of
 
         compute = probe.probe_compute(
-            config, planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule, args.loss_chunks), device,
+            config, workload_of(batch_size=args.batch, seq_len=args.seq, grad_accum=args.grad_accum,
+                                schedule=args.schedule, loss_chunks=args.loss_chunks), device,
             compute_dtype=torch.bfloat16, double_quant=not args.no_double_quant, attn_implementation=args.attn,
             lora_rank=args.rank, lora_alpha=args.alpha, target_modules=list(targets) if not isinstance(targets, str)
             else targets)

@@ -69,9 +69,9 @@ class TrainerSetup:
         ``vram_budget`` the planner's workload too, layer-major as the trainer's windows run."""
         options: dict[str, Any] = {"cuda_graphs": self.cuda_graphs}
         if self.vram_budget is not None:
-            from poros.plan import budget as planner
+            from poros.plan.entry import workload_of
 
-            options.update(vram_budget=self.vram_budget, workload=planner.Workload(
+            options.update(vram_budget=self.vram_budget, workload=workload_of(
                 batch_size=self.batch, seq_len=self.seq, grad_accum=self.grad_accum, schedule="layer-major"))
         if self.resident_blocks is not None:
             options["resident_blocks"] = self.resident_blocks

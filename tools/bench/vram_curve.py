@@ -193,8 +193,10 @@ def main(argv=None) -> int:
     config, info = model_config(args.model, layers=args.layers)
     from poros.doctor import probe
     from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
 
-    workload = planner.Workload(args.batch, args.seq, args.grad_accum, args.schedule)
+    workload = workload_of(batch_size=args.batch, seq_len=args.seq, grad_accum=args.grad_accum,
+                           schedule=args.schedule)
     link = link_gb_per_s(device)
     compute = None
     if device.type == "cuda":

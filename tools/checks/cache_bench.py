@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from poros.stream.units import format_gb
+from poros.spellings import format_gb
 from tools.bench.models import add_lora, make_batches
 from tools.bench.provenance import add_run_arguments, start_tool
 from tools.bench.shapes import SHAPES, model_config

@@ -105,12 +105,13 @@ def _plan(name: str, budget, link_gb_per_s: float | None = None, optimizer_state
     ``poros plan`` and ``prepare(vram_budget=...)`` ask (AdamW's state to the host only where nothing
     fits with it on the device)."""
     from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
 
     plan = shape_plan(name)
     from poros.stream.options import StreamOptions
 
     return planner.plan_budget(
-        plan.footprint(), planner.Workload(BATCH, SEQ),
+        plan.footprint(), workload_of(batch_size=BATCH, seq_len=SEQ),
         StreamOptions(vram_budget=budget, embeddings_on_host=True, optimizer_states=optimizer_states),
         compute=derived_compute(name) if link_gb_per_s else None,
         link_bytes_per_s=link_gb_per_s * 1e9 if link_gb_per_s else None, context_bytes=planner.CUDA_CONTEXT_BYTES)
@@ -126,13 +127,14 @@ def _link(path: Path) -> str:
 
 def render_measured() -> str:
     from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
 
     rows = ["| shape | blocks | resident peak GB | Poros peak GB | planner peak GB (error) | resident step s | "
             "Poros step s | planner step s (derived compute, link as measured) | JSON |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name, (path, record) in reference_records().items():
         arms, plan = record["arms"], shape_plan(name)
-        workload = planner.Workload(BATCH, SEQ)
+        workload = workload_of(batch_size=BATCH, seq_len=SEQ)
         peak = planner.predict_peak(plan.footprint(), workload, num_slots=record["config"]["num_slots"]).total
         measured = arms["poros"]["peak_allocated_gb"] * 1e9
         link = record["build"]["link_h2d_gb_per_s"] * 1e9
@@ -194,6 +196,7 @@ def render_cards() -> str:
     from poros.errors import ConfigError
 
     from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
 
     rows = ["| shape | card | fits | AdamW state | slots | resident blocks | peak allocated GB | needed GB | step s, "
             "PCIe 4 (copy hidden) | step s, PCIe 5 (copy hidden) | host RAM GB, pinned (disk tier ring) |",
@@ -204,7 +207,7 @@ def render_cards() -> str:
             try:
                 plans = [_plan(name, budget, link, "auto") for link in LINKS_GB_PER_S.values()]
             except ConfigError:
-                minimum = planner.minimum_budget(shape_plan(name).footprint(), planner.Workload(BATCH, SEQ),
+                minimum = planner.minimum_budget(shape_plan(name).footprint(), workload_of(batch_size=BATCH, seq_len=SEQ),
                                                  context_bytes=planner.CUDA_CONTEXT_BYTES, optimizer_states="auto")
                 rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - | - | - |")
                 continue
@@ -223,6 +226,7 @@ def render_small_cards() -> str:
     has that shape, cap and AdamW placement."""
     from poros.errors import ConfigError
     from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
 
     measured = {}
     for path, record in capped_records():
@@ -238,7 +242,7 @@ def render_small_cards() -> str:
             try:
                 plan = _plan(name, f"{card}GiB", optimizer_states="auto")
             except ConfigError:
-                minimum = planner.minimum_budget(shape_plan(name).footprint(), planner.Workload(BATCH, SEQ),
+                minimum = planner.minimum_budget(shape_plan(name).footprint(), workload_of(batch_size=BATCH, seq_len=SEQ),
                                                  context_bytes=planner.CUDA_CONTEXT_BYTES, optimizer_states="auto")
                 rows.append(f"| {name} | {card} GiB | no (needs {_gb(minimum)} GB) | - | - | - | - | - | - |")
                 continue
