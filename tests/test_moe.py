@@ -243,6 +243,26 @@ def test_layer_major_with_nf4_experts_is_bitwise_resident_accumulation(family, v
 
 
 @pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_expert_lora_on_the_host_is_bitwise_resident(family, variant, tmp_path):
+    """lora_placement="host" (what the planner picks when expert LoRA and its AdamW state outgrow the budget:
+    Qwen3.5-122B-A10B r16 under 16 GiB): each block's LoRA tensors, the NF4 experts' included, travel with it;
+    layer-major, clipping, host AdamW; bitwise the resident NF4-expert + expert-LoRA run."""
+    from test_host_optimizer import assert_same
+    from test_lora_placement import placed_run, steps_of
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5, num_layers=2)
+    reference = load(path, FIXED, "nf4+lora")
+    steps = steps_of(5)
+    ref_losses, ref_opt = resident_steps(reference, steps, max_grad_norm=0.5)
+    model = load(path, FIXED, "nf4+lora")
+    streamed = poros.prepare(model, lora_placement="host")
+    losses, opt = placed_run(streamed, steps)
+    assert_same(reference, ref_opt, model, opt, ref_losses, losses)
+    travelling = {id(p) for ps in streamed.lora_placement.parameters.values() for p in ps}
+    assert {id(p) for n, p in model.named_parameters() if ".experts." in n and ".lora_" in n} <= travelling
+
+
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
 def test_nf4_experts_stream_under_0_4_of_the_bf16_block_bytes(family, variant, tmp_path):
     """An expert-heavy tiny shape (16 experts): NF4 is 0.5 byte per value plus a 4-byte scale per 64."""
     shape = {"num_experts": 16, "moe_intermediate_size": 128, "num_layers": 2}
