@@ -60,3 +60,26 @@ def test_merge_puts_expert_lora_into_the_fused_experts_as_fp32_then_cast(family,
             got = getattr(merged_experts[name], tensor).detach()
             assert not torch.equal(got, weight)
             assert torch.equal(got, by_hand.to(torch.bfloat16)), (name, tensor)
+
+
+def test_an_adapter_trained_on_nf4_experts_is_peft_s_bf16_layout_and_merges(tmp_path):
+    """LoRA on NF4 experts saves what PEFT saves for LoRA on bf16 experts (the same keys and shapes), so the
+    adapter loads on the bf16 model and poros merge writes it into the experts."""
+    from safetensors.torch import load_file
+    from test_moe import FIXED, load
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=2, num_layers=2)
+    trained = load(path, FIXED, "nf4+lora")  # quantize_experts, then PEFT's target_parameters; lora_B random
+    trained.save_pretrained(tmp_path / "nf4-adapter")
+    bf16 = load(path, FIXED, "lora")
+    bf16.save_pretrained(tmp_path / "bf16-adapter")
+    saved = load_file(tmp_path / "nf4-adapter" / "adapter_model.safetensors")
+    reference = load_file(tmp_path / "bf16-adapter" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in reference.items()}
+    assert any(".experts." in key for key in saved)
+    merge_adapter(tmp_path / "nf4-adapter", tmp_path / "merged", model=path, progress=None)
+    base = dict(experts_modules(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)))
+    merged = dict(experts_modules(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                                                    dtype=torch.bfloat16)))
+    assert all(not torch.equal(getattr(merged[n], t), getattr(base[n], t)) for n in base for t in
+               ("gate_up_proj", "down_proj"))
