@@ -31,7 +31,7 @@ def _configs() -> tempfile.TemporaryDirectory:
 
 @cache
 def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...], rank: int,
-          attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
+          attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int, lora_on_experts: bool = False):
     from poros.config import PorosConfig
     from poros.plan.run_plan import plan_run
     from tools.bench.shapes import model_config
@@ -42,7 +42,8 @@ def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, tar
     return plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                 double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
                                 embeddings_on_host=True, attn_implementation=attn, loss_chunks=loss_chunks,
-                                quantize_experts=quantize_experts, mlp_chunks=mlp_chunks))
+                                quantize_experts=quantize_experts, mlp_chunks=mlp_chunks,
+                                lora_on_experts=lora_on_experts))
 
 
 def record_plan(record: dict):
@@ -53,7 +54,8 @@ def record_plan(record: dict):
                  setup["quantization"]["double_quant"], tuple(setup["lora"]["targets"]), setup["lora"]["rank"],
                  setup.get("attn_implementation"), ran.get("loss_chunks") or setup.get("loss_chunks", 1),
                  bool(setup.get("quantize_experts")),  # records before --quantize-experts: bf16 experts
-                 ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1)
+                 ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1,
+                 bool(setup["lora"].get("on_experts")))  # records before lora_on_experts: none on the experts
 
 
 def predicted_peak(record: dict) -> int:
