@@ -555,10 +555,11 @@ def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
 
     report = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, "-m", "tools.bench", "--model", "tiny-qwen3_5_moe", "--quantize-experts",
-                           "--device", "cpu", "--steps", "1", "--warmup", "1", "--commit", "test", "--json",
+                           "--lora-on-experts", "--device", "cpu", "--steps", "1", "--warmup", "1", "--commit", "test", "--json",
                            str(report)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["config"]["quantize_experts"] is True and result["comparison"]["bitwise"] is True
+    assert result["config"]["lora"]["on_experts"] is True  # LoRA on the NF4 experts in both arms
     assert result["config"]["experts_implementation"] == GROUPED_EXPERTS_IMPLEMENTATION  # the default here
     assert all(arm["status"] == "ok" and arm["tokens_per_s"] > 0 for arm in result["arms"].values())

@@ -152,7 +152,7 @@ def placeholder(module: nn.Module, tensor_name: str) -> nn.Parameter:
 def _hook_parent(model: nn.Module, name: str, module: nn.Module) -> None:
     """A forward pre-hook on the experts' parent (the MoE block or decoder layer): before the experts' wrapper
     runs, PEFT wrappers added since (``get_peft_model`` after :func:`quantize_experts`) are adopted."""
-    if "poros_nf4_hook" in module.__dict__:
+    if "poros_nf4_hook" in module.__dict__ or not name:  # the module quantized on its own: its parent is not here
         return
     owner = _unwrapped([name])[0].rpartition(".")[0]  # above PEFT's wrappers, which take the experts' place
     parent = model.get_submodule(owner) if owner else model
