@@ -196,6 +196,14 @@ def trainer_arms_report(args, peft_model, batches, setup: TrainerSetup, arms: di
     return compare_trainer_runs(results, setup)
 
 
+
+def expert_parameters(on: bool) -> list[str] | None:
+    """PEFT's ``target_parameters`` for ``--lora-on-experts`` (LoRA on the fused MoE experts), else None."""
+    from poros.loading.experts import EXPERT_PARAMETERS
+
+    return list(EXPERT_PARAMETERS) if on else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.vram_limit and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
@@ -226,10 +234,8 @@ def main(argv=None) -> int:
                         quantize_experts=args.quantize_experts)
     # Unsloth loads a checkpoint: these very weights, written before LoRA goes in (tools.bench.unsloth_arm)
     checkpoint = unsloth_arm.save_checkpoint(model, args, device) if unsloth_arm.ARM in args.arms else None
-    from poros.loading.experts import EXPERT_PARAMETERS
-
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets,
-                          target_parameters=list(EXPERT_PARAMETERS) if args.lora_on_experts else None)
+                          target_parameters=expert_parameters(args.lora_on_experts))
     if args.loss_chunks > 1:  # on the model both arms run, so the parity check compares like with like
         from poros.stream.chunked_loss import use_chunked_loss
 
@@ -269,8 +275,7 @@ def main(argv=None) -> int:
             "timeline": args.timeline, "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
             "experts_implementation": experts_implementation(model), "quantize_experts": args.quantize_experts,
-            "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": 0.0, "targets": targets,
-                     "on_experts": args.lora_on_experts},
+            "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": 0.0, "targets": targets, "on_experts": args.lora_on_experts},
             "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
             "quantization": {"quant_type": "nf4", "double_quant": not args.no_double_quant,
                              "compute_dtype": "bfloat16"},
