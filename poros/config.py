@@ -75,8 +75,8 @@ class PorosConfig:
                                 choices=("bfloat16", "float16", "float32"))
     quantize_experts: bool | None = _field(None, "MoE models: pack the fused expert tensors to NF4 per expert "
                                            "(poros.quantize_experts); null: on for MoE, printed; false: bf16 experts.")
-    output_router_logits: bool | None = _field(None, "MoE models: add the router aux loss (load_balancing_loss_func); "
-                                               "null: the model config's own.")
+    output_router_logits: bool | None = _field(None, "MoE models: add the router aux loss (load_balancing_loss_func); null: the model config's own.")
+    lora_on_experts: bool = _field(True, "MoE models: LoRA (rank lora_rank per expert) on the fused experts too, NF4 or bf16 (PEFT target_parameters); false: the linears only.")
     # -- adapter ---------------------------------------------------------------------------------
     lora_rank: int = _field(16, "LoRA rank r.", section="LoRA adapter")
     lora_alpha: int = _field(32, "LoRA alpha; the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).")

@@ -183,6 +183,11 @@ class ArchitectureDescriptor:
     #: one of those values (e.g. MoE routing: host syncs in transformers' eager experts loop, none in
     #: its grouped_mm); ``poros.stream.graphs`` reports the reason with what was found
     graph_unsafe: tuple[tuple, ...] = ()
+    #: layer keyword arguments the family's model passes as expanded (overlapping) views, e.g. Qwen3.5's
+    #: ``position_ids=position_ids[0]`` of a ``4 x B x S`` expand: the streamed block gets a contiguous copy (the
+    #: same values), which a CUDA graph's static buffer can hold (an expanded view keeps the block eager,
+    #: "argument layout")
+    contiguous_arguments: tuple[str, ...] = ()
     # long sequences
     mlp: str = "mlp"
     per_token: tuple[str, ...] = PER_TOKEN_DEFAULT

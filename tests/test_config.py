@@ -20,7 +20,7 @@ FIELD_NAMES = [f.name for f in dataclasses.fields(PorosConfig)]
 #: A config where every field differs from its default (and every type is exercised).
 CHANGED = dict(
     model="Qwen/Qwen2.5-7B", revision="main", quantization="fp4", double_quant=True, compute_dtype="float16",
-    quantize_experts=False, output_router_logits=True,
+    quantize_experts=False, output_router_logits=True, lora_on_experts=False,
     lora_rank=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], use_rslora=True,
     use_dora=True, dataset="data/chat.jsonl", dataset_split="validation", chat_template="{{ messages }}",
     eval_dataset="data/val.jsonl", eval_dataset_split="test", eval_steps=20, eval_batches=8,

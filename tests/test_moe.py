@@ -35,8 +35,8 @@ import poros
 from poros.assets import asset_path
 from poros.data import BatchIterator, load_dataset
 from poros.errors import PorosError
-from poros.loading.experts import (EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS, dequantized_expert, experts_modules,
-                                   is_quantized)
+from poros.loading.experts import (EXPERT_PARAMETERS, EXPERTS_IMPLEMENTATION, FUSED_EXPERT_TENSORS,
+                                   adopt_expert_lora, dequantized_expert, experts_modules, is_quantized)
 from poros.loading import experts_grouped
 from poros.loading.experts_grouped import GROUPED_EXPERTS_IMPLEMENTATION, dequantize_all
 from poros.stream.store import packed_block_bytes
@@ -48,16 +48,15 @@ from test_trainer import adapters, assert_same_training_state, load_reference_ba
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MOE = [("qwen3_5_moe", "default"), ("gemma4", "moe")]
 IDS = [f"{f}-{v}" for f, v in MOE]
-#: PEFT's target_parameters for the fused experts (the same leaf names in both families)
-EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 def load(path, setup: dict, experts: str):
-    """The checkpoint as the reference loads it, with its experts ``"bf16"``, ``"nf4"`` or ``"lora"`` (bf16
-    with LoRA on them through target_parameters, beside LoRA on the attention projections)."""
+    """The checkpoint as the reference loads it, with its experts ``"bf16"``, ``"nf4"`` or with LoRA on them
+    through target_parameters, beside LoRA on the attention projections: ``"lora"`` (bf16 experts),
+    ``"nf4+lora"`` (quantize_experts, then get_peft_model) or ``"lora+nf4"`` (get_peft_model, then quantize)."""
     lora = {"lora_rank": setup["lora_rank"], "lora_alpha": setup["lora_alpha"], "seed": setup["seed"],
             "double_quant": setup["double_quant"]}
-    if experts != "lora":
+    if "lora" not in experts:
         model = load_qlora(path, **lora)
         if experts == "bf16":
             return model
@@ -69,8 +68,12 @@ def load(path, setup: dict, experts: str):
                                                              device_map={"": "cpu"}, dtype=torch.bfloat16)
     config = peft.LoraConfig(r=setup["lora_rank"], lora_alpha=setup["lora_alpha"], lora_dropout=0.0,
                              target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMETERS)
+    if experts == "nf4+lora":
+        poros.quantize_experts(base)
     torch.manual_seed(setup["seed"])
     model = peft.get_peft_model(base, config)
+    if experts == "lora+nf4":
+        poros.quantize_experts(model)
     generator = torch.Generator().manual_seed(setup["seed"])
     with torch.no_grad():
         for name, parameter in sorted(model.named_parameters()):
@@ -96,7 +99,7 @@ def run_moe_parity(family, variant, setup, directory, experts, **config):
     return model
 
 
-@pytest.mark.parametrize("experts", ["nf4", "nf4-loop", "lora"])
+@pytest.mark.parametrize("experts", ["nf4", "nf4-loop", "lora", "nf4+lora", "lora+nf4"])
 @pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
 def test_streamed_moe_training_is_bitwise_resident(family, variant, experts):
     """bf16 experts are drawn by tests/test_parity.py (every tiny variant); here NF4 experts (the default,
@@ -109,12 +112,13 @@ def test_streamed_moe_training_is_bitwise_resident(family, variant, experts):
             model = run_moe_parity(family, variant, {**setup, "reference_checkpointing": False},
                                    pathlib.Path(directory), experts)
             modules = experts_modules(model)
-            assert modules and all(is_quantized(m) == experts.startswith("nf4") for _, m in modules)
-            if experts.startswith("nf4"):
+            assert modules and all(is_quantized(m) == ("nf4" in experts) for _, m in modules)
+            if experts in ("nf4", "nf4-loop"):
                 assert model.config.get_text_config()._experts_implementation == (
                     GROUPED_EXPERTS_IMPLEMENTATION if experts == "nf4" else EXPERTS_IMPLEMENTATION)
-            if experts == "lora":
-                assert any(".experts." in name and "lora_A" in name for name in trainable(model))
+            if "lora" in experts:  # two LoRA pairs per experts module (gate_up_proj and down_proj), trained
+                expert_lora = [name for name in trainable(model) if ".experts." in name and ".lora_" in name]
+                assert len(expert_lora) == 4 * len(modules), expert_lora
 
     check()
 
@@ -123,10 +127,11 @@ FIXED = {"config": {"num_layers": 4}, "seed": 5, "batch": 2, "seq": 18, "padding
          "lora_alpha": 8, "double_quant": False, "steps": 2}
 
 
-@pytest.mark.parametrize("experts", ["bf16", "nf4"])
+@pytest.mark.parametrize("experts", ["bf16", "nf4", "nf4+lora", "lora+nf4"])
 def test_router_aux_loss_is_bitwise_resident(experts, tmp_path):
     """output_router_logits=True: the loss adds router_aux_loss_coef x the load-balancing loss over every
-    block's router logits; their gradients flow back through each streamed block's recompute."""
+    block's router logits; their gradients flow back through each streamed block's recompute. With LoRA on the
+    NF4 experts in both orders too (Gemma 4's MoE has no router aux loss in transformers)."""
     aux = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
     model = run_moe_parity("qwen3_5_moe", "default", FIXED, tmp_path, experts, **aux)
     with torch.no_grad():
@@ -148,7 +153,8 @@ def write_chat(path: pathlib.Path) -> pathlib.Path:
 @pytest.mark.parametrize("experts", ["bf16", "nf4"])
 def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path, capsys):
     """PorosTrainer on qwen3_5_moe == an HF + bitsandbytes + PEFT loop: the same batches, AdamW, schedule,
-    clipping, quantize_experts and output_router_logits in both arms; grad_accum 2 (the trainer runs
+    clipping, quantize_experts, output_router_logits and LoRA on the experts (the trainer's default
+    lora_on_experts: PEFT's target_parameters, on NF4 or bf16 experts) in both arms; grad_accum 2 (the trainer runs
     layer-major, the loop micro-major); torch.equal on the losses, every LoRA tensor and AdamW state.
 
     Both arms tokenize with the checkpoint's tokenizer as ``AutoTokenizer.from_pretrained(checkpoint)`` loads
@@ -181,7 +187,8 @@ def test_trainer_is_bitwise_a_plain_peft_loop(experts, router, tmp_path, capsys)
     model.config.output_router_logits = router
     torch.manual_seed(11)
     reference = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                                           target_modules=all_linear_targets(model)))
+                                                           target_modules=all_linear_targets(model),
+                                                           target_parameters=EXPERT_PARAMETERS))
     reference.train()
     parameters = list(adapters(reference).values())
     optimizer = torch.optim.AdamW(parameters, lr=2e-2, weight_decay=0.01)
@@ -237,12 +244,33 @@ def test_layer_major_with_nf4_experts_is_bitwise_resident_accumulation(family, v
 
 
 @pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_expert_lora_on_the_host_is_bitwise_resident(family, variant, tmp_path):
+    """lora_placement="host" (what the planner picks when expert LoRA and its AdamW state outgrow the budget:
+    Qwen3.5-122B-A10B r16 under 16 GiB): each block's LoRA tensors, the NF4 experts' included, travel with it;
+    layer-major, clipping, host AdamW; bitwise the resident NF4-expert + expert-LoRA run."""
+    from test_host_optimizer import assert_same
+    from test_lora_placement import placed_run, steps_of
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5, num_layers=2)
+    reference = load(path, FIXED, "nf4+lora")
+    steps = steps_of(5)
+    ref_losses, ref_opt = resident_steps(reference, steps, max_grad_norm=0.5)
+    model = load(path, FIXED, "nf4+lora")
+    streamed = poros.prepare(model, lora_placement="host")
+    losses, opt = placed_run(streamed, steps)
+    assert_same(reference, ref_opt, model, opt, ref_losses, losses)
+    travelling = {id(p) for ps in streamed.lora_placement.parameters.values() for p in ps}
+    assert {id(p) for n, p in model.named_parameters() if ".experts." in n and ".lora_" in n} <= travelling
+
+
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
 def test_nf4_experts_stream_under_0_4_of_the_bf16_block_bytes(family, variant, tmp_path):
     """An expert-heavy tiny shape (16 experts): NF4 is 0.5 byte per value plus a 4-byte scale per 64."""
     shape = {"num_experts": 16, "moe_intermediate_size": 128, "num_layers": 2}
     path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=1, **shape)
     bf16 = load_qlora(path, seed=1)
     nf4 = poros.quantize_experts(load_qlora(path, seed=1))
+    adopt_expert_lora(nf4, drop_placeholders=True)  # as prepare does: the placeholders PEFT would wrap go
     layers = lambda m: list(m.get_base_model().model.layers)  # noqa: E731
     bf16_bytes, nf4_bytes = sum(packed_block_bytes(layers(bf16))), sum(packed_block_bytes(layers(nf4)))
     assert nf4_bytes < 0.4 * bf16_bytes, (nf4_bytes, bf16_bytes)
@@ -250,13 +278,55 @@ def test_nf4_experts_stream_under_0_4_of_the_bf16_block_bytes(family, variant, t
     assert sum(block.nbytes for block in streamed.store.blocks) == nf4_bytes
 
 
+def test_the_prepared_model_prices_the_dequantized_experts(tmp_path):
+    """What predict_prepared (the bench's recorded prediction) reads after prepare: the grouped forward's whole
+    dequantized fused expert tensor, counted from the module's experts (the store empties the codes' buffer in
+    the block; read from its shape, the count was 0 and the 122B-A10B prediction 23 % low)."""
+    from poros.plan.budget import Workload
+    from poros.plan.footprint import grouped_experts_values, predict_prepared
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=0, num_layers=2, num_experts=16,
+                                moe_intermediate_size=128)
+    model = poros.quantize_experts(load_qlora(path, lora_rank=2))
+    layer = model.get_base_model().model.layers[0]
+    values = grouped_experts_values(layer)
+    assert values == 16 * 2 * 128 * 64  # gate_up_proj [E, 2I, H], the larger
+    streamed = poros.prepare(model)
+    assert layer.mlp.experts.gate_up_proj_nf4.numel() == 0  # the store's placeholder
+    parts = predict_prepared(streamed, Workload(1, 16, 1, "micro-major"))["activation_parts"]
+    assert parts["block recompute: one dequantized weight"] == values * 2
+
+
 def test_quantize_experts_refuses_what_it_cannot_pack(tmp_path):
     path = save_tiny_checkpoint(tmp_path / "dense", "qwen3", seed=0)
     with pytest.raises(PorosError, match="no fused MoE experts"):
         poros.quantize_experts(load_qlora(path))
-    moe = save_tiny_checkpoint(tmp_path / "moe", "qwen3_5_moe", seed=0, num_layers=2)
-    with pytest.raises(PorosError, match="target_parameters"):
-        poros.quantize_experts(load(moe, {**FIXED, "lora_rank": 2}, "lora"))
+
+
+@pytest.mark.parametrize("order", ["nf4+lora", "lora+nf4"])
+def test_target_parameters_that_match_nothing_name_the_expert_parameters(order, tmp_path):
+    """LoRA on NF4 experts through PEFT's own call: a target_parameters entry that matches nothing after
+    quantization (PEFT only warns) is an error naming the fused expert parameters that exist."""
+    from poros.errors import UnsupportedAdapterError
+
+    path = save_tiny_checkpoint(tmp_path / "moe", "qwen3_5_moe", seed=0, num_layers=2)
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization,
+                                                              device_map={"": "cpu"}, dtype=torch.bfloat16)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["experts.gate_proj"])
+    expected = r"\['experts.gate_proj'\] match no parameter.*\['experts.gate_up_proj', 'experts.down_proj'\]"
+    if order == "nf4+lora":
+        poros.quantize_experts(model)
+        with pytest.warns(RuntimeWarning, match="no parameter was matched"):
+            model = peft.get_peft_model(model, config)
+        with pytest.raises(UnsupportedAdapterError, match=expected):
+            poros.prepare(model)
+    else:
+        with pytest.warns(RuntimeWarning, match="no parameter was matched"):
+            model = peft.get_peft_model(model, config)
+        with pytest.raises(UnsupportedAdapterError, match=expected):
+            poros.quantize_experts(model)
 
 
 def routed(module, tokens: int, seed: int):
@@ -353,19 +423,22 @@ def test_nf4_experts_backward_keeps_no_bf16_expert_weight(grouped, tmp_path):
         assert any(t.dtype == torch.int32 and t.shape == (module.num_experts,) for t in saved)  # the offsets
 
 
-def test_replayed_grouped_nf4_blocks_train_bitwise_resident(tmp_path):
-    """Gemma 4 MoE (26B-A4B-like) with grouped NF4 experts: every block captured and replayed with the CPU
-    recorder of tests/test_gemma4_graphs.py (it reruns the captured body on the static buffers and poisons the
-    capture's outputs), layer-major 2 steps x 3 micro-batches: bitwise the resident NF4-expert run. (The tiny
-    qwen3_5_moe's blocks are kept eager on CPU for an expanded-view argument, "argument layout", which is not
-    the experts' doing: its graph_unsafe_reason is None, checked above.)"""
+@pytest.mark.parametrize("experts", ["nf4", "nf4+lora"])
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_replayed_grouped_nf4_blocks_train_bitwise_resident(family, variant, experts, tmp_path):
+    """Grouped NF4 experts, with and without LoRA on them: every block captured and replayed with the CPU recorder
+    of tests/test_gemma4_graphs.py (it reruns the captured body on the static buffers and poisons the capture's
+    outputs), layer-major 2 steps x 3 micro-batches: bitwise the resident run. Qwen3.5 MoE's blocks are captured
+    too: its text model passes position_ids as an expanded view, which the descriptor's contiguous_arguments
+    hands the block as a contiguous copy (an expanded view kept them eager: "argument layout")."""
     from test_gemma4_graphs import ReplayedOnCPU
 
-    path = save_tiny_checkpoint(tmp_path / "ckpt", "gemma4", "moe", seed=5, num_layers=6)
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5, num_layers=4)
     plan = [with_item_counts([make_batch(5 + 10 * s + m, 2, 14, "left") for m in range(3)]) for s in range(2)]
-    reference = poros.quantize_experts(load_qlora(path, lora_rank=4, lora_alpha=8, seed=5))
+    setup = {**FIXED, "seed": 5}
+    reference = load(path, setup, experts)
     ref_losses, ref_opt = resident_steps(reference, plan)
-    model = poros.quantize_experts(load_qlora(path, lora_rank=4, lora_alpha=8, seed=5))
+    model = load(path, setup, experts)
     streamed = poros.prepare(model)
     assert streamed.descriptor.graph_unsafe_reason(streamed.config.get_text_config()) is None
     streamed.executor.graphs = ReplayedOnCPU(streamed.store, streamed.executor.layers)
@@ -414,6 +487,31 @@ def test_the_trainer_quantizes_moe_experts_by_default_and_says_so(requested, tmp
         assert f"forward {GROUPED_EXPERTS_IMPLEMENTATION}" in out
 
 
+@pytest.mark.parametrize("flag", [None, "--no-lora-on-experts"])
+def test_the_trainer_puts_lora_on_the_experts_by_default(flag, tmp_path, capsys):
+    """lora_on_experts (default true): LoRA of rank lora_rank per expert on both fused tensors of every NF4 experts
+    module, said in the summary; --no-lora-on-experts: LoRA on the linears only."""
+    from poros.config import PorosConfig
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=0, num_layers=2)
+    config = PorosConfig().replace(model=str(path), output_dir=str(tmp_path / "out"), device="cpu", lora_rank=2,
+                                   lora_alpha=4).apply_overrides([flag] if flag else [])
+    trainer = poros.PorosTrainer.from_config(config)
+    out = capsys.readouterr().out
+    modules = experts_modules(trainer.model)
+    assert len(modules) == 2 and all(is_quantized(m) for _, m in modules)
+    expert_lora = {name: p for name, p in trainer.model.named_parameters() if ".experts." in name and ".lora_" in name}
+    if flag:
+        assert expert_lora == {} and "poros: MoE experts without LoRA (lora_on_experts=false)" in out
+        return
+    assert len(expert_lora) == 2 * 2 * 2 and all(p.requires_grad for p in expert_lora.values())
+    experts = modules[0][1].num_experts
+    assert {p.shape[0] for n, p in expert_lora.items() if ".lora_A." in n} == {2 * experts}  # rank 2 per expert
+    assert f"poros: LoRA on the MoE experts (lora_on_experts=true): rank 2 per expert on experts.gate_up_proj and " \
+        f"experts.down_proj, {experts} experts x 2 modules" in out
+    assert {id(p) for p in expert_lora.values()} <= {id(p) for p in trainer.model.trainable_parameters()}
+
+
 def child_env(**overrides):
     import os
 
@@ -441,11 +539,14 @@ def test_plan_of_qwen3_5_122b_a10b_counts_its_experts_offline(tmp_path):
     assert "family      qwen3_5_moe (model_type qwen3_5_moe_text, text tower of qwen3_5_moe): 48 decoder blocks" \
         in done.stdout
     assert "experts     256 experts in each of 48 blocks: 231.93 GB in bf16, 65.23 GB in NF4" in done.stdout
+    # lora_on_experts (default): rank 16 per expert on both fused tensors, 48 x 256 x 16 x (5120 + 4096)
+    assert "LoRA rank 16 per expert (lora_on_experts): 1811.9 M parameters, 28.99 GB with gradients and AdamW " \
+        "state" in done.stdout
     assert "predicted peak allocated" in done.stdout
-    kept = subprocess.run([*command, "--quantize-experts", "false"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    kept = subprocess.run([*command, "--quantize-experts", "false", "--no-lora-on-experts"], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert kept.returncode == 0, kept.stderr[-3000:]
-    assert "(quantize_experts=false)" in kept.stdout
+    assert "(quantize_experts=false); no LoRA on the experts (lora_on_experts=false)" in kept.stdout
 
 
 def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
@@ -455,10 +556,11 @@ def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
 
     report = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, "-m", "tools.bench", "--model", "tiny-qwen3_5_moe", "--quantize-experts",
-                           "--device", "cpu", "--steps", "1", "--warmup", "1", "--commit", "test", "--json",
+                           "--lora-on-experts", "--device", "cpu", "--steps", "1", "--warmup", "1", "--commit", "test", "--json",
                            str(report)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["config"]["quantize_experts"] is True and result["comparison"]["bitwise"] is True
+    assert result["config"]["lora"]["on_experts"] is True  # LoRA on the NF4 experts in both arms
     assert result["config"]["experts_implementation"] == GROUPED_EXPERTS_IMPLEMENTATION  # the default here
     assert all(arm["status"] == "ok" and arm["tokens_per_s"] > 0 for arm in result["arms"].values())

@@ -175,6 +175,7 @@ def _random_nf4_experts(model, generator, device, dtype, weight_std: float, grou
             setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
         quantize_experts(module, grouped=grouped)
         module._is_hf_initialized = True
+    quantize_experts(model, grouped=grouped)  # packed already: hooks each experts' parent (LoRA added later)
 
 
 def _placeholder(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

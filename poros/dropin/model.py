@@ -261,9 +261,11 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
             ``StreamOptions``); ``resident_blocks`` naming no block of this model; ``vram_budget`` without
             ``workload`` or below the minimum the run needs (the message says how much it needs).
     """
+    from poros.loading.experts import adopt_expert_lora
     options = _options_of(options, keywords)
     check_not_compiled(model)
     causal_lm = causal_lm_of(model)
+    adopt_expert_lora(model, drop_placeholders=True)  # LoRA on NF4 experts; no placeholder streams
     if getattr(causal_lm, "_poros_handle", None) is not None:
         raise AlreadyPreparedError(
             f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "

@@ -104,7 +104,8 @@ DESCRIPTOR = decoder_family(
     notes=(
         "reentrant gradient checkpointing silently drops the KV-sharing gradients (42/98 LoRA grads differ).",
         "router.proj (leaf name 'proj') is quantized by bitsandbytes; excluded from LoRA targets by default.",
-        "MoE experts stay bf16 under NF4; LoRA on them needs PEFT target_parameters.",
+        "MoE experts stay bf16 under NF4 unless poros.quantize_experts; LoRA on them, bf16 or NF4: PEFT "
+        "target_parameters=['experts.gate_up_proj', 'experts.down_proj'] (the trainer's default, lora_on_experts).",
         "KV-shared layers have no k_proj/v_proj/k_norm/v_norm; full layers with attention_k_eq_v have no v_proj.",
     ),
 )

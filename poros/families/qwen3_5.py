@@ -27,6 +27,8 @@ DESCRIPTOR = decoder_family(
         "position_ids=pos[0], cache=None, use_cache=False)"
     ),
     norm_style="zero_centered",
+    # the text model passes position_ids[0] of its 4 x B x S expand (arange(S).view(1, 1, -1).expand(4, B, -1))
+    contiguous_arguments=("position_ids",),
     lora_targets_all_linear=(
         "q_proj", "k_proj", "v_proj", "o_proj",
         "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",

@@ -48,8 +48,9 @@ DESCRIPTOR = derive(
                    ("_experts_implementation", ("grouped_mm", "batched_mm", "poros_nf4_grouped"))),),
     notes=(
         *QWEN3_5.notes,
-        "experts are fused 3-D parameters (bf16 under NF4 unless poros.quantize_experts); LoRA on them: "
-        "PEFT target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'].",
+        "experts are fused 3-D parameters (bf16 under NF4 unless poros.quantize_experts); LoRA on them, bf16 or NF4, "
+        "either order with quantize_experts: PEFT target_parameters=['experts.gate_up_proj', 'experts.down_proj'] "
+        "(the trainer's default, lora_on_experts).",
         "router mlp.gate is a raw weight (never quantized); shared_expert_gate (one output) is excluded from LoRA.",
         "output_router_logits adds router_aux_loss_coef * load-balancing loss over every layer's router logits.",
     ),

@@ -106,10 +106,37 @@ class GroupedDequantizedLinear(torch.autograd.Function):
         return grad_input.to(ctx.input_dtype), None, None, None, None, None
 
 
+def expert_lora_factors(module: nn.Module, tensor_name: str, dtype: torch.dtype) -> list[tuple]:
+    """``(A [E, in, r], B [E, r, out], scaling)`` per active adapter of the LoRA on ``module.<tensor_name>`` (NF4
+    experts adopted by :func:`poros.loading.experts.adopt_expert_lora`), in ``dtype``; ``[]`` without one or with adapters disabled.
+    ``r`` is padded with zeros to a multiple of 8: CUDA's grouped_mm wants 16-byte strides."""
+    wrapper = getattr(module, "poros_expert_lora", {}).get(tensor_name)
+    if wrapper is None or wrapper.disable_adapters:
+        return []
+    factors = []
+    for adapter in wrapper.active_adapters:
+        if adapter not in wrapper.lora_A:
+            continue
+        weight_a, weight_b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+        experts = wrapper.num_experts
+        a = weight_a.to(dtype).view(experts, -1, weight_a.shape[-1])  # [E, r, in]
+        b = weight_b.to(dtype).view(weight_b.shape[0], -1, experts).permute(2, 1, 0)  # [E, r, out]
+        pad = -a.shape[1] % 8
+        if pad:
+            a, b = nn.functional.pad(a, (0, 0, 0, pad)), nn.functional.pad(b, (0, 0, 0, pad))
+        factors.append((a.transpose(-2, -1).contiguous(), b.contiguous(), wrapper.scaling[adapter]))
+    return factors
+
+
 def _grouped_linear(module: nn.Module, tensor_name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return GroupedDequantizedLinear.apply(
+    """Each row block through its expert's NF4 matrix, plus its expert's LoRA where the experts carry one: two
+    grouped matmuls over the same offsets, ``(x A_g^T) B_g^T * scaling`` (no per-expert loop, no host sync)."""
+    out = GroupedDequantizedLinear.apply(
         x, offsets, getattr(module, f"{tensor_name}_nf4"), getattr(module, f"{tensor_name}_absmax"),
         module.nf4_code, module.poros_nf4[tensor_name])
+    for a, b, scaling in expert_lora_factors(module, tensor_name, x.dtype):
+        out = out + _grouped_mm(_grouped_mm(x, a, offsets), b, offsets) * scaling
+    return out
 
 
 def nf4_grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -137,4 +164,4 @@ def nf4_grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, to
 
 
 __all__ = ["GROUPED_EXPERTS_IMPLEMENTATION", "GroupedDequantizedLinear", "MAX_VALUES_PER_CALL", "dequantize_all",
-           "dequantize_nf4", "grouped_mm_works", "nf4_grouped_experts_forward"]
+           "dequantize_nf4", "expert_lora_factors", "grouped_mm_works", "nf4_grouped_experts_forward"]

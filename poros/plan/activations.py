@@ -91,8 +91,11 @@ def grouped_experts_values(block: nn.Module) -> int:
         config = getattr(module, "config", None)
         if not isinstance(packed, dict) or getattr(config, "_experts_implementation", None) != GROUPED_NF4_EXPERTS:
             continue
+        # the expert count from the module, not the codes' shape: once streamed, the store leaves an empty
+        # placeholder in the block (what predict_prepared reads after prepare)
+        experts = getattr(module, "num_experts", 0)
         for name, (shape, _, _) in packed.items():
-            largest = max(largest, getattr(module, f"{name}_nf4").shape[0] * math.prod(shape))
+            largest = max(largest, (experts or getattr(module, f"{name}_nf4").shape[0]) * math.prod(shape))
     return largest
 
 

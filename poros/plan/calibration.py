@@ -49,16 +49,18 @@ def record_config(record: dict):
 
 
 def plan_model(record: dict, *, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...], rank: int,
-               attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
+               attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int,
+               lora_on_experts: bool = False):
     """The :class:`~poros.plan.run_plan.Plan` of a record's model with the given options (cached)."""
     info = record["config"]["model_info"]
     return _plan(info["family"], json.dumps(info["config_kwargs"], sort_keys=True), seq, batch, double_quant,
-                 targets, rank, attn, loss_chunks, quantize_experts, mlp_chunks)
+                 targets, rank, attn, loss_chunks, quantize_experts, mlp_chunks, lora_on_experts)
 
 
 @cache
 def _plan(family: str, config_kwargs: str, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...],
-          rank: int, attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
+          rank: int, attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int,
+          lora_on_experts: bool):
     from poros.config import PorosConfig
     from poros.plan.run_plan import plan_run
 
@@ -68,7 +70,8 @@ def _plan(family: str, config_kwargs: str, seq: int, batch: int, double_quant: b
     return plan_run(PorosConfig(model=str(directory), device="cuda", seq_len=seq, batch_size=batch,
                                 double_quant=double_quant, target_modules=list(targets), lora_rank=rank,
                                 embeddings_on_host=True, attn_implementation=attn, loss_chunks=loss_chunks,
-                                quantize_experts=quantize_experts, mlp_chunks=mlp_chunks))
+                                quantize_experts=quantize_experts, mlp_chunks=mlp_chunks,
+                                lora_on_experts=lora_on_experts))
 
 
 def record_plan(record: dict):
@@ -80,7 +83,8 @@ def record_plan(record: dict):
                       attn=setup.get("attn_implementation"),
                       loss_chunks=ran.get("loss_chunks") or setup.get("loss_chunks", 1),
                       quantize_experts=bool(setup.get("quantize_experts")),  # before --quantize-experts: bf16
-                      mlp_chunks=ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1)
+                      mlp_chunks=ran.get("mlp_chunks") or setup.get("mlp_chunks") or 1,
+                      lora_on_experts=bool(setup["lora"].get("on_experts")))  # before lora_on_experts: none
 
 
 def predicted_peak(record: dict) -> int:

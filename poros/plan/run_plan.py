@@ -325,6 +325,13 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     targets = lora_targets(model, config.target_modules)
     lora_parameters = sum(config.lora_rank * (m.in_features + m.out_features)
                           + (m.out_features if config.use_dora else 0) for m in targets.values())
+    expert_lora = _expert_lora_parameters(blocks, config)
+    lora_parameters += expert_lora
+    if experts_line:
+        experts_line += (f"; LoRA rank {config.lora_rank} per expert (lora_on_experts): "
+                         f"{expert_lora / 1e6:.1f} M parameters, {format_gb(expert_lora * LORA_BYTES_PER_PARAMETER)} "
+                         "with gradients and AdamW state" if expert_lora else "; no LoRA on the experts "
+                         "(lora_on_experts=false)")
 
     value_bytes = torch.empty((), dtype=compute_dtype, device="meta").element_size()
     shapes = BlockShapes.of(blocks, text_config, lora_targets={name.split(".")[-1] for name in targets},
@@ -365,6 +372,17 @@ def _largest_fused_experts(blocks: list) -> int:
 
     return max((getattr(m, t).numel() for b in blocks for _, m in experts_modules(b) for t in FUSED_EXPERT_TENSORS),
                default=0)
+
+
+def _expert_lora_parameters(blocks: list, config: Any) -> int:
+    """LoRA parameters on the fused experts with ``lora_on_experts`` (PEFT's ``target_parameters``: rank r per
+    expert, ``lora_A [E * r, in]`` and ``lora_B [out, E * r]`` per fused tensor ``[E, out, in]``), else 0."""
+    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
+
+    if not getattr(config, "lora_on_experts", True):
+        return 0
+    return sum(config.lora_rank * getattr(m, t).shape[0] * (getattr(m, t).shape[1] + getattr(m, t).shape[2])
+               for block in blocks for _, m in experts_modules(block) for t in FUSED_EXPERT_TENSORS)
 
 
 def _expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple[list[int], str | None]:

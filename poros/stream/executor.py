@@ -117,6 +117,7 @@ class StreamingExecutor:
         self._layers_parent = resolve_path(causal_lm, parent_path) if parent_path else causal_lm
         self.final_norm = resolve_path(causal_lm, descriptor.final_norm)
         self.mapping_kwargs = frozenset(c.kwarg for c in descriptor.carried_state if c.kind == "mapping")
+        self.contiguous_kwargs = frozenset(descriptor.contiguous_arguments)
         self.routers = RouterRecorder(self.trunk)  # the modules whose logits output_router_logits collects
         self._grad_anchor = torch.zeros((), requires_grad=True)  # makes every block node differentiable
         self._state = STREAMING  # layer-major switches it for one call of the model (see forward_backward)
@@ -242,7 +243,7 @@ class StreamingExecutor:
                 f"the model's forward called {len(raw)} of its {count} decoder layers; the descriptor's "
                 f"decoder_layers path {self.descriptor.decoder_layers!r} must name the list the forward loops over."
             )
-        return Step(calls=[LayerCall.from_capture(a, k, self.mapping_kwargs) for a, k in raw])
+        return Step(calls=[LayerCall.from_capture(a, k, self.mapping_kwargs, self.contiguous_kwargs) for a, k in raw])
 
     # -- one block ---------------------------------------------------------------------------
     def _run_block(self, step: Step, index: int, hidden: torch.Tensor, grad_tensors=(),

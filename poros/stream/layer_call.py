@@ -23,7 +23,11 @@ class LayerCall:
     grad_at: list[int]  # leaf positions of tensors that require grad (besides hidden states)
 
     @classmethod
-    def from_capture(cls, args: tuple, kwargs: dict, mapping_kwargs: frozenset[str]) -> "LayerCall":
+    def from_capture(cls, args: tuple, kwargs: dict, mapping_kwargs: frozenset[str],
+                     contiguous_kwargs: frozenset[str] = frozenset()) -> "LayerCall":
+        # the descriptor's contiguous_arguments: an expanded view becomes a contiguous copy (the same values)
+        kwargs = {k: v.contiguous() if k in contiguous_kwargs and isinstance(v, torch.Tensor) else v
+                  for k, v in kwargs.items()}
         # Carried mappings are pytree leaves: hide them from flattening by name.
         mapping_values = {k: kwargs[k] for k in mapping_kwargs if k in kwargs}
         plain_kwargs = {k: v for k, v in kwargs.items() if k not in mapping_values}

@@ -66,7 +66,7 @@ logger = logging.getLogger("poros")
 #: fixed when the trainer is created, so ``train()`` cannot override them.
 FIELDS_FIXED_AT_LOAD = (
     "model", "revision", "quantization", "double_quant", "compute_dtype", "attn_implementation",
-    "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
+    "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora", "lora_on_experts",
     "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks", "mlp_chunks",
     "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
 )
@@ -183,13 +183,17 @@ class PorosTrainer:
         router = router_aux_line(loaded.model.config, config.output_router_logits)
         if router is not None:
             echo(router)
+        target_parameters = expert_lora_targets(loaded.model, config)
         lora_config = peft.LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=lora_target_modules(loaded.model, config.target_modules),
             use_rslora=config.use_rslora, use_dora=config.use_dora, task_type="CAUSAL_LM",
+            target_parameters=target_parameters,
         )
         torch.manual_seed(config.seed)
         peft_model = peft.get_peft_model(loaded.model, lora_config)
+        if experts is not None:
+            echo(expert_lora_line(peft_model, config))
         adapters_to_device(peft_model, loaded.device)  # PEFT puts block adapters beside their host base layer
         options = StreamOptions.from_config(config, schedule=stream_schedule(config, peft_model))
         with banner.silenced():  # the detection summary below says it in full
@@ -427,6 +431,41 @@ class PorosTrainer:
         dataset = "<the same dataset>, " if in_memory else ""
         python = f"PorosTrainer.from_pretrained({config['model']!r}{keywords}).train({dataset}resume_from={path!r})"
         return command, python
+
+
+def expert_lora_targets(model: Any, config: PorosConfig) -> list[str] | None:
+    """PEFT's ``target_parameters`` for the run: the fused expert tensors of an MoE model with ``lora_on_experts``
+    (NF4 or bf16 experts), else None.
+
+    Raises:
+        ConfigError: ``lora_on_experts`` with ``lora_dropout`` > 0 or ``use_dora`` (PEFT's LoRA on a parameter
+            takes neither).
+    """
+    from poros.loading.experts import EXPERT_PARAMETERS, experts_modules
+
+    if not config.lora_on_experts or not experts_modules(model):
+        return None
+    odd = [f"{name}={value}" for name, value in (("lora_dropout", config.lora_dropout),
+                                                  ("use_dora", config.use_dora)) if value]
+    if odd:
+        raise ConfigError(f"lora_on_experts with {', '.join(odd)}: LoRA on the fused MoE experts (PEFT "
+                          "target_parameters) takes no dropout and no DoRA; set lora_dropout: 0 and use_dora: false, "
+                          "or lora_on_experts: false (--no-lora-on-experts).")
+    return list(EXPERT_PARAMETERS)
+
+
+def expert_lora_line(model: Any, config: PorosConfig) -> str:
+    """The summary line of LoRA on an MoE model's experts: the rank per expert and the trainable values."""
+    from poros.loading.experts import experts_modules
+
+    modules = [m for _, m in experts_modules(model)]
+    if not config.lora_on_experts:
+        return (f"poros: MoE experts without LoRA (lora_on_experts=false): LoRA on the linears only; "
+                f"{len(modules)} experts modules frozen")
+    values = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name and ".lora_" in name)
+    return (f"poros: LoRA on the MoE experts (lora_on_experts=true): rank {config.lora_rank} per expert on "
+            f"experts.gate_up_proj and experts.down_proj, {modules[0].num_experts} experts x {len(modules)} "
+            f"modules, {values / 1e6:.2f} M trainable values")
 
 
 def router_aux_line(model_config: Any, requested: bool | None) -> str | None:

@@ -131,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quantize-experts", action="store_true",
                         help="MoE experts in NF4 (poros.quantize_experts) in every arm: the resident NF4-expert model "
                         "is the reference")
+    parser.add_argument("--lora-on-experts", action="store_true",
+                        help="LoRA on the fused MoE experts too (PEFT target_parameters experts.gate_up_proj / "
+                        "experts.down_proj, rank --rank per expert), on NF4 experts with --quantize-experts")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--targets", default=",".join(SEVEN_PROJECTIONS), help="comma list, or all-linear")
@@ -217,6 +220,13 @@ def compute_probe(args, config, targets, device):
     return compute
 
 
+def expert_parameters(on: bool) -> list[str] | None:
+    """PEFT's ``target_parameters`` for ``--lora-on-experts`` (LoRA on the fused MoE experts), else None."""
+    from poros.loading.experts import EXPERT_PARAMETERS
+
+    return list(EXPERT_PARAMETERS) if on else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.sweep:
@@ -241,7 +251,8 @@ def main(argv=None) -> int:
                         quantize_experts=args.quantize_experts)
     # Unsloth loads a checkpoint: these very weights, written before LoRA goes in (tools.bench.unsloth_arm)
     checkpoint = unsloth_arm.save_checkpoint(model, args, device) if unsloth_arm.ARM in args.arms else None
-    peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets)
+    peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=targets,
+                          target_parameters=expert_parameters(args.lora_on_experts))
     if args.loss_chunks > 1:  # on the model both arms run, so the parity check compares like with like
         from poros.stream.chunked_loss import use_chunked_loss
 
@@ -281,7 +292,7 @@ def main(argv=None) -> int:
             "timeline": args.timeline, "grad_accum": args.grad_accum,
             "schedule": args.schedule, "attn_implementation": args.attn,
             "experts_implementation": experts_implementation(model), "quantize_experts": args.quantize_experts,
-            "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": 0.0, "targets": targets},
+            "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": 0.0, "targets": targets, "on_experts": args.lora_on_experts},
             "optimizer": {"name": "AdamW", "lr": args.lr}, "gradient_checkpointing": "non-reentrant (resident)",
             "quantization": {"quant_type": "nf4", "double_quant": not args.no_double_quant,
                              "compute_dtype": "bfloat16"},

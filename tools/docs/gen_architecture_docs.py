@@ -223,8 +223,28 @@ def moe_measured_block() -> str:
                   "record"], rows)
 
 
+#: tools/moe_quant_error.py's JSON: NF4 experts against bf16 experts, per MoE family
+QUANT_ERROR = REPO / "registry" / "results" / "cpu-2026-12-03" / "moe-quant-error.json"
+
+
+def quant_error_block() -> str:
+    """The table of NF4 against bf16 experts, one row per family, from :data:`QUANT_ERROR`."""
+    import json
+
+    rows = json.loads(QUANT_ERROR.read_text())["rows"]
+    lines = ["| family | shape (random weights) | logit KL (NF4 from bf16) | top-1 agreement | "
+             "loss after N steps, bf16 experts | NF4 experts |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        shape = r["shape"]
+        lines.append(f"| `{r['family']}` | {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
+                     f"{shape['num_experts']} experts of {shape['moe_intermediate_size']} | {r['logit_kl']:.2e} | "
+                     f"{r['top1_agreement']:.1%} | {r['loss_bf16_experts']:.4f} (N={r['steps']}) | "
+                     f"{r['loss_nf4_experts']:.4f} |")
+    return "\n".join(lines) + f"\n\nFrom `{QUANT_ERROR.relative_to(REPO)}` (`python -m tools.moe_quant_error`, CPU)."
+
+
 def render_blocks() -> dict[str, str]:
-    blocks = {"summary": summary_block()}
+    blocks = {"summary": summary_block(), "moe quant error": quant_error_block()}
     for reg in builtin_registrations():
         blocks[f"family {reg.descriptor.name}"] = family_block(reg)
     blocks["moe measured"] = moe_measured_block()
