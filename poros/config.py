@@ -166,6 +166,11 @@ class PorosConfig:
                                   "the run falls back to micro-major and says so) or 'micro-major' (each "
                                   "micro-batch streams every block, 2 x grad_accum copies per block per step).",
                                   choices=("micro-major", "layer-major"))
+    boundary_every: int | str = _field("auto", "Keep the state before every k-th block for backward (on the device, "
+                                       "the host or disk as the plan puts the boundary states) and recompute the "
+                                       "k - 1 between from it, one more forward through the segment's blocks (bitwise "
+                                       "the same): an integer >= 1, or 'auto' (the planner picks k from vram_budget, "
+                                       "host_budget and the machine's RAM; 1 when everything fits).")
     optimizer_states: str = _field("auto", "Where AdamW's exp_avg / exp_avg_sq live: 'device', 'host' (pinned host "
                                    "memory, stepped on the device a chunk at a time by poros.HostAdamW: bitwise "
                                    "torch's AdamW, 8 bytes per LoRA value off the device) or 'auto' (on the host "
@@ -283,6 +288,8 @@ class PorosConfig:
                 need(False, "vram_budget", "a size such as '7GiB', '24GB', '7000MiB' or '7.5G', or null",
                      "e.g. vram_budget: 7GiB")
         need(self.read_ahead >= 2, "read_ahead", "an integer >= 2", "e.g. read_ahead: 3")
+        need(self.boundary_every == "auto" or (isinstance(self.boundary_every, int) and self.boundary_every >= 1),
+             "boundary_every", "'auto' or an integer >= 1", "e.g. boundary_every: 8")
         if self.lora_placement == "host":
             need(self.optimizer_states != "device", "optimizer_states", "'auto' or 'host' with lora_placement: host "
                  "(poros.HostAdamW steps the host-kept LoRA tensors)", "set optimizer_states: host")

@@ -51,6 +51,7 @@ from poros.stream.optimizer_states import resolve as resolve_optimizer_states
 from poros.stream.options import StreamOptions, keyword_parameters
 from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
 from poros.stream.placement import host_embedding_tables
+from poros.stream.segments import resolve_every
 from poros.stream.store import BlockStore, HostEmbedding
 
 logger = logging.getLogger("poros")
@@ -560,6 +561,7 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
     decided = options.replace(
         embeddings_on_host=on_host, lora_placement=lora,
         boundary_states=options.boundary_states or (budget_plan.boundary_states if budget_plan else "device"),
+        boundary_every=resolve_every(options.boundary_every, budget_plan.boundary_every if budget_plan else None),
         optimizer_states=resolve_optimizer_states(options.optimizer_states, planned_states),
         # the chunk counts the budget needs (never fewer than asked: plan_budget only raises them)
         loss_chunks=budget_plan.loss_chunks if budget_plan else options.loss_chunks,

@@ -31,6 +31,7 @@ from poros.config import parse_budget
 from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
 from poros.stream.placement import check_boundary_states
+from poros.stream.segments import check_every
 
 SCHEDULES = ("micro-major", "layer-major")
 #: where the streamed blocks live on the host (``poros/stream/tiers.py``; chosen by ``poros.loading.host_tiers``)
@@ -123,6 +124,11 @@ class StreamOptions:
             inputs until backward: ``"device"`` or ``"host"`` (pinned host memory, copied on a side
             stream; bitwise the same). None: the planner decides under ``vram_budget`` (host only
             when the budget needs it), else the device.
+        boundary_every: k, keep the input of every k-th block for backward (where ``boundary_states``
+            says) and recompute the k - 1 between from it, one more forward without grad through the
+            segment's blocks (``poros.stream.segments``; bitwise the same, both schedules): an int >= 1,
+            or ``"auto"`` / None: the planner's choice under ``vram_budget`` and ``host_budget`` (and the
+            machine's RAM), else 1.
         optimizer_states: with ``vram_budget``, where the plan puts AdamW's state: ``"device"``,
             ``"host"`` or ``"auto"`` (host only when the slot ring does not fit with it on the
             device). ``prepare`` moves no optimizer: the plan's choice is
@@ -174,6 +180,7 @@ class StreamOptions:
     vram_budget: str | int | None = None
     workload: Workload | None = None
     boundary_states: str | None = None
+    boundary_every: int | str | None = None
     optimizer_states: str = "auto"
     host_tier: str | None = None
     host_budget: str | int | None = None
@@ -330,6 +337,7 @@ def _check_choices(options: StreamOptions) -> None:
         raise ConfigError(f"host_tier={options.host_tier!r}: expected one of {', '.join(HOST_TIERS)}, or None to "
                           "let the host budget decide.")
     check_boundary_states(options.boundary_states)
+    check_every(options.boundary_every)
     adamw_states.check(options.optimizer_states)
     adamw_states.check_lora(options.lora_placement)
     check_cuda_graphs(options.cuda_graphs)

@@ -271,6 +271,7 @@ class BudgetPlan:
     mlp_chunks: int = 1
     parts: tuple[tuple[str, int], ...] = ()
     attention: str = ""
+    boundary_every: int = 1
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""

@@ -69,6 +69,7 @@ FIELDS_FIXED_AT_LOAD = (
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
     "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks", "mlp_chunks",
     "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
+    "boundary_every",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
