@@ -56,6 +56,9 @@ class Workload:
         packed: rows hold several examples kept apart by ``position_ids`` restarts (``PorosConfig.packing``,
             ``poros.data.packing``): transformers then builds a ``batch x 1 x seq x seq`` mask, which SDPA
             copies into the compute dtype, and never takes the flash kernel.
+        boundary_every: k, the input of every k-th block kept for backward and the others recomputed
+            (``StreamOptions.boundary_every``): fewer boundary states, one more forward through
+            (k - 1) / k of the blocks and their copies.
 
     Raises:
         ConfigError: a size below 1 or an unknown schedule.
@@ -67,9 +70,10 @@ class Workload:
     schedule: str = "micro-major"
     loss_chunks: int = 1
     packed: bool = False
+    boundary_every: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks"):
+        for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks", "boundary_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"Workload {name}={getattr(self, name)!r}: expected an integer >= 1.")
         if self.schedule not in SCHEDULES:
@@ -127,8 +131,9 @@ class StreamOptions:
         boundary_every: k, keep the input of every k-th block for backward (where ``boundary_states``
             says) and recompute the k - 1 between from it, one more forward without grad through the
             segment's blocks (``poros.stream.segments``; bitwise the same, both schedules): an int >= 1,
-            or ``"auto"`` / None: the planner's choice under ``vram_budget`` and ``host_budget`` (and the
-            machine's RAM), else 1.
+            or ``"auto"``: the planner's choice under ``vram_budget`` and ``host_budget`` (the smallest k
+            that fits the budget with the boundary states off the disk), 1 without a budget. None: 1
+            (``PorosConfig.boundary_every`` defaults to ``"auto"``).
         optimizer_states: with ``vram_budget``, where the plan puts AdamW's state: ``"device"``,
             ``"host"`` or ``"auto"`` (host only when the slot ring does not fit with it on the
             device). ``prepare`` moves no optimizer: the plan's choice is

@@ -158,11 +158,16 @@ class PorosTrainer:
         from poros.loading.experts import quantize_experts_for_run
         from poros.loading.load import adapters_to_device, load_pretrained
         from poros.stream.options import StreamOptions
+        from poros.training.plan import fit_host_ram
 
         config.validate()
         tracking.check_installed(config.report_to)  # before the model loads
         # a missing GPU is named before any weight is read; under torchrun: this rank's device
         device = distributed.join_launched_job(resolve_device(config.device, check=True))
+        # the host RAM the run needs against this machine's: a host budget that fits, or a refusal, before loading
+        config, refit = fit_host_ram(config)
+        if refit is not None:
+            echo(refit)
         if config.deterministic and device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
