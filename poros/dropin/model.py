@@ -665,13 +665,16 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
     from poros.stream.tiers import make_host_tier
 
     block_file = getattr(causal_lm, "poros_block_file", None)  # the NF4 block cache entry the blocks view
-    # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy)
+    shards = getattr(causal_lm, "poros_checkpoint_shards", None)  # or a pre-quantized checkpoint's own shards
+    # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy), or the
+    # checkpoint's shards
     plan = plan_host_tier(packed_block_bytes(layers), resident, host_tier=options.host_tier,
                           host_budget=options.host_budget, read_ahead=options.read_ahead,
-                          ranks_per_node=world().local_size, shared_file=block_file is not None)
+                          ranks_per_node=world().local_size, shared_file=block_file is not None or shards is not None,
+                          prequantized=block_file is None and shards is not None)
     if plan.notable:
         logger.info("poros: %s", plan.reason)
-    tier = make_host_tier(plan.tier, block_file, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
+    tier = make_host_tier(plan.tier, block_file or shards, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
                           spill_dir=cache.cache_root(options.cache_dir) / "spill", chosen=options.host_tier is None,
                           held=plan.held_blocks)
     return plan, tier
