@@ -61,7 +61,7 @@ from poros import PorosConfig, PorosTrainer
 from poros.distributed import leave_process_group
 from poros.testing import mapping_memory
 out, checkpoint = pathlib.Path(sys.argv[1]), sys.argv[2]
-config = PorosConfig(model=checkpoint, steps=1, save_steps=1, batch_size=2, seq_len=32, logging_steps=1,
+config = PorosConfig(model=checkpoint, dataset="synthetic", steps=1, save_steps=1, batch_size=2, seq_len=32, logging_steps=1,
                      output_dir=str(out / "run"))
 trainer = PorosTrainer.from_config(config)
 trainer.train()
