@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The built-in families, in registration order (``poros.registry.DEFAULT_PLUGINS``): what a listing
 #: shows before any third-party family. Written here once; tests import it (``from conftest import ...``).
 BUILTIN_FAMILIES = ["qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"]
-if str(REPO_ROOT) not in sys.path:  # `from tools import bench`: the tools are a package of the checkout
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 class FamilyPlugin:
@@ -34,7 +31,7 @@ class FamilyPlugin:
 @pytest.fixture(scope="session", autouse=True)
 def host_ram_of_a_large_machine():
     """Plans of large models do not depend on the RAM of the machine the tests run on: POROS_HOST_RAM (what
-    ``poros.loading.host_tiers.machine_host_ram`` reads first) is 4 TiB unless set; tests of the check set
+    ``poros.plan.host_tiers.machine_host_ram`` reads first) is 4 TiB unless set; tests of the check set
     their own."""
     previous = os.environ.get("POROS_HOST_RAM")
     os.environ["POROS_HOST_RAM"] = previous or "4TiB"

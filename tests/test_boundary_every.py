@@ -116,7 +116,7 @@ def test_the_planner_prices_the_recompute(schedule):
     """boundary_every=k: the peak counts the kept states and a segment's recomputed ones; the step's copies and
     time count one more forward through every segment but its top block."""
     from poros.stream.options import Workload
-    from poros.stream.planner import ComputeTimes, Footprint, copy_bytes_per_step, predict_peak, predict_step
+    from poros.plan.budget import ComputeTimes, Footprint, copy_bytes_per_step, predict_peak, predict_step
 
     blocks, state = 8, 1000
     footprint = Footprint(block_bytes=(100,) * blocks, device_non_block_bytes=0, host_embedding_bytes=0,

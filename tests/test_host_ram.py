@@ -10,8 +10,8 @@ import pytest
 
 from poros import records
 from poros.cli.main import main
-from poros.loading.host_tiers import PROCESS_HOST_BYTES, machine_host_ram
-from poros.stream.planner import kept_states
+from poros.plan.host_tiers import PROCESS_HOST_BYTES, machine_host_ram
+from poros.plan.budget import kept_states
 from poros.testing import save_tiny_checkpoint
 
 GIB = 2**30

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from poros.stream.packing import Entry, Layout
-from poros.stream.tiers import _HostArena, _KeptBlocks, _register_for_dma
+from poros.stream.block_file import HostArena, KeptBlocks, register_for_dma
 
 #: a quantized weight's tensors as the store's layout names them (``X.weight.quant_state.*``) and as
 #: ``save_pretrained`` names them in a bnb-4bit checkpoint (``X.weight.*``)
@@ -112,7 +112,7 @@ def _contiguous(entry: Entry) -> bool:
     return entry.span == expected and all(s == e for s, e, size in zip(entry.stride, stride, entry.shape) if size > 1)
 
 
-class ShardMappedTier(_KeptBlocks):
+class ShardMappedTier(KeptBlocks):
     """Serve every streamed block from the mapped shards of a pre-quantized checkpoint (module docstring).
 
     Args:
@@ -127,7 +127,7 @@ class ShardMappedTier(_KeptBlocks):
         self.pieces: dict[int, Pieces] = {}
         self.mappings: dict[Path, torch.Tensor] = {}  # each shard, mapped shared read-only
         self.registered: list[torch.Tensor] = []
-        self.copies: _HostArena | None = None  # pinned copies of the blocks, when registering was refused
+        self.copies: HostArena | None = None  # pinned copies of the blocks, when registering was refused
         self.kept: dict[int, torch.Tensor] = {}
         #: tensors served from the mapped shards, and from small pinned copies (no twin in the file)
         self.stats = {"mapped_tensors": 0, "mapped_bytes": 0, "pinned_tensors": 0, "pinned_bytes": 0}
@@ -171,12 +171,12 @@ class ShardMappedTier(_KeptBlocks):
         if device.type == "cuda":
             refused = False
             for mapping in self.mappings.values():
-                if _register_for_dma(mapping, copy_if_refused=self.copy_if_refused):
+                if register_for_dma(mapping, copy_if_refused=self.copy_if_refused):
                     self.registered.append(mapping)
                 else:
                     refused = True
             if refused and self.copy_if_refused:
-                self.copies = _HostArena({i: p.nbytes for i, p in self.pieces.items()}, pin=True)
+                self.copies = HostArena({i: p.nbytes for i, p in self.pieces.items()}, pin=True)
                 for index, view in self.copies.views.items():
                     self.pieces[index].copy_into(view)
 

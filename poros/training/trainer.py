@@ -158,7 +158,7 @@ class PorosTrainer:
         from poros.loading.experts import quantize_experts_for_run
         from poros.loading.load import adapters_to_device, load_pretrained
         from poros.stream.options import StreamOptions
-        from poros.training.plan import fit_host_ram
+        from poros.plan.run_plan import fit_host_ram
 
         config.validate()
         tracking.check_installed(config.report_to)  # before the model loads
