@@ -29,7 +29,7 @@ from poros.loading.prequantized import read_prequantized
 from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
 from poros.plan.block_bytes import block_bytes, meta_skeleton, nf4_experts_bytes, padded, quantized_linears, tensor_bytes
 from poros.plan.footprint import chunked_footprints, with_activations
-from poros.spellings import format_gb
+from poros.spellings import format_gb, parse_budget
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
 from poros.plan.budget import (
     CUDA_WORKSPACE_BYTES,
@@ -417,7 +417,8 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
                                      link_bytes_per_s=link, footprint_for=plan.footprint_for(),
                                      embeddings_on_host=on_host, host_budget=host_budget)
         host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks,
-                                         host_tier=config.host_tier, host_budget=host_budget,
+                                         host_tier=config.host_tier,
+                                         host_budget=None if host_budget is None else parse_budget(host_budget),
                                          read_ahead=config.read_ahead, ranks_per_node=ranks, shared_file=cached,
                                          prequantized=plan.prequantized)
         node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
