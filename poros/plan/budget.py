@@ -231,7 +231,8 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
 
     ``options.boundary_every``: an int is taken as given (None: 1); ``"auto"`` picks the smallest k of
     1, 2, 4, 8, ... whose plan fits the budget and keeps the boundary states off the disk (the host
-    budget holds the streamed blocks and the L / k kept states), else the smallest that fits. Its extra
+    budget holds the streamed blocks and the L / k kept states); where every k sends them to disk, the
+    largest that fits (the fewest bytes written and read back). Its extra
     forward and copies are in the peak and the step prediction (:func:`predict_step`).
 
     Raises:
@@ -243,7 +244,7 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
     if isinstance(every, int):
         return _plan_budget(footprint, dataclasses.replace(workload, boundary_every=every), options, compute,
                             link_bytes_per_s, context_bytes, slack, footprint_for)
-    fitting, refused = None, None
+    fitting, on_disk, refused = None, None, None
     for every in every_candidates(footprint.num_blocks):
         try:
             plan = _plan_budget(footprint, dataclasses.replace(workload, boundary_every=every), options, compute,
@@ -253,9 +254,15 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
             continue
         if plan.boundary_states != "disk":
             return plan if every == 1 else _chosen_every(plan, fitting)
-        fitting = fitting or plan
+        fitting = plan if fitting is None else fitting
+        on_disk = plan  # the largest k that fits: the fewest states written and read back per step
     if fitting is not None:
-        return fitting
+        if on_disk.boundary_every == 1:
+            return on_disk
+        note = (f"boundary_every={on_disk.boundary_every}: the boundary states go to disk whatever k, so the planner "
+                f"keeps the fewest that fit the VRAM budget ({format_gb(on_disk.boundary_bytes)} written and read "
+                f"back per step instead of {format_gb(fitting.boundary_bytes)}), recomputing the others")
+        return dataclasses.replace(on_disk, notes=(*on_disk.notes, note))
     raise refused
 
 

@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--boundary-every", default="auto", help="'auto' or an integer")
     parser.add_argument("--cap-gib", type=float, default=None, help="cap the process's device memory")
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--embeddings-on-host", choices=("true", "false"), default=None,
+                        help="PorosConfig.embeddings_on_host (default: on CUDA, on): false keeps the tables' 2.5 GB "
+                             "(72B) off the host")
     parser.add_argument("--work", default="/tmp/poros-long", help="output and cache (spill) directory")
     parser.add_argument("--json", type=Path, help="write the report here")
     return parser.parse_args(argv)
@@ -106,6 +109,7 @@ def main(argv=None) -> int:
                          seq_len=args.seq, batch_size=1, grad_accum=args.grad_accum, stream_schedule=args.schedule,
                          vram_budget=args.vram_budget, host_budget=args.host_budget, boundary_every=every,
                          deterministic=args.deterministic, cache_dir=str(work / "cache"),
+                         embeddings_on_host=None if args.embeddings_on_host is None else args.embeddings_on_host == "true",
                          output_dir=str(work / "run"), save_steps=0, logging_steps=1)
     report: dict[str, Any] = {"tool": "long_context_run", "args": vars(args) | {"json": str(args.json)},
                               "partial": True}
