@@ -85,6 +85,10 @@ class ConfigError(PorosError, ValueError):
     """A Poros configuration (``poros.yaml``, CLI override, PorosConfig field) is invalid."""
 
 
+class HostMemoryError(ConfigError):
+    """The run needs more host RAM than the machine has, and no plan fits it (or not with the host budget given)."""
+
+
 class TrainingCheckpointError(PorosError):
     """A training checkpoint (``checkpoint-{step}/``) is missing, incomplete or does not match the run."""
 

@@ -239,6 +239,22 @@ STREAMING: tuple[Setting, ...] = (
             "them either), or null", "null lets the budget planner decide"),
         where="keyword"),
     Setting(
+        "boundary_every", int | str, "auto",
+        "Keep the state before every k-th block for backward (on the device, the host or disk as the plan puts "
+        "the boundary states) and recompute the k - 1 between from it, one more forward through the segment's "
+        "blocks (bitwise the same): an integer >= 1, or 'auto' (the planner picks k from vram_budget, "
+        "host_budget and the machine's RAM; 1 when everything fits).",
+        "k: keep the input of every k-th block for backward (where ``boundary_states`` says) and recompute the "
+        "k - 1 between from it, one more forward without grad through the segment's blocks "
+        "(``poros.stream.segments``; bitwise the same, both schedules): an int >= 1, or ``\"auto\"``: the "
+        "planner's choice under ``vram_budget`` and ``host_budget`` (the smallest k that fits the budget with "
+        "the boundary states off the disk), 1 without a budget. None: 1 (the config's default is "
+        "``\"auto\"``).",
+        lambda value: None if value is None or value == "auto" or (_integer(value) and value >= 1) else (
+            "'auto' or an integer >= 1 (1 keeps every block's input; k keeps every k-th and recomputes the others "
+            "in backward)", "e.g. boundary_every: 8"),
+        example="8", keyword_type=int | str | None, keyword_default=None),
+    Setting(
         "optimizer_states", str, "auto",
         "Where AdamW's exp_avg / exp_avg_sq live: 'device', 'host' (pinned host memory, stepped on the device a "
         "chunk at a time by poros.HostAdamW: bitwise torch's AdamW, 8 bytes per LoRA value off the device) or "

@@ -30,6 +30,18 @@ class FamilyPlugin:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def host_ram_of_a_large_machine():
+    """Plans of large models do not depend on the RAM of the machine the tests run on: POROS_HOST_RAM (what
+    ``poros.plan.host_tiers.machine_host_ram`` reads first) is 4 TiB unless set; tests of the check set
+    their own."""
+    previous = os.environ.get("POROS_HOST_RAM")
+    os.environ["POROS_HOST_RAM"] = previous or "4TiB"
+    yield
+    if previous is None:
+        os.environ.pop("POROS_HOST_RAM", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def block_cache_in_a_temporary_directory(tmp_path_factory):
     """Runs that use the NF4 block cache (on by default for PorosTrainer) write it here, not to ~/.cache."""
     previous = os.environ.get("POROS_CACHE_DIR")

@@ -90,14 +90,17 @@ def test_the_table_of_parts_is_printed(capsys):
 
 
 def test_a_host_budget_below_the_boundary_states_sends_them_to_disk(capsys):
-    status, report, err = plan(capsys, "Qwen/Qwen2.5-72B", 131072, "80GiB", *CUDA, "--host-budget", "100GiB")
+    """With every block's input kept (boundary_every 1); 'auto' keeps fewer instead (test_host_ram.py)."""
+    status, report, err = plan(capsys, "Qwen/Qwen2.5-72B", 131072, "80GiB", *CUDA, "--host-budget", "100GiB",
+                               "--boundary-every", "1")
     assert status == 0, err
     bp = report["plan"]
     assert bp["boundary_states"] == "disk"
     assert any("the host budget (107.37 GB) cannot hold them (171.80 GB)" in note for note in bp["notes"])
     # on the host only the state in flight each way; the device's share is the host plan's
     assert report["host_ram"]["parts"]["boundary states: one in flight each way (the rest on disk)"] == 2 * 131072 * 8192 * 2
-    status, roomy, err = plan(capsys, "Qwen/Qwen2.5-72B", 131072, "80GiB", *CUDA, "--host-budget", "400GiB")
+    status, roomy, err = plan(capsys, "Qwen/Qwen2.5-72B", 131072, "80GiB", *CUDA, "--host-budget", "400GiB",
+                              "--boundary-every", "1")
     assert roomy["plan"]["boundary_states"] == "host" and roomy["plan"]["peak"] == bp["peak"]  # same device side
 
 

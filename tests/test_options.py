@@ -137,7 +137,7 @@ def test_prepare_takes_an_options_object_and_keywords_over_it(checkpoint):
     assert streamed.store.num_slots == 1 and streamed.store.resident_blocks == (1, 2)
     assert streamed.executor.options == options.replace(resident_blocks=2, embeddings_on_host=False,
                                                         lora_placement="device", optimizer_states="device",
-                                                        host_tier="pinned")
+                                                        host_tier="pinned", boundary_every=1)
     assert streamed.executor.boundary_states == "host"
     with pytest.raises(AttributeError):  # read from the options the executor was built with, never assigned
         streamed.executor.boundary_states = "device"

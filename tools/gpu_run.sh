@@ -14,6 +14,7 @@
 #   DEVICE=cpu tools/gpu_run.sh doctor:quick doctor:model=poros-tiny-qwen3:vram-budget=2GiB
 #   tools/gpu_run.sh cache:qwen2.5-32b:layers=4 cache:qwen2.5-72b:layers=4:host-budget-gib=1
 #   tools/gpu_run.sh prequant:qwen2.5-72b:layers=8:cap-gib=8     # poros quantize, bnb-4bit starts, the drop-in at 8 GiB
+#   tools/gpu_run.sh long:checkpoint=/tmp/poros-pq/bnb-4bit:seq=32768:vram-budget=22GiB:cap-gib=24:host-budget=40GiB:deterministic
 #   tools/gpu_run.sh gate:cuda-graphs:no-diagnose:grad-accum=2:schedule=layer-major:steps=4        # graphs' gate
 #   POROS_CUDA_GRAPHS_AUTOCAST=1 tools/gpu_run.sh gate:cuda-graphs:autocast=bf16:no-diagnose:grad-accum=2:schedule=layer-major:steps=4
 #   tools/gpu_run.sh bench:qwen2.5-72b:cuda-graphs:schedule=layer-major:deterministic:profile:arms=resident,poros-device,poros
@@ -25,7 +26,9 @@
 # `curve:SHAPE` (tools/bench/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/checks/merge_generate_bench.py
 # --model SHAPE: poros merge RAM/time and poros generate tokens/s), `cache:SHAPE` (tools/checks/cache_bench.py
 # --model SHAPE: NF4 block cache start times and host tiers), `prequant:SHAPE` (tools/checks/prequant_bench.py
-# --model SHAPE: poros quantize, starts from a bnb-4bit checkpoint, the drop-in under a cap), `load`
+# --model SHAPE: poros quantize, starts from a bnb-4bit checkpoint, the drop-in under a cap), `long`
+# (tools/checks/long_context_run.py: one long-context run from a bnb-4bit checkpoint, host peak RSS and disk
+# used beside the plan), `load`
 # (tools/checks/load_check.py), `eval`
 # (tools/checks/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
 # (tools/checks/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
@@ -185,6 +188,10 @@ main() {
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.checks.prequant_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+             ${extra[@]+"${extra[@]}"}) ;;
+      long)
+        mapfile -t extra < <(options "$rest")
+        cmd=(python3 -m tools.checks.long_context_run --device "$DEVICE" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")

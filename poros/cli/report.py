@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from poros.cli.output import table
 from poros.plan.run_plan import Plan
-from poros.plan.budget import BudgetPlan, format_gb, human_bytes, predict_peak
+from poros.plan.budget import BudgetPlan, format_gb, human_bytes, kept_states, predict_peak
 
 def _runs(sizes: tuple[int, ...]) -> str:
     """``(5, 5, 7)`` -> ``"5 B x 2, 7 B x 1"``: block sizes in order, consecutive equal ones grouped."""
@@ -108,6 +108,8 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
                             + {"host": "; pinned, in flight on the device",
                                "disk": "; files under the cache's spill/, in flight on the device"}.get(
                                    bp.boundary_states, "") + ")"),
+        ("boundary_every", f"{bp.boundary_every}" + (f" (every {bp.boundary_every}th block's input kept, the others "
+                                                     "recomputed in backward)" if bp.boundary_every > 1 else "")),
         ("AdamW state", bp.optimizer_states + ("; pinned, stepped a chunk at a time" if bp.optimizer_states == "host"
                                                else "")),
         ("LoRA tensors", bp.lora_placement + ("; pinned, each block's with its block" if bp.lora_placement == "host"
@@ -176,7 +178,8 @@ def sequence_parts(bp: BudgetPlan) -> list[tuple[str, int]]:
     whole step (where they wait), and the LoRA tensors with AdamW's state (wherever they are)."""
     micro = bp.workload.grad_accum if bp.workload.schedule == "layer-major" else 1
     return [*bp.parts,
-            (f"boundary states, all ({micro} x {bp.num_blocks} x batch x seq x hidden; {bp.boundary_states})",
+            (f"boundary states, all ({micro} x {kept_states(bp.num_blocks, bp.boundary_every)} x batch x seq x hidden; "
+             f"{bp.boundary_states})",
              bp.boundary_bytes),
             *((name, n) for name, n in bp.peak.persistent if name.startswith(("LoRA", "AdamW", "embedding")) and n)]
 

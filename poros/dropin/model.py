@@ -33,8 +33,8 @@ from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
 from poros.stream.optimizer_states import resolve as resolve_optimizer_states
 from poros.stream.options import StreamOptions, keyword_parameters
-from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host
-from poros.stream.placement import host_embedding_tables
+from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host, host_embedding_tables
+from poros.stream.segments import resolve_every
 from poros.stream.store import BlockStore, HostEmbedding
 from poros.dropin.detection import (  # re-exported: this module's names before the split
     COMPILE_WORKAROUND,
@@ -326,6 +326,7 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
     decided = options.replace(
         embeddings_on_host=on_host, lora_placement=lora,
         boundary_states=options.boundary_states or (budget_plan.boundary_states if budget_plan else "device"),
+        boundary_every=resolve_every(options.boundary_every, budget_plan.boundary_every if budget_plan else None),
         optimizer_states=resolve_optimizer_states(options.optimizer_states, planned_states),
         # the chunk counts the budget needs (never fewer than asked: plan_budget only raises them)
         loss_chunks=budget_plan.loss_chunks if budget_plan else options.loss_chunks,
@@ -431,14 +432,15 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
     from poros.stream.store import packed_block_bytes
     from poros.stream.tiers import make_host_tier
 
-    block_file = getattr(causal_lm, "poros_block_file", None)  # the NF4 block cache entry the blocks view
-    # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy)
+    # the block cache entry the blocks view, or a pre-quantized checkpoint's shards: the node's ranks share either
+    block_file, shards = getattr(causal_lm, "poros_block_file", None), getattr(causal_lm, "poros_checkpoint_shards", None)
     plan = plan_host_tier(packed_block_bytes(layers), resident, host_tier=options.host_tier,
                           host_budget=options.host_budget_bytes, read_ahead=options.read_ahead,
-                          ranks_per_node=world().local_size, shared_file=block_file is not None)
+                          ranks_per_node=world().local_size, shared_file=block_file is not None or shards is not None,
+                          prequantized=block_file is None and shards is not None)
     if plan.notable:
         logger.info("poros: %s", plan.reason)
-    tier = make_host_tier(plan.tier, block_file, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
+    tier = make_host_tier(plan.tier, block_file or shards, read_ahead=plan.read_ahead or DEFAULT_READ_AHEAD,
                           spill_dir=cache.cache_root(options.cache_dir) / "spill", chosen=options.host_tier is None,
                           held=plan.held_blocks)
     return plan, tier

@@ -185,6 +185,10 @@ def load_pretrained(
 
     if cache_dir is None or prequantized is not None:
         model, loading_info = load()
+        if prequantized is not None and not info.multimodal:  # its blocks can stream from its own shards
+            from poros.stream.shard_tier import prequantized_shards
+
+            model.poros_checkpoint_shards = prequantized_shards(info.weight_files, blocks_prefix)
     else:
         from poros.loading.cache_blocks import load_through_cache
 

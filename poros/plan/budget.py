@@ -46,6 +46,7 @@ from poros.plan.peak import (
     PeakBreakdown,
     biggest_part,
     budget_for_peak,
+    kept_states,
     peak_upper_bound,
     predict_peak,
 )
@@ -229,11 +230,68 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
     ``options.boundary_states`` says ``"disk"``, or when ``options.host_budget`` cannot hold them beside
     the streamed blocks.
 
+    ``options.boundary_every``: an int is taken as given (None: 1); ``"auto"`` picks the smallest k of
+    1, 2, 4, 8, ... whose plan fits the budget and keeps the boundary states off the disk (the host
+    budget holds the streamed blocks and the L / k kept states); where every k sends them to disk, the
+    largest that fits (the fewest bytes written and read back). Its extra
+    forward and copies are in the peak and the step prediction (:func:`predict_step`).
+
     Raises:
         ConfigError: no budget, or a budget below the minimum (the message names the minimum and what
             the peak is made of); ``lora_placement="host"`` without AdamW's state on the host and
             layer-major.
     """
+    every = 1 if options.boundary_every is None else options.boundary_every
+    if isinstance(every, int):
+        return _plan_budget(footprint, dataclasses.replace(workload, boundary_every=every), options, compute,
+                            link_bytes_per_s, context_bytes, slack, footprint_for)
+    fitting, on_disk, refused = None, None, None
+    for every in every_candidates(footprint.num_blocks):
+        try:
+            plan = _plan_budget(footprint, dataclasses.replace(workload, boundary_every=every), options, compute,
+                                link_bytes_per_s, context_bytes, slack, footprint_for)
+        except ConfigError as error:
+            refused = refused or error
+            continue
+        if plan.boundary_states != "disk":
+            return plan if every == 1 else _chosen_every(plan, fitting)
+        fitting = plan if fitting is None else fitting
+        on_disk = plan  # the largest k that fits: the fewest states written and read back per step
+    if fitting is not None:
+        if on_disk.boundary_every == 1:
+            return on_disk
+        note = (f"boundary_every={on_disk.boundary_every}: the boundary states go to disk whatever k, so the planner "
+                f"keeps the fewest that fit the VRAM budget ({format_gb(on_disk.boundary_bytes)} written and read "
+                f"back per step instead of {format_gb(fitting.boundary_bytes)}), recomputing the others")
+        return dataclasses.replace(on_disk, notes=(*on_disk.notes, note))
+    raise refused
+
+
+def every_candidates(num_blocks: int) -> list[int]:
+    """The ``boundary_every`` values ``"auto"`` tries, fewest recomputes first: 1, 2, 4, ... below ``num_blocks``."""
+    found, every = [], 1
+    while every == 1 or every < num_blocks:
+        found.append(every)
+        every *= 2
+    return found
+
+
+def _chosen_every(plan: BudgetPlan, on_disk: BudgetPlan | None) -> BudgetPlan:
+    """``plan`` (boundary_every > 1) with a note of why: the states on the host instead of the disk, or a
+    step the budget holds at all."""
+    why = (f"with boundary_every={on_disk.boundary_every} the host budget cannot hold the boundary states "
+           f"({format_gb(on_disk.boundary_bytes)}) beside the streamed blocks and they would go to disk"
+           if on_disk is not None else "with fewer recomputes the VRAM budget cannot hold the boundary states")
+    note = (f"boundary_every={plan.boundary_every}: the input of every {plan.boundary_every}th block is kept "
+            f"({format_gb(plan.boundary_bytes)} on the {plan.boundary_states}) and the others recomputed in backward "
+            f"(one more forward through their segment, in the step prediction), because {why}")
+    return dataclasses.replace(plan, notes=(*plan.notes, note))
+
+
+def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions, compute: ComputeTimes | None,
+                 link_bytes_per_s: float | None, context_bytes: int, slack: float,
+                 footprint_for: Callable[[int, int], Footprint] | None) -> BudgetPlan:
+    """:func:`plan_budget` for the ``workload.boundary_every`` given."""
     if options.vram_budget is None:
         raise ConfigError("plan_budget got options without a vram_budget; expected the device memory to plan for. "
                           "Pass e.g. StreamOptions(vram_budget='12GiB').")
@@ -255,7 +313,8 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
     peak, needed = sizing.peak(resident, slots, boundary.offload)
     step = predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s, resident=resident_blocks,
                         num_slots=slots) if timed else None
-    boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if sizing.layer_major else 1)
+    boundary_total = footprint.boundary_bytes * kept_states(blocks, workload.boundary_every) * (
+        workload.grad_accum if sizing.layer_major else 1)
     notes = _notes(sizing, options, budget_bytes, boundary, slots, resident, hiding[0], compute, link_bytes_per_s)
     place = _boundary_place(boundary, options, footprint, resident_blocks, boundary_total)
     if place == "disk":
@@ -291,7 +350,8 @@ def plan_budget(footprint: Footprint, workload: Workload, options: StreamOptions
         hide_copy_bytes=hiding[1], hide_copy_peak_bytes=hiding[2], hide_copy_step=hiding[3], notes=tuple(notes),
         optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device",
         loss_chunks=workload.loss_chunks, mlp_chunks=footprint.mlp_chunks, parts=footprint.parts,
-        attention=footprint.attention, kept_activation_blocks=kept, kept_activation_bytes=kept_bytes)
+        attention=footprint.attention, kept_activation_blocks=kept, kept_activation_bytes=kept_bytes,
+        boundary_every=workload.boundary_every)
 
 
 def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Workload, options: StreamOptions,
@@ -334,7 +394,8 @@ def _notes(sizing: _Sizing, options: StreamOptions, budget_bytes: int, boundary:
     """The plan's decisions, in words."""
     footprint, workload, num_slots = sizing.footprint, sizing.workload, options.num_slots
     blocks, streamed = footprint.num_blocks, footprint.num_blocks - resident
-    boundary_total = footprint.boundary_bytes * blocks * (workload.grad_accum if sizing.layer_major else 1)
+    boundary_total = footprint.boundary_bytes * kept_states(blocks, workload.boundary_every) * (
+        workload.grad_accum if sizing.layer_major else 1)
     notes = []
     if slots < num_slots:
         notes.append(f"{slots} device slot instead of {num_slots}: {format_gb(budget_bytes)} cannot hold a second "
@@ -421,4 +482,4 @@ def _accepted_minimum(device: int, host: int, layer_major: bool, boundary_states
     return host if boundary_states in ("host", "disk") else min(device, host)
 
 
-__all__ = ["ALLOCATOR_SLACK", "CUDA_CONTEXT_BYTES", "CUDA_WORKSPACE_BYTES", "LORA_BYTES_PER_PARAMETER", "LORA_VALUE_BYTES", "SCHEDULES", "BudgetPlan", "ComputeTimes", "Footprint", "PeakBreakdown", "StepPrediction", "Workload", "budget_for_peak", "copy_bytes_per_step", "format_gb", "human_bytes", "minimum_budget", "parse_budget", "peak_upper_bound", "plan_budget", "predict_peak", "predict_step"]
+__all__ = ["ALLOCATOR_SLACK", "CUDA_CONTEXT_BYTES", "CUDA_WORKSPACE_BYTES", "LORA_BYTES_PER_PARAMETER", "LORA_VALUE_BYTES", "SCHEDULES", "BudgetPlan", "ComputeTimes", "Footprint", "PeakBreakdown", "StepPrediction", "Workload", "budget_for_peak", "copy_bytes_per_step", "every_candidates", "format_gb", "human_bytes", "kept_states", "minimum_budget", "parse_budget", "peak_upper_bound", "plan_budget", "predict_peak", "predict_step"]

@@ -88,6 +88,7 @@ class BudgetPlan:
     attention: str = ""
     kept_activation_blocks: int = 0
     kept_activation_bytes: int = 0
+    boundary_every: int = 1
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""

@@ -77,7 +77,8 @@ class HostPlan:
 
 
 def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, requested: str | None = None,
-                     read_ahead: int | None = None, ranks_per_node: int = 1, shared_file: bool = False) -> HostPlan:
+                     read_ahead: int | None = None, ranks_per_node: int = 1, shared_file: bool = False,
+                     prequantized: bool = False) -> HostPlan:
     """Pick the host tier and the disk tier's read-ahead depth for the streamed blocks' ``block_bytes``.
 
     ``requested`` (a tier name) is taken as given; otherwise ``disk`` when a budget is set and below the
@@ -124,9 +125,10 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
                         f"disk tier, {depth} ring buffers{holding}: {why}", ranks_per_node, held, notable)
     shared = requested is None and shared_file
     if requested == "mapped" or shared:
+        source = "pre-quantized checkpoint's shards" if prequantized else "NF4 block cache entry"
         why = "asked for" if not shared else (
-            f"{ranks_per_node} ranks on this node map the one NF4 block cache entry local rank 0 built"
-            if ranks_per_node > 1 else "the blocks come from the NF4 block cache entry (no copy into pinned memory)")
+            f"{ranks_per_node} ranks on this node map the {source}" + ("" if prequantized else " local rank 0 built")
+            if ranks_per_node > 1 else f"the blocks come from the {source} (no copy into pinned memory)")
         return HostPlan("mapped", 0, total, total, f"mapped tier, {why}: the page cache holds the blocks "
                         f"({human_bytes(total)}) once, shared by every process of the node", ranks_per_node,
                         notable=notable)
@@ -141,13 +143,14 @@ def choose_host_tier(block_bytes: list[int], host_budget: int | None = None, *, 
 
 def plan_host_tier(block_bytes: Iterable[int], resident: Iterable[int] = (), *, host_tier: str | None = None,
                    host_budget: str | int | None = None, read_ahead: int | None = None, ranks_per_node: int = 1,
-                   shared_file: bool = False) -> HostPlan:
+                   shared_file: bool = False, prequantized: bool = False) -> HostPlan:
     """The host tier a run gets: the one decision ``prepare`` (``poros.dropin.model``) and ``poros plan``
     (``poros.plan.run_plan``) both take. ``block_bytes`` are every block's packed bytes and ``resident``
     the indices of those kept on the device (the others stream); ``host_tier``, ``host_budget`` (bytes or
     ``"24GiB"``) and ``read_ahead`` are the run's options; ``ranks_per_node`` the node's processes that
     each stream the model; ``shared_file``: the blocks are views of an NF4 block cache entry (loaded, or
-    to be loaded, through the cache). See :func:`choose_host_tier`.
+    to be loaded, through the cache), or with ``prequantized`` the checkpoint's own shards. See
+    :func:`choose_host_tier`.
 
     Raises:
         ConfigError: an unparsable host budget, and as :func:`choose_host_tier`.
@@ -156,7 +159,7 @@ def plan_host_tier(block_bytes: Iterable[int], resident: Iterable[int] = (), *, 
     kept = set(resident)
     streamed = [n for i, n in enumerate(block_bytes) if i not in kept]
     return choose_host_tier(streamed, budget, requested=host_tier, read_ahead=read_ahead,
-                            ranks_per_node=ranks_per_node, shared_file=shared_file)
+                            ranks_per_node=ranks_per_node, shared_file=shared_file, prequantized=prequantized)
 
 
 def node_host_ram(footprint: Any, host: HostPlan, embeddings_on_host: bool, *, shared_tables: bool = False) -> dict:
@@ -171,6 +174,59 @@ def node_host_ram(footprint: Any, host: HostPlan, embeddings_on_host: bool, *, s
     return {"ranks_per_node": ranks, "host_tier": host.tier, "host_bytes_one_rank": one,
             "host_bytes_per_node": host.host_bytes_per_node + (tables if shared_tables and ranks > 1 else tables * ranks),
             "host_bytes_per_node_one_copy_per_rank": one * ranks, "host_bytes_per_node_shared": one}
+
+
+#: the environment variable that sets the host RAM a run may use on this machine (bytes or ``"64GiB"``), in place of
+#: what :func:`machine_host_ram` reads from the kernel: for planning another machine, and for tests
+HOST_RAM_ENV = "POROS_HOST_RAM"
+#: host RAM the process needs beside what the plan counts: Python, torch and CUDA's own host allocations,
+#: the data pipeline (an estimate; ``poros plan`` compares the plan plus this with the machine)
+PROCESS_HOST_BYTES = 4 << 30
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))  # v1
+
+
+@dataclass(frozen=True)
+class MachineRam:
+    """The host RAM a run may use on this machine, and where the number comes from (for the messages)."""
+
+    available: int
+    source: str
+
+
+def machine_host_ram(environ: dict | None = None, root: str = "/") -> MachineRam | None:
+    """The host RAM this machine can give a run: :data:`HOST_RAM_ENV` when set, else the smaller of
+    ``MemAvailable`` (``/proc/meminfo``) and the cgroup's limit less its usage (cgroup v2 ``memory.max``, or
+    v1 ``memory.limit_in_bytes``); None where neither can be read (not Linux). ``root`` prefixes the kernel's
+    files (tests).
+
+    Raises:
+        ConfigError: :data:`HOST_RAM_ENV` is not a size.
+    """
+    environ = os.environ if environ is None else environ
+    given = environ.get(HOST_RAM_ENV)
+    if given:
+        return MachineRam(parse_budget(given, HOST_RAM_ENV), f"{HOST_RAM_ENV}={given}")
+    found = []
+    try:
+        for line in Path(root, "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            limit = Path(root, limit_file.lstrip("/")).read_text().strip()
+            usage = int(Path(root, usage_file.lstrip("/")).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max", or v1's "no limit" of 2^63 rounded to pages
+            found.append((max(int(limit) - usage, 0), f"the cgroup's memory limit less its usage ({limit_file})"))
+        break
+    if not found:
+        return None
+    available, source = min(found)
+    return MachineRam(available, source)
 
 
 def measure_disk_read(directory: str | os.PathLike, size: int = DISK_PROBE_BYTES) -> dict:
@@ -221,5 +277,5 @@ def measure_disk_read(directory: str | os.PathLike, size: int = DISK_PROBE_BYTES
             "path": str(directory)}
 
 
-__all__ = ["DEFAULT_READ_AHEAD", "HOST_TIERS", "HostPlan", "choose_host_tier", "measure_disk_read", "node_host_ram",
-           "plan_host_tier"]
+__all__ = ["DEFAULT_READ_AHEAD", "HOST_RAM_ENV", "HOST_TIERS", "PROCESS_HOST_BYTES", "HostPlan", "MachineRam",
+           "choose_host_tier", "machine_host_ram", "measure_disk_read", "node_host_ram", "plan_host_tier"]

@@ -139,25 +139,30 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         *lora_persistent,
         ("library workspaces", footprint.workspace_bytes),
     ]
-    micro, blocks = workload.grad_accum, footprint.num_blocks
+    micro, every = workload.grad_accum, workload.boundary_every
+    blocks = kept_states(footprint.num_blocks, every)  # the boundary states kept: L, or L / k rounded up
+    segment = every - 1  # boundary_every > 1: a segment's recomputed inputs, alive at its top block's backward
     boundary = footprint.boundary_bytes
     if workload.schedule == "layer-major" and boundary_on_host:
         turn = [("boundary states on the device (M prelude outputs, M outputs, their gradients; the rest on "
                  "the host)", 3 * micro * boundary),
                 ("head and loss working set", footprint.head_bytes)]
         backward = [("boundary states on the device (M prelude outputs, this block's M inputs, the next block's, "
-                     "M gradients)", 4 * micro * boundary),
+                     "M gradients)" + (f", the segment's {segment} x M recomputed ones" if segment else ""),
+                     (4 + segment) * micro * boundary),
                     ("LoRA gradients", staying), ("one block's recompute working set", footprint.recompute_bytes)]
     elif workload.schedule == "layer-major":
         turn = [("boundary states (M x L) + outputs and their gradients", micro * (blocks + 2) * boundary),
                 ("head and loss working set", footprint.head_bytes)]
-        backward = [("boundary states (M x L, kept until backward ends)", micro * (blocks + 1) * boundary),
+        backward = [("boundary states (M x L, kept until backward ends)" + (
+                        f" + the segment's {segment} x M recomputed ones" if segment else ""),
+                     micro * (blocks + 1 + segment) * boundary),
                     ("LoRA gradients", staying), ("one block's recompute working set", footprint.recompute_bytes)]
     else:
         accumulated = lora if micro > 1 else 0  # gradients of the earlier micro-batches
         turn = [("boundary states (L)", blocks * boundary), ("head and loss working set", footprint.head_bytes),
                 ("LoRA gradients (earlier micro-batches)", accumulated)]
-        first_block = blocks * boundary + max(accumulated, lora // max(blocks, 1))
+        first_block = (blocks + segment) * boundary + max(accumulated, lora // max(footprint.num_blocks, 1))
         last_block = 2 * boundary + lora
         backward = [("boundary states and LoRA gradients still held", max(first_block, last_block)),
                     ("one block's recompute working set", footprint.recompute_bytes)]
@@ -181,8 +186,13 @@ def peak_upper_bound(footprint: Footprint, workload: Workload, *, num_slots: int
     return (num_slots * max(footprint.block_bytes, default=0) + footprint.device_non_block_bytes
             + (0 if embeddings_on_host else footprint.host_embedding_bytes)
             + (LORA_BYTES_PER_PARAMETER // LORA_VALUE_BYTES) * footprint.lora_parameter_bytes
-            + micro * footprint.num_blocks * footprint.boundary_bytes
+            + micro * kept_states(footprint.num_blocks, workload.boundary_every) * footprint.boundary_bytes
             + footprint.recompute_bytes + footprint.head_bytes)
+
+
+def kept_states(num_blocks: int, every: int) -> int:
+    """The boundary states a pass keeps with ``boundary_every=every``: blocks 0, k, 2k, ... (``poros.stream.segments``)."""
+    return -(-num_blocks // every)
 
 
 def budget_for_peak(peak_bytes: int, *, context_bytes: int, slack: float) -> int:
@@ -203,4 +213,4 @@ def biggest_part(peak: PeakBreakdown, footprint: Footprint) -> str:
     return f"{name} ({format_gb(size)})"
 
 
-__all__ = ["ALLOCATOR_SLACK", "CUDA_CONTEXT_BYTES", "CUDA_WORKSPACE_BYTES", "Footprint", "LORA_BYTES_PER_PARAMETER", "LORA_VALUE_BYTES", "PeakBreakdown", "biggest_part", "budget_for_peak", "peak_upper_bound", "predict_peak"]
+__all__ = ["ALLOCATOR_SLACK", "CUDA_CONTEXT_BYTES", "CUDA_WORKSPACE_BYTES", "Footprint", "LORA_BYTES_PER_PARAMETER", "LORA_VALUE_BYTES", "PeakBreakdown", "biggest_part", "budget_for_peak", "kept_states", "peak_upper_bound", "predict_peak"]

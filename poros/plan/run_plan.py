@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import pathlib
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,14 +22,14 @@ from poros.adapters import lora_targets
 from poros.descriptor import resolve_path
 from poros.devices import resolve_device
 from poros.distributed import check_batch_divides
-from poros.errors import CheckpointLoadError, ConfigError
+from poros.errors import CheckpointLoadError, ConfigError, HostMemoryError, PorosError
 from poros.plan import host_tiers
 from poros.plan.entry import plan_config, workload_of
 from poros.loading.prequantized import read_prequantized
 from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
 from poros.plan.block_bytes import block_bytes, meta_skeleton, nf4_experts_bytes, padded, quantized_linears, tensor_bytes
 from poros.plan.footprint import chunked_footprints, with_activations
-from poros.spellings import format_gb
+from poros.spellings import format_gb, parse_budget
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
 from poros.plan.budget import (
     CUDA_WORKSPACE_BYTES,
@@ -39,6 +39,7 @@ from poros.plan.budget import (
     ComputeTimes,
     Footprint,
     Workload,
+    kept_states,
     peak_upper_bound,
 )
 
@@ -124,6 +125,9 @@ class PlanOptions:
     #: what measures: ``probe_compute(text_config, workload, device, ...)`` and ``measure_link(device)``
     #: (``poros.doctor.probe``, which the layer above lends); None: nothing is measured
     prober: Any = None
+    #: the host RAM the run may use here (``host_tiers.MachineRam``); None: read from the machine
+    #: (``host_tiers.machine_host_ram``: $POROS_HOST_RAM, else MemAvailable and the cgroup limit)
+    machine_ram: Any = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class BudgetReport:
     host_tier_requested: str | None  # the config's host_tier
     notices: tuple[str, ...] = ()  # one line each: what could not be measured, and what to do
     host_ram: tuple[tuple[str, int], ...] = ()  # host RAM one rank needs, by part (host_ram_parts)
+    #: the host budget the plan took for the machine's RAM (fit_machine) instead of the config's; None: the config's
+    refit_host_budget: int | None = None
 
     @property
     def host_ram_bytes(self) -> int:
@@ -189,6 +195,7 @@ class Plan:
     experts: str | None = None  # MoE models: experts per block, their bf16 and NF4 bytes (None: no experts)
     attention_sms: int = 0  # the flash backward's deterministic dQ split (poros.plan.footprint.attention_sms)
     packed: bool = False  # packing: true (rows of several examples: a seq x seq mask, no flash kernel)
+    prequantized: bool = False  # a bnb-4bit checkpoint: its blocks stream from its own shards (the mapped tier)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -361,7 +368,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
-        packed=config.packing,
+        packed=config.packing, prequantized=prequantized is not None,
     ), text_config
 
 
@@ -418,18 +425,119 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
     compute, link, link_source, notices = _times(config, options, plan, text_config, workload, device)
     footprint = plan.footprint()
     on_host = embeddings_on_host(config.embeddings_on_host, device)
-    stream_options, budget_plan = plan_config(config, footprint, vram_budget=budget, device=device, compute=compute,
-                                              link_bytes_per_s=link, footprint_for=plan.footprint_for(),
-                                              embeddings_on_host=on_host)
     # the tier the run will take: ``mapped`` when the model loads through the block cache (prepare decides
-    # the same from the loaded model's entry), unless the run packs MoE experts after loading (pinned buffers)
-    cached = not config.no_cache and not (plan.experts and config.quantize_experts is not False)
-    host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks, host_tier=config.host_tier,
-                                     host_budget=stream_options.host_budget_bytes, read_ahead=config.read_ahead,
-                                     ranks_per_node=ranks, shared_file=cached)
-    node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
-    return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,
-                        tuple(notices), host_ram=host_ram_parts(budget_plan, host, footprint))
+    # the same from the loaded model's entry) or is a pre-quantized checkpoint (its shards), unless the run
+    # packs MoE experts after loading (pinned buffers)
+    cached = (not config.no_cache or plan.prequantized) and not (plan.experts and config.quantize_experts is not False)
+
+    def report(host_budget: Any) -> BudgetReport:
+        _, budget_plan = plan_config(config, footprint, vram_budget=budget, device=device, compute=compute,
+                                     link_bytes_per_s=link, footprint_for=plan.footprint_for(),
+                                     embeddings_on_host=on_host, host_budget=host_budget)
+        host = host_tiers.plan_host_tier(footprint.block_bytes, budget_plan.resident_blocks,
+                                         host_tier=config.host_tier,
+                                         host_budget=None if host_budget is None else parse_budget(host_budget),
+                                         read_ahead=config.read_ahead, ranks_per_node=ranks, shared_file=cached,
+                                         prequantized=plan.prequantized)
+        node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
+        return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,
+                            tuple(notices), host_ram=host_ram_parts(budget_plan, host, footprint))
+
+    machine = options.machine_ram if options.machine_ram is not None else host_tiers.machine_host_ram()
+    return fit_machine(report, config.host_budget, machine)
+
+
+def fit_machine(report: Callable[[Any], BudgetReport], host_budget: Any,
+                machine: host_tiers.MachineRam | None) -> BudgetReport:
+    """``report(host_budget)`` when the host RAM it needs (and the process's own,
+    :data:`~poros.plan.host_tiers.PROCESS_HOST_BYTES`) fits what ``machine`` has; else, with no host budget
+    given, the report for a host budget of what the machine has (the planner then picks ``boundary_every``,
+    the host tier and the boundary states' place to fit it), said in a notice.
+
+    Raises:
+        HostMemoryError: the run does not fit the machine's RAM with the host budget given, or at all: one line
+            naming what it needs, what the machine has, and the plan that fits (or the smallest host RAM).
+    """
+    first = report(host_budget)
+    if machine is None or first.host_ram_bytes + host_tiers.PROCESS_HOST_BYTES <= machine.available:
+        return first
+    room = machine.available - host_tiers.PROCESS_HOST_BYTES
+    refit, budget = None, room
+    for _ in range(4):  # the budget less what the plan needs beyond it (e.g. boundary states in flight)
+        if budget <= 0:
+            break
+        try:
+            refit = report(budget)
+        except ConfigError:
+            refit = None
+            break
+        if refit.host_ram_bytes <= room:
+            break
+        budget -= refit.host_ram_bytes - room
+    fits = refit is not None and refit.host_ram_bytes <= room
+    has = (f"this machine has {format_gb(machine.available)} ({machine.source}), "
+           f"{format_gb(host_tiers.PROCESS_HOST_BYTES)} of it for the process itself")
+    needs = f"the run needs {format_gb(first.host_ram_bytes)} of host RAM ({_parts_words(first)})"
+    if fits and host_budget is None:
+        notice = (f"host RAM: {needs} but {has}; planned for host_budget={format_gb(budget)} instead: "
+                  f"{_plan_words(refit)}")
+        return replace(refit, notices=(*refit.notices, notice), refit_host_budget=budget)
+    if fits:
+        raise HostMemoryError(f"host_budget={host_budget}: {needs} but {has}. Fix: --host-budget "
+                          f"{max(budget >> 30, 1)}GiB, which plans {_plan_words(refit)}.")
+    raise HostMemoryError(f"{needs} but {has}, and no plan fits it (the disk tier and boundary_every included). Fix: "
+                      "free host RAM, or plan a smaller run (a shorter seq_len, fewer micro-batches).")
+
+
+def fit_host_ram(config: Any, machine: host_tiers.MachineRam | None = None) -> tuple[Any, str | None]:
+    """The config a run on this machine takes, and what changed, in one line (None: nothing): ``PorosTrainer``
+    calls it before loading. With a ``vram_budget`` the plan ``poros plan`` makes (:func:`fit_machine`: a
+    host budget for the machine's RAM, or a refusal); without, the streamed blocks (and the host embedding
+    tables) against the machine's RAM: the disk tier for the rest when no host budget is given.
+    ``machine``: None reads it (:func:`~poros.plan.host_tiers.machine_host_ram`).
+
+    Raises:
+        HostMemoryError: as :func:`fit_machine`.
+    """
+    machine = machine if machine is not None else host_tiers.machine_host_ram()
+    if machine is None:
+        return config, None
+    if config.vram_budget is not None:
+        try:
+            report = plan_run(config, PlanOptions(machine_ram=machine)).budget
+        except HostMemoryError:
+            raise
+        except PorosError:  # a VRAM budget the run does not fit: prepare says so, with the loaded model's plan
+            return config, None
+        if report.refit_host_budget is None:
+            return config, None
+        return config.replace(host_budget=str(report.refit_host_budget)), f"poros: {report.notices[-1]}"
+    plan = _memory_plan(config)[0]
+    need = sum(plan.block_bytes) + plan.host_embedding_bytes
+    room = machine.available - host_tiers.PROCESS_HOST_BYTES
+    if need <= room:
+        return config, None
+    has = (f"this machine has {format_gb(machine.available)} ({machine.source}), "
+           f"{format_gb(host_tiers.PROCESS_HOST_BYTES)} of it for the process itself")
+    blocks = f"the streamed blocks and host tables need {format_gb(need)} of host RAM"
+    if config.host_budget is not None or room < 2 * max(plan.block_bytes, default=0) + plan.host_embedding_bytes:
+        fix = (f"--host-budget {max((room - plan.host_embedding_bytes) >> 30, 1)}GiB (the disk tier)"
+               if room > 2 * max(plan.block_bytes, default=0) + plan.host_embedding_bytes
+               else "free host RAM, or a machine with more")
+        raise HostMemoryError(f"{blocks} but {has}. Fix: {fix}.")
+    budget = room - plan.host_embedding_bytes
+    return (config.replace(host_budget=str(budget)),
+            f"poros: host RAM: {blocks} but {has}; host_budget={format_gb(budget)}: the disk tier streams the rest")
+
+
+def _plan_words(report: BudgetReport) -> str:
+    bp = report.budget_plan
+    return (f"the {report.host.tier} tier, boundary_every={bp.boundary_every}, boundary states on the "
+            f"{bp.boundary_states}: {format_gb(report.host_ram_bytes)} of host RAM")
+
+
+def _parts_words(report: BudgetReport) -> str:
+    return ", ".join(f"{name} {format_gb(n)}" for name, n in report.host_ram)
 
 
 def host_ram_parts(budget_plan: BudgetPlan, host: host_tiers.HostPlan, footprint: Footprint) -> tuple[tuple[str, int], ...]:
@@ -440,8 +548,9 @@ def host_ram_parts(budget_plan: BudgetPlan, host: host_tiers.HostPlan, footprint
     one_state = footprint.boundary_bytes
     streamed = footprint.num_blocks - len(budget_plan.resident_blocks)
     lora_streamed = footprint.lora_parameter_bytes // max(footprint.num_blocks, 1) * streamed
-    boundary = {"host": (f"boundary states, pinned ({micro} x {footprint.num_blocks - 1} off the device)",
-                         micro * (footprint.num_blocks - 1) * one_state),
+    off_device = kept_states(footprint.num_blocks, budget_plan.boundary_every) - 1  # block 0's: the prelude's
+    boundary = {"host": (f"boundary states, pinned ({micro} x {off_device} off the device)",
+                         micro * off_device * one_state),
                 "disk": ("boundary states: one in flight each way (the rest on disk)", 2 * one_state)}
     return tuple(part for part in (
         (f"blocks ({host.tier} tier)", host.host_bytes),
@@ -507,5 +616,5 @@ def parse_block_ms(text: str) -> tuple[float, float]:
     return values[0] / 1000, values[1] / 1000
 
 
-__all__ = ["BudgetReport", "Plan", "PlanOptions", "config_source", "load_text_config", "locate_checkpoint_config",
+__all__ = ["BudgetReport", "Plan", "PlanOptions", "config_source", "fit_host_ram", "fit_machine", "load_text_config", "locate_checkpoint_config",
            "parse_block_ms", "plan_run"]

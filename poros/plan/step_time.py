@@ -62,14 +62,25 @@ class _Stage:
 
 def _stages(num_blocks: int, workload: Workload, resident: set[int]) -> list[_Stage]:
     """The executor's order of work in one optimizer step."""
-    last = num_blocks - 1
+    last, every = num_blocks - 1, workload.boundary_every
+    recomputed_last = every > 1 and last % every > 0  # the last block's segment is recomputed first: it is evicted
     stages: list[_Stage] = []
     for _ in range(workload.grad_accum if workload.schedule == "micro-major" else 1):
         for i in range(num_blocks):
-            stages.append(_Stage(i, True, i not in resident, i > 0, i == 0, i == last and i not in resident))
+            stages.append(_Stage(i, True, i not in resident, i > 0, i == 0,
+                                 i == last and i not in resident and not recomputed_last))
         stages.append(_Stage(None, True, False, False, False, False))
-        for i in range(last, -1, -1):
-            stages.append(_Stage(i, False, i not in resident and i != last, i != last, False, False))
+        for top in range(last, -1, -1):
+            start = top - top % every
+            if top != min(start + every - 1, last):
+                continue
+            # boundary_every > 1: the segment's inputs first, one forward from its kept one (segments.py)
+            for i in range(start, top):
+                stages.append(_Stage(i, True, i not in resident, i > start, False, False))
+            for i in range(top, start - 1, -1):
+                first = i == top and top == start  # no recompute before it: the block above prefetched it
+                stages.append(_Stage(i, False, i not in resident and (i != last or recomputed_last),
+                                     i != last or recomputed_last if first else True, False, False))
     return stages
 
 

@@ -28,13 +28,16 @@ class StreamedBlock(torch.autograd.Function):
         # ``output`` was computed (without grad) by the caller: it had to see the use order first.
         grad_inputs = inputs_and_parameters[:input_count]
         ctx.executor, ctx.step, ctx.index, ctx.used = executor, step, index, used
-        ctx.save_for_backward(hidden, *grad_inputs)
+        # an input not kept (boundary_every > 1) is recomputed from its segment's kept one in backward
+        ctx.save_for_backward(hidden if executor.keeps_input(index) else None, *grad_inputs)
         # with output_router_logits the block's router logits are outputs too (the aux loss reads them)
         return (output, *step.router_logits.get(index, ())) if step.router else (output,)
 
     @staticmethod
     def backward(ctx, grad_output, *router_grads):
         hidden, *grad_inputs = ctx.saved_tensors
+        if hidden is None:
+            hidden = ctx.executor.segment_input(ctx.step, ctx.index)
         hidden_grad, input_grads, parameter_grads = ctx.executor._backward_block(
             ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5],
             return_parameter_grads=True, router_grads=list(router_grads) if ctx.step.router else None,

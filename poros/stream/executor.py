@@ -78,6 +78,7 @@ from poros.stream.options import StreamOptions
 from poros.stream.recompute_choice import RecomputeChoice
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
 from poros.stream.router_logits import RouterRecorder
+from poros.stream.segments import kept as boundary_kept, recompute_inputs, resolve_every, segment_start, segment_top
 from poros.stream.stash import DiskStash, HostStash
 from poros.stream.store import BlockStore
 from poros.stream.trunk import (STREAMING, CaptureDone, LayerRecorder, Phase, Step, StreamingLayer, TrunkOutput,
@@ -134,6 +135,25 @@ class StreamingExecutor:
         ``"disk"`` (files under :attr:`spill_dir`)."""
         return self.options.boundary_states or "device"
 
+    @property
+    def boundary_every(self) -> int:
+        """k: the input of every k-th block is kept for backward (where :attr:`boundary_states` says); the
+        k - 1 between are recomputed from it (``segments.py``). 1: every block's input is kept."""
+        return resolve_every(self.options.boundary_every)
+
+    def keeps_input(self, index: int) -> bool:
+        """Whether block ``index``'s input is kept for its backward (else recomputed, :meth:`segment_input`)."""
+        return boundary_kept(index, self.boundary_every)
+
+    def segment_input(self, step: Step, index: int) -> torch.Tensor:
+        """Micro-major: the input of block ``index``, not kept: recomputed with the rest of its segment below
+        it the first time backward asks (it asks for the segment's top block first)."""
+        if index not in step.recomputed:
+            start = segment_start(index, self.boundary_every)
+            step.recomputed.update(recompute_inputs(self, [step], start, index, [step.boundaries.pop(start)])[0])
+            step.recomputed.pop(start)  # the start block's own node holds it
+        return step.recomputed.pop(index)
+
     # -- installing ----------------------------------------------------------------------------
     @functools.cached_property
     def _layer_proxies(self) -> nn.ModuleList:
@@ -187,6 +207,8 @@ class StreamingExecutor:
                 output = self._run_block(step, index, hidden, grad_inputs, keep=index == last,
                                          graphable=self.graphs is not None and self.graphs.micro_major)
             self._use_order[index] = used
+            if self.boundary_every > 1 and self.keeps_input(index):  # the segment's recompute starts from it
+                step.boundaries[index] = hidden
             # The block's trainable parameters are inputs of its node, each through a view made in
             # the order the block used them: the engine runs the later-made view first, so their
             # accumulators (and DDP's hooks) fire in reverse use order, as in the resident backward.
@@ -457,7 +479,9 @@ class StreamingExecutor:
             for index in range(count):
                 for m, step in enumerate(steps):
                     self._note_mapping_entry(step, index)
-                    if stash is not None and index > 0:  # block 0's input is the prelude's: HF holds it anyway
+                    if not self.keeps_input(index):  # boundary_every > 1: recomputed in backward
+                        inputs[m].append(None)
+                    elif stash is not None and index > 0:  # block 0's input is the prelude's: HF holds it anyway
                         stash.put((m, index), hidden[m])
                         inputs[m].append(None)
                     else:
@@ -484,16 +508,26 @@ class StreamingExecutor:
         hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
         # 4. backward, block-major, micro-batch 0 first: the accumulation order of ordinary accumulation
         input_grads: list[list[list]] = [[[] for _ in range(count)] for _ in steps]
+        every = self.boundary_every
+        recomputed: list[dict[int, torch.Tensor]] = [{} for _ in steps]  # boundary_every > 1: this segment's inputs
+
+        def kept_input(m: int, index: int) -> torch.Tensor:
+            return stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
+
         for index in range(last, -1, -1):
-            if stash is not None:  # this block's inputs (already on their way), the next block's start now
-                for ahead in (index, index - 1):
+            start = segment_start(index, every)
+            if stash is not None and index == segment_top(index, every, count):
+                # this segment's kept inputs (already on their way), the next segment's start now
+                for ahead in (start, start - every):
                     for m in range(len(steps)):
                         if ahead > 0:
                             stash.fetch((m, ahead))
+            if index != start and index not in recomputed[0]:  # the segment's top: its inputs from its start
+                recomputed = recompute_inputs(self, steps, start, index, [kept_input(m, start) for m in range(len(steps))])
             for m, step in enumerate(steps):
                 needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
                 keep = m < len(steps) - 1
-                block_input = stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
+                block_input = recomputed[m].pop(index) if index in recomputed[m] else kept_input(m, index)
                 grad_hidden[m], input_grads[m][index], _ = self._backward_block(
                     step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
                     keep=keep, router_grads=router_grads[m][index] if step.router else None)

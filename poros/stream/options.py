@@ -48,6 +48,9 @@ class Workload:
         packed: rows hold several examples kept apart by ``position_ids`` restarts (``PorosConfig.packing``,
             ``poros.data.packing``): transformers then builds a ``batch x 1 x seq x seq`` mask, which SDPA
             copies into the compute dtype, and never takes the flash kernel.
+        boundary_every: k, the input of every k-th block kept for backward and the others recomputed
+            (``StreamOptions.boundary_every``): fewer boundary states, one more forward through
+            (k - 1) / k of the blocks and their copies.
 
     Raises:
         ConfigError: a size below 1 or an unknown schedule.
@@ -59,9 +62,10 @@ class Workload:
     schedule: str = "micro-major"
     loss_chunks: int = 1
     packed: bool = False
+    boundary_every: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks"):
+        for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks", "boundary_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"Workload {name}={getattr(self, name)!r}: expected an integer >= 1.")
         if self.schedule not in SCHEDULES:

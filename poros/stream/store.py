@@ -50,6 +50,7 @@ from poros.errors import StreamingError
 from poros.stream.packing import Entry, bind_entry, entry_view, layout_of, shared_tensor_keys
 # the layout's names the store's users import from here (``poros.stream.packing`` is their home)
 from poros.stream.packing import ALIGN, block_layouts, frozen_tensors, packed_block_bytes  # noqa: F401
+from poros.stream.shard_tier import copy_block, whole
 from poros.stream.tiers import HostTier, PinnedTier
 
 STATS_LOG_EVENTS = 1 << 16  # events kept in StoreStats.log
@@ -257,11 +258,11 @@ class BlockStore:
         if self.on_cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.slot_free[slot])
-                target.copy_(source, non_blocking=True)
+                copy_block(target, source, non_blocking=True)
                 self.slot_ready[slot].record(self.copy_stream)
                 self.host_tier.copied(index, self.copy_stream)
         else:
-            target.copy_(source)
+            copy_block(target, source)
             self.host_tier.copied(index, None)
         self.slot_owner[slot] = index
         block.slot = slot
@@ -383,7 +384,7 @@ class BlockStore:
         go of the host buffers, resident buffers and slots (a store kept after this holds no memory)."""
         for block in self.blocks:
             self._restore_quant_states(block)
-            source = block.buffer if block.resident else self.host_tier.acquire(block.index)
+            source = block.buffer if block.resident else whole(self.host_tier.acquire(block.index))
             for entry in block.entries:
                 self._bind(entry, self._view(source, entry).to(self.device, copy=True))
             if not block.resident:

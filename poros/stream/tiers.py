@@ -201,12 +201,14 @@ class MappedTier(KeptBlocks):
 TIER_CLASSES: dict[str, type] = {cls.name: cls for cls in (PinnedTier, MappedTier, DiskTier)}
 
 
-def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: int = 3,
+def make_host_tier(name: str, source: Any = None, *, read_ahead: int = 3,
                    spill_dir: str | os.PathLike | None = None, chosen: bool = False, held: int = 0,
                    pin_memory: bool | None = None) -> HostTier:
     """The host tier called ``name`` (:data:`~poros.config.HOST_TIERS`) for
     :class:`~poros.stream.store.BlockStore`, serving the blocks of ``source`` (the NF4 block cache entry the
-    block tensors view, or None: a file tier then writes a spill file into ``spill_dir``). ``chosen``: the
+    block tensors view; a pre-quantized checkpoint's ``CheckpointShards``, which the ``mapped`` tier serves
+    from the mapped shards (``shard_tier.py``) and the disk tier ignores; or None: a file tier then writes a
+    spill file into ``spill_dir``). ``chosen``: the
     planner picked the tier (not the user): a ``mapped`` tier the device will not register for DMA then
     serves pinned copies rather than pageable memory. ``read_ahead`` and ``held``: the disk tier's ring
     buffers and blocks kept in RAM (:class:`DiskTier`). ``pin_memory``: the pinned tier's buffers
@@ -215,10 +217,15 @@ def make_host_tier(name: str, source: BlockFile | None = None, *, read_ahead: in
     Raises:
         StreamingError: an unknown tier name.
     """
+    from poros.stream.shard_tier import CheckpointShards, ShardMappedTier  # it builds on this module's pieces
+
     if name not in TIER_CLASSES:
         raise StreamingError(f"host tier {name!r}: expected one of {', '.join(HOST_TIERS)}.")
     if name == DiskTier.name:
-        return DiskTier(source, depth=read_ahead, spill_dir=spill_dir, held=held)
+        return DiskTier(source if isinstance(source, BlockFile) else None, depth=read_ahead, spill_dir=spill_dir,
+                        held=held)
+    if name == MappedTier.name and isinstance(source, CheckpointShards):  # a pre-quantized checkpoint's own shards
+        return ShardMappedTier(source, copy_if_refused=chosen)
     if name == MappedTier.name:
         return MappedTier(source, spill_dir=spill_dir, copy_if_refused=chosen)
     return PinnedTier(pin_memory)

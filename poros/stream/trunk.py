@@ -131,6 +131,9 @@ class Step:
     router_logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> its forward's logits
     # layer-major: the autocast state the model's forward set around its trunk call (the blocks run under it)
     autocast: Any = None
+    # micro-major with boundary_every > 1: segment start -> its kept input; block -> its recomputed input
+    boundaries: dict[int, torch.Tensor] = field(default_factory=dict)
+    recomputed: dict[int, torch.Tensor] = field(default_factory=dict)
     kept_blocks: frozenset = frozenset()  # blocks whose forward keeps its saved tensors (no recompute)
     kept: dict[int, Any] = field(default_factory=dict)  # block -> its KeptBlock (poros.stream.kept), until its backward
 

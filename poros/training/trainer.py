@@ -69,6 +69,7 @@ FIELDS_FIXED_AT_LOAD = (
     "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora", "lora_on_experts",
     "device", "num_slots", "deterministic", "require", "embeddings_on_host", "loss_chunks", "mlp_chunks",
     "lora_placement", "host_tier", "host_budget", "read_ahead", "cache_dir", "no_cache", "cpu_threads",
+    "boundary_every",
 )
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -157,11 +158,16 @@ class PorosTrainer:
         from poros.loading.experts import quantize_experts_for_run
         from poros.loading.load import adapters_to_device, load_pretrained
         from poros.stream.options import StreamOptions
+        from poros.plan.run_plan import fit_host_ram
 
         config.validate()
         tracking.check_installed(config.report_to)  # before the model loads
         # a missing GPU is named before any weight is read; under torchrun: this rank's device
         device = distributed.join_launched_job(resolve_device(config.device, check=True))
+        # the host RAM the run needs against this machine's: a host budget that fits, or a refusal, before loading
+        config, refit = fit_host_ram(config)
+        if refit is not None:
+            echo(refit)
         if config.deterministic and device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)

@@ -292,6 +292,34 @@ def long_context_plan(name: str, seq: int, card_gib: int):
         return plan, error
 
 
+#: the host RAM the long-context rows are also planned for (GiB, by card): a desktop's beside a consumer card, a
+#: server's beside an 80 GB one (issue 43's acceptance budgets)
+HOST_BUDGET_GIB = {8: 32, 12: 32, 24: 48, 48: 64, 80: 100}
+
+
+def long_context_host_fit(plan, card_gib: int) -> str:
+    """The row's plan with ``boundary_every: auto`` and ``--host-budget`` of :data:`HOST_BUDGET_GIB`: ``k``, where
+    the boundary states wait, and the host RAM it needs (blocks mapped, as from the cache or a bnb-4bit checkpoint)."""
+    from poros.errors import ConfigError
+    from poros.plan import budget as planner
+    from poros.plan import host_tiers
+    from poros.plan.run_plan import host_ram_parts
+    from poros.stream.options import StreamOptions
+
+    host_gib = HOST_BUDGET_GIB[card_gib]
+    options = StreamOptions(vram_budget=f"{card_gib}GiB", embeddings_on_host=True, workload=plan.workload,
+                            boundary_every="auto", host_budget=f"{host_gib}GiB")
+    try:
+        bp = planner.plan_budget(plan.footprint(), plan.workload, options, context_bytes=planner.CUDA_CONTEXT_BYTES,
+                                 footprint_for=plan.footprint_for())
+    except ConfigError:
+        return f"{host_gib} GiB: does not fit"
+    host = host_tiers.plan_host_tier(bp.block_bytes, bp.resident_blocks, host_budget=f"{host_gib}GiB",
+                                     shared_file=True)
+    need = sum(n for _, n in host_ram_parts(bp, host, plan.footprint()))
+    return f"{host_gib} GiB: boundary_every {bp.boundary_every}, {bp.boundary_states}, {_gb(need)} GB ({host.tier} tier)"
+
+
 def long_context_records() -> dict[tuple[str, int, float], tuple[Path, dict]]:
     """``(shape, seq, cap GB) -> (path, record)``: the newest finished full-depth Poros run at a long
     sequence under a cap (a cap of N GB stands on the N GiB row, as in the small-card table)."""
@@ -322,14 +350,15 @@ def render_long_context() -> str:
     from poros.plan.run_plan import host_ram_parts
 
     rows = ["| shape | seq | card | fits | loss_chunks | mlp_chunks | boundary states (all) | peak allocated GB "
-            "(phase) | largest parts GB | host RAM GB | measured under that cap (H200, full depth) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "(phase) | largest parts GB | host RAM GB | with a host budget (boundary_every auto): states, host RAM "
+            "planned | measured under that cap (H200, full depth) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     measured = long_context_records()
     for name, seq, card in LONG_CONTEXT:
         plan, bp = long_context_plan(name, seq, card)
         if isinstance(bp, Exception):
             reason = str(bp).split(". ")[0].split(": its biggest part is ")[-1]
-            rows.append(f"| {name} | {seq:,} | {card} GiB | no: biggest part {reason} | | | | | | | |")
+            rows.append(f"| {name} | {seq:,} | {card} GiB | no: biggest part {reason} | | | | | | | | |")
             continue
         host = host_tiers.plan_host_tier(bp.block_bytes, bp.resident_blocks)
         host_gb = sum(n for _, n in host_ram_parts(bp, host, plan.footprint()))
@@ -337,7 +366,8 @@ def render_long_context() -> str:
         largest = "; ".join(f"{label.split(' (')[0]} {_gb(n)}" for n, label in parts)
         rows.append(f"| {name} | {seq:,} | {card} GiB | yes | {bp.loss_chunks} | {bp.mlp_chunks} | "
                     f"{bp.boundary_states} ({_gb(bp.boundary_bytes)} GB) | {_gb(bp.peak.total)} ({bp.peak.phase}) | "
-                    f"{largest} | {_gb(host_gb)} | {_long_context_cell(measured.get((name, seq, float(card))))} |")
+                    f"{largest} | {_gb(host_gb)} | {long_context_host_fit(plan, card)} | "
+                    f"{_long_context_cell(measured.get((name, seq, float(card))))} |")
     return "\n".join(rows)
 
 
