@@ -43,19 +43,31 @@ class AdaptedShape:
 
 
 def read_safetensors_header(path: pathlib.Path) -> dict[str, Any]:
-    """The header of a safetensors file (name -> dtype, shape, offsets), without reading a tensor.
+    """The header of an adapter's safetensors file (name -> dtype, shape, offsets), without reading a tensor;
+    the file's size is checked against the bytes the header lists (a truncated copy is found here, not in
+    safetensors' "incomplete metadata" deep in a merge).
 
     Raises:
-        CheckpointLoadError: the file is too short or its header is not JSON.
+        CheckpointLoadError: the file is too short, its header is not JSON, or it holds fewer or more bytes
+            than its header lists.
     """
+    fix = ("Fix: copy the adapter directory again, or save it again (poros train writes it at the end of a run; "
+           "its checkpoint-N directories hold earlier copies).")
     try:
         with open(path, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))
+        size = path.stat().st_size
     except (OSError, struct.error, ValueError) as error:
-        raise CheckpointLoadError(f"{path} is not a readable safetensors file ({error}); expected the "
-                                  "adapter_model.safetensors PEFT writes. Save the adapter again.") from error
+        raise CheckpointLoadError(f"{path} is not a readable safetensors file ({type(error).__name__}: "
+                                  f"{str(error)[:120]}); expected the adapter_model.safetensors PEFT writes. "
+                                  + fix) from error
     header.pop("__metadata__", None)
+    listed = 8 + length + max((int(entry["data_offsets"][1]) for entry in header.values()
+                               if isinstance(entry, dict) and "data_offsets" in entry), default=0)
+    if size != listed:
+        raise CheckpointLoadError(f"{path} is {'truncated' if size < listed else 'longer than its header says'}: "
+                                  f"its header lists {listed} bytes, the file has {size}. " + fix)
     return header
 
 
