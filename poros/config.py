@@ -365,7 +365,8 @@ class PorosConfig:
         if self.steps:
             return self.steps, (f"steps={self.steps} overrides epochs={self.epochs:g} ({counted} steps), as HF's "
                                 "max_steps overrides num_train_epochs; set steps: 0 to train by epochs")
-        return counted, f"{self.epochs:g} epochs of {batches_per_epoch} batches, {self.grad_accum} per step: {counted} steps"
+        epochs = f"{self.epochs:g} epoch{'' if self.epochs == 1 else 's'}"
+        return counted, f"{epochs} of {batches_per_epoch} batches, {self.grad_accum} per step: {counted} steps"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "the configuration") -> PorosConfig:

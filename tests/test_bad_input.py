@@ -115,6 +115,8 @@ class Case:
     patch: Callable[[Any, Path], None] | None = None
     doc_row: str | None = None  # the row of docs/own-data.md's troubleshooting table this message matches
     needs_run: bool = False  # uses the finished run (a model load to build it, once per module)
+    absent: str = ""  # a piece the error line must not hold (a flag the user did not give)
+    max_chars: int = 0  # the error line's longest length (0: not checked)
 
 
 # -- situations -----------------------------------------------------------------------------------
@@ -193,6 +195,21 @@ def _model_dir(config: dict | None) -> Callable[[Path, dict], list[str]]:
             (model / "config.json").write_text(json.dumps(config))
         return ["train", "--dry-run", "--model", str(model), "--output-dir", str(tmp / "out")]
     return prepare
+
+
+def _other_weights(tmp: Path) -> Path:
+    """The bundled base with every weight moved a little: the same shapes, other weights."""
+    from safetensors.torch import load_file, save_file
+
+    from poros.assets import asset_path
+
+    base = tmp / "other-base"
+    shutil.copytree(asset_path("poros-tiny-qwen3"), base)
+    for shard in base.glob("*.safetensors"):
+        tensors = load_file(shard)
+        save_file({name: t + 1e-3 if t.is_floating_point() else t for name, t in tensors.items()}, shard,
+                  metadata={"format": "pt"})
+    return base
 
 
 def _patch_unwritable(monkeypatch, tmp: Path) -> None:
@@ -278,7 +295,7 @@ CLI_CASES = [
          "CheckpointLoadError", "Pass an existing directory"),
     Case("model-dir-without-config", _model_dir(None), "CheckpointLoadError", "config.json"),
     Case("model-type-unknown-to-transformers", _model_dir({"model_type": "llama9000"}), "CheckpointLoadError",
-         "newer transformers"),
+         "does not know; did you mean 'llama'? Fix: correct model_type", absent="git+https", max_chars=400),
     Case("model-of-a-family-poros-does-not-stream", _model_dir({"model_type": "gpt2", "n_layer": 2}),
          "UnknownArchitectureError", "poros plugins"),
     Case("model-is-a-file", lambda tmp, ctx: (tmp / "weights.bin").write_bytes(b"\0" * 16) and
@@ -303,6 +320,17 @@ CLI_CASES = [
     Case("override-unknown-device", lambda tmp, ctx: ["train", "--dry-run", "--device", "tpu"], "ConfigError",
          "e.g. device: cuda:0"),
     Case("plan-usage-error", lambda tmp, ctx: ["plan", "--head-ms", "abc"], None, code=2),
+    Case("plan-budget-below-the-minimum", lambda tmp, ctx: ["plan", "--device", "cpu", "--vram-budget", "1MiB"],
+         "ConfigError", "is below the minimum for this run, 5.5 MB", max_chars=500),
+    Case("plan-model-not-cached", lambda tmp, ctx: ["plan", "--model", "no-org/no-model-xyz", "--vram-budget", "8GiB"],
+         "CheckpointLoadError", "Fix: fetch the config first (`hf download no-org/no-model-xyz config.json`)",
+         absent="--dry-run"),
+    Case("dataset-given-as-the-config", lambda tmp, ctx: ["train", "--dry-run", str(write_jsonl(tmp / "chat.jsonl", CHAT))],
+         "ConfigError", "a dataset, given where the config goes (poros train's first argument is a poros.yaml). "
+         "Fix: poros train --dataset", keep=lambda tmp, ctx: [tmp / "chat.jsonl"]),
+    Case("dataset-json-given-as-the-config",
+         lambda tmp, ctx: (tmp / "chat.json").write_text(json.dumps(CHAT)) and ["train", "--dry-run", str(tmp / "chat.json")],
+         "ConfigError", "holds records with 'messages': a dataset", absent="Fix the line shown"),
     # -- data parallel: batch_size is per device, so no batch is refused for the ranks (tests/test_run_checks.py)
     # -- datasets (each fails in validation, before any weight is read)
     Case("dataset-missing", lambda tmp, ctx: ["train", *TRAIN_FAST, "--dataset", str(tmp / "nope.jsonl"),
@@ -362,13 +390,27 @@ CLI_CASES = [
                    "rng_state.pth", "trainer_state.json", "data_state.json", "poros_config.json")],
     Case("checkpoint-path-does-not-exist", _resume(lambda ckpt: None, checkpoint="checkpoint-9"),
          "TrainingCheckpointError", "checkpoint-1, checkpoint-2", keep=_keep_run, needs_run=True),
+    Case("resume-auto-on-a-finished-run",
+         lambda tmp, ctx: ["train", *ctx["run_args"], "--output-dir", str(_copy_run(tmp, ctx)), "--resume_from", "auto"],
+         "TrainingCheckpointError", "the run is finished, there is nothing to resume", keep=_keep_run, needs_run=True),
+    *[Case(f"{command[0]}{'-gguf' if 'gguf' in command else ''}-truncated-adapter",
+           lambda tmp, ctx, command=command: (truncate(_copy_run(tmp, ctx) / "adapter_model.safetensors") or
+                                              [command[0], "--adapter", str(tmp / "run"), *command[1:]])
+           + ([] if command[0] == "generate" else ["--output", str(tmp / "exported")]),
+           "CheckpointLoadError", "is truncated: its header lists", keep=_keep_run, needs_run=True)
+      for command in (("merge",), ("generate", "--prompt", "hi"), ("merge", "--format", "gguf"))],
+    Case("merge-into-another-base-of-the-same-shapes",
+         lambda tmp, ctx: ["merge", "--adapter", str(_copy_run(tmp, ctx)), "--model", str(_other_weights(tmp)),
+                           "--output", str(tmp / "merged")],
+         "CheckpointLoadError", "holds other weights of the same shapes", keep=_keep_run, needs_run=True),
     Case("resume-with-other-math", lambda tmp, ctx: _resume(lambda ckpt: None)(tmp, ctx) + ["--lr", "1e-3"],
          "TrainingCheckpointError", "lr", keep=_keep_run, needs_run=True),
-    Case("interrupted-save-left-a-partial-checkpoint",
+    Case("interrupted-save-left-a-partial-checkpoint",  # checkpoint-1 the last complete one: a run to resume
          lambda tmp, ctx: _resume(lambda ckpt: (ckpt.parent / ".checkpoint-3.tmp-99-abcdef").mkdir() or
+                                  shutil.rmtree(ckpt.parent / "checkpoint-2") or
                                   shutil.copytree(ckpt, ckpt.parent / "checkpoint-3") and
                                   (ckpt.parent / "checkpoint-3" / "optimizer.pt").unlink(),
-                                  checkpoint="checkpoint-2")(tmp, ctx)[:-2] + ["--resume_from", "auto", "--dry-run"],
+                                  checkpoint="checkpoint-1")(tmp, ctx)[:-2] + ["--resume_from", "auto", "--dry-run"],
          None, code=0, needs_run=True),
     Case("resume-from-the-incomplete-one-of-an-interrupted-save",
          lambda tmp, ctx: _resume(lambda ckpt: shutil.copytree(ckpt, ckpt.parent / "checkpoint-3") and
@@ -433,6 +475,8 @@ def test_cli_bad_input(case: Case, ctx, tmp_path, capsys, monkeypatch):
         line = error_line(err, argv[0])
         assert line.startswith(f"poros {argv[0]}: error: {case.error}: "), line
         assert case.fix in line, line
+        assert not case.absent or case.absent not in line, line
+        assert not case.max_chars or len(line) <= case.max_chars, f"{len(line)} characters: {line}"
         if case.doc_row is not None:
             message = line.split(f"{case.error}: ", 1)[1]
             assert re.match(doc_pattern(case.doc_row), message), f"{message!r} does not match {case.doc_row!r}"

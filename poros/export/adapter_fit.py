@@ -133,6 +133,53 @@ def check_adapter_fits(adapter: pathlib.Path, weights: pathlib.Path, base: str, 
             "was trained on a base of another size. " + fix)
 
 
+#: bytes read at each of three places (start, middle, end) of every weight file for :func:`base_identity`
+IDENTITY_SAMPLE_BYTES = 1 << 16
+#: the key of ``poros_config.json`` that records the base's identity when the adapter is saved
+BASE_IDENTITY_KEY = "base_identity"
+
+
+def base_identity(weight_files: list[pathlib.Path]) -> str:
+    """A fingerprint of a base checkpoint's weights, cheap at any size: sha256 over each weight file's name,
+    size, safetensors header and three samples of its data (start, middle, end). Two bases of the same
+    shapes (a model and its fine-tune, another seed) differ in every tensor, so in the samples too."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(weight_files, key=lambda path: path.name):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        with open(path, "rb") as handle:
+            for offset in (0, max(size // 2 - IDENTITY_SAMPLE_BYTES // 2, 0), max(size - IDENTITY_SAMPLE_BYTES, 0)):
+                handle.seek(offset)
+                digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def check_base_identity(adapter: pathlib.Path, base: str, weight_files: list[pathlib.Path]) -> None:
+    """Refuse a base whose weights are not the ones the adapter was trained on, where the adapter recorded them
+    (``poros_config.json``'s :data:`BASE_IDENTITY_KEY`, written by ``PorosTrainer.save``; an adapter without it
+    is not checked).
+
+    Raises:
+        CheckpointLoadError: the fingerprints differ (same shapes, other weights: merged, another model).
+    """
+    record_file = adapter / "poros_config.json"
+    try:
+        recorded = json.loads(record_file.read_text(encoding="utf-8")).get(BASE_IDENTITY_KEY)
+    except (OSError, ValueError, AttributeError):
+        return
+    if not recorded or not weight_files:
+        return
+    found = base_identity(weight_files)
+    if found != recorded.get("sha256"):
+        raise CheckpointLoadError(
+            f"the adapter in {adapter} was trained on {recorded.get('model')} (weights {recorded.get('sha256', '')[:12]}), "
+            f"and the base given, {base}, holds other weights of the same shapes ({found[:12]}): with it the adapter "
+            "would make another model than the one trained. Fix: pass --model (model= in Python) the base it was "
+            "trained on.")
+
+
 def check_adapter_base(info: Any, *, revision: str | None = None) -> None:
     """:func:`check_adapter_fits` for an adapter :func:`poros.loading.load.read_adapter` found: the base it
     names is resolved (a hub id from the HF cache or downloaded, as loading would) and its config read.
@@ -140,11 +187,18 @@ def check_adapter_base(info: Any, *, revision: str | None = None) -> None:
     Raises:
         CheckpointLoadError: as :func:`check_adapter_fits`, and when the base cannot be found.
     """
-    from poros.loading.load import read_config, resolve_checkpoint
+    from poros.loading.load import _weight_files, read_config, resolve_checkpoint
 
-    _, text_config = read_config(resolve_checkpoint(info.base_model, revision=revision))
+    directory = resolve_checkpoint(info.base_model, revision=revision)
+    _, text_config = read_config(directory)
     check_adapter_fits(info.path, info.weights, info.base_model, text_config)
+    try:
+        _, weight_files = _weight_files(directory, allow_pickle=True)
+    except CheckpointLoadError:
+        return  # loading names what is missing
+    check_base_identity(info.path, info.base_model, weight_files)
 
 
-__all__ = ["AdaptedShape", "adapted_shapes", "base_linear_shapes", "check_adapter_base", "check_adapter_fits",
+__all__ = ["BASE_IDENTITY_KEY", "IDENTITY_SAMPLE_BYTES", "AdaptedShape", "adapted_shapes", "base_identity",
+           "base_linear_shapes", "check_adapter_base", "check_adapter_fits", "check_base_identity",
            "read_safetensors_header"]

@@ -52,7 +52,7 @@ from poros.training import model_card
 from poros.training import tracking
 from poros.adapters import lora_target_modules
 from poros.devices import cpu_threads, resolve_device
-from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
+from poros.errors import ConfigError, PorosError, TrainingCheckpointError, UnsupportedModelError
 from poros.training.progress import echo
 from poros.training.run import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
 
@@ -363,6 +363,7 @@ class PorosTrainer:
             "guarantee_reason": detection.reason if detection else None,
             "steps_done": self.global_step,
             "base_model_name_or_path": model_card.base_model_reference(self.run_config.model),
+            **self._base_identity(),
             "config": self.run_config.to_dict(),
             # batch_size is per device (HF's per_device_train_batch_size); the ranks together train the global batch
             "per_device_batch_size": self.run_config.batch_size,
@@ -370,6 +371,21 @@ class PorosTrainer:
             "world_size": ranks,
             **extra,
         }
+
+    def _base_identity(self) -> dict[str, Any]:
+        """``{"base_identity": {"model", "sha256"}}``: the fingerprint of the base's weight files
+        (:func:`poros.export.adapter_fit.base_identity`) that ``poros merge`` and ``poros generate`` compare;
+        empty where the base is no checkpoint on disk (a model built in memory)."""
+        from poros.export.adapter_fit import BASE_IDENTITY_KEY, base_identity
+        from poros.loading.load import _weight_files, resolve_checkpoint
+
+        model = self.run_config.model
+        try:
+            directory = resolve_checkpoint(model, revision=self.run_config.revision)
+            _, files = _weight_files(directory, allow_pickle=True)
+        except (PorosError, OSError, ValueError):
+            return {}
+        return {BASE_IDENTITY_KEY: {"model": str(model), "sha256": base_identity(files)}}
 
     # -- resuming ------------------------------------------------------------------------------
     def _restore_adapter(self, state_dict: dict[str, torch.Tensor], source: pathlib.Path) -> None:
