@@ -557,7 +557,8 @@ HALF_BAD = CHAT * 4 + [{"messages": [{"role": "user", "content": "only a questio
 API_CASES = [
     ApiCase("api-fresh-run-into-another-runs-results",
             lambda tr, tmp, mp: tr.train(tmp / "chat.jsonl", output_dir=str(tmp / "out")),
-            errors.OutputDirError, "--overwrite", prepare=earlier_run, keep=lambda tmp: [tmp / "out"]),
+            errors.OutputDirError, "(resume_from='auto' in Python), pass another --output-dir (output_dir=), or "
+            "--overwrite (overwrite=True)", prepare=earlier_run, keep=lambda tmp: [tmp / "out"]),
     ApiCase("api-overwrite-replaces-the-earlier-run-whole",
             lambda tr, tmp, mp: tr.train(tmp / "chat.jsonl", output_dir=str(tmp / "out"), overwrite=True),
             None, prepare=earlier_run, check=_only_the_new_run),

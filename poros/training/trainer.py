@@ -289,8 +289,9 @@ class PorosTrainer:
         return generate_text(self.model, self.tokenizer, prompt, **options).text
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, directory: str | os.PathLike) -> pathlib.Path:
-        """Write the adapter (PEFT layout), the tokenizer and ``poros_config.json`` into ``directory``.
+    def save(self, directory: str | os.PathLike | None = None) -> pathlib.Path:
+        """Write the adapter (PEFT layout), the tokenizer and ``poros_config.json`` into ``directory`` (default: the
+        run's ``output_dir``, beside its checkpoints and ``metrics.jsonl``).
 
         ``adapter_model.safetensors`` and ``adapter_config.json`` are written by PEFT's own
         ``save_pretrained`` (``base_model_name_or_path`` = ``config.model``), so stock
@@ -308,7 +309,7 @@ class PorosTrainer:
             UnsupportedModelError: the model has no PEFT adapters to save.
             TrainingCheckpointError: ``directory`` exists and is a file.
         """
-        target = pathlib.Path(directory)
+        target = pathlib.Path(self.run_config.output_dir if directory is None else directory)
         if not distributed.world().is_main:  # data parallel: rank 0 writes (the adapters are the same)
             return target
         previous_files = set(_saved_files(target))
