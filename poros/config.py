@@ -29,6 +29,7 @@ from typing import Any, Iterable
 import yaml
 
 from poros.errors import ConfigError
+from poros.settings import HOST_TIERS, SETTINGS, config_fields, problems as setting_problems
 from poros.spellings import FIELD_ALIASES, known_fields, parse_budget, suggestion
 
 __all__ = ["HOST_TIERS", "PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget", "report_to_names"]
@@ -38,9 +39,6 @@ BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, 
 NULL_WORDS = ("null", "none", "~")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")
 TARGET_KEYWORDS = ("all-linear", "default")
-#: where the streamed blocks may live on the host, the one list of the tier names: ``host_tier``'s choices,
-#: the planner (``poros.loading.host_tiers``) and the engine's tier classes (``poros.stream.tiers``) read it
-HOST_TIERS = ("pinned", "mapped", "disk")
 
 
 def _field(default: Any, doc: str, *, choices: tuple[Any, ...] = (), section: str = "") -> Any:
@@ -65,6 +63,7 @@ def _dataset_for_config(path: Path, what: str) -> ConfigError:
 
 
 @dataclass
+@config_fields  # the streaming settings (poros.settings.STREAMING), after the fields below
 class PorosConfig:
     """A Poros training run: model, adapter, data, optimisation, checkpoints and streaming.
 
@@ -158,19 +157,9 @@ class PorosConfig:
     # -- runtime and streaming ---------------------------------------------------------------------------
     device: str = _field("auto", "Compute device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or "
                          "'cuda:N'.", choices=("auto", "cpu", "cuda", "cuda:N"), section="runtime and streaming")
-    num_slots: int = _field(2, "Decoder blocks on the device at once (2: one computes while the next arrives).")
     deterministic: bool = _field(True, "torch.use_deterministic_algorithms(True): the bitwise-reproducible mode.")
-    require: str | None = _field(None, "Refuse to train unless the run earns this guarantee label (see "
-                                 "docs/parity-modes.md); null accepts any.", choices=(None, "numerical", "bitwise"))
     attn_implementation: str | None = _field(None, "Attention kernels of the HF model; null: transformers' default.",
                                              choices=(None, "sdpa", "eager"))
-    embeddings_on_host: bool | None = _field(None, "Keep frozen untied embedding tables in host memory; null: on "
-                                             "when the device is CUDA.")
-    vram_budget: str | None = _field(None, "Device memory the run may use, e.g. '7GiB', '24GB', '7000MiB', '7.5G' "
-                                     "(binary): the planner picks the device slots and keeps as many of the last "
-                                     "blocks resident as fit, and with layer-major accumulation moves the boundary "
-                                     "states to pinned host memory when the budget cannot hold them (`poros plan` "
-                                     "shows its plan); null: stream every block.")
     stream_schedule: str = _field("layer-major", "How gradient accumulation streams the blocks: 'layer-major' (each "
                                   "block crosses the link twice per step for all micro-batches, whose boundary "
                                   "states wait on the device, or on the host under a tight vram_budget; bitwise the "
@@ -178,46 +167,10 @@ class PorosConfig:
                                   "the run falls back to micro-major and says so) or 'micro-major' (each "
                                   "micro-batch streams every block, 2 x grad_accum copies per block per step).",
                                   choices=("micro-major", "layer-major"))
-    optimizer_states: str = _field("auto", "Where AdamW's exp_avg / exp_avg_sq live: 'device', 'host' (pinned host "
-                                   "memory, stepped on the device a chunk at a time by poros.HostAdamW: bitwise "
-                                   "torch's AdamW, 8 bytes per LoRA value off the device) or 'auto' (on the host "
-                                   "only when vram_budget cannot hold them beside the num_slots slot ring).",
-                                   choices=("auto", "device", "host"))
-    lora_placement: str = _field("auto", "Where the streamed blocks' LoRA parameters and gradients live between "
-                                 "uses: 'device', 'host' (pinned host memory: they come in with their block, the "
-                                 "gradients go back after its last backward, poros.HostAdamW steps them a chunk at "
-                                 "a time; bitwise the same; layer-major only, with optimizer_states auto or host) "
-                                 "or 'auto' (on the host only when vram_budget cannot hold them on the device).",
-                                 choices=("auto", "device", "host"))
-    loss_chunks: int = _field(1, "Compute the head and the loss over this many chunks of tokens, each chunk recomputed in "
-                              "backward (the whole logits never exist; training outputs carry logits=None); 1: HF's own "
-                              "head and loss. Above 1 bitwise a resident run with the same loss_chunks, numerically "
-                              "HF's (another sum order).")
-    mlp_chunks: int = _field(1, "Run each block's MLP, norms and attention projections over this many sequence chunks, "
-                             "each saving only its input; 1: whole. Above 1 bitwise a resident run with the same "
-                             "mlp_chunks (tiling.tile_mlp); vram_budget may raise it.")
     pad_to_multiple_of: int | None = _field(None, "Pad each training batch to a multiple of this many tokens (HF's "
                                             "DataCollatorWithPadding option); null: to its longest row. Fewer lengths "
                                             "for cuda_graphs to capture (each length is graphs of its own). Bitwise a "
                                             "resident run with the same padding (it changes the kernels' shapes).")
-    cuda_graphs: bool | str = _field(False, "Replay each streamed block's forward and recompute+backward from a CUDA "
-                                     "graph captured once per device slot and block kind: the eager kernels, bit for "
-                                     "bit, without their host cost. true, false or 'auto' (on on CUDA); off on CPU. "
-                                     "Blocks that cannot be captured run eagerly, and the summary says why.")
-    host_tier: str | None = _field(None, "Where the streamed NF4 blocks live on the host: 'pinned' (page-locked RAM, "
-                                   "one copy per process), 'mapped' (the NF4 block cache file mapped and registered "
-                                   "for DMA: one copy per node in the page cache), 'disk' (read from the cache file "
-                                   "into a small pinned ring ahead of use, for host RAM smaller than the model); "
-                                   "null: mapped when the model loads through the cache, else pinned, or what "
-                                   "host_budget needs (docs/cache-and-host-memory.md).",
-                                   choices=(None, *HOST_TIERS))
-    host_budget: str | None = _field(None, "Host RAM the blocks may use, e.g. '24GiB': the planner keeps them "
-                                     "on the host when they fit and streams them from disk through a ring of read_ahead "
-                                     "blocks when they do not; null: no limit.")
-    read_ahead: int = _field(3, "Ring buffers of the disk tier (>= 2): one copying to the device, the rest read "
-                             "ahead.")
-    cache_dir: str | None = _field(None, "Root of the NF4 block cache (the first load quantizes and writes the "
-                                   "blocks, later loads map them); null: $POROS_CACHE_DIR, else ~/.cache/poros.")
     no_cache: bool = _field(False, "Bypass the NF4 block cache: quantize the checkpoint on every load and write "
                             "nothing.")
     cpu_threads: int | str = _field("auto", "Threads of torch's CPU ops (torch.set_num_threads, for the process): "
@@ -247,8 +200,8 @@ class PorosConfig:
             if not ok:
                 problems.append(f"{name}={getattr(self, name)!r}: expected {expected}; {fix}")
 
-        for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "num_slots",
-                     "logging_steps", "loss_chunks", "mlp_chunks"):
+        problems += setting_problems(self)  # the streaming settings' own checks (poros.settings)
+        for name in ("lora_rank", "lora_alpha", "seq_len", "batch_size", "grad_accum", "logging_steps"):
             need(getattr(self, name) >= 1, name, "an integer >= 1", f"set {name} to a positive integer")
         need(self.steps >= 1 or (self.steps == 0 and self.epochs is not None), "steps", "an integer >= 1 (0 only "
              "with epochs)", "set steps to a positive integer, or epochs to train for passes over the data")
@@ -257,15 +210,12 @@ class PorosConfig:
              "cpu_threads", "'auto' or an integer >= 1", "e.g. cpu_threads: 1")
         for name in ("model", "dataset", "dataset_split", "output_dir"):
             need(bool(getattr(self, name).strip()), name, "a non-empty string", f"set {name}")
-        for name in ("quantization", "compute_dtype", "schedule", "require", "attn_implementation", "stream_schedule",
-                     "optimizer_states", "lora_placement", "host_tier"):
+        for name in ("quantization", "compute_dtype", "schedule", "attn_implementation", "stream_schedule"):
             choices = _metadata(name)["choices"]
             need(getattr(self, name) in choices, name, f"one of {_choice_list(choices)}",
                  f"pick one of {_choice_list(choices)}")
         need(bool(DEVICE_PATTERN.fullmatch(self.device)), "device", "'auto', 'cpu', 'cuda' or 'cuda:N'",
              "e.g. device: cuda:0")
-        need(self.cuda_graphs in (True, False) or self.cuda_graphs == "auto", "cuda_graphs", "true, false or 'auto'",
-             "e.g. cuda_graphs: true")
         need(self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1, "pad_to_multiple_of",
              "an integer >= 1 or null", "e.g. pad_to_multiple_of: 64")
         need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "a float in [0, 1)", "e.g. lora_dropout: 0.05")
@@ -288,13 +238,6 @@ class PorosConfig:
         else:
             need(bool(self.target_modules) and all(name.strip() for name in self.target_modules), "target_modules",
                  "a non-empty list of non-empty module names", "e.g. target_modules: [q_proj, v_proj]")
-        if self.vram_budget is not None:
-            try:
-                parse_budget(self.vram_budget)
-            except ConfigError:
-                need(False, "vram_budget", "a size such as '7GiB', '24GB', '7000MiB' or '7.5G', or null",
-                     "e.g. vram_budget: 7GiB")
-        need(self.read_ahead >= 2, "read_ahead", "an integer >= 2", "e.g. read_ahead: 3")
         if self.lora_placement == "host":
             need(self.optimizer_states != "device", "optimizer_states", "'auto' or 'host' with lora_placement: host "
                  "(poros.HostAdamW steps the host-kept LoRA tensors)", "set optimizer_states: host")
@@ -302,11 +245,6 @@ class PorosConfig:
                  "'device' or 'auto' unless stream_schedule is layer-major and lora_dropout 0 (the LoRA tensors "
                  "travel with their block only in layer-major accumulation)",
                  "set stream_schedule: layer-major and lora_dropout: 0, or lora_placement: device")
-        if self.host_budget is not None:
-            try:
-                parse_budget(self.host_budget, "host_budget")
-            except ConfigError:
-                need(False, "host_budget", "a size such as '24GiB', '32GB' or '16G', or null", "e.g. host_budget: 24GiB")
         if self.resume_from is not None:
             need(bool(self.resume_from.strip()), "resume_from", "'auto', a checkpoint directory or null",
                  "e.g. resume_from: auto")
@@ -634,10 +572,11 @@ def _normalize_targets(value: str | list[str]) -> str | list[str]:
 
 def _example(name: str) -> str:
     default = _fields_by_name()[name].default
-    examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "require": "bitwise",
-                "attn_implementation": "sdpa", "embeddings_on_host": "true", "revision": "main", "cuda_graphs": "true",
-                "pad_to_multiple_of": "64", "chat_template": "null", "target_modules": "q_proj,v_proj", "vram_budget": "7GiB",
+    examples = {"max_grad_norm": "1.0", "save_total_limit": "3", "resume_from": "auto", "attn_implementation": "sdpa",
+                "revision": "main", "pad_to_multiple_of": "64", "chat_template": "null", "target_modules": "q_proj,v_proj",
                 "eval_dataset": "data/val.jsonl", "eval_batches": "20", "report_to": "tensorboard"}
+    if name in SETTINGS and SETTINGS[name].example:
+        return SETTINGS[name].example
     if name in examples:
         return examples[name]
     if isinstance(default, bool):

@@ -119,7 +119,7 @@ class ArchitectureDescriptor:
             and MoE block (``enable_moe_block``). Code that resolves these names skips the disabled ones
             (:meth:`disabled_names`); everything not listed here must exist on every model.
 
-    Long sequences (``mlp_chunks``, the attention working set; ``poros.stream.tiling``, ``poros.stream.attention``):
+    Long sequences (``mlp_chunks``, the attention working set; ``poros.stream.tiling``, ``poros.plan.attention``):
         mlp: the per-token feed-forward module of a decoder layer (layer-relative path), called as
             ``mlp(hidden_states)`` and returning a tensor of the same leading shape; ``mlp_chunks``
             tiles it over the sequence. ``""``: the family has none to tile.

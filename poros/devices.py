@@ -62,7 +62,7 @@ def _check_cuda(named: str, resolved: "torch.device") -> None:
 
 
 #: ``cpu_threads: auto`` takes one thread on the CPU for a model narrower than this hidden size: its
-#: ops are too small to share between threads (``python -m tools.cpu_threads`` measures the crossing).
+#: ops are too small to share between threads (``python -m tools.bench.cpu_threads`` measures the crossing).
 ONE_THREAD_BELOW_HIDDEN = 1024
 
 

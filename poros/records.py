@@ -31,7 +31,7 @@ Schema of one family file::
     adapter = "lora"
     max_diff_loss = 0.0; max_diff_adapter = 0.0; max_diff_optimizer = 0.0
     peak_allocated_gb = 5.1             # optional, for benchmark records
-    source = "tools/parity_gate.py"     # the script that produced it
+    source = "tools/checks/parity_gate.py"     # the script that produced it
 
 Family-specific facts use the config's own key (``global_head_dim``, ``num_kv_shared_layers``,
 ``num_experts``...). A fact that could not be confirmed is left out, with an ``# unconfirmed:``

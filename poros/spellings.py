@@ -4,7 +4,11 @@
   ``SFTConfig`` and axolotl's YAML. A ``poros.yaml``, a ``--key value`` override, ``PorosConfig(...)``,
   ``replace`` and ``PorosTrainer`` take either name; the config keeps Poros's own
   (``PorosConfig(learning_rate=1e-4).lr == 1e-4``), and a misspelling is matched against both.
-* Sizes (:func:`parse_budget`): ``"7GiB"``, ``"24GB"``, ``"7.5G"``.
+* Sizes, both ways: read from what people write (:func:`parse_budget`: ``"7GiB"``, ``"24GB"``, ``"7.5G"``)
+  and written back in words, the one place byte counts are formatted: binary units for sizes people read
+  (:func:`human_bytes`: ``poros doctor``, ``poros plan``'s host line, ``poros merge``) and decimal GB as the
+  bench and the results pages write them (:func:`format_gb`: the planner and its report, ``poros cache``).
+  Two named functions because both forms are printed and asserted; everything else calls them.
 
 Torch-free: the standard library only.
 """
@@ -109,4 +113,26 @@ def parse_budget(value: str | int, name: str = "vram_budget") -> int:
     return nbytes
 
 
-__all__ = ["FIELD_ALIASES", "aliases_of", "known_fields", "parse_budget", "suggestion"]
+def human_bytes(nbytes: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``, ``4 * 2**30`` -> ``"4.0 GiB"`` (binary units, one decimal; whole bytes
+    below 1 KiB); ``None`` (not known) -> ``"unknown"``."""
+    if nbytes is None:
+        return "unknown"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_gb(nbytes: float) -> str:
+    """``5_195_600_000`` -> ``"5.20 GB"`` (decimal units, as the bench and the results pages write
+    them); below 0.1 GB in MB or kB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= size * (0.1 if unit == "GB" else 1):
+            return f"{nbytes / size:.2f} {unit}" if unit == "GB" else f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+__all__ = ["FIELD_ALIASES", "aliases_of", "format_gb", "human_bytes", "known_fields", "parse_budget", "suggestion"]

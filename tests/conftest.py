@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The built-in families, in registration order (``poros.registry.DEFAULT_PLUGINS``): what a listing
 #: shows before any third-party family. Written here once; tests import it (``from conftest import ...``).
 BUILTIN_FAMILIES = ["qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"]
-if str(REPO_ROOT) not in sys.path:  # `from tools import bench`: the tools are a package of the checkout
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 class FamilyPlugin:

@@ -18,7 +18,7 @@ itself does, classifies the run with the gate lifted for that one adapter type
 
 Every test asserts the status it expects, so a change either way fails. Run with
 ``POROS_WRITE_ADAPTER_MATRIX=1`` to (re)write ``docs/adapters.json`` from the outcomes, then
-``python -m tools.gen_adapter_docs`` to render ``docs/adapters.md``; ordinary runs write nothing.
+``python -m tools.docs.gen_adapter_docs`` to render ``docs/adapters.md``; ordinary runs write nothing.
 
 Adapter parameters are perturbed after PEFT's init (every trainable float tensor gets
 ``N(0, 0.02^2)`` noise from a seeded generator), so identity-initialised adapters (LoRA's zero
@@ -411,6 +411,6 @@ def environment() -> dict[str, str]:
 
 
 def test_adapter_docs_match_the_committed_json():
-    result = subprocess.run([sys.executable, "-m", "tools.gen_adapter_docs", "--check"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tools.docs.gen_adapter_docs", "--check"], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -142,7 +142,7 @@ def may_import(module: str) -> set[str]:
 
 def test_every_layer_declares_what_it_may_import():
     expected = {"poros.cli", "poros.doctor", "poros.training", "poros.testing", "poros.dropin", "poros.export",
-                "poros.loading", "poros.stream", "poros.families", "poros.data"}
+                "poros.plan", "poros.loading", "poros.stream", "poros.families", "poros.data"}
     assert set(LAYERS) == expected
     for layer, allowed in LAYERS.items():
         assert set(allowed) <= set(LAYERS), f"{layer} names layers that do not exist: {set(allowed) - set(LAYERS)}"
@@ -189,6 +189,52 @@ def test_docs_architecture_shows_every_layer_and_what_it_may_import():
             f"docs/architecture.md says {layer} may import {sorted(named)}; its docstring says {list(allowed)}")
 
 
+def _calls_named(path: Path, name: str) -> list[int]:
+    """Lines of ``path`` that call something named ``name`` (``name(...)`` or ``x.name(...)``)."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+
+
+def test_the_planner_is_a_layer_and_the_only_one_that_builds_a_workload():
+    """``poros.plan`` builds the step a run is planned for (``poros.plan.entry.workload_of``); prepare, the
+    trainer, ``poros plan``, ``poros doctor`` and the tools ask it, so none of them can drop a field."""
+    assert "poros.plan" in LAYERS
+    builders = [f"{path.relative_to(PACKAGE.parent).as_posix()}:{line}"
+                for path in [*sorted(PACKAGE.rglob("*.py")), *sorted(TOOLS.rglob("*.py"))]
+                if not path.is_relative_to(PACKAGE / "plan") for line in _calls_named(path, "Workload")]
+    assert not builders, f"{builders} build a Workload; call poros.plan.entry.workload_of (or plan_config) instead"
+
+
+def test_each_streaming_setting_is_declared_once():
+    """``poros.settings.STREAMING`` holds each streaming setting's name, type, default, doc and check; the config
+    fields and prepare's keywords (``StreamOptions``) are built from it and declare none of their own."""
+    import dataclasses
+
+    from poros.config import PorosConfig
+    from poros.settings import STREAMING
+    from poros.stream.options import StreamOptions
+
+    names = {setting.name for setting in STREAMING}
+    for path, cls in ((PACKAGE / "config.py", "PorosConfig"), (PACKAGE / "stream" / "options.py", "StreamOptions")):
+        body = next(node for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ClassDef) and node.name == cls).body
+        declared = {node.target.id for node in body if isinstance(node, ast.AnnAssign)} & names
+        assert not declared, f"{cls} declares {sorted(declared)} itself; they are rows of poros.settings.STREAMING"
+    config = {f.name: f for f in dataclasses.fields(PorosConfig)}
+    options = {f.name: f for f in dataclasses.fields(StreamOptions)}
+    assert list(options) == [setting.name for setting in STREAMING]
+    for setting in STREAMING:
+        assert options[setting.name].default == setting.prepare_default
+        if setting.where == "both":
+            assert (config[setting.name].default, config[setting.name].metadata["doc"]) == (setting.default, setting.doc)
+        else:
+            assert setting.name not in config
+    tiers = [path for path in PACKAGE.rglob("*.py") for line in path.read_text().splitlines()
+             if line.startswith("HOST_TIERS =")]
+    assert len(tiers) == 1, f"HOST_TIERS is defined in {tiers}; it lives in poros/settings.py"
+
+
 def test_old_module_paths_are_the_moved_modules():
     import importlib
 
@@ -222,7 +268,7 @@ def test_no_private_name_is_imported_from_another_module(module):
 
 # -- function size, and the tools beside the package ----------------------------------------------
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-TOOL_MODULES = sorted(TOOLS.glob("*.py"))
+TOOL_MODULES = sorted(TOOLS.rglob("*.py"))
 MAX_FUNCTION_LINES = 100
 #: Functions over MAX_FUNCTION_LINES that other engineers are splitting now (issue #28); the lead
 #: empties this set at merge. Nothing joins it: split a long function by job instead.
@@ -273,35 +319,50 @@ def test_no_function_over_100_lines_of_code(path):
                             "docstring not counted); split the function by job")
 
 
-@pytest.mark.parametrize("path", TOOL_MODULES, ids=lambda p: p.name)
-def test_tool_module_size_and_docstring(path):
-    lines = path.read_text().count("\n")
-    assert lines <= MAX_LINES, f"tools/{path.name} has {lines} lines (at most {MAX_LINES}): split it by job"
-    assert ast.get_docstring(ast.parse(path.read_text())), f"tools/{path.name} has no docstring saying what it does"
+def tool_name(path: Path) -> str:
+    return path.relative_to(TOOLS.parent).as_posix()
 
 
-@pytest.mark.parametrize("path", TOOL_MODULES, ids=lambda p: p.name)
-def test_no_tool_edits_sys_path(path):
-    """The tools are a package run as ``python -m tools.X`` from the repository root: none needs sys.path."""
-    tree = ast.parse(path.read_text())
+def test_tool_module_size_and_docstring():
+    """Every tool module holds at most MAX_LINES lines and opens with a docstring saying what it does."""
+    long = [f"{tool_name(p)} ({n} lines)" for p in TOOL_MODULES if (n := p.read_text().count("\n")) > MAX_LINES]
+    undocumented = [tool_name(p) for p in TOOL_MODULES if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not long, f"over {MAX_LINES} lines: {long}; split each by job"
+    assert not undocumented, f"no docstring saying what it does: {undocumented}"
+
+
+def sys_path_uses(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that touch ``sys.path`` (``sys.path...`` or ``from sys import path``)."""
     touched = [node.lineno for node in ast.walk(tree)
                if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
                and node.value.id == "sys"]
-    touched += [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "sys"
-                and any(alias.name == "path" for alias in node.names)]
-    assert not touched, (f"tools/{path.name} uses sys.path (line {touched[0]}); import the tools as a package "
-                         f"(from tools.shapes import ...) and run it as python -m tools.{path.stem}")
+    return touched + [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                      and node.module == "sys" and any(alias.name == "path" for alias in node.names)]
 
 
-@pytest.mark.parametrize("path", TOOL_MODULES, ids=lambda p: p.name)
-def test_tools_import_the_harness_pieces_not_its_command_line(path):
-    """``tools.bench`` is the command line over shapes, models, arms, timeline, provenance and report;
-    another tool imports those (public names only), never the command line."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tools"):
-            names = [alias.name for alias in node.names]
-            assert path.stem == "bench" or (node.module != "tools.bench" and "bench" not in names), (
-                f"tools/{path.name} imports tools.bench; import the piece from tools.shapes, tools.models, "
-                "tools.arms, tools.timeline, tools.provenance or tools.report")
-            private = [name for name in names if name.startswith("_")]
-            assert not private, f"tools/{path.name} imports {private} from {node.module}"
+def test_no_test_or_tool_edits_sys_path():
+    """The tools are a package run as ``python -m tools.X`` from the repository root, and pytest puts the
+    root on the path (``pythonpath`` in pyproject.toml): no tool and no test needs ``sys.path``."""
+    tests = sorted(Path(__file__).resolve().parent.rglob("*.py"))
+    offenders = [f"{path.relative_to(TOOLS.parent).as_posix()}:{line}" for path in [*TOOL_MODULES, *tests]
+                 for line in sys_path_uses(ast.parse(path.read_text()))]
+    assert not offenders, (f"sys.path used at {offenders}; import the tools as a package (from tools.bench.shapes "
+                           "import ...), run a tool as python -m tools.<job>.<name>")
+
+
+def test_tools_import_the_harness_pieces_not_its_command_line():
+    """``tools.bench.harness`` is the command line over shapes, models, arms, timeline, provenance and
+    report; another tool imports those (public names only), never the command line."""
+    offenders = []
+    for path in TOOL_MODULES:
+        if path.parent.name == "bench" and path.stem in ("harness", "__main__"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tools"):
+                names = [alias.name for alias in node.names]
+                if node.module == "tools.bench.harness" or "harness" in names:
+                    offenders.append(f"{tool_name(path)} imports the harness")
+                offenders += [f"{tool_name(path)} imports {name} from {node.module}" for name in names
+                              if name.startswith("_")]
+    assert not offenders, (f"{offenders}; import the piece from tools.bench.shapes, tools.bench.models, "
+                           "tools.bench.arms, tools.bench.timeline, tools.bench.provenance or tools.bench.report")

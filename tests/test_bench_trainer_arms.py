@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: the stand-in for tools/unsloth_child.py: records what it was given, answers with fixed step times
+#: the stand-in for tools/bench/unsloth_child.py: records what it was given, answers with fixed step times
 FAKE_CHILD = textwrap.dedent("""
     import json, os, pathlib, sys
     spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
@@ -109,7 +109,7 @@ def test_the_unsloth_arm_gets_the_bench_model_rows_and_settings(report):
 
 
 def bench_args(**overrides) -> argparse.Namespace:
-    from tools import bench
+    from tools.bench import harness as bench
 
     args = bench.parse_args(["--model", "tiny", "--device", "cpu", "--arms", "unsloth"])
     for key, value in overrides.items():
@@ -118,8 +118,8 @@ def bench_args(**overrides) -> argparse.Namespace:
 
 
 def test_the_unsloth_arm_is_skipped_on_a_cpu_with_the_reason():
-    from tools import unsloth_arm
-    from tools.trainer_common import TrainerSetup
+    from tools.bench import unsloth_arm
+    from tools.bench.trainer_common import TrainerSetup
 
     checkpoint = unsloth_arm.save_checkpoint(None, bench_args(), torch.device("cpu"))
     assert "CUDA GPU" in checkpoint["skipped"]
@@ -133,9 +133,9 @@ def test_the_unsloth_arm_is_skipped_on_a_cpu_with_the_reason():
 def test_the_checkpoint_loads_back_with_the_same_packed_weights(tmp_path, layers):
     import transformers
 
-    from tools import unsloth_arm
-    from tools.models import build_model
-    from tools.shapes import model_config
+    from tools.bench import unsloth_arm
+    from tools.bench.models import build_model
+    from tools.bench.shapes import model_config
 
     config, _ = model_config("tiny")
     model = build_model(config, "cpu", seed=3)
@@ -154,7 +154,7 @@ def test_the_checkpoint_loads_back_with_the_same_packed_weights(tmp_path, layers
 
 
 def test_the_depth_shrinks_to_what_the_disk_holds():
-    from tools.unsloth_arm import plan_depth
+    from tools.bench.unsloth_arm import plan_depth
 
     per_layer = {i: 10 for i in range(8)}
     assert plan_depth(5, per_layer, 8, free=1000) == (8, None)
@@ -163,7 +163,7 @@ def test_the_depth_shrinks_to_what_the_disk_holds():
 
 
 def test_the_depths_must_match_for_a_ratio():
-    from tools.unsloth_arm import compare
+    from tools.bench.unsloth_arm import compare
 
     arms = {"unsloth": {"status": "ok", "layers": 8, "median_step_s": 1.0, "depth_reason": "disk"},
             "trl-resident": {"status": "ok", "median_step_s": 2.0}}
@@ -172,7 +172,7 @@ def test_the_depths_must_match_for_a_ratio():
 
 
 def test_the_child_environment_puts_unsloths_packages_first_and_stays_offline(monkeypatch):
-    from tools.unsloth_arm import child_environment
+    from tools.bench.unsloth_arm import child_environment
 
     monkeypatch.setenv("PYTHONPATH", "/tmp/site:/elsewhere")
     env = child_environment("/tmp/site-unsloth")
@@ -182,7 +182,7 @@ def test_the_child_environment_puts_unsloths_packages_first_and_stays_offline(mo
 
 @pytest.mark.skipif(importlib.util.find_spec("unsloth") is not None, reason="Unsloth is installed here")
 def test_the_child_writes_its_json_when_unsloth_is_missing(tmp_path):
-    from tools import unsloth_child
+    from tools.bench import unsloth_child
 
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"checkpoint": str(tmp_path), "setup": {}, "rows": [], "lora": {},
@@ -195,7 +195,7 @@ def test_the_child_writes_its_json_when_unsloth_is_missing(tmp_path):
 def test_the_results_page_shows_the_arms_side_by_side(report, monkeypatch):
     """The generated table of docs/results-h200.md: one row per arm of the run, the one-line arms with their
     parity and ratio; a 'pending' row while no run exists."""
-    from tools import gen_results_docs
+    from tools.docs import gen_results_docs
 
     monkeypatch.setattr(gen_results_docs, "bench_reports", lambda: [])
     assert "pending the H200 run" in gen_results_docs.render_trainer()
@@ -207,8 +207,8 @@ def test_the_results_page_shows_the_arms_side_by_side(report, monkeypatch):
 
 
 def test_the_poros_trainer_arms_take_the_bench_budget_and_resident_blocks():
-    from tools import bench
-    from tools.trainer_common import TrainerSetup
+    from tools.bench import harness as bench
+    from tools.bench.trainer_common import TrainerSetup
 
     args = bench.parse_args(["--model", "tiny", "--device", "cpu", "--arms", "hf-poros", "--vram-budget", "30GB",
                              "--grad-accum", "2"])
@@ -222,10 +222,10 @@ def test_the_poros_trainer_arms_take_the_bench_budget_and_resident_blocks():
 
 
 def test_a_poros_trainer_arm_keeps_the_blocks_it_is_asked_to_keep(tmp_path):
-    from tools.models import add_lora, build_model, make_batches
-    from tools.shapes import model_config
-    from tools.trainer_arms import run_trainer_arm, snapshot, token_rows, trainable
-    from tools.trainer_common import TrainerSetup
+    from tools.bench.models import add_lora, build_model, make_batches
+    from tools.bench.shapes import model_config
+    from tools.bench.trainer_arms import run_trainer_arm, snapshot, token_rows, trainable
+    from tools.bench.trainer_common import TrainerSetup
 
     config, _ = model_config("tiny")
     peft_model = add_lora(build_model(config, torch.device("cpu"), seed=0), rank=4, alpha=8, targets="all-linear",

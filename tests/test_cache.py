@@ -130,7 +130,7 @@ def test_a_chosen_mapped_tier_the_device_will_not_register_serves_pinned_copies(
     loaded = load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=tmp_path / "cache")
     layers = list(loaded.model.model.layers)
     layouts = {i: layout for i, layout in enumerate(poros.stream.store.block_layouts(layers))}
-    monkeypatch.setattr(tiers, "_register_for_dma", lambda mapping, copy_if_refused=False: False)
+    monkeypatch.setattr(tiers, "register_for_dma", lambda mapping, copy_if_refused=False: False)
     registered = []
 
     class Runtime:  # no CUDA here: the copies' own registration is recorded, the copy is the point
@@ -231,10 +231,10 @@ def test_a_damaged_entry_is_reported_in_one_line_rebuilt_and_never_trained_on(ti
     assert len(damaged) == 1 and "\n" not in damaged[0] and "fails its checksum (xxh3_64)" in damaged[0]
     assert (copy / cache.BLOCKS).read_bytes() == good  # rebuilt from the checkpoint
     assert_bitwise(reference[0], rebuilt[0], reference[1], rebuilt[1], reference[2], rebuilt[2])
-    import poros.stream.tiers as tiers
+    import poros.stream.block_file as block_file
 
     inode = (copy / cache.BLOCKS).stat().st_ino  # the damaged file's mapping was let go before the rebuild
-    assert all(key[1] == inode for key in tiers._MAPPINGS if key[0] == str(copy / cache.BLOCKS))
+    assert all(key[1] == inode for key in block_file._MAPPINGS if key[0] == str(copy / cache.BLOCKS))
 
 
 def test_the_checksum_pass_runs_beside_the_load_and_its_verdict_wins(tiny_entry, tmp_path):
@@ -286,12 +286,12 @@ def test_the_checksum_pass_runs_beside_the_load_and_its_verdict_wins(tiny_entry,
 def test_an_entry_written_with_crc32s_still_opens_and_its_damage_is_still_found(tiny_entry, tmp_path, monkeypatch):
     """Entries record their checksum kind: xxh3_64, or crc32 where the xxhash package is missing; either
     opens and finds damage, and a kind this installation cannot compute counts as damage (rebuilt)."""
-    import poros.stream.tiers as tiers
+    import poros.stream.block_file as block_file
     from poros.loading.load import load_pretrained
 
     path, _, entry = tiny_entry
     assert cache.read_manifest(entry)["checksum"] == "xxh3_64"
-    monkeypatch.setattr(tiers, "default_checksum", lambda: "crc32")  # as without xxhash
+    monkeypatch.setattr(block_file, "default_checksum", lambda: "crc32")  # as without xxhash
     load_pretrained(path, device="cpu", load_tokenizer=False, cache_dir=tmp_path, double_quant=True)
     [copy] = [d for d in tmp_path.iterdir() if d.is_dir()]
     manifest = cache.read_manifest(copy)
@@ -312,22 +312,22 @@ def test_an_entry_written_with_crc32s_still_opens_and_its_damage_is_still_found(
 def test_the_check_reads_in_chunks_and_finds_damage_past_the_first(tiny_entry, tmp_path, monkeypatch, algorithm):
     """An entry's blocks span many of the check's reads (64 MiB each; 4 KiB here): the running checksum over
     the chunks is the one written, and a byte damaged in a later chunk is still found."""
-    import poros.stream.tiers as tiers
+    import poros.stream.block_file as block_file
 
     _, _, entry = tiny_entry
     copy = _copy_entry(entry, tmp_path)
-    monkeypatch.setattr(tiers, "CHECK_CHUNK", 4096)
+    monkeypatch.setattr(block_file, "CHECK_CHUNK", 4096)
     file = cache.CacheEntry(copy, cache.read_manifest(copy)).block_file()
     assert max(file.nbytes) > 4 * 4096
-    update, final = tiers.CHECKSUMS[algorithm]
+    update, final = block_file.CHECKSUMS[algorithm]
     raw = (copy / cache.BLOCKS).read_bytes()
     file.algorithm = algorithm
-    file.checksums = [final(update(raw[o: o + tiers.padded(n)], None)) for o, n in zip(file.offsets, file.nbytes)]
-    assert tiers.checksum_file(file, workers=2) == file.checksums
+    file.checksums = [final(update(raw[o: o + block_file.padded(n)], None)) for o, n in zip(file.offsets, file.nbytes)]
+    assert block_file.checksum_file(file, workers=2) == file.checksums
     damaged = bytearray(raw)
     damaged[file.offsets[1] + 3 * 4096 + 17] ^= 0x40
     (copy / cache.BLOCKS).write_bytes(bytes(damaged))
-    found = tiers.checksum_file(file, workers=2)
+    found = block_file.checksum_file(file, workers=2)
     assert found[1] != file.checksums[1] and found[0] == file.checksums[0]
 
 
@@ -489,7 +489,7 @@ def test_the_disk_tier_holding_blocks_in_ram_trains_bitwise(family, variant, tmp
 
 def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_not():
     from poros.errors import ConfigError
-    from poros.loading.host_tiers import choose_host_tier
+    from poros.plan.host_tiers import choose_host_tier
 
     blocks = [100 << 20] * 10
     assert choose_host_tier(blocks).tier == "pinned"
@@ -509,7 +509,7 @@ def test_host_plan_keeps_blocks_pinned_when_they_fit_and_streams_from_disk_when_
 
 
 def test_host_plan_shares_the_cache_entry_between_the_ranks_of_a_node():
-    from poros.loading.host_tiers import choose_host_tier
+    from poros.plan.host_tiers import choose_host_tier
 
     blocks = [100 << 20] * 10
     plan = choose_host_tier(blocks, ranks_per_node=4, shared_file=True)
@@ -544,9 +544,9 @@ def test_cache_command_lists_and_clears_without_torch(tiny_entry, tmp_path, chil
 
 
 def test_cache_bench_dry_run_reports_every_number_it_promises(tmp_path, child_env):
-    """python -m tools.cache_bench on the CPU (the GPU run's dry run): start times, per-tier steps, disk read rates."""
+    """python -m tools.checks.cache_bench on the CPU (the GPU run's dry run): start times, per-tier steps, disk read rates."""
     report_path = tmp_path / "cache.json"
-    subprocess.run([sys.executable, "-m", "tools.cache_bench", "--model", "tiny", "--device", "cpu", "--steps", "1",
+    subprocess.run([sys.executable, "-m", "tools.checks.cache_bench", "--model", "tiny", "--device", "cpu", "--steps", "1",
                     "--warmup", "0", "--grad-accum", "2", "--seq", "16", "--dir", str(tmp_path / "work"),
                     "--rounds", "2", "--start-tiers", "auto,pinned", "--json", str(report_path)],
                    cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(POROS_COMMIT="test"),
@@ -588,7 +588,7 @@ def test_cache_bench_projects_two_depths_to_the_full_depth(tmp_path, child_env):
     paths[0].write_text(json.dumps(report(24, 4 + 2 * 24, 3 + 0.1 * 24, launch=14, first=1.2)))
     paths[1].write_text(json.dumps(report(8, 4 + 2 * 8, 3 + 0.1 * 8, launch=18, first=2.0)))
     out = tmp_path / "projected.json"
-    subprocess.run([sys.executable, "-m", "tools.cache_bench", "--project", *map(str, paths), "--json", str(out)],
+    subprocess.run([sys.executable, "-m", "tools.checks.cache_bench", "--project", *map(str, paths), "--json", str(out)],
                    cwd=pathlib.Path(__file__).resolve().parents[1], env=child_env(), capture_output=True, text=True,
                    check=True)
     projected = json.loads(out.read_text())

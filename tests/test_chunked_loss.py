@@ -109,9 +109,9 @@ def test_one_chunk_installs_nothing_and_bad_values_are_refused(tmp_path):
 
 def test_the_planner_counts_one_chunk_of_the_head_and_loss(tmp_path):
     from poros.config import PorosConfig
-    from poros.training.plan import plan_run
-    from poros.stream import planner
-    from poros.stream.footprint import LOSS_BYTES_PER_LOGIT
+    from poros.plan.run_plan import plan_run
+    from poros.plan import budget as planner
+    from poros.plan.footprint import LOSS_BYTES_PER_LOGIT
 
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=2)
     plans = {n: plan_run(PorosConfig(model=str(checkpoint), device="cpu", seq_len=64, loss_chunks=n))

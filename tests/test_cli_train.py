@@ -106,7 +106,7 @@ def test_overrides_reach_the_config_wherever_dry_run_stands(capsys, tmp_path, ch
 @pytest.mark.parametrize(("family", "variant"), DEFAULT_VARIANTS, ids=[f for f, _ in DEFAULT_VARIANTS])
 def test_dry_run_plan_equals_the_block_store(capsys, checkpoints, family, variant):
     import poros
-    from poros.training.plan import plan_run
+    from poros.plan.run_plan import plan_run
 
     path = checkpoints[family]
     status, out, err = run_cli(capsys, "train", "--model", str(path), "--device", "cpu", "--dry-run")
@@ -132,7 +132,7 @@ def test_dry_run_plan_equals_the_block_store(capsys, checkpoints, family, varian
 @pytest.mark.parametrize("family", ["qwen3", "gemma4"])
 def test_dry_run_plan_with_double_quant_and_dora_equals_the_block_store(checkpoints, family):
     import poros
-    from poros.training.plan import plan_run
+    from poros.plan.run_plan import plan_run
 
     path = checkpoints[family]
     plan = plan_run(PorosConfig(model=str(path), device="cpu", double_quant=True, use_dora=True, lora_rank=4,
@@ -146,7 +146,7 @@ def test_dry_run_plan_with_double_quant_and_dora_equals_the_block_store(checkpoi
 def test_dry_run_plans_the_text_tower_of_a_multimodal_checkpoint(capsys, tmp_path, checkpoints):
     import transformers
 
-    from poros.training.plan import plan_run
+    from poros.plan.run_plan import plan_run
     from poros.testing import tiny_config
 
     multimodal = transformers.Gemma3Config(
@@ -197,10 +197,10 @@ BENCH_RECORDS = [  # the cut-depth bench runs that had a Poros arm (an Unsloth s
 
 @pytest.mark.parametrize("record_path", BENCH_RECORDS, ids=[f"{p.parent.name}/{p.stem}" for p in BENCH_RECORDS])
 def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch, record_path):
-    """Real shapes (cut to a few layers) as tools/bench.py built them on the GPU: exact block bytes,
+    """Real shapes (cut to a few layers) as tools/bench/harness.py built them on the GPU: exact block bytes,
     and a peak estimate at or above the peak the bench measured."""
-    from poros.training.plan import plan_run
-    from tools.shapes import model_config
+    from poros.plan.run_plan import plan_run
+    from tools.bench.shapes import model_config
     record = json.loads(record_path.read_text())
     setup, measured = record["config"], record["arms"]["poros"]
     config, _ = model_config(setup["model"], layers=setup["model_info"]["num_hidden_layers"])
@@ -221,7 +221,7 @@ def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch
 
 
 def test_planner_quantized_bytes_follow_bitsandbytes():
-    from poros.stream.footprint import padded, quantized_tensor_bytes
+    from poros.plan.footprint import padded, quantized_tensor_bytes
 
     # 64x64 weight: 2048 packed bytes, 64 fp32 absmax, 16-value fp32 code table.
     assert quantized_tensor_bytes(4096, double_quant=False) == [2048, 256, 64]

@@ -9,6 +9,7 @@ import torch
 
 import poros
 from poros.errors import ConfigError
+from poros.plan.entry import cuda_graphs_on
 from poros.stream import graphs
 from poros.stream.graphs import BlockGraphs
 from poros.testing import load_qlora, save_tiny_checkpoint
@@ -34,8 +35,8 @@ def test_graphs_are_off_on_cpu_and_training_is_unchanged(tmp_path, setting):
     """On CPU, prepare(cuda_graphs=...) makes no graphs and the run is the resident one, bit for bit."""
     streamed = run_parity("qwen3", "default", BASE_SETUP, tmp_path, cuda_graphs=setting)
     assert streamed.executor.graphs is None
-    assert not graphs.enabled(setting, torch.device("cpu"))
-    assert graphs.enabled(setting, torch.device("cuda", 0))
+    assert not cuda_graphs_on(setting, torch.device("cpu"))
+    assert cuda_graphs_on(setting, torch.device("cuda", 0)) and cuda_graphs_on(setting, "cuda:0")
 
 
 @pytest.mark.parametrize("value", ["yes", "on", 1, None])
@@ -161,9 +162,9 @@ def test_the_report_counts_what_ran_eagerly():
 def test_the_planner_counts_the_graphs_memory(checkpoints):
     """prepare(vram_budget=..., cuda_graphs=True) plans with the graphs' pool and static buffers held
     beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes)."""
-    from poros.stream.footprint import footprint_of_model, plan_for_model
+    from poros.plan.footprint import footprint_of_model, plan_for_model
     from poros.stream.placement import graph_reserve_bytes
-    from poros.stream.planner import Workload
+    from poros.plan.budget import Workload
 
     model = load_qlora(checkpoints["qwen3"], lora_rank=4, lora_alpha=8)
     causal = model.get_base_model()
@@ -173,7 +174,7 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     options = StreamOptions(vram_budget="1GiB", workload=Workload(1, 16))
     where = dict(device=torch.device("cpu"), compute_dtype=torch.bfloat16)
     plain = plan_for_model(causal, layers, [], options, **where)
-    graphed = plan_for_model(causal, layers, [], options.replace(cuda_graphs=True), **where)
+    graphed = plan_for_model(causal, layers, [], options.replace(cuda_graphs=True), cuda_graphs=True, **where)
     footprint = footprint_of_model(causal, layers, [], options.workload, **where)
     reserve = graph_reserve_bytes(footprint, 2)
     assert reserve > footprint.recompute_bytes > 0

@@ -242,8 +242,8 @@ def test_node_host_ram_counts_shared_host_tables_once():
     embedding tables as of the blocks (mapped tier); with --no-cache each rank holds both its own."""
     from types import SimpleNamespace
 
-    from poros.loading.host_tiers import node_host_ram
-    from poros.loading.host_tiers import choose_host_tier
+    from poros.plan.host_tiers import node_host_ram
+    from poros.plan.host_tiers import choose_host_tier
 
     footprint = SimpleNamespace(block_bytes=[100] * 10, host_embedding_bytes=50)
     shared = node_host_ram(footprint, choose_host_tier(footprint.block_bytes, ranks_per_node=4, shared_file=True),

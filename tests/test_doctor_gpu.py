@@ -16,7 +16,7 @@ from poros.doctor import diagnostics
 from poros.doctor import gpu_probe
 from poros.cli import doctor
 from poros.cli.main import main
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 GIB = 2**30
 DRIVER = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65"
@@ -281,9 +281,9 @@ def test_model_that_is_not_there_is_reported(capsys, tmp_path):
 
 
 def test_gpu_run_doctor_step_writes_text_and_json(tmp_path, repo_root, monkeypatch):
-    # tools/doctor_run.py, as `tools/gpu_run.sh doctor:model=SHAPE` runs it: a bench shape's config is
+    # tools/checks/doctor_run.py, as `tools/gpu_run.sh doctor:model=SHAPE` runs it: a bench shape's config is
     # written to a scratch directory and the report names the model by its id, not that directory
-    from tools import doctor_run
+    from tools.checks import doctor_run
 
     out = tmp_path / "doctor.json"
     status = doctor_run.main(["--model", "tiny-qwen3", "--quick", "--vram-budget", "2GiB", "--json", str(out)])
@@ -291,7 +291,7 @@ def test_gpu_run_doctor_step_writes_text_and_json(tmp_path, repo_root, monkeypat
     assert status == 0 and record["tool"] == "doctor" and record["commit"] and record["date"]
     assert record["text"] == out.with_suffix(".txt").read_text().rstrip("\n")
     model = record["report"]["model"]
-    assert model["family"] == "qwen3" and model["found_in"].startswith("config.json from tools/bench.py")
+    assert model["family"] == "qwen3" and model["found_in"].startswith("config.json from tools/bench/harness.py")
     assert model["suggested_flags"][3] == model["model"] == "tiny-qwen3"
     assert doctor_run.SCRATCH_PREFIX not in record["text"] and doctor_run.SCRATCH_PREFIX not in json.dumps(model)
 

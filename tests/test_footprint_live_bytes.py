@@ -4,7 +4,7 @@ A tiny Qwen2 block (72B's ratios: intermediate 3.6x hidden, 8 query heads per KV
 PEFT LoRA (fp32 LoRA weights, PEFT's default) on the seven projections, its forward with grad and its
 backward counted tensor by tensor (``tools/saved_bytes.py``: the live storages after every op). The count
 includes the block's output and its input gradient, which the planner prices with the boundary states;
-less those, the estimate (``poros.stream.footprint.activation_parts(...).recompute``) is within 5 %, with
+less those, the estimate (``poros.plan.footprint.activation_parts(...).recompute``) is within 5 %, with
 the MLP whole and tiled (``mlp_chunks`` tiles the norms and attention projections with it): at these lengths the LoRA input copies, the norms and the norm's backward are most
 of it (issue 32: the H200's 72B at 32K measured 20.87 GB against a 16.68 GB prediction without them).
 """

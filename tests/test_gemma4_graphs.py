@@ -22,7 +22,8 @@ import poros
 import poros.registry
 from poros.descriptor import derive
 from poros.stream.carried import CarriedAccess
-from poros.stream.graphs import BlockGraphs, _non_overlapping
+from poros.stream.graph_keys import non_overlapping
+from poros.stream.graphs import BlockGraphs
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
 from test_parity import assert_bitwise, make_batch
@@ -184,10 +185,10 @@ def test_a_strided_slice_is_an_argument_a_static_copy_holds():
     """Gemma 4's per-layer input is ``per_layer_inputs[:, :, i]``: strided, gaps between rows, no element
     twice; an expanded view (Qwen3.5's position_ids) repeats elements and stays eager."""
     per_layer = torch.zeros(2, 5, 6, 8)
-    assert _non_overlapping(per_layer[:, :, 3])
-    assert _non_overlapping(per_layer.transpose(1, 2))
-    assert not _non_overlapping(torch.zeros(1, 5).expand(3, 5))
-    assert not _non_overlapping(torch.zeros(4, 5).as_strided((4, 5), (2, 1)))
+    assert non_overlapping(per_layer[:, :, 3])
+    assert non_overlapping(per_layer.transpose(1, 2))
+    assert not non_overlapping(torch.zeros(1, 5).expand(3, 5))
+    assert not non_overlapping(torch.zeros(4, 5).as_strided((4, 5), (2, 1)))
 
 
 # -- replayed, bitwise ------------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def test_the_gate_enters_autocast_per_forward_and_is_bitwise_for_qwen3_5(tmp_pat
     """The H200 gate's configuration on CPU (bf16 autocast, layer-major, 2 micro-batches, 4 batches):
     Qwen3.5, whose Gated DeltaNet backward changes bits under autocast, is bitwise now that the gate
     enters autocast per forward (HF Trainer's way) and layer-major runs every backward outside it."""
-    from tools import parity_gate
+    from tools.checks import parity_gate
 
     out = tmp_path / "gate.json"
     assert parity_gate.main(["--device", "cpu", "--tiny", "--only", "qwen3_5", "--autocast", "bf16", "--no-diagnose",

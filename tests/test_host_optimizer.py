@@ -170,9 +170,9 @@ def test_resume_through_state_dict_either_way(qwen3, flags):
 
 # -- the planner ---------------------------------------------------------------------------------
 def test_the_planner_moves_the_adamw_state_to_the_host_only_when_the_ring_does_not_fit_with_it_on_the_device():
-    from poros.stream import planner
+    from poros.plan import budget as planner
     from poros.stream.options import StreamOptions
-    from poros.stream.planner import Footprint, Workload
+    from poros.plan.budget import Footprint, Workload
 
     def budget_options(vram_budget, **options) -> StreamOptions:  # AdamW's state on the device unless given
         return StreamOptions(vram_budget=vram_budget, **{"optimizer_states": "device", **options})

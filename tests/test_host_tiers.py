@@ -19,7 +19,7 @@ import torch
 from poros.cli.main import main
 from poros.config import HOST_TIERS, PorosConfig
 from poros.errors import ConfigError, StreamingError
-from poros.loading import host_tiers
+from poros.plan import host_tiers
 from poros.stream import tiers
 from poros.stream.packing import block_layouts, entry_view, frozen_tensors
 from poros.stream.store import BlockStore

@@ -174,9 +174,9 @@ def test_hub_id_resolves_from_the_cache_offline(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_host_memory_during_load_stays_below_the_bf16_model(tmp_path):
-    """Peak anonymous RSS while loading ~100 MB of bf16 shards (``tools/load_memory.py``): well under
+    """Peak anonymous RSS while loading ~100 MB of bf16 shards (``tools/bench/load_memory.py``): well under
     their size (NF4 + a tensor in flight), while materialising the shards (the control) reaches it."""
-    from tools.load_memory import measure
+    from tools.bench.load_memory import measure
 
     result = measure(tmp_path, layers=16)
     bf16, control, streamed = (result["bf16_checkpoint_bytes"], result["control_peak_delta_bytes"],

@@ -15,7 +15,7 @@ import torch
 from poros import registry
 from poros.cli.main import main
 from poros.errors import ConfigError
-from poros.stream.attention import attention_by_kind, attention_working_set, layer_kinds_of
+from poros.plan.attention import attention_by_kind, attention_working_set, layer_kinds_of
 from poros.testing import TINY_VARIANTS, tiny_model
 from poros.tiny import TINY_SLIDING_WINDOW
 from poros.training.validation import check_seq_len, longest_sequence

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from poros.cli.main import main
-from poros.stream import chunk_choice
+from poros.plan import chunk_choice
 
 GIB = 2**30
 # the CUDA run is planned on any machine when the budget and both times are given (no probe, no device)
@@ -66,7 +66,7 @@ def test_the_budget_that_oomed_on_the_h200_now_fits_with_the_norms_and_projectio
     only the MLP tiled. ``mlp_chunks`` now tiles the norms and attention projections too: their fp32 copies
     were most of one block's recompute working set, and 12 GiB fits (the H200 then measured 9.50 GB allocated
     under that cap, registry/results/h200-2026-12-02-s10). On CUDA the working set also holds the flash
-    backward's deterministic dQ accumulators (poros.stream.footprint.flash_backward_bytes): at 16 chunks
+    backward's deterministic dQ accumulators (poros.plan.footprint.flash_backward_bytes): at 16 chunks
     they, not the MLP's chunk, are a block backward's largest part."""
     status, report, err = plan(capsys, "Qwen/Qwen2.5-32B", 32768, "12GiB", *(CUDA if device == "cuda" else ["--device", "cpu"]))
     assert status == 0, err
@@ -173,7 +173,7 @@ def test_the_flash_backward_buffers_are_priced_as_fa2_allocates_them():
     an fp32 ``softmax_d``. Qwen2.5-32B (40 query heads, 8 KV heads of 128) at 32K on an H200 (132 SMs): 4 splits."""
     import torch
 
-    from poros.stream import footprint
+    from poros.plan import footprint
 
     shapes = footprint.BlockShapes(hidden_size=5120, vocab_size=152064, num_attention_heads=40, linear_outputs=0,
                                    largest_linear=0, logit_softcapping=False, attention_width=5120, kv_width=1024)
@@ -215,13 +215,13 @@ def test_packing_prices_the_seq_by_seq_mask_transformers_builds(capsys):
 
 def test_the_published_long_context_minimums_are_the_planners(tmp_path):
     """docs/consumer-gpus.md quotes registry/results/cpu-2026-12-02/long-context-minimums.json
-    (``tools/long_context_minimums.py``): its 32B row is what the planner finds today, deterministic or not."""
+    (``tools/docs/long_context_minimums.py``): its 32B row is what the planner finds today, deterministic or not."""
     from pathlib import Path
 
     from poros.config import PorosConfig
-    from poros.training.plan import plan_run
-    from tools import long_context_minimums
-    from tools.shapes import model_config
+    from poros.plan.run_plan import plan_run
+    from tools.docs import long_context_minimums
+    from tools.bench.shapes import model_config
 
     record = json.loads((Path(__file__).resolve().parents[1] / "registry" / "results" / "cpu-2026-12-02"
                          / "long-context-minimums.json").read_text())

@@ -273,8 +273,8 @@ def test_trainer_with_lora_on_the_host_is_bitwise_and_resumes_bitwise(tmp_path):
 
 # -- the planner ---------------------------------------------------------------------------------------
 def test_the_planner_moves_the_lora_tensors_to_the_host_only_when_the_ring_does_not_fit_with_them():
-    from poros.stream import planner
-    from poros.stream.planner import Footprint, Workload
+    from poros.plan import budget as planner
+    from poros.plan.budget import Footprint, Workload
 
     mib = 2**20  # the LoRA tensors larger than a block's share, as r16 all-linear at 72B against small cards
     fp = Footprint(block_bytes=(100 * mib,) * 8, device_non_block_bytes=500 * mib, host_embedding_bytes=0,
@@ -324,7 +324,7 @@ def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applie
     import json
 
     from poros.cli.main import main
-    from poros.stream import planner
+    from poros.plan import budget as planner
 
     directory = tmp_path / "shape"
     directory.mkdir()
@@ -373,7 +373,7 @@ def test_poros_plan_chooses_the_host_when_the_budget_needs_it_and_prepare_applie
     assert_same(reference, ref_opt, streamed, opt, ref_losses, losses)
 
 
-# -- tools/bench.py --------------------------------------------------------------------------------------
+# -- tools/bench/harness.py --------------------------------------------------------------------------------------
 def test_bench_runs_the_poros_arm_with_the_lora_tensors_on_the_host(tmp_path, child_env):
     """The bench's CPU dry run of the small-card setup: layer-major, HostAdamW, LoRA on the host; bitwise."""
     import json

@@ -1,4 +1,4 @@
-"""tools/merge_generate_bench.py runs on CPU as documented and reports (no timing asserted)."""
+"""tools/checks/merge_generate_bench.py runs on CPU as documented and reports (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_merge_generate_bench_smoke(tmp_path, child_env):
     report_path = tmp_path / "merge.json"
-    command = [sys.executable, "-m", "tools.merge_generate_bench", "--model", "tiny", "--device", "cpu", "--layers", "2",
+    command = [sys.executable, "-m", "tools.checks.merge_generate_bench", "--model", "tiny", "--device", "cpu", "--layers", "2",
                "--shard-size", "100KB", "--prompt-tokens", "8", "--new-tokens", "4", "--json", str(report_path)]
     done = subprocess.run(command, cwd=REPO, env=child_env(POROS_COMMIT="test", OMP_NUM_THREADS="1"),
                           capture_output=True, text=True)

@@ -448,7 +448,7 @@ def test_plan_of_qwen3_5_122b_a10b_counts_its_experts_offline(tmp_path):
 
 
 def test_bench_runs_nf4_experts_in_both_arms_bitwise(tmp_path):
-    """tools/bench.py --quantize-experts on the tiny MoE shape: the resident NF4-expert arm and the streamed
+    """tools/bench/harness.py --quantize-experts on the tiny MoE shape: the resident NF4-expert arm and the streamed
     arm, bitwise, with tokens/s per arm (the H200 steps in the report run the same code at real shapes)."""
     import json
 

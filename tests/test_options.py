@@ -16,7 +16,7 @@ import torch
 import poros
 from poros.config import PorosConfig
 from poros.errors import ConfigError
-from poros.stream import planner
+from poros.plan import budget as planner
 from poros.stream.options import StreamOptions, Workload, option_names
 from poros.stream.tiers import DiskTier
 from poros.testing import load_qlora, save_tiny_checkpoint
@@ -153,6 +153,22 @@ def test_the_planner_takes_the_options_object():
     plan = planner.plan_budget(footprint, Workload(), StreamOptions(vram_budget=10**6, num_slots=1,
                                                                     embeddings_on_host=False))
     assert plan.requested_slots == 1 and not plan.embeddings_on_host and plan.optimizer_states == "device"
+
+
+def test_loss_chunks_has_one_value_beside_a_workload(checkpoint):
+    """``prepare(loss_chunks=8, workload=...)``: the step the budget is planned for carries the user's 8 (it
+    used to plan for the workload's 1 and write that back), and a workload's own chunks become the option."""
+    options = StreamOptions(loss_chunks=8, workload={"seq_len": 16})
+    assert options.loss_chunks == options.workload.loss_chunks == options.budget_workload().loss_chunks == 8
+    assert options.replace(loss_chunks=2).workload.loss_chunks == 2
+    assert StreamOptions(workload=Workload(seq_len=16, loss_chunks=4)).loss_chunks == 4
+    with pytest.raises(ConfigError, match="loss_chunks=8 with a workload of loss_chunks=4"):
+        StreamOptions(loss_chunks=8, workload=Workload(seq_len=16, loss_chunks=4))
+    streamed = poros.prepare(load_qlora(checkpoint, seed=3), loss_chunks=8, vram_budget="64GiB",
+                             workload={"seq_len": 16})
+    assert streamed.budget_plan.loss_chunks == streamed.stream_options.loss_chunks == 8
+    assert streamed.causal_lm.loss_function.keywords == {"chunks": 8}
+    streamed.unpatch()
 
 
 # -- the phase switch ---------------------------------------------------------------------------------

@@ -30,11 +30,11 @@ from poros.descriptor import resolve_path
 from poros.config import PorosConfig
 from poros.errors import ConfigError
 from poros.doctor import probe
-from poros.training import plan as run_plan
-from poros.stream import footprint as footprint_module
-from poros.stream import planner
+from poros.plan import run_plan
+from poros.plan import footprint as footprint_module
+from poros.plan import budget as planner
 from poros.stream.options import StreamOptions
-from poros.stream.planner import ComputeTimes, Footprint, Workload
+from poros.plan.budget import ComputeTimes, Footprint, Workload
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
 from test_parity import BASE_SETUP, assert_bitwise, make_batch, run_parity
@@ -427,7 +427,7 @@ BENCH_RECORDS = sorted(p for p in (ROOT / "registry" / "results").glob("h200-*/b
 
 @cache
 def _results_docs():
-    from tools import gen_results_docs
+    from tools.docs import gen_results_docs
 
     return gen_results_docs
 
@@ -462,7 +462,7 @@ CURVE_RECORDS = sorted((ROOT / "registry" / "results").glob("h200-*/curve-*.json
 
 
 def test_predicted_peak_is_within_15_percent_across_the_published_curves():
-    """Every budget of every published VRAM curve (tools/vram_curve.py: 32B and 72B, accumulation 1
+    """Every budget of every published VRAM curve (tools/bench/vram_curve.py: 32B and 72B, accumulation 1
     and 8 layer-major, from no resident block to all of them), recomputed from the shape's config.
 
     The peak is predicted for what ran (the row's slots, resident blocks and boundary-state placement).
@@ -609,7 +609,7 @@ def test_plan_errors_exit_1(capsys, tiny_checkpoint):
 def test_consumer_gpus_page_matches_the_planner_and_the_records(child_env):
     import subprocess
 
-    result = subprocess.run([sys.executable, "-m", "tools.gen_consumer_docs", "--check"], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "tools.docs.gen_consumer_docs", "--check"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300, env=child_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-2000:]
 

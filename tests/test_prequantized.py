@@ -348,14 +348,14 @@ def test_releasing_the_loads_segment_keeps_every_value_and_parameter(tmp_path):
 
 
 def test_the_gpu_measurement_tool_dry_runs_on_the_cpu(tmp_path, repo_root, child_env):
-    """``tools/prequant_bench.py`` at the tiny shape, every arm as the full-depth H200 steps run them:
+    """``tools/checks/prequant_bench.py`` at the tiny shape, every arm as the full-depth H200 steps run them:
     ``poros quantize --random-weights`` from the shape's config.json, the pre-quantized start, the drop-in
     through ``poros.from_pretrained`` and HF Trainer, the plain load then prepare, and ``poros train``."""
     import subprocess
     import sys
 
     report_file = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "tools.prequant_bench", "--model", "tiny", "--layers", "2", "--device",
+    done = subprocess.run([sys.executable, "-m", "tools.checks.prequant_bench", "--model", "tiny", "--layers", "2", "--device",
                            "cpu", "--seq", "16", "--grad-accum", "1", "--steps", "1", "--threads", "1", "--source",
                            "random", "--arms", "quantize,starts,dropin,stranded,train", "--starts", "prequantized",
                            "--optimizer-states", "host", "--loss-chunks", "2", "--vram-budget", "2GiB",
@@ -377,7 +377,7 @@ def test_the_gpu_measurement_tool_dry_runs_on_the_cpu(tmp_path, repo_root, child
 
 
 def test_the_gpu_measurement_tool_refuses_a_bf16_start_without_a_bf16_source(tmp_path):
-    from tools import prequant_bench
+    from tools.checks import prequant_bench
 
     with pytest.raises(SystemExit, match="--starts prequantized,prequantized_warm"):
         prequant_bench.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--source", "random", "--arms",

@@ -120,7 +120,7 @@ def test_a_record_appended_to_a_real_file_counts(path, tmp_path, monkeypatch):
 
 
 def load_generator():
-    from tools import gen_architecture_docs
+    from tools.docs import gen_architecture_docs
 
     return gen_architecture_docs
 
@@ -128,7 +128,7 @@ def load_generator():
 def test_architecture_docs_are_up_to_date():
     generator = load_generator()
     page = generator.DOC_PATH.read_text(encoding="utf-8")
-    assert generator.update(page) == page, "docs/architecture-support.md is stale: run python -m tools.gen_architecture_docs"
+    assert generator.update(page) == page, "docs/architecture-support.md is stale: run python -m tools.docs.gen_architecture_docs"
 
 
 def test_architecture_docs_list_every_checkpoint():

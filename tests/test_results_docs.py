@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_results_page_matches_the_committed_json():
-    result = subprocess.run([sys.executable, "-m", "tools.gen_results_docs", "--check"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tools.docs.gen_results_docs", "--check"], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

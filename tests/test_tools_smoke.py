@@ -1,7 +1,7 @@
 """The bench harness and the parity gate run on CPU and report exact parity (no timing asserted).
 
 Each tool runs once as a subprocess, its smoke command as documented (``python -m tools.bench --model
-tiny --device cpu``, ``python -m tools.parity_gate --device cpu --tiny``), both at the same time; the
+tiny --device cpu``, ``python -m tools.checks.parity_gate --device cpu --tiny``), both at the same time; the
 JSON each writes is checked. The gate also appends its records to a copy of the registry, which
 must still parse and give the families the ``bitwise`` status through ``poros.records``.
 """
@@ -38,9 +38,9 @@ def smoke(tmp_path_factory, child_env):
     commands = {
         "bench": ["-m", "tools.bench", "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
                   "--json", str(folder / "bench.json")],
-        "gate": ["-m", "tools.parity_gate", "--device", "cpu", "--tiny", "--json", str(folder / "gate.json"),
+        "gate": ["-m", "tools.checks.parity_gate", "--device", "cpu", "--tiny", "--json", str(folder / "gate.json"),
                  "--append-registry", "--registry-dir", str(registry)],
-        "curve": ["-m", "tools.vram_curve", "--model", "tiny-qwen2", "--device", "cpu", "--points", "3", "--steps", "1",
+        "curve": ["-m", "tools.bench.vram_curve", "--model", "tiny-qwen2", "--device", "cpu", "--points", "3", "--steps", "1",
                   "--warmup", "1", "--grad-accum", "2", "--deterministic", "--json", str(folder / "curve.json")],
     }
     running = {name: subprocess.Popen([sys.executable, *args], cwd=REPO, env=child_env(POROS_COMMIT="test"),
@@ -74,7 +74,7 @@ def test_vram_curve_smoke(smoke):
 
 
 def test_vram_curve_names_the_ends_of_its_range():
-    from tools import vram_curve
+    from tools.bench import vram_curve
 
     args = vram_curve.parse_args(["--budgets", "all,min,6GiB"])
     assert vram_curve.resolve_budgets(args.budgets, args.points, 2 * 2**30, 5 * 2**30) == ["5.00GiB", "2.00GiB", "6GiB"]
@@ -84,7 +84,7 @@ def test_vram_curve_names_the_ends_of_its_range():
 def test_bracketed_ratios_divide_each_round_by_the_resident_runs_around_it():
     """A machine that slows down during the run: each round's arm is compared with the mean of the
     resident runs just before and after it, so the drift cancels."""
-    from tools import vram_curve
+    from tools.bench import vram_curve
 
     rows = [{"budget": "min", "round": 0, "median_step_s": 11.0}, {"budget": "all", "round": 0, "median_step_s": 12.0},
             {"budget": "min", "round": 1, "median_step_s": 13.2}, {"budget": "all", "round": 1, "median_step_s": 14.4},
@@ -102,8 +102,8 @@ def test_sync_check_counts_each_synchronising_call_and_where_it_came_from(monkey
 
     import torch
 
-    from tools.report import diagnostics_line
-    from tools.timeline import sync_check
+    from tools.bench.report import diagnostics_line
+    from tools.bench.timeline import sync_check
 
     modes = []
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
@@ -130,7 +130,7 @@ def test_copy_timeline_attributes_each_stall_to_its_block_and_phase(monkeypatch)
     max(0, copy done - compute reached it); the phase turns to backward when block indices go down."""
     import torch
 
-    from tools.timeline import CopyTimeline
+    from tools.bench.timeline import CopyTimeline
 
     clock = {"gpu": 0.0}
 
@@ -243,7 +243,7 @@ def test_parity_gate_smoke(smoke, monkeypatch):
     assert len(report["records"]) == len(GATE_VARIANTS)
     for record in report["records"]:
         assert RECORD_KEYS <= set(record), RECORD_KEYS - set(record)
-        assert record["source"] == "tools/parity_gate.py" and record["adapter"] == "lora"
+        assert record["source"] == "tools/checks/parity_gate.py" and record["adapter"] == "lora"
 
     from poros import records
 
@@ -261,7 +261,7 @@ def test_compare_reports_a_one_ulp_difference():
     """The comparison a bitwise label rests on notices the smallest possible difference."""
     import torch
 
-    from tools.arms import ArmResult, compare
+    from tools.bench.arms import ArmResult, compare
 
     base = torch.tensor([1.0, 2.0, 3.0])
     nudged = base.clone()
@@ -276,7 +276,7 @@ def test_compare_reports_a_one_ulp_difference():
 
 def test_diagnosis_names_the_kernel_whose_swap_makes_it_bitwise(monkeypatch):
     """A numerical variant is rerun with the other attention / experts kernel; the fixing swap is named."""
-    from tools import parity_gate
+    from tools.checks import parity_gate
 
     def fake_run(variant, args, device, *, attn, experts):
         bitwise = experts == "eager"  # pretend grouped_mm is the culprit
@@ -294,7 +294,7 @@ def test_diagnosis_names_the_kernel_whose_swap_makes_it_bitwise(monkeypatch):
 def test_validation_table_is_toml():
     import tomllib
 
-    from tools import parity_gate
+    from tools.checks import parity_gate
 
     record = {"platform": "NVIDIA H200", "label": "numerical", "max_diff_loss": 1.5e-05, "max_diff_adapter": "nan",
               "deterministic": True, "kernel": 'sdpa "efficient" backward', "skipped": None}
@@ -311,7 +311,7 @@ def test_a_refused_kernel_is_named_and_labels_numerical(monkeypatch):
 
     import torch
 
-    from tools import parity_gate
+    from tools.checks import parity_gate
 
     refusal = ("RuntimeError: cumsum_cuda_kernel does not have a deterministic implementation, but you set "
                "'torch.use_deterministic_algorithms(True)'.\nTraceback ...")
@@ -356,9 +356,9 @@ def test_save_load_check_feeds_the_batch_on_the_compute_device():
     import torch
 
     import poros
-    from tools import parity_gate
-    from tools.models import add_lora, build_model, make_batches
-    from tools.shapes import model_config
+    from tools.checks import parity_gate
+    from tools.bench.models import add_lora, build_model, make_batches
+    from tools.bench.shapes import model_config
 
     class Stop(Exception):
         pass

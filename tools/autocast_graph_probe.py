@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from tools.provenance import environment_line, start_tool
+from tools.bench.provenance import environment_line, start_tool
 from tools.capture_trace import tracing
 
 
@@ -243,9 +243,9 @@ def _switched(names: tuple[str, ...]):
 
 def _blocks_variant(variant, device, dtype, args, arms) -> dict[str, Any]:
     import poros
-    from tools.arms import free_memory
-    from tools.models import add_lora, build_model, make_batches
-    from tools.shapes import model_config
+    from tools.bench.arms import free_memory
+    from tools.bench.models import add_lora, build_model, make_batches
+    from tools.bench.shapes import model_config
 
     config, _ = model_config(variant.tiny)
     model = build_model(config, device, seed=args.seed, attn_implementation="sdpa",
@@ -326,7 +326,7 @@ def _blocks_variant(variant, device, dtype, args, arms) -> dict[str, Any]:
 
 
 def case_blocks(device, dtype, args, arms) -> dict[str, Any]:
-    from tools.parity_gate import VARIANTS
+    from tools.checks.parity_gate import VARIANTS
 
     chosen = [v for v in VARIANTS if args.only is None or v.name in args.only.split(",")]
     out = {}

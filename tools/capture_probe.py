@@ -101,8 +101,8 @@ def _peft_nf4(width: int, rank: int, device: torch.device) -> Piece:
 
 
 def _qwen2(width: int, rank: int, device: torch.device, seed: int) -> Piece:
-    from tools.models import add_lora, build_model
-    from tools.shapes import model_config
+    from tools.bench.models import add_lora, build_model
+    from tools.bench.shapes import model_config
 
     config, _ = model_config("tiny", layers=1, hidden_size=width, intermediate_size=2 * width)
     peft_model = add_lora(build_model(config, device, seed=seed, attn_implementation="sdpa"), rank=rank,
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cublas_config:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    from tools.provenance import configure_threads, environment, environment_line, resolve_device
+    from tools.bench.provenance import configure_threads, environment, environment_line, resolve_device
 
     configure_threads(args.threads if args.threads is not None else (1 if args.device == "cpu" else None))
     device = resolve_device(args.device, with_index=True)

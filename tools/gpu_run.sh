@@ -23,16 +23,16 @@
 #   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros,unsloth:deterministic:steps=5:warmup=2:unsloth-timeout=300
 #   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros:deterministic:steps=3:warmup=1:vram-budget=30GB  # planner: resident blocks
 #
-# A step is `gate` (tools/parity_gate.py), `bench:SHAPE` (tools/bench.py --model SHAPE),
-# `curve:SHAPE` (tools/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/merge_generate_bench.py
-# --model SHAPE: poros merge RAM/time and poros generate tokens/s), `cache:SHAPE` (tools/cache_bench.py
-# --model SHAPE: NF4 block cache start times and host tiers), `prequant:SHAPE` (tools/prequant_bench.py
+# A step is `gate` (tools/checks/parity_gate.py), `bench:SHAPE` (tools/bench/harness.py --model SHAPE),
+# `curve:SHAPE` (tools/bench/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/checks/merge_generate_bench.py
+# --model SHAPE: poros merge RAM/time and poros generate tokens/s), `cache:SHAPE` (tools/checks/cache_bench.py
+# --model SHAPE: NF4 block cache start times and host tiers), `prequant:SHAPE` (tools/checks/prequant_bench.py
 # --model SHAPE: poros quantize, starts from a bnb-4bit checkpoint, the drop-in under a cap), `load`
-# (tools/load_check.py), `eval`
-# (tools/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
-# (tools/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
+# (tools/checks/load_check.py), `eval`
+# (tools/checks/eval_check.py: evaluation leaves training bitwise, eval_loss == resident), `doctor`
+# (tools/checks/doctor_run.py: `poros doctor`'s block to STEP.txt and its JSON; `:model=SHAPE_OR_DIR`,
 # `:vram-budget=X`, `:quick`; DEVICE does not apply: the doctor reports what it finds) or `ddp`
-# (tools/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`) or
+# (tools/checks/ddp_check.py: `ddp:parity:backend=gloo:share-device`, `ddp:scale=qwen2.5-32b:layers=8`) or
 # `autocast-probe` (tools/autocast_graph_probe.py: CUDA graphs under autocast vs eager, case by case) or
 # `capture-probe` (tools/capture_probe.py: which ingredient makes a backward's capture fail), each
 # optionally followed by `:key=value` pairs that become `--key value` options (a bare `:flag`
@@ -50,7 +50,7 @@
 #
 # Wheels: if .whl/ holds wheels (bitsandbytes, transformers, peft: ../shared/tools/gpu-wheelhouse),
 # they are installed into /tmp/site (once per set of wheels) and put first on PYTHONPATH. If
-# .whl-unsloth/ holds wheels (tools/unsloth-wheelhouse), they and .whl/'s bitsandbytes and peft go into
+# .whl-unsloth/ holds wheels (tools/bench/unsloth-wheelhouse), they and .whl/'s bitsandbytes and peft go into
 # /tmp/site-unsloth for the `unsloth` bench arm's child process (POROS_UNSLOTH_SITE), never on PYTHONPATH.
 set -uo pipefail
 
@@ -89,8 +89,8 @@ install_wheels() {
   install_unsloth_wheels
 }
 
-# .whl-unsloth/ (tools/unsloth-wheelhouse) + bitsandbytes and peft from .whl/ -> /tmp/site-unsloth, for the
-# Unsloth arm's child process only (tools/unsloth_arm.py reads POROS_UNSLOTH_SITE); the host's transformers.
+# .whl-unsloth/ (tools/bench/unsloth-wheelhouse) + bitsandbytes and peft from .whl/ -> /tmp/site-unsloth, for the
+# Unsloth arm's child process only (tools/bench/unsloth_arm.py reads POROS_UNSLOTH_SITE); the host's transformers.
 install_unsloth_wheels() {
   compgen -G ".whl-unsloth/*.whl" > /dev/null || return 0
   local stamp
@@ -159,7 +159,7 @@ main() {
       gate)
         mapfile -t extra < <(options "$rest")
         # shellcheck disable=SC2086  # GATE_ARGS is a word list on purpose
-        cmd=(python3 -m tools.parity_gate --device "$DEVICE" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.checks.parity_gate --device "$DEVICE" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"} ${GATE_ARGS:-}) ;;
       bench)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
@@ -170,35 +170,35 @@ main() {
       curve)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.vram_curve --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.bench.vram_curve --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       ddp)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.ddp_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.checks.ddp_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       merge)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.merge_generate_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.checks.merge_generate_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       cache)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.cache_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.checks.cache_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       prequant)
         model=${rest%%:*}; rest=${rest#"$model"}; rest=${rest#:}
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.prequant_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
+        cmd=(python3 -m tools.checks.prequant_bench --device "$DEVICE" --model "$model" --json "$json_dir/$file.json"
              ${extra[@]+"${extra[@]}"}) ;;
       load)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.load_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.checks.load_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       eval)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.eval_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.checks.eval_check --device "$DEVICE" --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       doctor)
         mapfile -t extra < <(options "$rest")
-        cmd=(python3 -m tools.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
+        cmd=(python3 -m tools.checks.doctor_run --json "$json_dir/$file.json" ${extra[@]+"${extra[@]}"}) ;;
       autocast-probe)
         mapfile -t extra < <(options "$rest")
         cmd=(python3 -m tools.autocast_graph_probe --device "$DEVICE" --json "$json_dir/$file.json"

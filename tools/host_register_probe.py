@@ -135,7 +135,7 @@ def _environment() -> dict:
 
     import torch
 
-    from tools.provenance import git_commit
+    from tools.bench.provenance import git_commit
 
     device = None
     if shutil.which("nvidia-smi"):

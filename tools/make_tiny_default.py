@@ -43,7 +43,7 @@ import sys
 import tempfile
 
 from poros.data import CHATML_TEMPLATE  # torch-free
-from poros.stream.units import format_gb
+from poros.spellings import format_gb
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

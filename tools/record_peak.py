@@ -3,13 +3,13 @@
 H200 measured.
 
 A record keeps the prediction the planner made when it ran (``arms.poros.prediction``); the planner has
-been refined since, so this re-plans the record's shape (``tools/shapes.py``, cut to its depth) with the
+been refined since, so this re-plans the record's shape (``tools/bench/shapes.py``, cut to its depth) with the
 options the run ran with: the chunk counts the planner chose (``--vram-budget`` may raise them), the slots,
 resident blocks, boundary-state and LoRA placement it chose, where AdamW's state lived, and deterministic
-algorithms as the record says (the flash backward's dQ accumulator split, ``poros.stream.footprint.attention_sms``,
+algorithms as the record says (the flash backward's dQ accumulator split, ``poros.plan.footprint.attention_sms``,
 for an H200's SMs: every record is an H200's).
 
-Imports: poros, tools.shapes.
+Imports: poros, tools.bench.shapes.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def _configs() -> tempfile.TemporaryDirectory:
 def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, targets: tuple[str, ...], rank: int,
           attn: str | None, loss_chunks: int, quantize_experts: bool, mlp_chunks: int):
     from poros.config import PorosConfig
-    from poros.training.plan import plan_run
-    from tools.shapes import model_config
+    from poros.plan.run_plan import plan_run
+    from tools.bench.shapes import model_config
 
     config, _ = model_config(model, layers=layers)
     directory = Path(_configs().name) / f"{model}-{layers}"
@@ -46,7 +46,7 @@ def _plan(model: str, layers: int, seq: int, batch: int, double_quant: bool, tar
 
 
 def record_plan(record: dict):
-    """The :class:`~poros.training.plan.Plan` of a record's shape and options (cached per shape and options)."""
+    """The :class:`~poros.plan.run_plan.Plan` of a record's shape and options (cached per shape and options)."""
     setup, measured = record["config"], record["arms"]["poros"]
     ran = measured.get("prediction") or {}  # the chunk counts it ran with: the planner's where it raised them
     return _plan(setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"], setup["batch"],
@@ -60,12 +60,13 @@ def predicted_peak(record: dict) -> int:
     """Today's predicted peak allocated bytes for the run a record describes."""
     import dataclasses
 
-    from poros.stream import planner
+    from poros.plan import budget as planner
+    from poros.plan.entry import workload_of
 
     setup, measured = record["config"], record["arms"]["poros"]
     plan = record_plan(record)
-    workload = planner.Workload(setup["batch"], setup["seq"], setup.get("grad_accum", 1),
-                                setup.get("schedule") or "micro-major", plan.loss_chunks)
+    workload = workload_of(batch_size=setup["batch"], seq_len=setup["seq"], grad_accum=setup.get("grad_accum", 1),
+                           schedule=setup.get("schedule") or "micro-major", loss_chunks=plan.loss_chunks)
     # everything the run ran with: the planner's choices where it chose (--vram-budget), else what it asked
     chosen = measured.get("budget_plan") or {}
     boundary = chosen.get("boundary_states") or setup.get("boundary_states") or "device"

@@ -10,7 +10,7 @@ same autograd graph; the allocator's caching and fragmentation come on top on CU
 real transformers class with bitsandbytes NF4 linears and PEFT LoRA (fp32 LoRA weights, PEFT's
 default), the tiled MLP installed as the engine does (``poros.stream.tiling``). It prints the peak in
 bytes per token per hidden unit, what was alive there (largest first) and the footprint's estimate of
-one block's recompute working set (``poros.stream.footprint.activation_parts``) for the same shapes.
+one block's recompute working set (``poros.plan.footprint.activation_parts``) for the same shapes.
 The block's input, its output gradient and the weights are made outside the count.
 """
 
@@ -89,7 +89,7 @@ def block_live_bytes(hidden: int, intermediate: int, heads: int, kv_heads: int, 
 
 def estimated_recompute(model, seq: int, mlp_chunks: int) -> int:
     """The footprint's one-block recompute working set for the loaded model at ``seq`` tokens."""
-    from poros.stream.footprint import activation_parts, model_shapes
+    from poros.plan.footprint import activation_parts, model_shapes
 
     inner = model.get_base_model()
     shapes, value_bytes, attention = model_shapes(inner, list(inner.model.layers), torch.bfloat16)

@@ -4,6 +4,6 @@ Every module here is torch-free at import time, so ``poros --help``, ``poros lis
 ``poros plugins`` and ``poros doctor`` work on a machine without the ML stack. A subcommand that
 needs torch imports it inside its ``run`` function.
 
-May import: every layer (poros.doctor, poros.training, poros.testing, poros.dropin, poros.export, poros.loading,
-poros.stream, poros.families, poros.data) and the core.
+May import: every layer (poros.doctor, poros.training, poros.testing, poros.dropin, poros.export, poros.plan,
+poros.loading, poros.stream, poros.families, poros.data) and the core.
 """

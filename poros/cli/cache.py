@@ -7,7 +7,7 @@ import textwrap
 from typing import Any
 
 from poros.cli.output import print_json, table
-from poros.stream.units import format_gb
+from poros.spellings import format_gb
 
 DESCRIPTION = """\
 The NF4 block cache holds each quantized checkpoint's decoder blocks, packed exactly as Poros

@@ -22,7 +22,7 @@ from typing import Any
 from poros.cli.output import print_json
 
 from poros.packages import INSTALL_HINT, OPTIONAL_PACKAGES, TRAIN_PACKAGES, installed_version  # noqa: F401
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 DESCRIPTION = """\
 Print what Poros needs to know about this machine, in a ```text block ready to paste into an
@@ -360,9 +360,9 @@ def run(args: argparse.Namespace) -> int:
     quiet_known_noise()  # bitsandbytes' kernels-community notice, printed as the GPU part imports it
     data = report()
     data.update(gpu_report(data, quick=args.quick, model=args.model, vram_budget=args.vram_budget))
-    if getattr(args, "disk", False):  # the disk host tier's drive (poros.loading.host_tiers)
+    if getattr(args, "disk", False):  # the disk host tier's drive (poros.plan.host_tiers)
         from poros.loading.cache import cache_root
-        from poros.loading.host_tiers import measure_disk_read
+        from poros.plan.host_tiers import measure_disk_read
 
         data["disk_read"] = measure_disk_read(cache_root())
     if args.json:

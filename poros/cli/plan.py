@@ -5,7 +5,7 @@ overrides; ``--vram-budget`` is the ``vram_budget`` field) and the checkpoint's 
 only: nothing is loaded or trained. On CUDA it times one block of the model at the run's shapes
 (the compute probe) and the host-to-device link, and predicts the step; on the CPU, give the
 times (``--block-ms``, ``--link-gb-per-s``) or the step time is reported as unknown. A thin shell: the
-plan is :func:`poros.training.plan.plan_run`'s, the text :mod:`poros.cli.report`'s.
+plan is :func:`poros.plan.run_plan.plan_run`'s, the text :mod:`poros.cli.report`'s.
 Exit status: 0 planned, 1 a Poros error (the budget is below the minimum -- the message says how
 much the run needs --, a bad value or override), 2 a usage error.
 """
@@ -82,7 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Parse the configuration, plan it (``poros.training.plan.plan_run``), print the report."""
+    """Parse the configuration, plan it (``poros.plan.run_plan.plan_run``), print the report."""
     import sys
 
     from poros.noise import quiet_known_noise
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from poros.cli.output import print_json
     from poros.cli.report import budget_report_json, format_budget_report
     from poros.doctor import probe
-    from poros.training.plan import PlanOptions, plan_run
+    from poros.plan.run_plan import PlanOptions, plan_run
 
     config = load_config(list(getattr(args, "arguments", [])))
     plan = plan_run(config, PlanOptions(block_ms=args.block_ms, head_ms=args.head_ms, link_gb_per_s=args.link_gb_per_s,

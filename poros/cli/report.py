@@ -2,16 +2,16 @@
 device tables), :func:`format_budget_plan` (``poros plan``: the decisions, the predicted peak
 and its parts against the budget, the copies and the step time) and :func:`format_budget_report`
 (all of ``poros plan``'s text, with the host tier and the node's host RAM; :func:`budget_report_json`
-its ``--json``). Formatting only: the numbers come from :mod:`poros.training.plan` and
-:mod:`poros.stream.planner`."""
+its ``--json``). Formatting only: the numbers come from :mod:`poros.plan.run_plan` and
+:mod:`poros.plan.budget`."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from poros.cli.output import table
-from poros.training.plan import Plan
-from poros.stream.planner import BudgetPlan, format_gb, human_bytes, predict_peak
+from poros.plan.run_plan import Plan
+from poros.plan.budget import BudgetPlan, format_gb, human_bytes, predict_peak
 
 def _runs(sizes: tuple[int, ...]) -> str:
     """``(5, 5, 7)`` -> ``"5 B x 2, 7 B x 1"``: block sizes in order, consecutive equal ones grouped."""
@@ -179,7 +179,7 @@ def sequence_parts(bp: BudgetPlan) -> list[tuple[str, int]]:
 
 
 def format_budget_report(plan: Plan) -> str:
-    """``poros plan``'s text for a :func:`~poros.training.plan.plan_run` made with options: the budget plan
+    """``poros plan``'s text for a :func:`~poros.plan.run_plan.plan_run` made with options: the budget plan
     (:func:`format_budget_plan`), the host tier and, with several ranks per node, the node's host RAM."""
     report = plan.budget
     host = report.host

@@ -158,7 +158,7 @@ def dry_run(config) -> int:
     """Print the validated settings that differ from the defaults and the memory plan; load nothing."""
     from poros.cli.report import format_plan
     from poros.config import PorosConfig
-    from poros.training.plan import plan_run
+    from poros.plan.run_plan import plan_run
 
     plan = plan_run(config)
     defaults = PorosConfig().to_dict()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 #: GB/s per lane and direction of each PCIe generation, after line encoding (8b/10b up to Gen 2).
 PCIE_LANE_GB_PER_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}

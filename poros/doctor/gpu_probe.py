@@ -338,19 +338,19 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
     first card's total memory, else none (the minimum only)."""
     from poros.config import PorosConfig, parse_budget
     from poros.errors import PorosError
-    from poros.training.plan import plan_run
-    from poros.stream import planner
-    from poros.stream.options import StreamOptions
+    from poros.plan import budget as planner
+    from poros.plan.entry import plan_config, workload_of
+    from poros.plan.run_plan import plan_run
 
     try:
         config = PorosConfig().apply_overrides(["--model", model, "--device", "cuda", "--embeddings-on-host", "true"])
         plan = plan_run(config)
     except PorosError as error:
         return {"model": model, "error": f"{type(error).__name__}: {error}"}
-    workload = planner.Workload(config.batch_size, config.seq_len, config.grad_accum, config.stream_schedule)
-    footprint = plan.footprint()
-    minimum = planner.minimum_budget(footprint, workload, embeddings_on_host=True,
-                                     context_bytes=planner.CUDA_CONTEXT_BYTES)
+    footprint = plan.footprint()  # the step as poros plan prices it: loss_chunks and packing included
+    minimum = planner.minimum_budget(footprint, workload_of(config), embeddings_on_host=True,
+                                     context_bytes=planner.CUDA_CONTEXT_BYTES, optimizer_states=config.optimizer_states,
+                                     lora_placement=config.lora_placement)
     card = devices[0] if devices else None
     budget, source = None, None
     if vram_budget is not None:
@@ -360,9 +360,7 @@ def model_fit(model: str, *, vram_budget: str | None, devices: list[dict[str, An
     budget_plan = None
     if budget is not None and budget >= minimum:
         try:
-            options = StreamOptions(vram_budget=budget, num_slots=config.num_slots, embeddings_on_host=True,
-                                    optimizer_states="device")
-            result = planner.plan_budget(footprint, workload, options, context_bytes=planner.CUDA_CONTEXT_BYTES)
+            _, result = plan_config(config, footprint, vram_budget=budget, device="cuda")  # as poros plan plans it
             budget_plan = {"peak_bytes": result.peak.total, "needed_bytes": result.needed_bytes,
                            "resident_blocks": len(result.resident_blocks), "num_slots": result.num_slots,
                            "boundary_states": result.boundary_states,

@@ -1,5 +1,5 @@
 """The compute probe: times a few real blocks of a run's shapes on the device, so the budget model
-(:mod:`poros.stream.planner`) can predict the step; and the host-to-device link
+(:mod:`poros.plan.budget`) can predict the step; and the host-to-device link
 (:func:`measure_link`).
 
 :func:`random_qlora_model` builds a PEFT LoRA model around an NF4 base with random weights the way
@@ -23,7 +23,7 @@ from torch import nn
 from poros.adapters import lora_target_modules
 from poros.devices import resolve_device
 from poros.errors import StreamingError
-from poros.stream.planner import ComputeTimes, Workload
+from poros.plan.budget import ComputeTimes, Workload
 
 
 def measure_link(device: torch.device | str, nbytes: int = 256 * 2**20, repeats: int = 3) -> float:

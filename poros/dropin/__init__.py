@@ -4,5 +4,5 @@
 (:mod:`~poros.dropin.trainer_window`), and loading a trained adapter onto its base, streamed
 (:mod:`~poros.dropin.with_adapter`).
 
-May import: poros.export, poros.loading, poros.stream, and the core.
+May import: poros.export, poros.plan, poros.loading, poros.stream, and the core.
 """

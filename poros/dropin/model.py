@@ -41,6 +41,7 @@ from poros.errors import (
     UnsupportedModelError,
 )
 from poros.dropin import banner
+from poros.plan.entry import cuda_graphs_on
 from poros.stream import graphs
 from poros.stream.compute_stream import step_stream
 from poros.stream.chunked_loss import use_chunked_loss
@@ -80,7 +81,7 @@ class PorosModel:
         host_tables: the embedding tables kept on the host (``embeddings_on_host``).
         detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
-        host_plan: the host tier decision (``poros.loading.host_tiers.HostPlan``: tier, read-ahead, why).
+        host_plan: the host tier decision (``poros.plan.host_tiers.HostPlan``: tier, read-ahead, why).
         lora_placement: the :class:`~poros.stream.lora_placement.LoraPlacement` keeping the streamed
             blocks' adapters on the host (``lora_placement="host"``), else None.
         stream_options: the :class:`~poros.stream.options.StreamOptions` the run applies (the executor's
@@ -475,9 +476,11 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
         )
     descriptor, layers, detection = _detect(model, causal_lm, options.require)
     device = getattr(causal_lm, "poros_compute_device", None) or compute_device(causal_lm)  # poros.from_pretrained's mark
-    options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options)
+    graphs_on = cuda_graphs_on(options.cuda_graphs, device)  # cuda_graphs="auto" decided once, by the planner
+    options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options,
+                                                      graphs_on)
     return _stream(model, causal_lm, descriptor, layers, device, {"detection": detection, "budget_plan": budget_plan},
-                   options, resident, num_slots)
+                   options, resident, num_slots, graphs_on)
 
 
 prepare.__signature__ = inspect.Signature(  # the options by name, as prepare always took them
@@ -530,7 +533,7 @@ def _detect(model: nn.Module, causal_lm: nn.Module, require: str | None):
 
 
 def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list[nn.Module], device: torch.device,
-          detection: Detection, options: StreamOptions):
+          detection: Detection, options: StreamOptions, graphs_on: bool):
     """``(options, budget plan, resident block indices, slots)``: what is decided before anything moves --
     the embedding tables' place, and with a ``vram_budget`` the planner's slots, resident blocks, boundary
     states, AdamW state and LoRA placement (an explicit ``boundary_states`` stands). The options come back
@@ -538,14 +541,15 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
     on_host = choose_embeddings_on_host(options.embeddings_on_host, device)
     budget_plan = None
     if options.vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
-        from poros.stream.footprint import plan_for_model
+        from poros.plan.footprint import plan_for_model
 
         data_parallel = world().size > 1  # never chosen there (see the refusal below)
-        asked = options.replace(embeddings_on_host=on_host, cuda_graphs=graphs.enabled(options.cuda_graphs, device),
+        asked = options.replace(embeddings_on_host=on_host,
                                 lora_placement="device" if options.lora_placement == "auto" and data_parallel
                                 else options.lora_placement)
         budget_plan = plan_for_model(causal_lm, layers, host_embedding_tables(causal_lm, descriptor), asked,
-                                     device=device, compute_dtype=getattr(torch, detection.compute_dtype, torch.float32))
+                                     device=device, compute_dtype=getattr(torch, detection.compute_dtype, torch.float32),
+                                     cuda_graphs=graphs_on)
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         on_host, lora = budget_plan.embeddings_on_host, budget_plan.lora_placement
@@ -569,7 +573,7 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
 
 def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list[nn.Module],
             device: torch.device, found: dict[str, Any], options: StreamOptions, resident: tuple[int, ...],
-            num_slots: int) -> PorosModel:
+            num_slots: int, graphs_on: bool) -> PorosModel:
     """Past the gates: the blocks move into the store, the executor is built whole and installed, and
     ``model`` becomes its streamed class. ``found``: the detection and the budget plan."""
     chunked_loss = use_chunked_loss(causal_lm, options.loss_chunks) if options.loss_chunks > 1 else None
@@ -598,7 +602,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
                                                      *host_parameter_names(model, [t.module for t in host_tables])}))
     placement = LoraPlacement(store) if options.lora_placement == "host" else None
     block_graphs = None
-    if graphs.enabled(options.cuda_graphs, device):
+    if graphs_on:
         block_graphs = graphs.BlockGraphs(
             store, resolve_path(causal_lm, descriptor.decoder_layers),
             unsafe=descriptor.graph_unsafe_reason(causal_lm.config.get_text_config()))
@@ -638,9 +642,9 @@ def _parameter_counts(causal_lm: nn.Module) -> tuple[int, int]:
 def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -> None:
     """With several ranks on the node and the model loaded through the NF4 block cache, each host-kept
     embedding table becomes a copy-on-write mapping of one file beside the cache entry, so the node holds
-    it once, as it holds the blocks once (``poros.stream.tiers.share_host_table``; the values are the
+    it once, as it holds the blocks once (``poros.stream.block_file.share_host_table``; the values are the
     same bytes, checked). One process, or no cache: each table stays this process's own copy."""
-    from poros.stream.tiers import share_host_table
+    from poros.stream.block_file import share_host_table
 
     block_file = getattr(causal_lm, "poros_block_file", None)
     if not host_tables or block_file is None or world().local_size < 2:
@@ -658,14 +662,14 @@ def _host_tier(causal_lm: nn.Module, layers: list[nn.Module], resident: Iterable
     """The host plan and the store.s host tier object, for ``options.host_tier``,
     ``host_budget``, ``read_ahead`` and ``cache_dir``."""
     from poros.loading import cache
-    from poros.loading.host_tiers import DEFAULT_READ_AHEAD, plan_host_tier
+    from poros.plan.host_tiers import DEFAULT_READ_AHEAD, plan_host_tier
     from poros.stream.store import packed_block_bytes
     from poros.stream.tiers import make_host_tier
 
     block_file = getattr(causal_lm, "poros_block_file", None)  # the NF4 block cache entry the blocks view
     # data parallel: the node's ranks share the entry local rank 0 built (distributed.shared_host_copy)
     plan = plan_host_tier(packed_block_bytes(layers), resident, host_tier=options.host_tier,
-                          host_budget=options.host_budget, read_ahead=options.read_ahead,
+                          host_budget=options.host_budget_bytes, read_ahead=options.read_ahead,
                           ranks_per_node=world().local_size, shared_file=block_file is not None)
     if plan.notable:
         logger.info("poros: %s", plan.reason)

@@ -187,7 +187,7 @@ def check_adapter_base(info: Any, *, revision: str | None = None) -> None:
     Raises:
         CheckpointLoadError: as :func:`check_adapter_fits`, and when the base cannot be found.
     """
-    from poros.loading.load import _weight_files, read_config, resolve_checkpoint
+    from poros.loading.checkpoint_files import _weight_files, read_config, resolve_checkpoint
 
     directory = resolve_checkpoint(info.base_model, revision=revision)
     _, text_config = read_config(directory)

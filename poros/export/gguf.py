@@ -43,7 +43,7 @@ from poros.errors import ConfigError, MissingDependencyError, UnsupportedModelEr
 from poros.export.modelfile import write_modelfile
 from poros.export.merge import (MergeResult, ShardReader, floating_dtype, model_key, peak_rss, plan_merge,
                                 progress_line)
-from poros.stream.units import human_bytes
+from poros.spellings import human_bytes
 
 
 @dataclass(frozen=True)

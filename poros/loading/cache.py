@@ -8,7 +8,7 @@ An entry is a directory under the cache root (``cache_dir``, else ``$POROS_CACHE
                     layout (names, dtypes, shapes, bitsandbytes quantization state); the last line is
                     the crc32 of the lines above it
     blocks.bin      each decoder block's packed buffer -- exactly the bytes the block store streams --
-                    at a 4 KiB-aligned offset (``poros.stream.tiers.BlockFile``)
+                    at a 4 KiB-aligned offset (``poros.stream.block_file.BlockFile``)
     last-use        empty; its modification time is the entry's last use
 
 The key hashes everything that changes those bytes: the checkpoint's identity (every weight file's
@@ -148,8 +148,8 @@ class CacheEntry:
         return self.directory / BLOCKS
 
     def block_file(self):
-        """The entry's blocks as a ``poros.stream.tiers.BlockFile`` (imports torch)."""
-        from poros.stream.tiers import BlockFile
+        """The entry's blocks as a ``poros.stream.block_file.BlockFile`` (imports torch)."""
+        from poros.stream.block_file import BlockFile
 
         blocks = self.manifest["blocks"]
         return BlockFile(self.blocks_path, [b["offset"] for b in blocks], [b["nbytes"] for b in blocks],
@@ -174,7 +174,7 @@ class CacheEntry:
         Raises:
             CacheEntryError: the entry is truncated, a block's bytes changed, or ``stop`` was set.
         """
-        from poros.stream.tiers import checksum_file
+        from poros.stream.block_file import checksum_file
 
         self.check_size()
         file = self.block_file()
@@ -221,7 +221,7 @@ def remove_entry(directory: Path) -> None:
 def write_entry(root: Path, name: str, manifest: dict[str, Any], write_blocks) -> CacheEntry:
     """Write an entry atomically: ``write_blocks(path)`` writes ``blocks.bin`` into a temporary directory
     and returns the per-block ``(offset, nbytes, checksum)``, computed the way ``manifest["checksum"]``
-    names (``poros.stream.tiers.CHECKSUMS``; crc32 when it names none); the manifest follows, then one
+    names (``poros.stream.block_file.CHECKSUMS``; crc32 when it names none); the manifest follows, then one
     rename. When another process renamed its copy first, that one is kept and returned."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

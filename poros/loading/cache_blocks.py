@@ -25,7 +25,7 @@ from torch import nn
 from poros.loading import cache
 from poros.errors import CacheEntryError
 from poros.stream.store import bind_entry, block_layouts, entry_view
-from poros.stream.tiers import release_mapping
+from poros.stream.block_file import release_mapping
 
 logger = logging.getLogger("poros")
 
@@ -88,7 +88,7 @@ def _describe_block(block: nn.Module, entries) -> dict[str, Any]:
 # -- writing ----------------------------------------------------------------------------------------
 def write_blocks_entry(root, name: str, manifest: dict[str, Any], blocks: list[nn.Module]) -> cache.CacheEntry:
     """Write ``blocks`` (the loaded model's decoder layers, NF4, on the host) as entry ``name``."""
-    from poros.stream.tiers import default_checksum, write_block_file
+    from poros.stream.block_file import default_checksum, write_block_file
 
     layouts = _layouts(blocks)
     algorithm = default_checksum()

@@ -1,10 +1,9 @@
 """The streaming engine: the block store (:mod:`poros.stream.store`), the executor
-(:mod:`poros.stream.executor`), where the parts live (:mod:`poros.stream.placement`), the
-footprint of a model (:mod:`poros.stream.footprint`) and the torch-free budget model
-(:mod:`poros.stream.planner`). The engine imports the core (descriptors, registry, config,
+(:mod:`poros.stream.executor`) and where the parts live (:mod:`poros.stream.placement`); what a
+run will take and where its parts go is planned above it (:mod:`poros.plan`). The engine imports the core (descriptors, registry, config,
 errors) and never the drop-in (:mod:`poros.dropin.model`), the trainer or the CLI (docs/architecture.md).
 Torch is imported by the store and the executor; ``BlockStore`` and ``StreamingExecutor`` load
-them on first use, so the planner alone stays torch-free.
+them on first use, so ``import poros.stream`` stays torch-free.
 
 May import: the core only.
 """

@@ -61,8 +61,12 @@ cost of queueing ~500 kernels per block disappears.
   few lengths (``pad_to_multiple_of``) to replay them. :attr:`BlockGraphs.report` counts replays,
   captures and every eager run by reason (``poros doctor`` / the run summary).
 
-CUDA only: :func:`enabled` says whether ``cuda_graphs`` applies to a device; on CPU the executor
-has no ``BlockGraphs`` and runs as before.
+CUDA only: ``poros.plan.entry.cuda_graphs_on`` says whether ``cuda_graphs`` applies to a device (the
+one rule of ``"auto"``); on CPU the executor has no ``BlockGraphs`` and runs as before.
+
+This module replays (:class:`BlockGraphs`: when to capture, when to run eagerly and why, the report);
+the keys and what keeps a block from capture are :mod:`poros.stream.graph_keys`'s, what a capture holds
+and how it is built :mod:`poros.stream.graph_capture`'s.
 """
 
 from __future__ import annotations
@@ -76,11 +80,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from poros.errors import ConfigError, StreamingError
 from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.executor import dropout_p
+from poros.stream.graph_capture import (Graph, as_grad_of, clone, numbered, own_mappings, pointed_at, read_tensors,
+                                        static_copy, written_entries)
+from poros.stream.graph_keys import (NOT_PLAIN, PLAIN, autocast_on, carried_reason, carried_signature, global_hooks,
+                                     hashable_autocast, non_overlapping, plain_key, signature)
 from poros.stream.options import check_cuda_graphs as check  # the setting's one check, as graphs.check
 from poros.stream.replay import CastCacheWatch, autocast_state, outside_autocast, replayed_autocast, uncached
 
@@ -90,7 +96,6 @@ WARMUP = 1
 #: graphs one run may capture: every new argument shape (a batch padded to another length) is new
 #: keys, each with static buffers of its own; past this, new keys run eagerly ("graph limit")
 MAX_GRAPHS = 24
-_PLAIN = (int, float, str, bool, type(None))
 #: the environment variable that turns off the capture under autocast with its cast cache on (``0``); on by
 #: default since the H200 showed it bitwise in every family once the step runs off the legacy stream
 #: (poros.stream.compute_stream; read when a :class:`BlockGraphs` is made)
@@ -98,12 +103,6 @@ AUTOCAST_SWITCH = "POROS_CUDA_GRAPHS_AUTOCAST"
 #: the environment variable that lets micro-major's block phases (inside the autograd engine) replay
 #: too (``1``): a probe for the H200 (tools/autocast_graph_probe.py ``micro-major``), off by default
 MICRO_MAJOR_SWITCH = "POROS_CUDA_GRAPHS_MICRO_MAJOR"
-
-
-def enabled(value: Any, device: torch.device) -> bool:
-    """Whether ``cuda_graphs=value`` applies on ``device``: graphs exist on CUDA only (off on CPU)."""
-    check(value)
-    return value is not False and device.type == "cuda"
 
 
 @dataclass
@@ -125,49 +124,6 @@ class GraphReport:
         return text + (f"; {len(self.failures)} capture(s) failed: {self.failures[0]}" if self.failures else "")
 
 
-@dataclass
-class _Graph:
-    replay: Callable[[], None]  # reruns the captured kernels on the static buffers
-    statics: list[Any]  # per argument leaf: its static tensor, the plain value, or the capture's own carried mapping
-    params: list[torch.Tensor]  # static LoRA values
-    outputs: list[torch.Tensor | None]
-    # further static inputs, copied in with ``load``'s ``extra``: the output gradient, the read entries'
-    # tensors, the gradients later readers sent to the written entries
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    # each entry the block writes: (leaf position of its mapping, key, pytree spec, first output, count)
-    writes: list[tuple[int, Any, Any, int, int]] = field(default_factory=list)
-    last: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # leaf -> (source, version) copied
-
-    def load(self, leaves: list[Any], params: list[nn.Parameter], extra: list[torch.Tensor] = ()) -> None:
-        """Copy the running block's arguments (leaf 0, the hidden states, always; the others — masks,
-        rotary — only when they are not the tensor copied last time), its LoRA values and ``extra``
-        (the static inputs beyond the arguments, in :attr:`inputs` order) into the static buffers."""
-        targets, sources = [], []
-        for position, (static, leaf) in enumerate(zip(self.statics, leaves)):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            seen = self.last.get(position)
-            if position and seen is not None and seen[0] is leaf and seen[1] == leaf._version:
-                continue
-            if position:
-                self.last[position] = (leaf, leaf._version)  # held: its id cannot be reused meanwhile
-            targets.append(static)
-            sources.append(leaf.detach())
-        targets += self.params
-        sources += [p.detach() for p in params]
-        if len(extra) != len(self.inputs):
-            raise StreamingError(f"a graph replay got {len(extra)} further inputs, its capture had {len(self.inputs)}")
-        targets += self.inputs
-        sources += [t.detach() for t in extra]
-        with torch.no_grad():  # the backward graph's static inputs are leaves that require grad
-            torch._foreach_copy_(targets, sources)
-
-    def write_back(self, leaves: list[Any]) -> None:
-        """Put a copy of each entry the replay wrote into the live mapping (``leaves``' own), as the block would."""
-        for position, key, spec, first, count in self.writes:
-            leaves[position][key] = pytree.tree_unflatten([t.clone() for t in self.outputs[first:first + count]], spec)
-
-
 class BlockGraphs:
     """Captured graphs of the executor's block phases (see the module docstring).
 
@@ -184,7 +140,7 @@ class BlockGraphs:
                  max_graphs: int = MAX_GRAPHS) -> None:
         self.store, self.layers, self.unsafe, self.warmup, self.max_graphs = store, layers, unsafe, warmup, max_graphs
         self.pool = None  # the graphs' one memory pool, made at the first capture
-        self.graphs: dict[tuple, _Graph | None] = {}
+        self.graphs: dict[tuple, Graph | None] = {}
         self.seen: Counter = Counter()
         self.report = GraphReport()
         self._structure: dict[int, tuple] = {}
@@ -223,12 +179,12 @@ class BlockGraphs:
             return None
         layer = self.layers[index]
         autocast = uncached(autocast_state(self.store.device))
-        extra = (_hashable_autocast(autocast), _carried_signature(leaves, carried))
+        extra = (hashable_autocast(autocast), carried_signature(leaves, carried))
         key = self._key("forward", index, layer, leaves, extra, carried)
         graph = self._graph(key, index, lambda: self._capture_forward(index, leaves, unflatten, carried, autocast))
         if graph is None:
             return None
-        graph.load(leaves, self._parameters(index), _read_tensors(leaves, carried))
+        graph.load(leaves, self._parameters(index), read_tensors(leaves, carried))
         graph.replay()
         self.report.replays += 1
         graph.write_back(leaves)
@@ -250,30 +206,30 @@ class BlockGraphs:
             return None
         layer = self.layers[index]
         autocast = uncached(autocast)  # what the capture runs under: the forward's state, cast cache off
-        pending = tuple((name, key, tuple(None if g is None else _signature(g) for g in grads))
+        pending = tuple((name, key, tuple(None if g is None else signature(g) for g in grads))
                         for name, key, grads in written_grads)
-        extra = (hidden_needs_grad, tuple(grad_at), _hashable_autocast(autocast), _signature(grad_output),
-                 _carried_signature(leaves, carried), pending)
+        extra = (hidden_needs_grad, tuple(grad_at), hashable_autocast(autocast), signature(grad_output),
+                 carried_signature(leaves, carried), pending)
         key = self._key("backward", index, layer, leaves, extra, carried)
         graph = self._graph(key, index, lambda: self._capture_backward(
             index, leaves, unflatten, grad_output, hidden_needs_grad, grad_at, autocast, carried, written_grads))
         if graph is None:
             return None
         parameters = self._parameters(index)
-        reads = _read_tensors(leaves, carried)
+        reads = read_tensors(leaves, carried)
         sent = [g for _, _, grads in written_grads for g in grads if g is not None]
         graph.load(leaves, parameters, [grad_output, *reads, *sent])
         graph.replay()
         self.report.replays += 1
         outputs = graph.outputs
         # each gradient in the layout autograd's accumulator gives a leaf's .grad (the eager path reads .grad)
-        hidden_grad = _as_grad_of(outputs[0], leaves[0]) if hidden_needs_grad else None
-        inputs = [_as_grad_of(g, leaves[p]) for g, p in zip(outputs[1:1 + len(grad_at)], grad_at)]
+        hidden_grad = as_grad_of(outputs[0], leaves[0]) if hidden_needs_grad else None
+        inputs = [as_grad_of(g, leaves[p]) for g, p in zip(outputs[1:1 + len(grad_at)], grad_at)]
         read_outputs = iter(outputs[1 + len(grad_at):])
-        read_grads = {id(t): _as_grad_of(next(read_outputs), t) for t in reads if t.requires_grad}
+        read_grads = {id(t): as_grad_of(next(read_outputs), t) for t in reads if t.requires_grad}
         grads = outputs[1 + len(grad_at) + len(read_grads):]
         if not accumulate:
-            return hidden_grad, inputs, [_clone(g) for g in grads], read_grads
+            return hidden_grad, inputs, [clone(g) for g in grads], read_grads
         with torch.no_grad():
             for parameter, grad in zip(parameters, grads):
                 if grad is None:
@@ -295,7 +251,7 @@ class BlockGraphs:
         if self.unsafe:
             return self.unsafe
         for position, access in carried.items():
-            reason = _carried_reason(index, leaves[position], access, self.store.device)
+            reason = carried_reason(index, leaves[position], access, self.store.device)
             if reason is not None:
                 return reason
         if layer.training and any(dropout_p(m) > 0 for m in self._dropouts_of(index)):
@@ -305,19 +261,19 @@ class BlockGraphs:
                 return "autocast cache"
             if self._stale_casts:
                 return "autocast cache across steps"
-        if _global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
+        if global_hooks() or any(m._forward_hooks or m._forward_pre_hooks.keys() - self._own_hooks
                                   or m._backward_hooks or m._backward_pre_hooks for _, m in self._modules_of(index)):
             return "module hooks"
         if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
                for p in self._parameters(index)):  # a replay's .grad bookkeeping runs no tensor hook
             return "parameter hooks"
         arguments = [leaf for position, leaf in enumerate(leaves) if position not in carried]
-        if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in arguments):
+        if any(not isinstance(leaf, (torch.Tensor, *PLAIN)) for leaf in arguments):
             return "argument"
         tensors = [leaf for leaf in arguments if isinstance(leaf, torch.Tensor)]
         if any(t.device != self.store.device for t in tensors):
             return "argument off the device"
-        if not all(_non_overlapping(t) for t in tensors):
+        if not all(non_overlapping(t) for t in tensors):
             return "argument layout"  # an expanded view: a static copy of its shape and strides cannot hold it
         return None
 
@@ -331,7 +287,7 @@ class BlockGraphs:
         adapters = tuple((m._disable_adapters, str(m.active_adapters), len(m.merged_adapters))
                          for m in self._adapter_layers(index))
         parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(index))  # the static LoRA copies
-        arguments = tuple(("carried", type(leaf).__qualname__) if position in (carried or {}) else _signature(leaf)
+        arguments = tuple(("carried", type(leaf).__qualname__) if position in (carried or {}) else signature(leaf)
                           for position, leaf in enumerate(leaves))
         return (phase, where, self._structure_of(index), arguments, layer.training, adapters, parameters, extra)
 
@@ -342,8 +298,8 @@ class BlockGraphs:
         if index not in self._structure:
             layer, record = self.layers[index], self.store.blocks[index]
             modules = tuple((name, type(m).__qualname__, tuple(sorted(
-                (k, _plain(v)) for k, v in vars(m).items()
-                if k not in ("layer_idx", "training") and _plain(v) is not _NOT_PLAIN)))
+                (k, plain_key(v)) for k, v in vars(m).items()
+                if k not in ("layer_idx", "training") and plain_key(v) is not NOT_PLAIN)))
                 for name, m in self._modules_of(index))
             layout = tuple((e.name, e.kind, e.offset, e.dtype, e.shape, e.stride) for e in record.entries)
             streamed = {id(e.owner) for e in record.entries}
@@ -386,7 +342,7 @@ class BlockGraphs:
         return list(dict.fromkeys(p for _, m in self._modules_of(index) for p in m._parameters.values()
                                   if p is not None and p.requires_grad))
 
-    def _graph(self, key: tuple, index: int, capture: Callable[[], _Graph]) -> _Graph | None:
+    def _graph(self, key: tuple, index: int, capture: Callable[[], Graph]) -> Graph | None:
         if key in self.graphs:
             graph = self.graphs[key]
             if graph is None:
@@ -423,7 +379,7 @@ class BlockGraphs:
         backup, stream = generator.clone_state(), torch.cuda.current_stream(device)
         graph = torch.cuda.CUDAGraph()
         side = None
-        if self.autocast_capture and (torch.is_autocast_enabled(device.type) or _autocast_on(autocast)):
+        if self.autocast_capture and (torch.is_autocast_enabled(device.type) or autocast_on(autocast)):
             # torch's recipe: one eager run on the capture's own stream first, so that what kernels set
             # up lazily per stream (cuBLAS workspaces of the bf16 GEMMs autocast adds) exists before it
             side = self._capture_stream = self._capture_stream or torch.cuda.Stream(device)
@@ -459,42 +415,42 @@ class BlockGraphs:
         self.pool = None
 
     def _capture_forward(self, index: int, leaves: list[Any], unflatten: Callable,
-                         carried: dict[int, CarriedAccess], autocast: Any = None) -> _Graph:
-        statics = [_static(leaf) for leaf in leaves]
-        reads = _own_mappings(statics, leaves, carried)
+                         carried: dict[int, CarriedAccess], autocast: Any = None) -> Graph:
+        statics = [static_copy(leaf) for leaf in leaves]
+        reads = own_mappings(statics, leaves, carried)
         params = [p.detach().clone() for p in self._parameters(index)]
         writes: list[tuple[int, Any, Any, int, int]] = []
 
         def body(block: int) -> list:
-            with _pointed_at(self._parameters(block), params), torch.no_grad(), \
+            with pointed_at(self._parameters(block), params), torch.no_grad(), \
                     replayed_autocast(autocast, self.store.device):
                 args, kwargs = unflatten(statics)
                 output = self.layers[block](*args, **kwargs)
-            written = _written(index, statics, carried)
+            written = written_entries(index, statics, carried)
             writes[:] = [(position, key, spec, 1 + first, len(tensors)) for position, key, spec, tensors, first
-                         in _numbered(written)]
+                         in numbered(written)]
             return [output, *(t for _, _, _, tensors in written for t in tensors)]
 
         replay, outputs = self._record(index, body, autocast)
-        return _Graph(replay, statics, params, outputs, inputs=reads, writes=writes)
+        return Graph(replay, statics, params, outputs, inputs=reads, writes=writes)
 
     def _capture_backward(self, index: int, leaves: list[Any], unflatten: Callable, grad_output: torch.Tensor,
                           hidden_needs_grad: bool, grad_at: list[int], autocast: Any,
-                          carried: dict[int, CarriedAccess], written_grads: list) -> _Graph:
-        statics = [_static(leaf) for leaf in leaves]
+                          carried: dict[int, CarriedAccess], written_grads: list) -> Graph:
+        statics = [static_copy(leaf) for leaf in leaves]
         statics[0].requires_grad_(hidden_needs_grad)
         for position in grad_at:
             statics[position].requires_grad_(True)
-        reads = _own_mappings(statics, leaves, carried)  # requiring grad where the recompute's entries do
+        reads = own_mappings(statics, leaves, carried)  # requiring grad where the recompute's entries do
         params = [p.detach().clone() for p in self._parameters(index)]
-        static_grad = _static(grad_output)
+        static_grad = static_copy(grad_output)
         position_of = {access.kwarg: position for position, access in carried.items()}
-        sent = [(position_of[name], key, [None if g is None else _static(g) for g in grads])
+        sent = [(position_of[name], key, [None if g is None else static_copy(g) for g in grads])
                 for name, key, grads in written_grads]
 
         def body(block: int) -> list:
             parameters = self._parameters(block)
-            with _pointed_at(parameters, params):
+            with pointed_at(parameters, params):
                 with torch.enable_grad(), replayed_autocast(autocast, self.store.device):
                     args, kwargs = unflatten(statics)
                     output = self.layers[block](*args, **kwargs)
@@ -511,188 +467,7 @@ class BlockGraphs:
 
         replay, outputs = self._record(index, body, autocast)  # the recompute's state: warm-up too
         inputs = [static_grad, *reads, *(g for _, _, grads in sent for g in grads if g is not None)]
-        return _Graph(replay, statics, params, outputs, inputs=inputs)
+        return Graph(replay, statics, params, outputs, inputs=inputs)
 
 
-_NOT_PLAIN = object()
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as a hashable key when it is a plain value or a dict / list / tuple of them (PEFT's
-    per-adapter ``scaling``, ``r``, ``use_dora``...), else ``_NOT_PLAIN``."""
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, dict):
-        items = [(k, _plain(v)) for k, v in value.items()]
-        if all(isinstance(k, _PLAIN) and v is not _NOT_PLAIN for k, v in items):
-            return ("dict", tuple(sorted(items, key=lambda item: str(item[0]))))
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = [_plain(v) for v in value]
-        if all(v is not _NOT_PLAIN for v in items):
-            return (type(value).__name__, tuple(sorted(items, key=str) if isinstance(value, (set, frozenset))
-                                                else items))
-    return _NOT_PLAIN
-
-
-def _carried_reason(index: int, mapping: Any, access: CarriedAccess, device: torch.device) -> str | None:
-    """Why block ``index`` cannot be captured with this carried mapping, naming what was found, or None."""
-    if not access.declared:
-        return (f"carried state: {access.kwarg} (layer {index}; the descriptor does not say which entries a "
-                "layer reads or writes: CarriedState reader_flag / writer_flag / entry_key)")
-    for key in access.reads:
-        if key not in mapping:
-            return f"carried state: {access.kwarg}[{key!r}] (layer {index} reads it; no earlier layer wrote it)"
-        values = pytree.tree_leaves(mapping[key])
-        if not all(isinstance(v, torch.Tensor) and v.device == device and _non_overlapping(v) for v in values):
-            return (f"carried state: {access.kwarg}[{key!r}] (layer {index} reads it; it holds more than "
-                    f"tensors on {device} with a layout a static copy can hold)")
-    return None
-
-
-def _carried_signature(leaves: list[Any], carried: dict[int, CarriedAccess]) -> tuple:
-    """The key's part for carried mappings: what the block reads and writes, and each read tensor's signature."""
-    return tuple((position, access.kwarg, access.reads, access.writes,
-                  tuple(_signature(t) for key in access.reads for t in pytree.tree_leaves(leaves[position][key])))
-                 for position, access in carried.items())
-
-
-def _read_tensors(leaves: list[Any], carried: dict[int, CarriedAccess]) -> list[torch.Tensor]:
-    """The tensors of the entries the block reads from its live mappings, in capture order."""
-    return [t for position, access in carried.items() for key in access.reads
-            for t in pytree.tree_leaves(leaves[position][key])]
-
-
-def _own_mappings(statics: list[Any], leaves: list[Any], carried: dict[int, CarriedAccess]) -> list[torch.Tensor]:
-    """Give the capture a mapping of its own in place of each live one (a graph must not keep reading or
-    writing a live mapping, which is another object every forward): static copies of the entries the block
-    reads, requiring grad as the live ones do. Returns those static tensors, in :func:`_read_tensors` order."""
-    reads = []
-    for position, access in carried.items():
-        live = leaves[position]
-        own = type(live)()
-        for key in access.reads:
-            values, spec = pytree.tree_flatten(live[key])
-            copies = [_static(v).requires_grad_(v.requires_grad) for v in values]
-            reads += copies
-            own[key] = pytree.tree_unflatten(copies, spec)
-        statics[position] = own
-    return reads
-
-
-def _written(index: int, statics: list[Any], carried: dict[int, CarriedAccess]) -> list[tuple]:
-    """What a captured block wrote into its own mappings: ``(position, key, spec, tensors)`` per written
-    entry, checked against what it was declared to do.
-
-    Raises:
-        StreamingError: the block wrote an entry it was not declared to write, or did not write one it
-            was (the descriptor's flags and the layer disagree: its blocks run eagerly).
-    """
-    written = []
-    for position, access in carried.items():
-        own = statics[position]
-        for key in own.keys():
-            if key not in access.writes and key not in access.reads:
-                raise StreamingError(f"layer {index} wrote {access.kwarg}[{key!r}], which the descriptor's "
-                                     "writer_flag does not say; the block runs eagerly")
-        for key in access.writes:
-            if key not in own:
-                raise StreamingError(f"layer {index} did not write {access.kwarg}[{key!r}], which the "
-                                     "descriptor's writer_flag says it does; the block runs eagerly")
-            tensors, spec = pytree.tree_flatten(own[key])
-            if not all(isinstance(t, torch.Tensor) for t in tensors):
-                raise StreamingError(f"layer {index} wrote {access.kwarg}[{key!r}] holding more than tensors")
-            written.append((position, key, spec, tensors))
-    return written
-
-
-def _numbered(written: list[tuple]):
-    """Each written entry with the index of its first tensor among the written tensors."""
-    first = 0
-    for position, key, spec, tensors in written:
-        yield position, key, spec, tensors, first
-        first += len(tensors)
-
-
-def _as_grad_of(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor | None:
-    """A copy of ``grad`` laid out as autograd's accumulator lays out ``leaf.grad`` (the eager path reads
-    ``.grad``): ``leaf``'s strides where ``leaf`` is dense, else contiguous."""
-    if grad is None:
-        return None
-    if _dense(leaf):
-        return torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
-    return grad.clone(memory_format=torch.contiguous_format)
-
-
-def _static(leaf: Any) -> Any:
-    """A buffer of ``leaf``'s shape, strides and dtype holding its values (plain values as they are)."""
-    if not isinstance(leaf, torch.Tensor):
-        return leaf
-    static = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
-    return static.copy_(leaf.detach())
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill its memory once each, in some order (autograd's
-    "non-overlapping and dense": its accumulator gives such a leaf a ``.grad`` of the same strides)."""
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _non_overlapping(tensor: torch.Tensor) -> bool:
-    """Whether no two of ``tensor``'s elements share memory (no expanded view), gaps allowed: a slice such
-    as a per-layer input ``[:, :, i]`` sliced from one tensor is; a static buffer of its shape and strides holds it."""
-    reach = 0  # the farthest offset the smaller dimensions reach
-    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
-        if stride <= reach:
-            return False
-        reach += stride * (size - 1)
-    return True
-
-
-def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.clone()
-
-
-def _signature(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
-    return ("value", type(leaf).__name__, leaf)
-
-
-def _autocast_on(state: Any) -> bool:
-    """Whether a recorded autocast state (``replay.autocast_state``) has a kind enabled."""
-    return bool(state) and any(kwargs.get("enabled") for _, kwargs in state)
-
-
-def _hashable_autocast(state: Any) -> Any:
-    if state is None:
-        return None
-    return tuple((kind, tuple(sorted(kwargs.items(), key=lambda item: item[0]))) for kind, kwargs in state)
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
-                or module._global_backward_hooks or module._global_backward_pre_hooks)
-
-
-@contextlib.contextmanager
-def _pointed_at(parameters: list[nn.Parameter], statics: list[torch.Tensor]):
-    """Point each parameter at its static buffer for the capture (the graph records those addresses)."""
-    originals = [p.data for p in parameters]
-    try:
-        for parameter, static in zip(parameters, statics):
-            parameter.data = static
-        yield
-    finally:
-        for parameter, original in zip(parameters, originals):
-            parameter.data = original
-
-
-__all__ = ["AUTOCAST_SWITCH", "MAX_GRAPHS", "MICRO_MAJOR_SWITCH", "WARMUP", "BlockGraphs", "GraphReport", "check",
-           "enabled"]
+__all__ = ["AUTOCAST_SWITCH", "MAX_GRAPHS", "MICRO_MAJOR_SWITCH", "WARMUP", "BlockGraphs", "GraphReport", "check"]

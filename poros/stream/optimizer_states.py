@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from poros.errors import ConfigError
+from poros.settings import LORA_PLACEMENTS, OPTIMIZER_STATES, SETTINGS
 
-#: Where AdamW's ``exp_avg`` / ``exp_avg_sq`` live: ``"device"`` (torch.optim.AdamW) or ``"host"`` (HostAdamW).
-OPTIMIZER_STATES = ("device", "host")
 #: HostAdamW's state bytes per chunk: about one decoder block of r16 all-linear LoRA at 72B shape.
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 #: Chunks of state on the device at once in HostAdamW: the one stepping, the next arriving, the last leaving.
@@ -71,8 +70,7 @@ def check(value: str) -> None:
     Raises:
         ConfigError: anything else.
     """
-    if value not in ("auto", *OPTIMIZER_STATES):
-        raise ConfigError(f"optimizer_states={value!r}: expected 'device', 'host' or 'auto' (the budget decides).")
+    SETTINGS["optimizer_states"].check(value)
 
 
 def choose(requested: str, fits_with_states_on_device: Callable[[], bool]) -> str:
@@ -101,18 +99,13 @@ def resolve(configured: str, planned: str | None) -> str:
     return planned or "device"
 
 
-#: Where the streamed blocks' LoRA parameters and gradients live: ``"device"``, or ``"host"`` (with their block).
-LORA_PLACEMENTS = ("device", "host")
-
-
 def check_lora(value: str | None) -> None:
     """Raise unless ``value`` is None, ``"device"``, ``"host"`` or ``"auto"`` (the budget planner decides).
 
     Raises:
         ConfigError: anything else.
     """
-    if value is not None and value not in ("auto", *LORA_PLACEMENTS):
-        raise ConfigError(f"lora_placement={value!r}: expected 'device', 'host' or 'auto' (the budget decides).")
+    SETTINGS["lora_placement"].check(value)
 
 
 def choose_lora(requested: str, states: str, layer_major: bool, fits_on_device: Callable[[], bool]) -> str:

@@ -22,21 +22,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from poros.config import parse_budget
 from poros.errors import ConfigError
-from poros.stream import optimizer_states as adamw_states
-from poros.stream.placement import check_boundary_states
+from poros.settings import HOST_TIERS, REQUIRABLE, SETTINGS, STREAMING, keyword_fields
+from poros.spellings import parse_budget
 
 SCHEDULES = ("micro-major", "layer-major")
-#: where the streamed blocks live on the host (``poros/stream/tiers.py``; chosen by ``poros.loading.host_tiers``)
-HOST_TIERS = ("pinned", "mapped", "disk")
-#: the guarantee labels ``require`` may ask for, weakest first (docs/parity-modes.md)
-REQUIRABLE = ("numerical", "bitwise")
 
 
 @dataclass(frozen=True)
@@ -89,112 +83,65 @@ class Workload:
             if unknown:
                 raise ConfigError(f"workload has unknown keys {unknown}; expected {', '.join(fields)}.")
             return cls(**value)
-        raise ConfigError(f"workload={value!r}: expected a poros.stream.planner.Workload or a dict of its fields, "
+        raise ConfigError(f"workload={value!r}: expected a poros.plan.budget.Workload or a dict of its fields, "
                           "e.g. {'seq_len': 512, 'batch_size': 1}.")
 
 
 @dataclass(frozen=True)
+@keyword_fields
 class StreamOptions:
     """Every option of a streamed run (``poros.prepare``'s keywords), frozen and checked.
 
     Build it from keywords, :meth:`from_keywords` (unknown names fail by name) or
-    :meth:`from_config`; change it with :meth:`replace` (a new, checked object).
+    :meth:`from_config`; change it with :meth:`replace` (a new, checked object). Each option is a row
+    of :data:`poros.settings.STREAMING` (its type, default, help and check); sizes are kept as written
+    and in bytes (:attr:`vram_budget_bytes`, :attr:`host_budget_bytes`), parsed once here.
 
     Args:
-        num_slots: device slots in the block ring (2: compute one block while the next arrives; None
-            means 2). With ``vram_budget`` the ring asked for; the planner gives fewer only when the
-            budget cannot hold them.
-        embeddings_on_host: keep frozen embedding tables that are not tied to the head (the input
-            embedding, a per-layer embedding table) in host memory and look tokens up there; only the
-            looked-up rows cross the link. None: on when the compute device is CUDA. With several
-            ranks on the node and a model loaded through the NF4 block cache, the ranks map one copy
-            of each table (a file beside the cache entry) instead of each holding its own.
-        require: ``"bitwise"`` or ``"numerical"``: ``prepare`` raises
-            :class:`~poros.errors.GuaranteeError` if the label that applies is weaker.
-        resident_blocks: blocks kept on the device for good instead of streamed: an int N for the
-            last N blocks (the last of forward are the first of backward), or block indices.
-        vram_budget: device memory the run may use (``"7GiB"``, ``"24GB"``, an int of bytes): the
-            planner (``poros.stream.planner.plan_budget``) picks the slots and the resident blocks
-            for it and logs its decision; the plan is kept as ``PorosModel.budget_plan``. ``prepare``
-            needs ``workload`` with it; excludes ``resident_blocks``.
-        workload: the step the budget is planned for: a :class:`Workload` or a dict of its fields
-            (``batch_size``, ``seq_len``, ``grad_accum``, ``schedule``, ``loss_chunks``).
-        boundary_states: where layer-major accumulation (``forward_backward``) keeps the M x L block
-            inputs until backward: ``"device"`` or ``"host"`` (pinned host memory, copied on a side
-            stream; bitwise the same). None: the planner decides under ``vram_budget`` (host only
-            when the budget needs it), else the device.
-        optimizer_states: with ``vram_budget``, where the plan puts AdamW's state: ``"device"``,
-            ``"host"`` or ``"auto"`` (host only when the slot ring does not fit with it on the
-            device). ``prepare`` moves no optimizer: the plan's choice is
-            ``PorosModel.budget_plan.optimizer_states``, which PorosTrainer applies
-            (``poros.stream.host_optimizer.adamw``) and a loop of your own should too
-            (``poros.HostAdamW`` when it says ``"host"``).
-        host_tier: where the streamed blocks live on the host: ``"pinned"``, ``"mapped"`` or ``"disk"``
-            (``docs/cache-and-host-memory.md``). A model loaded through the NF4 block cache is served
-            from its entry; any other model is first written to a spill file. None: ``"mapped"`` for
-            a model loaded through the cache (no copy at the start; the node's ranks share the
-            entry's pages; where the device will not register the mapping, pinned copies), else
-            ``"pinned"``.
-        host_budget: host RAM the blocks may use (``"24GiB"``, bytes): without ``host_tier``, the
-            planner (``poros.loading.host_tiers.choose_host_tier``) keeps them on the host as above
-            when they fit and streams them from disk otherwise; the decision is kept as
-            ``PorosModel.host_plan``.
-        read_ahead: ring buffers of the disk tier (>= 2; None: 3, or with ``host_budget`` what fits).
-        cache_dir: cache root whose ``spill/`` directory takes spill files (None: as for the cache).
-        cuda_graphs: ``True`` / ``"auto"``: on CUDA, replay each block phase from a captured CUDA graph
-            (``poros.stream.graphs``; bitwise the eager kernels, without their host cost); blocks
-            that cannot be captured run eagerly and ``PorosModel.executor.graphs.report`` says why.
-            Off on CPU whatever the setting. Default ``False``.
-        lora_placement: where the streamed blocks' LoRA parameters and gradients live between uses:
-            ``"device"`` (default; None means it) or ``"host"`` (pinned; they come in with their block
-            and the gradients go back after its last backward; layer-major ``forward_backward`` and
-            ``poros.HostAdamW`` with ``placement=model.lora_placement`` only; bitwise the same). With
-            ``vram_budget`` and ``"auto"`` the planner decides (host only when the budget needs it:
-            the plan's ``lora_placement``); ``"auto"`` without a budget is ``"device"``.
-        loss_chunks: the loss over this many token chunks, each chunk's fp32 working set recomputed
-            in backward (``poros.stream.chunked_loss``; ``prepare`` installs it, ``unpatch`` removes
-            it); 1: HF's own loss. With ``vram_budget`` the planner may raise it (and ``mlp_chunks``)
-            when the budget cannot hold the step otherwise: the plan's ``loss_chunks``.
-        mlp_chunks: each decoder block's MLP, norms and attention projections over this many sequence
-            chunks in forward, recompute and backward, each saving only its input (``poros.stream.tiling``;
-            ``prepare`` installs it, ``unpatch`` removes it): one chunk's ``batch x seq x intermediate_size``
-            activations and one chunk's fp32 norm and LoRA input copies alive at a time;
-            1: the MLP over the whole sequence. Bitwise a resident run with the same tiling
-            (``poros.stream.tiling.tile_mlp``), not the untiled one.
+        {settings}
 
     Raises:
         ConfigError: a value of the wrong kind or out of range; ``resident_blocks`` with
-            ``vram_budget``. The message names the option and the fix.
+            ``vram_budget``; a ``workload`` whose ``loss_chunks`` differs from ``loss_chunks``. The
+            message names the option and the fix.
     """
 
-    num_slots: int = 2
-    embeddings_on_host: bool | None = None
-    require: str | None = None
-    resident_blocks: int | tuple[int, ...] | None = None
-    vram_budget: str | int | None = None
-    workload: Workload | None = None
-    boundary_states: str | None = None
-    optimizer_states: str = "auto"
-    host_tier: str | None = None
-    host_budget: str | int | None = None
-    read_ahead: int | None = None
-    cache_dir: str | None = None
-    cuda_graphs: bool | str = False
-    lora_placement: str = "device"
-    loss_chunks: int = 1
-    mlp_chunks: int = 1
-
     def __post_init__(self) -> None:
-        normal = {"num_slots": 2 if self.num_slots is None else self.num_slots,
-                  "lora_placement": self.lora_placement or "device",
-                  "workload": None if self.workload is None else Workload.of(self.workload),
-                  "resident_blocks": _resident_blocks(self.resident_blocks),
-                  "cache_dir": None if self.cache_dir is None else os.fspath(self.cache_dir)}
-        for name, value in normal.items():
-            object.__setattr__(self, name, value)
-        _check_counts(self)
-        _check_choices(self)
-        _check_budgets(self)
+        for setting in STREAMING:
+            setting.check(getattr(self, setting.name))
+            object.__setattr__(self, setting.name, setting.normalise(getattr(self, setting.name)))
+        self._one_loss_chunks()
+        if self.vram_budget is not None and self.resident_blocks is not None:
+            raise ConfigError(f"resident_blocks={self.resident_blocks!r} with vram_budget={self.vram_budget!r}: "
+                              "the budget planner chooses the resident blocks. Pass one of the two.")
+        sizes = {name: None if getattr(self, name) is None else parse_budget(getattr(self, name), name)
+                 for name in ("vram_budget", "host_budget")}
+        object.__setattr__(self, "_bytes", sizes)
+
+    def _one_loss_chunks(self) -> None:
+        """``loss_chunks`` has one value: the workload's is the option's (a workload's own, given without
+        ``loss_chunks``, becomes the option)."""
+        if self.workload is None:
+            return
+        workload = Workload.of(self.workload)
+        chunks = self.loss_chunks
+        if workload.loss_chunks != 1:
+            if chunks not in (1, workload.loss_chunks):
+                raise ConfigError(f"loss_chunks={chunks} with a workload of loss_chunks={workload.loss_chunks}: "
+                                  "expected one value; pass loss_chunks alone (the workload follows it).")
+            chunks = workload.loss_chunks
+        object.__setattr__(self, "loss_chunks", chunks)
+        object.__setattr__(self, "workload", dataclasses.replace(workload, loss_chunks=chunks))
+
+    @property
+    def vram_budget_bytes(self) -> int | None:
+        """``vram_budget`` in bytes (None: no budget)."""
+        return self._bytes["vram_budget"]
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        """``host_budget`` in bytes (None: no limit)."""
+        return self._bytes["host_budget"]
 
     # -- ways in -------------------------------------------------------------------------------
     @classmethod
@@ -222,9 +169,7 @@ class StreamOptions:
             ConfigError: an unknown name in ``changes``, or an invalid value.
         """
         shared = {name: getattr(config, name) for name in option_names() if hasattr(config, name)}
-        shared["workload"] = Workload(config.batch_size, config.seq_len, config.grad_accum,
-                                      schedule or config.stream_schedule, config.loss_chunks,
-                                      packed=bool(getattr(config, "packing", False)))
+        shared["workload"] = step_of(config, schedule)
         return cls.from_keywords("StreamOptions.from_config", **{**shared, **changes})
 
     def replace(self, **changes: Any) -> "StreamOptions":
@@ -233,7 +178,10 @@ class StreamOptions:
         Raises:
             ConfigError: an unknown name, or an invalid value.
         """
-        return self.from_keywords("StreamOptions.replace", **{**self.to_dict(), **changes})
+        current = self.to_dict()
+        if "loss_chunks" in changes and "workload" not in changes and self.workload is not None:
+            current["workload"] = dataclasses.replace(self.workload, loss_chunks=changes["loss_chunks"])
+        return self.from_keywords("StreamOptions.replace", **{**current, **changes})
 
     def to_dict(self) -> dict[str, Any]:
         """Every option by name (the workload as itself)."""
@@ -286,64 +234,17 @@ def keyword_parameters() -> list[inspect.Parameter]:
 
 def check_cuda_graphs(value: Any) -> None:
     """Raise unless ``value`` is a ``cuda_graphs`` setting (True, False or ``"auto"``)."""
-    if not (value is True or value is False or value == "auto"):
-        raise ConfigError(f"cuda_graphs={value!r}: expected true, false or 'auto' (graphs on when the device is CUDA).")
+    SETTINGS["cuda_graphs"].check(value)
 
 
-def _resident_blocks(value: Any) -> int | tuple[int, ...] | None:
-    """``resident_blocks`` as an int N >= 0, a sorted tuple of distinct indices, or None."""
-    if value is None or (_integer(value) and value >= 0):
-        return value
-    items = list(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
-    if items is None or not all(_integer(i) and i >= 0 for i in items):
-        raise ConfigError(f"resident_blocks={value!r}: expected a number of blocks >= 0 (the last ones stay on the "
-                          "device) or a list of block indices >= 0.")
-    return tuple(sorted(set(items)))
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_counts(options: StreamOptions) -> None:
-    if not _integer(options.num_slots) or options.num_slots < 1:
-        raise ConfigError(f"num_slots={options.num_slots!r}: expected an integer >= 1 (2 overlaps copy and compute).")
-    if options.read_ahead is not None and (not _integer(options.read_ahead) or options.read_ahead < 2):
-        raise ConfigError(f"read_ahead={options.read_ahead!r}: the disk tier needs at least 2 ring buffers (one "
-                          "copying to the device, one being read). Pass 2 or more.")
-    if not _integer(options.loss_chunks) or options.loss_chunks < 1:
-        raise ConfigError(f"loss_chunks={options.loss_chunks!r}: expected an integer >= 1 (1: HF's own loss). Fix: "
-                          "e.g. loss_chunks: 8.")
-    if not _integer(options.mlp_chunks) or options.mlp_chunks < 1:
-        raise ConfigError(f"mlp_chunks={options.mlp_chunks!r}: expected an integer >= 1 (1: the MLP over the whole "
-                          "sequence). Fix: e.g. mlp_chunks: 8.")
-
-
-def _check_choices(options: StreamOptions) -> None:
-    if options.embeddings_on_host not in (None, True, False):
-        raise ConfigError(f"embeddings_on_host={options.embeddings_on_host!r}: expected true, false or None (on "
-                          "when the device is CUDA).")
-    if options.require is not None and options.require not in REQUIRABLE:
-        raise ConfigError(f"require={options.require!r}: expected 'numerical', 'bitwise' or None (accept any "
-                          "guarantee label; docs/parity-modes.md).")
-    if options.host_tier is not None and options.host_tier not in HOST_TIERS:
-        raise ConfigError(f"host_tier={options.host_tier!r}: expected one of {', '.join(HOST_TIERS)}, or None to "
-                          "let the host budget decide.")
-    check_boundary_states(options.boundary_states)
-    adamw_states.check(options.optimizer_states)
-    adamw_states.check_lora(options.lora_placement)
-    check_cuda_graphs(options.cuda_graphs)
-
-
-def _check_budgets(options: StreamOptions) -> None:
-    if options.vram_budget is not None:
-        parse_budget(options.vram_budget)
-        if options.resident_blocks is not None:
-            raise ConfigError(f"resident_blocks={options.resident_blocks!r} with vram_budget={options.vram_budget!r}: "
-                              "the budget planner chooses the resident blocks. Pass one of the two.")
-    if options.host_budget is not None:
-        parse_budget(options.host_budget, "host_budget")
+def step_of(config: Any, schedule: str | None = None) -> dict[str, Any]:
+    """The step a :class:`~poros.config.PorosConfig` trains, as :class:`Workload`'s fields: ``batch_size``,
+    ``seq_len``, ``grad_accum``, ``loss_chunks``, ``packed`` (its ``packing``) and ``schedule`` (by default
+    its ``stream_schedule``). :func:`poros.plan.workload_of` and :meth:`StreamOptions.from_config` read it."""
+    return {"batch_size": config.batch_size, "seq_len": config.seq_len, "grad_accum": config.grad_accum,
+            "schedule": schedule or config.stream_schedule, "loss_chunks": config.loss_chunks,
+            "packed": bool(getattr(config, "packing", False))}
 
 
 __all__ = ["HOST_TIERS", "REQUIRABLE", "SCHEDULES", "StreamOptions", "Workload", "check_cuda_graphs",
-           "keyword_parameters", "option_names"]
+           "keyword_parameters", "option_names", "step_of"]

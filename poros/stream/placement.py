@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from poros.descriptor import ArchitectureDescriptor, resolve_path
-from poros.errors import ConfigError, DescriptorError
-
-BOUNDARY_STATES = ("device", "host", "disk")
+from poros.errors import DescriptorError
+from poros.settings import BOUNDARY_STATES, SETTINGS
 
 
 def embeddings_on_host(option: bool | None, device: Any) -> bool:
@@ -30,11 +29,7 @@ def check_boundary_states(value: str | None) -> None:
     Raises:
         ConfigError: anything but ``"device"``, ``"host"``, ``"disk"`` or None.
     """
-    if value is not None and value not in BOUNDARY_STATES:
-        raise ConfigError(f"boundary_states={value!r}: expected 'device', 'host' (pinned host memory, for "
-                          "layer-major accumulation when the device cannot hold the M x L block inputs) or 'disk' "
-                          "(files under the cache's spill/ directory, when the host cannot hold them either), or "
-                          "None to let the budget planner decide.")
+    SETTINGS["boundary_states"].check(value)
 
 
 def host_embedding_tables(model: Any, descriptor: ArchitectureDescriptor) -> list[Any]:
@@ -67,7 +62,7 @@ def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
     set; the forward's fits inside it) and, per graph (forward and backward for each slot, and block
     0's backward, whose input needs no gradient), static inputs and outputs (the boundary states in and
     out and the output gradient) and the block's LoRA values and gradients. ``footprint`` is a
-    ``poros.stream.planner.Footprint``; activations per micro-batch."""
+    ``poros.plan.budget.Footprint``; activations per micro-batch."""
     lora_per_block = footprint.lora_parameter_bytes // max(len(footprint.block_bytes), 1)
     graphs = 2 * max(num_slots, 1) + 1
     return footprint.recompute_bytes + graphs * (3 * footprint.boundary_bytes + 2 * lora_per_block)

@@ -10,7 +10,7 @@ batches): once resident (``DistributedDataParallel`` over the PEFT model, as loa
 streamed (``poros.prepare`` / ``patch_hf_model``, then DDP, or layer-major accumulation), and writes
 ``OUT/rank{r}.json``: per case and mode, whether every loss, LoRA tensor and AdamW state tensor is
 ``torch.equal`` to the resident run's, and the first difference if not. CI starts it with gloo on
-CPU (``tests/test_distributed.py``); ``python -m tools.ddp_check`` on GPUs (gloo on one device, NCCL on two).
+CPU (``tests/test_distributed.py``); ``python -m tools.checks.ddp_check`` on GPUs (gloo on one device, NCCL on two).
 
 Modes: ``micro`` (one batch per step, DDP with and without ``find_unused_parameters``), ``accum``
 (DDP's ``no_sync`` accumulation against Poros's micro-major ``no_sync`` accumulation and against

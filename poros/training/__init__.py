@@ -1,9 +1,9 @@
 """Training: :class:`PorosTrainer`, one run of ``train()``, evaluation, experiment trackers,
-training checkpoints, stopping on a signal, the run lock, progress lines, the checks run before any
-weight is read (:mod:`~poros.training.validation`) and the offline dry-run plan
-(:mod:`~poros.training.plan`).
+training checkpoints, stopping on a signal, the run lock, progress lines and the checks run before any
+weight is read (:mod:`~poros.training.validation`); the offline dry-run plan is the planner's
+(:mod:`poros.plan.run_plan`).
 
-May import: poros.dropin, poros.export, poros.loading, poros.stream, poros.data, and the core.
+May import: poros.dropin, poros.export, poros.plan, poros.loading, poros.stream, poros.data, and the core.
 """
 
 from __future__ import annotations

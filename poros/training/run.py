@@ -16,9 +16,7 @@ import json
 import logging
 import os
 import pathlib
-import sys
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,69 +32,12 @@ from poros.errors import DataError, OutputDirError, TrainingCheckpointError
 from poros.training.progress import echo, progress_bar, showing
 from poros.training.stop import StopRequest
 from poros.training.validation import check_seq_len
+from poros.training.results import METRICS_FILE, METRIC_FIELDS, ThroughputWindow, TrainResult, peak_memory
 
 if TYPE_CHECKING:
     from poros.config import PorosConfig
 
 logger = logging.getLogger("poros")
-
-METRICS_FILE = "metrics.jsonl"
-#: Every row of ``metrics.jsonl`` (and of ``TrainResult.log_history``) has these keys.
-METRIC_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "num_tokens",
-                 "peak_memory_gb", "peak_memory_kind", "h2d_gb_per_s")
-
-
-@dataclass
-class TrainResult:
-    """What :meth:`PorosTrainer.train` returns.
-
-    Attributes:
-        steps: optimizer steps done, counting those before a resumed checkpoint.
-        losses: the loss of every step from step 1 (the sum of its micro-batch losses).
-        final_loss: ``losses[-1]`` (None when no step ran).
-        interrupted: True when SIGINT/SIGTERM stopped the run (a checkpoint was written).
-        output_dir: where ``metrics.jsonl`` and the checkpoints are.
-        last_checkpoint: the newest checkpoint this run wrote, or None.
-        log_history: the rows written to ``metrics.jsonl`` (see :data:`METRIC_FIELDS`; evaluation rows:
-            :data:`poros.training.evaluation.EVAL_METRIC_FIELDS`).
-        eval_loss: the last evaluation's ``eval_loss`` (None without eval data).
-    """
-
-    steps: int
-    losses: list[float]
-    final_loss: float | None
-    interrupted: bool
-    output_dir: pathlib.Path
-    last_checkpoint: pathlib.Path | None
-    log_history: list[dict[str, Any]] = field(default_factory=list)
-    eval_loss: float | None = None
-
-
-def peak_memory(device: torch.device) -> tuple[float | None, str]:
-    """``(GB, kind)``: CUDA's peak allocated bytes on a CUDA device, else the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9, "cuda_max_allocated"
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None, "unavailable"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9, "process_peak_rss"
-
-
-@dataclass
-class _ThroughputWindow:
-    """The steps since the last log line, for their throughput: when they began, and the run's token count
-    and host-to-device bytes before them."""
-
-    started: float  # time.perf_counter()
-    first_tokens: int
-    first_bytes: int
-
-    def leave_out(self, seconds: float, bytes_copied: int) -> None:
-        """Leave an evaluation's time and copies out of the window's throughput."""
-        self.started += seconds
-        self.first_bytes += bytes_copied
 
 
 class TrainingRun:
@@ -300,7 +241,7 @@ class TrainingRun:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # peak_memory_gb: this run's training peak
         bar = progress_bar(config.steps, self.global_step, label="train")  # data parallel: silent off rank 0
-        window = _ThroughputWindow(time.perf_counter(), self.num_tokens, self._bytes_copied())
+        window = ThroughputWindow(time.perf_counter(), self.num_tokens, self._bytes_copied())
         # report_to (logs the config); data parallel: rank 0's
         trackers = tracking.open_trackers(config, self.output_dir) if parallel.is_main else tracking.Trackers()
         with StopRequest() as stop, showing(bar), trackers:
@@ -376,8 +317,8 @@ class TrainingRun:
         """Host-to-device bytes the block store has copied so far (0 without one)."""
         return self.model.store.stats.bytes_copied if self.model.store is not None else 0
 
-    def _log_window(self, window: _ThroughputWindow, learning_rate: float, grad_norm: torch.Tensor,
-                    bar) -> _ThroughputWindow:
+    def _log_window(self, window: ThroughputWindow, learning_rate: float, grad_norm: torch.Tensor,
+                    bar) -> ThroughputWindow:
         """The log line of the steps since the last one, their throughput measured over ``window``; the window
         that starts now."""
         self._sync()
@@ -385,7 +326,7 @@ class TrainingRun:
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         self._log(learning_rate, grad_norm, self.num_tokens - window.first_tokens, elapsed,
                   bytes_copied - window.first_bytes, bar)
-        return _ThroughputWindow(time.perf_counter(), self.num_tokens, bytes_copied)
+        return ThroughputWindow(time.perf_counter(), self.num_tokens, bytes_copied)
 
     def _finish(self, interrupted: bool) -> TrainResult:
         """The last losses synced, how the run ended said (and what CUDA graphs replayed); the result."""

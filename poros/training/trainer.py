@@ -378,7 +378,7 @@ class PorosTrainer:
         (:func:`poros.export.adapter_fit.base_identity`) that ``poros merge`` and ``poros generate`` compare;
         empty where the base is no checkpoint on disk (a model built in memory)."""
         from poros.export.adapter_fit import BASE_IDENTITY_KEY, base_identity
-        from poros.loading.load import _weight_files, resolve_checkpoint
+        from poros.loading.checkpoint_files import _weight_files, resolve_checkpoint
 
         model = self.run_config.model
         try:

@@ -120,7 +120,7 @@ def check_model(model: str, *, revision: str | None = None, download_allowed: bo
         UnknownArchitectureError: no registered family claims the checkpoint's ``model_type``.
     """
     from poros import registry
-    from poros.training.plan import load_text_config, locate_checkpoint_config
+    from poros.plan.run_plan import load_text_config, locate_checkpoint_config
 
     try:
         directory, where = locate_checkpoint_config(model, revision=revision)
@@ -236,7 +236,7 @@ def validate_run(config: Any, *, dry_run: bool = False) -> None:
     check_resume(config)
     directory = check_model(config.model, revision=config.revision, download_allowed=not dry_run)
     if directory is not None:
-        from poros.training.plan import load_text_config
+        from poros.plan.run_plan import load_text_config
 
         check_seq_len(config.seq_len, load_text_config(directory)[1], config.model)
     tokenizer = checkpoint_tokenizer(directory)

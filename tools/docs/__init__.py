@@ -1,0 +1,2 @@
+"""The doc generators: each renders the generated blocks of one page from ``registry/`` and
+``registry/results`` JSON through ``tools.docs.docgen`` (write, or ``--check`` that the page is current)."""

@@ -1,0 +1,57 @@
+"""The one write-or-check step of the docs generators (tools/gen_*_docs.py).
+
+``python -m tools.gen_X_docs`` rewrites its page; ``--check`` exits 1 when the page on disk is
+not what the generator would write (the tests run that, so a page cannot drift from its data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def accum_label(config: dict) -> str:
+    """A run's micro-batches per optimizer step, with the Poros schedule when there are several, and
+    where the Poros arm kept AdamW's state when it was not the device, CUDA graphs, a chunked loss, a tiled
+    MLP and host-kept boundary states."""
+    accum = config.get("grad_accum", 1)
+    label = str(accum) if accum == 1 else f"{accum} ({config.get('schedule', 'micro-major')})"
+    label += ", AdamW state on the host" if config.get("optimizer_states") == "host" else ""
+    label += ", CUDA graphs" if config.get("cuda_graphs") else ""
+    label += f", loss in {config['loss_chunks']} chunks" if config.get("loss_chunks", 1) > 1 else ""
+    label += f", MLP in {config['mlp_chunks']} chunks" if config.get("mlp_chunks", 1) > 1 else ""
+    return label + (", boundary states on the host" if config.get("boundary_states") == "host" else "")
+
+
+def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:
+    """Replace the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``
+    with ``blocks[name]()`` for every name; the prose around the markers is kept."""
+    for name, function in blocks.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
+        if not pattern.search(page_text):
+            raise SystemExit(f"{page}: no generated block {name!r}; add the BEGIN/END markers")
+        page_text = pattern.sub(lambda m: m.group(1) + function() + "\n" + m.group(2), page_text)
+    return page_text
+
+
+def main(description: str, page: Path, render: Callable[[str], str], argv: list[str] | None = None) -> int:
+    """Parse ``--check``; ``render(current page text or "")`` gives the fresh page text."""
+    parser = argparse.ArgumentParser(description=description.strip().splitlines()[0])
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if {page.relative_to(ROOT)} is stale")
+    args = parser.parse_args(argv)
+    current = page.read_text(encoding="utf-8") if page.exists() else ""
+    fresh = render(current)
+    if args.check:
+        if fresh != current:
+            print(f"{page.relative_to(ROOT)} is stale: run python -m tools.{Path(sys.argv[0]).stem}", file=sys.stderr)
+            return 1
+        return 0
+    if fresh != current:
+        page.write_text(fresh, encoding="utf-8")
+        print(f"rewrote {page.relative_to(ROOT)}")
+    return 0
