@@ -280,7 +280,7 @@ CLI_CASES = [
          code=0, keep=_keep_run, needs_run=True),  # a dry run validates; it removes nothing
     Case("resume-auto-into-a-finished-run-without-checkpoints", lambda tmp, ctx: _results_without_checkpoints(tmp) and
          ["train", "--dry-run", "--resume_from", "auto", "--output-dir", str(tmp / "out")], "OutputDirError",
-         "holds no checkpoint to resume). Fix: pass another --output-dir, or --overwrite",
+         "holds no checkpoint to resume). Fix: pass another --output-dir (output_dir=), or --overwrite",
          keep=lambda tmp, ctx: [tmp / "out"]),
     # -- device
     Case("train-device-cuda-on-cpu-torch", lambda tmp, ctx: ["train", "--device", "cuda", "--output-dir",

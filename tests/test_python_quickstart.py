@@ -29,24 +29,25 @@ def quickstart_snippet() -> str:
 
 
 def test_the_python_quickstart_runs_twice_in_one_directory(tmp_path, child_env):
+    """Twice in one Python (the imports once: the test stays cheap); each run is the page's snippet whole."""
     snippet = quickstart_snippet()
-    for attempt in (1, 2):
-        result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True,
-                                timeout=600, env=child_env(OMP_NUM_THREADS="1", POROS_LOAD_PLUGINS=""), check=False)
-        assert result.returncode == 0, f"run {attempt}:\n{result.stderr[-3000:]}"
-        for notice in NOTICES:
-            assert notice not in result.stdout + result.stderr, f"run {attempt} shows {notice!r}"
+    twice = f"snippet = {snippet!r}\nexec(snippet, {{}})\nprint('POROS-FIRST-RUN-DONE', flush=True)\nexec(snippet, {{}})\n"
+    result = subprocess.run([sys.executable, "-c", twice], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env=child_env(OMP_NUM_THREADS="1", POROS_LOAD_PLUGINS=""), check=False)
+    assert result.returncode == 0 and "POROS-FIRST-RUN-DONE" in result.stdout, result.stderr[-3000:]
+    for notice in NOTICES:
+        assert notice not in result.stdout + result.stderr, notice
     written = sorted(path.name for path in tmp_path.iterdir())
     assert written == ["tiny-lora"], written  # nothing beside the one output_dir
     names = {path.name for path in (tmp_path / "tiny-lora").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "poros_config.json", "metrics.jsonl"} <= names
-    rows = (tmp_path / "tiny-lora" / "metrics.jsonl").read_text().splitlines()
-    assert '"step": 1' in rows[0]  # the second run's rows only: it replaced the first whole
+    assert "overwrite=True: removed the earlier run's" in result.stderr  # the second replaced the first whole
 
 
-@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "POROS_VERBOSE"])
-def test_import_poros_hides_the_known_notices_unless_verbose(verbose, tmp_path, child_env):
-    env = child_env(POROS_VERBOSE="1" if verbose else "0")
+def test_poros_verbose_shows_the_known_notices(tmp_path, child_env):
+    """(Hidden by default: the quickstart test above imports bitsandbytes through poros and sees none.)"""
+    verbose = True
+    env = child_env(POROS_VERBOSE="1")
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     result = subprocess.run([sys.executable, "-c", "import poros, bitsandbytes"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300, env=env, check=False)

@@ -187,15 +187,16 @@ def check_adapter_base(info: Any, *, revision: str | None = None) -> None:
     Raises:
         CheckpointLoadError: as :func:`check_adapter_fits`, and when the base cannot be found.
     """
-    from poros.loading.checkpoint_files import _weight_files, read_config, resolve_checkpoint
+    from poros.errors import PorosError
+    from poros.loading.load import inspect_checkpoint, read_config, resolve_checkpoint
 
     directory = resolve_checkpoint(info.base_model, revision=revision)
     _, text_config = read_config(directory)
     check_adapter_fits(info.path, info.weights, info.base_model, text_config)
     try:
-        _, weight_files = _weight_files(directory, allow_pickle=True)
-    except CheckpointLoadError:
-        return  # loading names what is missing
+        weight_files = inspect_checkpoint(directory, allow_pickle=True).weight_files
+    except PorosError:
+        return  # loading names what is wrong with the base
     check_base_identity(info.path, info.base_model, weight_files)
 
 

@@ -378,12 +378,12 @@ class PorosTrainer:
         (:func:`poros.export.adapter_fit.base_identity`) that ``poros merge`` and ``poros generate`` compare;
         empty where the base is no checkpoint on disk (a model built in memory)."""
         from poros.export.adapter_fit import BASE_IDENTITY_KEY, base_identity
-        from poros.loading.checkpoint_files import _weight_files, resolve_checkpoint
+        from poros.loading.load import inspect_checkpoint, resolve_checkpoint
 
         model = self.run_config.model
         try:
             directory = resolve_checkpoint(model, revision=self.run_config.revision)
-            _, files = _weight_files(directory, allow_pickle=True)
+            files = inspect_checkpoint(directory, allow_pickle=True).weight_files
         except (PorosError, OSError, ValueError):
             return {}
         return {BASE_IDENTITY_KEY: {"model": str(model), "sha256": base_identity(files)}}
