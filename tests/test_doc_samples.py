@@ -50,3 +50,17 @@ def test_a_changed_number_is_caught_and_a_varying_one_is_not():
     assert timing != shown and doc_samples.differences("train-default", timing) == []
     loss = re.sub(r"(step 10/100 \| loss )\d\.\d{4}", r"\g<1>9.9999", shown)
     assert loss != shown and doc_samples.differences("train-default", loss) != []
+
+
+def test_the_extras_table_is_pyprojects():
+    """installation.md's extras table lists each extra's requirements as pyproject.toml declares them."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    page = (ROOT / "docs" / "installation.md").read_text(encoding="utf-8")
+    listed = {}
+    for names, requirements in re.findall(r"^\| (`\[.*?)\| (.*?) \|", page, flags=re.M):
+        names, requirements = re.findall(r"`\[(\w+)\]`", names), re.findall(r"`([^`]+)`", requirements)
+        # a row of one extra lists its requirements; a row of several, one requirement each
+        listed.update({names[0]: requirements} if len(names) == 1 else {n: [r] for n, r in zip(names, requirements)})
+    assert listed == {name: extras[name] for name in listed} and set(listed) == set(extras)
