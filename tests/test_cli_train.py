@@ -288,7 +288,7 @@ def test_the_first_run_learns_visibly_on_one_cpu_thread(tmp_path, child_env):
     in an empty directory: docs/quickstart.md's first sample is this run's output): one torch thread
     for the tiny model (cpu_threads auto), and the loss the run prints ends below 60 % of its first logged value
     (the last logged window and the final step)."""
-    from tools import doc_samples
+    from tools.docs import doc_samples
 
     env = child_env()
     for name in ("OMP_NUM_THREADS", "POROS_LOAD_PLUGINS", "HF_HUB_DISABLE_PROGRESS_BARS"):  # a user's shell
@@ -298,7 +298,7 @@ def test_the_first_run_learns_visibly_on_one_cpu_thread(tmp_path, child_env):
     assert done.returncode == 0, done.stdout[-3000:]
     # the same run is quickstart.md's first sample: it matches, beyond the numbers that vary
     output = "$ poros train\n" + doc_samples.normalize(done.stdout, tmp_path.resolve())
-    assert doc_samples.differences("train-default", output) == [], "python -m tools.doc_samples train-default"
+    assert doc_samples.differences("train-default", output) == [], "python -m tools.docs.doc_samples train-default"
     assert "poros: 1 CPU thread (cpu_threads='auto')" in done.stdout
     logged = [float(loss) for loss in re.findall(r"^step \d+/100 \| loss ([0-9.]+)", done.stdout, re.M)]
     # the end-of-run summary: "trained 100 steps in ... s (...); loss X (mean of steps 91-100)"

@@ -1,4 +1,4 @@
-"""The sample outputs in docs/ come from running their commands: ``python -m tools.doc_samples`` runs each
+"""The sample outputs in docs/ come from running their commands: ``python -m tools.docs.doc_samples`` runs each
 sample's command and writes its output into its page; ``--check`` runs them and exits 1 where a page's sample
 no longer matches, beyond the numbers that legitimately vary.
 
@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
