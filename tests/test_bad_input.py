@@ -908,3 +908,21 @@ def test_the_lock_appears_whole_never_half_written(tmp_path, monkeypatch):
     with run_lock.hold(tmp_path):
         pass
     assert not left.exists() and live.exists()
+
+
+def test_counts_and_sizes_read_as_words():
+    """Issue 44's "1 epochs" and GGUF sizes of "0.00 GiB": one epoch is singular, a small file is in MiB."""
+    import pathlib
+
+    from poros.config import PorosConfig
+
+    _, note = PorosConfig(steps=0, epochs=1).steps_for_epochs(400)
+    assert note.startswith("1 epoch of 400 batches"), note
+    _, note = PorosConfig(steps=0, epochs=2).steps_for_epochs(400)
+    assert note.startswith("2 epochs of 400 batches"), note
+    pytest.importorskip("gguf")
+    from poros.export.gguf import GgufResult
+
+    summary = GgufResult(pathlib.Path("tiny.gguf"), pathlib.Path("base"), 1, 47, 28, 1_310_720, 0.2, None, [],
+                         gguf_type="q8_0", architecture="qwen3", tokenizer_pre="gpt-2").summary()
+    assert "1.2 MiB in 0.2 s" in summary and "GiB" not in summary, summary

@@ -23,9 +23,14 @@ Notable choices:
 * **The metadata llama.cpp reads** for the architecture: block count, context and embedding
   lengths, feed-forward length, head counts, key/value lengths, RoPE base and scaling, RMS-norm
   epsilon, file type; the tokenizer as a GPT-2 BPE vocabulary (tokens, types, merges, special ids,
-  chat template) from the adapter's tokenizer, else the base's.
+  add_bos, chat template) from the adapter's tokenizer, else the base's.
+* **The tokenizer as llama.cpp's converter reads it**: ``tokenizer.ggml.pre`` from the digest of the
+  tokenizer's ids for the converter's check text (its table, vendored in
+  :mod:`poros.export.llama_vocab`), else from the tokenizer's own split regex; a tokenizer llama.cpp
+  cannot reproduce is refused in one line (:func:`tokenizer_pre`). An Ollama ``NAME.Modelfile`` is
+  written beside the file (:mod:`poros.export.modelfile`).
 * **Architectures as data.** :data:`GGUF_ARCHITECTURES` maps an HF ``model_type`` to the GGUF
-  architecture and llama.cpp's pre-tokenizer name; a model type without an entry is refused by name.
+  architecture; a model type without an entry is refused by name.
 * **Atomic.** The file is written beside its name and renamed into place once complete.
 """
 
@@ -52,7 +57,9 @@ class GgufArchitecture:
 
     Attributes:
         arch: gguf-py's architecture name (``gguf.MODEL_ARCH_NAMES``), ``general.architecture``.
-        tokenizer_pre: llama.cpp's pre-tokenizer for the family's BPE tokenizer (``tokenizer.ggml.pre``).
+        tokenizer_pre: the pre-tokenizer the family's published tokenizers get from llama.cpp's converter
+            (informational, for the docs' table); the file's own ``tokenizer.ggml.pre`` is chosen from the
+            tokenizer exported (:func:`tokenizer_pre`), as the converter chooses it.
     """
 
     arch: str
