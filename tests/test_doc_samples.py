@@ -28,17 +28,19 @@ def test_every_sample_marker_is_a_known_sample_and_back():
     assert marked == {name: sample.page for name, sample in doc_samples.SAMPLES.items()}
     for name in doc_samples.SAMPLES:
         assert doc_samples.block(name, (ROOT / "docs" / doc_samples.SAMPLES[name].page).read_text()).startswith(
-            f"$ {doc_samples.SAMPLES[name].command}\n")
+            f"$ {doc_samples.SAMPLES[name].shown}\n")
 
 
 @pytest.mark.parametrize("name", RERUN_HERE)
 def test_a_cheap_sample_matches_its_command(name, capsys, monkeypatch, tmp_path):
+    sample = doc_samples.SAMPLES[name]
     monkeypatch.delenv("POROS_LOAD_PLUGINS", raising=False)
+    for variable, value in sample.env:
+        monkeypatch.setenv(variable, value)
     monkeypatch.chdir(tmp_path)
-    argv = doc_samples.SAMPLES[name].command.split()[1:]
-    assert main(argv) == 0
+    assert main(sample.command.split()[1:]) == 0
     out, err = capsys.readouterr()
-    output = f"$ {doc_samples.SAMPLES[name].command}\n" + doc_samples.normalize(out + err, tmp_path.resolve())
+    output = f"$ {sample.shown}\n" + sample.cut(doc_samples.normalize(out + err, tmp_path.resolve()))
     assert doc_samples.differences(name, output) == [], f"docs sample {name!r} is stale: python -m tools.docs.doc_samples {name}"
 
 

@@ -38,18 +38,32 @@ DOCS = ROOT / "docs"
 
 @dataclass(frozen=True)
 class Sample:
-    """One sample: its ``page`` under docs/, the ``command`` shown (``poros ...``), and whether it trains."""
+    """One sample: its ``page`` under docs/, the ``command`` (``poros ...``), whether it ``trains``, the variables
+    ``env`` sets (shown before the command, as typed), and ``head``: the lines shown (0: all; then ``...``)."""
 
     page: str
     command: str
     trains: bool = False
     env: tuple[tuple[str, str], ...] = ()
+    head: int = 0
+
+    @property
+    def shown(self) -> str:
+        """The command line as the page shows it."""
+        return " ".join([*(f"{name}={value}" for name, value in self.env), self.command])
+
+    def cut(self, output: str) -> str:
+        """``output`` as the page shows it: its first ``head`` lines, then ``...``."""
+        lines = output.splitlines()
+        return "\n".join(lines[:self.head] + ["..."]) if self.head and len(lines) > self.head else output
 
 
 SAMPLES = {
     "train-default": Sample("quickstart.md", "poros train", trains=True),
     "train-eval": Sample("quickstart.md", "poros train --eval-split 0.1 --eval-steps 20", trains=True),
     "dry-run": Sample("configuration.md", "poros train --dry-run"),
+    "plan-offline": Sample("configuration.md", "poros plan --model Qwen/Qwen2.5-72B --vram-budget 24GiB --device cpu",
+                           env=(("HF_HUB_OFFLINE", "1"),), head=2),
     "doctor-cpu": Sample("installation.md", "poros doctor --model poros-tiny-qwen3 --vram-budget 2GiB"),
 }
 
@@ -96,7 +110,7 @@ def run(sample: Sample) -> str:
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900, check=False)
         if done.returncode != 0:
             raise SystemExit(f"{sample.command} exited {done.returncode}:\n{done.stdout[-3000:]}")
-        return f"$ {sample.command}\n" + normalize(done.stdout, Path(directory).resolve())
+        return f"$ {sample.shown}\n" + sample.cut(normalize(done.stdout, Path(directory).resolve()))
 
 
 def block(name: str, page_text: str) -> str:
