@@ -457,12 +457,14 @@ def test_cli_bad_input(case: Case, ctx, tmp_path, capsys, monkeypatch):
     if case.patch is not None:
         case.patch(monkeypatch, tmp_path)
     if case.error is not None:  # every failure here is found before a weight is read
+        import poros.dropin.with_adapter  # binds load_pretrained by name (poros generate): patched there too
         import poros.loading.load
 
         def no_loading(*args, **kwargs):
             raise AssertionError("the model was loaded before the failure was found")
 
         monkeypatch.setattr(poros.loading.load, "load_pretrained", no_loading)
+        monkeypatch.setattr(poros.dropin.with_adapter, "load_pretrained", no_loading)
     try:
         status = main(argv)
     except SystemExit as exit_:  # argparse's usage errors
