@@ -166,3 +166,11 @@ def test_a_variable_pointing_at_nothing_fails(monkeypatch, tmp_path):
     monkeypatch.setenv(VARIABLE, str(tmp_path / "nowhere"))
     with pytest.raises(AssertionError, match="does not exist"):
         node_llama_cpp()
+
+
+def test_ci_installs_llama_cpp_and_points_the_test_at_it():
+    """CI cannot skip this module: .ci/run installs the version named here and sets the variable before the suite."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "LLAMA_CPP_NPM=3.22.1" in script and "3.22.1" in INSTALL
+    assert '"node-llama-cpp@$LLAMA_CPP_NPM" "@node-llama-cpp/linux-x64@$LLAMA_CPP_NPM"' in script
+    assert script.index(f"export {VARIABLE}=") < script.index('bash -euo pipefail -c "$tests"')
