@@ -148,8 +148,8 @@ def _refuse_below_minimum(sizing: _Sizing, options: StreamOptions, budget_bytes:
               if fp.loss_chunks > 1 or fp.mlp_chunks > 1 else "")
     raise ConfigError(  # one line: the parts of the peak are `poros plan`'s table at the minimum
         f"VRAM budget {format_gb(budget_bytes)} does not fit this run{chunks}: its biggest part is "
-        f"{biggest_part(minimum_peak, fp)}; the budget is below the minimum for this run, {format_gb(minimum)} "
-        f"({human_bytes(minimum)}; 1 device slot, no resident block{', embeddings on the host' if sizing.on_host else ''}"
+        f"{biggest_part(minimum_peak, fp)}; it is below the minimum for this run: it needs at least "
+        f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block{', embeddings on the host' if sizing.on_host else ''}"
         f"{where}; {format_gb(pipelined)} with {options.num_slots} slots).{other} Fix: --vram-budget "
         f"{format_gb(minimum).replace(' ', '')} or more (poros plan then prints the parts of the peak), or shrink "
         f"the activations (seq_len, batch_size{', or micro-major accumulation' if sizing.layer_major and workload.grad_accum > 1 else ''})."
