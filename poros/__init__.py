@@ -122,3 +122,14 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def _quiet_on_import() -> None:
+    """A Python script sees what ``poros train`` shows: the known third-party notices hidden (``poros.noise``;
+    ``POROS_VERBOSE=1`` keeps them)."""
+    from poros.noise import quiet_on_import
+
+    quiet_on_import()
+
+
+_quiet_on_import()

@@ -48,6 +48,18 @@ def _field(default: Any, doc: str, *, choices: tuple[Any, ...] = (), section: st
     return field(default=default, metadata=metadata)
 
 
+#: suffixes of data files, never of a config (a config may be JSON: JSON is YAML)
+DATASET_SUFFIXES = (".jsonl", ".csv", ".tsv", ".parquet", ".arrow")
+#: the columns of the dataset formats Poros reads (poros.data), none of them a PorosConfig field
+DATASET_COLUMNS = frozenset({"messages", "conversations", "text", "prompt", "completion", "instruction"})
+
+
+def _dataset_for_config(path: Path, what: str) -> ConfigError:
+    return ConfigError(f"{path} {what}: a dataset, given where the config goes (poros train's first argument "
+                       f"is a poros.yaml). Fix: poros train --dataset {path} (a config before it if you have one), "
+                       f"or dataset: {path} in the poros.yaml.")
+
+
 @dataclass
 @config_fields  # the streaming settings (poros.settings.STREAMING), after the fields below
 class PorosConfig:
@@ -289,7 +301,8 @@ class PorosConfig:
         if self.steps:
             return self.steps, (f"steps={self.steps} overrides epochs={self.epochs:g} ({counted} steps), as HF's "
                                 "max_steps overrides num_train_epochs; set steps: 0 to train by epochs")
-        return counted, f"{self.epochs:g} epochs of {batches_per_epoch} batches, {self.grad_accum} per step: {counted} steps"
+        epochs = f"{self.epochs:g} epoch{'' if self.epochs == 1 else 's'}"
+        return counted, f"{epochs} of {batches_per_epoch} batches, {self.grad_accum} per step: {counted} steps"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "the configuration") -> PorosConfig:
@@ -321,6 +334,8 @@ class PorosConfig:
             ConfigError: the file is missing or not valid YAML, or :meth:`from_dict` rejects it.
         """
         path = Path(path)
+        if path.suffix.lower() in DATASET_SUFFIXES:
+            raise _dataset_for_config(path, f"is a {path.suffix} file")
         try:
             stream = path.open(encoding="utf-8")
         except FileNotFoundError:
@@ -332,8 +347,13 @@ class PorosConfig:
             with stream:
                 data = yaml.load(stream, Loader=YamlLoader)  # SafeLoader + YAML 1.2 floats (2e-4)
         except yaml.YAMLError as error:
-            raise ConfigError(f"{path} is not valid YAML: {error}. Fix the line shown, or write a fresh file "
-                              "with `poros init`.") from None
+            raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())}. Fix the line shown, or "
+                              "write a fresh file with `poros init`.") from None
+        columns = sorted(DATASET_COLUMNS & set(data if isinstance(data, dict) else (data[0] if isinstance(data, list)
+                                                                                 and data and isinstance(data[0], dict)
+                                                                                 else ())))
+        if columns and not (isinstance(data, dict) and set(data) & {f.name for f in dataclasses.fields(cls)}):
+            raise _dataset_for_config(path, f"holds records with {', '.join(repr(c) for c in columns)}")
         return cls.from_dict({} if data is None else data, source=str(path))
 
     def to_yaml(self, path: str | Path | None = None, *, commented: bool = True) -> str:

@@ -115,6 +115,8 @@ class Case:
     patch: Callable[[Any, Path], None] | None = None
     doc_row: str | None = None  # the row of docs/own-data.md's troubleshooting table this message matches
     needs_run: bool = False  # uses the finished run (a model load to build it, once per module)
+    absent: str = ""  # a piece the error line must not hold (a flag the user did not give)
+    max_chars: int = 0  # the error line's longest length (0: not checked)
 
 
 # -- situations -----------------------------------------------------------------------------------
@@ -195,6 +197,21 @@ def _model_dir(config: dict | None) -> Callable[[Path, dict], list[str]]:
     return prepare
 
 
+def _other_weights(tmp: Path) -> Path:
+    """The bundled base with every weight moved a little: the same shapes, other weights."""
+    from safetensors.torch import load_file, save_file
+
+    from poros.assets import asset_path
+
+    base = tmp / "other-base"
+    shutil.copytree(asset_path("poros-tiny-qwen3"), base)
+    for shard in base.glob("*.safetensors"):
+        tensors = load_file(shard)
+        save_file({name: t + 1e-3 if t.is_floating_point() else t for name, t in tensors.items()}, shard,
+                  metadata={"format": "pt"})
+    return base
+
+
 def _patch_unwritable(monkeypatch, tmp: Path) -> None:
     """No write permission inside ``tmp/ro`` (root ignores mode bits: refuse at the system call instead)."""
     real_open = os.open
@@ -263,7 +280,7 @@ CLI_CASES = [
          code=0, keep=_keep_run, needs_run=True),  # a dry run validates; it removes nothing
     Case("resume-auto-into-a-finished-run-without-checkpoints", lambda tmp, ctx: _results_without_checkpoints(tmp) and
          ["train", "--dry-run", "--resume_from", "auto", "--output-dir", str(tmp / "out")], "OutputDirError",
-         "holds no checkpoint to resume). Fix: pass another --output-dir, or --overwrite",
+         "holds no checkpoint to resume). Fix: pass another --output-dir (output_dir=), or --overwrite",
          keep=lambda tmp, ctx: [tmp / "out"]),
     # -- device
     Case("train-device-cuda-on-cpu-torch", lambda tmp, ctx: ["train", "--device", "cuda", "--output-dir",
@@ -278,7 +295,7 @@ CLI_CASES = [
          "CheckpointLoadError", "Pass an existing directory"),
     Case("model-dir-without-config", _model_dir(None), "CheckpointLoadError", "config.json"),
     Case("model-type-unknown-to-transformers", _model_dir({"model_type": "llama9000"}), "CheckpointLoadError",
-         "newer transformers"),
+         "does not know; did you mean 'llama'? Fix: correct model_type", absent="git+https", max_chars=400),
     Case("model-of-a-family-poros-does-not-stream", _model_dir({"model_type": "gpt2", "n_layer": 2}),
          "UnknownArchitectureError", "poros plugins"),
     Case("model-is-a-file", lambda tmp, ctx: (tmp / "weights.bin").write_bytes(b"\0" * 16) and
@@ -303,6 +320,17 @@ CLI_CASES = [
     Case("override-unknown-device", lambda tmp, ctx: ["train", "--dry-run", "--device", "tpu"], "ConfigError",
          "e.g. device: cuda:0"),
     Case("plan-usage-error", lambda tmp, ctx: ["plan", "--head-ms", "abc"], None, code=2),
+    Case("plan-budget-below-the-minimum", lambda tmp, ctx: ["plan", "--device", "cpu", "--vram-budget", "1MiB"],
+         "ConfigError", "is below the minimum for this run: it needs at least 5.5 MB", max_chars=500),
+    Case("plan-model-not-cached", lambda tmp, ctx: ["plan", "--model", "no-org/no-model-xyz", "--vram-budget", "8GiB"],
+         "CheckpointLoadError", "Fix: fetch the config first (`hf download no-org/no-model-xyz config.json`)",
+         absent="--dry-run"),
+    Case("dataset-given-as-the-config", lambda tmp, ctx: ["train", "--dry-run", str(write_jsonl(tmp / "chat.jsonl", CHAT))],
+         "ConfigError", "a dataset, given where the config goes (poros train's first argument is a poros.yaml). "
+         "Fix: poros train --dataset", keep=lambda tmp, ctx: [tmp / "chat.jsonl"]),
+    Case("dataset-json-given-as-the-config",
+         lambda tmp, ctx: (tmp / "chat.json").write_text(json.dumps(CHAT)) and ["train", "--dry-run", str(tmp / "chat.json")],
+         "ConfigError", "holds records with 'messages': a dataset", absent="Fix the line shown"),
     # -- data parallel: batch_size is per device, so no batch is refused for the ranks (tests/test_run_checks.py)
     # -- datasets (each fails in validation, before any weight is read)
     Case("dataset-missing", lambda tmp, ctx: ["train", *TRAIN_FAST, "--dataset", str(tmp / "nope.jsonl"),
@@ -362,13 +390,27 @@ CLI_CASES = [
                    "rng_state.pth", "trainer_state.json", "data_state.json", "poros_config.json")],
     Case("checkpoint-path-does-not-exist", _resume(lambda ckpt: None, checkpoint="checkpoint-9"),
          "TrainingCheckpointError", "checkpoint-1, checkpoint-2", keep=_keep_run, needs_run=True),
+    Case("resume-auto-on-a-finished-run",
+         lambda tmp, ctx: ["train", *ctx["run_args"], "--output-dir", str(_copy_run(tmp, ctx)), "--resume_from", "auto"],
+         "TrainingCheckpointError", "the run is finished, there is nothing to resume", keep=_keep_run, needs_run=True),
+    *[Case(f"{command[0]}{'-gguf' if 'gguf' in command else ''}-truncated-adapter",
+           lambda tmp, ctx, command=command: (truncate(_copy_run(tmp, ctx) / "adapter_model.safetensors") or
+                                              [command[0], "--adapter", str(tmp / "run"), *command[1:]])
+           + ([] if command[0] == "generate" else ["--output", str(tmp / "exported")]),
+           "CheckpointLoadError", "is truncated: its header lists", keep=_keep_run, needs_run=True)
+      for command in (("merge",), ("generate", "--prompt", "hi"), ("merge", "--format", "gguf"))],
+    Case("merge-into-another-base-of-the-same-shapes",
+         lambda tmp, ctx: ["merge", "--adapter", str(_copy_run(tmp, ctx)), "--model", str(_other_weights(tmp)),
+                           "--output", str(tmp / "merged")],
+         "CheckpointLoadError", "holds other weights of the same shapes", keep=_keep_run, needs_run=True),
     Case("resume-with-other-math", lambda tmp, ctx: _resume(lambda ckpt: None)(tmp, ctx) + ["--lr", "1e-3"],
          "TrainingCheckpointError", "lr", keep=_keep_run, needs_run=True),
-    Case("interrupted-save-left-a-partial-checkpoint",
+    Case("interrupted-save-left-a-partial-checkpoint",  # checkpoint-1 the last complete one: a run to resume
          lambda tmp, ctx: _resume(lambda ckpt: (ckpt.parent / ".checkpoint-3.tmp-99-abcdef").mkdir() or
+                                  shutil.rmtree(ckpt.parent / "checkpoint-2") or
                                   shutil.copytree(ckpt, ckpt.parent / "checkpoint-3") and
                                   (ckpt.parent / "checkpoint-3" / "optimizer.pt").unlink(),
-                                  checkpoint="checkpoint-2")(tmp, ctx)[:-2] + ["--resume_from", "auto", "--dry-run"],
+                                  checkpoint="checkpoint-1")(tmp, ctx)[:-2] + ["--resume_from", "auto", "--dry-run"],
          None, code=0, needs_run=True),
     Case("resume-from-the-incomplete-one-of-an-interrupted-save",
          lambda tmp, ctx: _resume(lambda ckpt: shutil.copytree(ckpt, ckpt.parent / "checkpoint-3") and
@@ -415,12 +457,14 @@ def test_cli_bad_input(case: Case, ctx, tmp_path, capsys, monkeypatch):
     if case.patch is not None:
         case.patch(monkeypatch, tmp_path)
     if case.error is not None:  # every failure here is found before a weight is read
+        import poros.dropin.with_adapter  # binds load_pretrained by name (poros generate): patched there too
         import poros.loading.load
 
         def no_loading(*args, **kwargs):
             raise AssertionError("the model was loaded before the failure was found")
 
         monkeypatch.setattr(poros.loading.load, "load_pretrained", no_loading)
+        monkeypatch.setattr(poros.dropin.with_adapter, "load_pretrained", no_loading)
     try:
         status = main(argv)
     except SystemExit as exit_:  # argparse's usage errors
@@ -433,6 +477,8 @@ def test_cli_bad_input(case: Case, ctx, tmp_path, capsys, monkeypatch):
         line = error_line(err, argv[0])
         assert line.startswith(f"poros {argv[0]}: error: {case.error}: "), line
         assert case.fix in line, line
+        assert not case.absent or case.absent not in line, line
+        assert not case.max_chars or len(line) <= case.max_chars, f"{len(line)} characters: {line}"
         if case.doc_row is not None:
             message = line.split(f"{case.error}: ", 1)[1]
             assert re.match(doc_pattern(case.doc_row), message), f"{message!r} does not match {case.doc_row!r}"
@@ -513,7 +559,8 @@ HALF_BAD = CHAT * 4 + [{"messages": [{"role": "user", "content": "only a questio
 API_CASES = [
     ApiCase("api-fresh-run-into-another-runs-results",
             lambda tr, tmp, mp: tr.train(tmp / "chat.jsonl", output_dir=str(tmp / "out")),
-            errors.OutputDirError, "--overwrite", prepare=earlier_run, keep=lambda tmp: [tmp / "out"]),
+            errors.OutputDirError, "(resume_from='auto' in Python), pass another --output-dir (output_dir=), or "
+            "--overwrite (overwrite=True)", prepare=earlier_run, keep=lambda tmp: [tmp / "out"]),
     ApiCase("api-overwrite-replaces-the-earlier-run-whole",
             lambda tr, tmp, mp: tr.train(tmp / "chat.jsonl", output_dir=str(tmp / "out"), overwrite=True),
             None, prepare=earlier_run, check=_only_the_new_run),
@@ -863,3 +910,21 @@ def test_the_lock_appears_whole_never_half_written(tmp_path, monkeypatch):
     with run_lock.hold(tmp_path):
         pass
     assert not left.exists() and live.exists()
+
+
+def test_counts_and_sizes_read_as_words():
+    """Issue 44's "1 epochs" and GGUF sizes of "0.00 GiB": one epoch is singular, a small file is in MiB."""
+    import pathlib
+
+    from poros.config import PorosConfig
+
+    _, note = PorosConfig(steps=0, epochs=1).steps_for_epochs(400)
+    assert note.startswith("1 epoch of 400 batches"), note
+    _, note = PorosConfig(steps=0, epochs=2).steps_for_epochs(400)
+    assert note.startswith("2 epochs of 400 batches"), note
+    pytest.importorskip("gguf")
+    from poros.export.gguf import GgufResult
+
+    summary = GgufResult(pathlib.Path("tiny.gguf"), pathlib.Path("base"), 1, 47, 28, 1_310_720, 0.2, None, [],
+                         gguf_type="q8_0", architecture="qwen3", tokenizer_pre="gpt-2").summary()
+    assert "1.2 MiB in 0.2 s" in summary and "GiB" not in summary, summary

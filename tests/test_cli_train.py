@@ -284,14 +284,21 @@ def test_train_end_to_end_through_the_entry_point(tmp_path, child_env):
 
 
 def test_the_first_run_learns_visibly_on_one_cpu_thread(tmp_path, child_env):
-    """``poros train`` with the defaults (the pretrained bundled model, 100 steps) on the CPU: one torch thread
+    """``poros train`` with the defaults (the pretrained bundled model, 100 steps) on the CPU (as a user types it,
+    in an empty directory: docs/quickstart.md's first sample is this run's output): one torch thread
     for the tiny model (cpu_threads auto), and the loss the run prints ends below 60 % of its first logged value
     (the last logged window and the final step)."""
-    env = child_env(POROS_LOAD_PLUGINS="")
-    env.pop("OMP_NUM_THREADS", None)  # set, it would be the user's choice and cpu_threads auto would keep it
-    done = subprocess.run([sys.executable, "-m", "poros", "train", "--device", "cpu", "--output-dir",
-                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600, check=False, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    from tools.docs import doc_samples
+
+    env = child_env()
+    for name in ("OMP_NUM_THREADS", "POROS_LOAD_PLUGINS", "HF_HUB_DISABLE_PROGRESS_BARS"):  # a user's shell
+        env.pop(name, None)  # OMP_NUM_THREADS set would be the user's choice, and cpu_threads auto would keep it
+    done = subprocess.run([sys.executable, "-m", "poros", "train"], cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600, check=False, env=env)
+    assert done.returncode == 0, done.stdout[-3000:]
+    # the same run is quickstart.md's first sample: it matches, beyond the numbers that vary
+    output = "$ poros train\n" + doc_samples.normalize(done.stdout, tmp_path.resolve())
+    assert doc_samples.differences("train-default", output) == [], "python -m tools.docs.doc_samples train-default"
     assert "poros: 1 CPU thread (cpu_threads='auto')" in done.stdout
     logged = [float(loss) for loss in re.findall(r"^step \d+/100 \| loss ([0-9.]+)", done.stdout, re.M)]
     # the end-of-run summary: "trained 100 steps in ... s (...); loss X (mean of steps 91-100)"

@@ -38,8 +38,8 @@ EPILOG = textwrap.dedent("""\
       $ vllm serve ./qwen32b-merged
 
       $ poros merge --adapter /tmp/tiny-lora --format gguf --gguf-type q8_0 --output /tmp/tiny.gguf
-      poros: merged 28 adapted weights into /tmp/tiny.gguf (GGUF q8_0, architecture qwen3): 47 tensors, ...
-      $ llama-cli -m /tmp/tiny.gguf -p "Name three colours."      # or: ollama create tiny -f Modelfile
+      poros: merged 28 adapted weights into /tmp/tiny.gguf (GGUF q8_0, architecture qwen3, pre-tokenizer gpt-2): 47 ...
+      $ llama-cli -m /tmp/tiny.gguf -p "Name three colours."      # or: ollama create tiny -f /tmp/tiny.Modelfile
     """)
 
 
@@ -57,7 +57,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "merge_and_unload run on that device type)")
     parser.add_argument("--format", default="safetensors", choices=("safetensors", "gguf"),
                         help="safetensors (default): an HF checkpoint directory; gguf: one .gguf file for llama.cpp "
-                             "and Ollama (qwen2, qwen3; needs pip install 'poros-train[gguf]')")
+                             "and Ollama, with an Ollama NAME.Modelfile beside it (qwen2, qwen3; needs pip install 'poros-train[gguf]')")
     parser.add_argument("--gguf-type", choices=("bf16", "f16", "f32", "q8_0"), default=None,
                         help="with --format gguf: the type of the weight matrices (default bf16; norms stay f32)")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")

@@ -40,8 +40,8 @@ EPILOG = textwrap.dedent("""\
       $ poros plan --model Qwen/Qwen2.5-72B --vram-budget 24GiB --host-budget 16GiB   # host tier + read-ahead
 
       $ poros plan --model Qwen/Qwen2.5-72B --vram-budget 4GiB
-      poros plan: error: ConfigError: VRAM budget 4.29 GB is below the minimum for this run: it needs at least
-      ... Raise the budget to at least ...
+      poros plan: error: ConfigError: VRAM budget 4.29 GB does not fit this run: its biggest part is ...; it is
+      below the minimum for this run: it needs at least ... Fix: --vram-budget ... or more (poros plan then ...
     """)
 
 USAGE = ("poros plan [-h] [CONFIG] [--KEY VALUE ...] [--block-ms FWD,BWD] [--head-ms MS] [--verbose] "

@@ -8,9 +8,10 @@ import textwrap
 from typing import Any
 
 from poros.cli.output import print_json, table
+from poros.registry import DEFAULT_PLUGINS
 
 DESCRIPTION = """\
-List the loaded Poros plugins: the five built-in families (ordinary plugins of the
+List the loaded Poros plugins: the built-in families ({families}: ordinary plugins of the
 poros-train distribution) and every installed package that declares an entry point in the
 group "poros". For each: the distribution and version that provides it, the hooks it
 implements and the families it registered. Plugins that failed to load are listed after the
@@ -21,14 +22,15 @@ built-ins only, "a,b" loads the entry points or distributions named.
 EPILOG = textwrap.dedent("""\
     examples:
       $ poros plugins                    # with examples/poros-family-example installed
-      NAME                    DISTRIBUTION          VERSION  HOOKS                         FAMILIES
-      ----------------------  --------------------  -------  ----------------------------  --------
-      poros.families.qwen2    poros-train           0.1.0    poros_register_architectures  qwen2
-      poros.families.qwen3    poros-train           0.1.0    poros_register_architectures  qwen3
-      poros.families.qwen3_5  poros-train           0.1.0    poros_register_architectures  qwen3_5
-      poros.families.gemma3   poros-train           0.1.0    poros_register_architectures  gemma3
-      poros.families.gemma4   poros-train           0.1.0    poros_register_architectures  gemma4
-      llama                   poros-family-example  0.1.0    poros_register_architectures  llama
+      NAME                        DISTRIBUTION          VERSION  HOOKS                         FAMILIES
+      --------------------------  --------------------  -------  ----------------------------  -----------
+      poros.families.qwen2        poros-train           0.1.0    poros_register_architectures  qwen2
+      poros.families.qwen3        poros-train           0.1.0    poros_register_architectures  qwen3
+      poros.families.qwen3_5      poros-train           0.1.0    poros_register_architectures  qwen3_5
+      poros.families.qwen3_5_moe  poros-train           0.1.0    poros_register_architectures  qwen3_5_moe
+      poros.families.gemma3       poros-train           0.1.0    poros_register_architectures  gemma3
+      poros.families.gemma4       poros-train           0.1.0    poros_register_architectures  gemma4
+      llama                       poros-family-example  0.1.0    poros_register_architectures  llama
 
       $ POROS_LOAD_PLUGINS= poros plugins | tail -n 1
       POROS_LOAD_PLUGINS='': entry-point plugins were not loaded (built-ins only).
@@ -41,7 +43,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plugins",
         help="list loaded plugins, who provides them, and load errors",
-        description=DESCRIPTION,
+        description=DESCRIPTION.format(families=", ".join(name.rsplit(".", 1)[-1] for name in DEFAULT_PLUGINS)),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

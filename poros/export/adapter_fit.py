@@ -43,19 +43,31 @@ class AdaptedShape:
 
 
 def read_safetensors_header(path: pathlib.Path) -> dict[str, Any]:
-    """The header of a safetensors file (name -> dtype, shape, offsets), without reading a tensor.
+    """The header of an adapter's safetensors file (name -> dtype, shape, offsets), without reading a tensor;
+    the file's size is checked against the bytes the header lists (a truncated copy is found here, not in
+    safetensors' "incomplete metadata" deep in a merge).
 
     Raises:
-        CheckpointLoadError: the file is too short or its header is not JSON.
+        CheckpointLoadError: the file is too short, its header is not JSON, or it holds fewer or more bytes
+            than its header lists.
     """
+    fix = ("Fix: copy the adapter directory again, or save it again (poros train writes it at the end of a run; "
+           "its checkpoint-N directories hold earlier copies).")
     try:
         with open(path, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))
+        size = path.stat().st_size
     except (OSError, struct.error, ValueError) as error:
-        raise CheckpointLoadError(f"{path} is not a readable safetensors file ({error}); expected the "
-                                  "adapter_model.safetensors PEFT writes. Save the adapter again.") from error
+        raise CheckpointLoadError(f"{path} is not a readable safetensors file ({type(error).__name__}: "
+                                  f"{str(error)[:120]}); expected the adapter_model.safetensors PEFT writes. "
+                                  + fix) from error
     header.pop("__metadata__", None)
+    listed = 8 + length + max((int(entry["data_offsets"][1]) for entry in header.values()
+                               if isinstance(entry, dict) and "data_offsets" in entry), default=0)
+    if size != listed:
+        raise CheckpointLoadError(f"{path} is {'truncated' if size < listed else 'longer than its header says'}: "
+                                  f"its header lists {listed} bytes, the file has {size}. " + fix)
     return header
 
 
@@ -121,6 +133,53 @@ def check_adapter_fits(adapter: pathlib.Path, weights: pathlib.Path, base: str, 
             "was trained on a base of another size. " + fix)
 
 
+#: bytes read at each of three places (start, middle, end) of every weight file for :func:`base_identity`
+IDENTITY_SAMPLE_BYTES = 1 << 16
+#: the key of ``poros_config.json`` that records the base's identity when the adapter is saved
+BASE_IDENTITY_KEY = "base_identity"
+
+
+def base_identity(weight_files: list[pathlib.Path]) -> str:
+    """A fingerprint of a base checkpoint's weights, cheap at any size: sha256 over each weight file's name,
+    size, safetensors header and three samples of its data (start, middle, end). Two bases of the same
+    shapes (a model and its fine-tune, another seed) differ in every tensor, so in the samples too."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(weight_files, key=lambda path: path.name):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        with open(path, "rb") as handle:
+            for offset in (0, max(size // 2 - IDENTITY_SAMPLE_BYTES // 2, 0), max(size - IDENTITY_SAMPLE_BYTES, 0)):
+                handle.seek(offset)
+                digest.update(handle.read(IDENTITY_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def check_base_identity(adapter: pathlib.Path, base: str, weight_files: list[pathlib.Path]) -> None:
+    """Refuse a base whose weights are not the ones the adapter was trained on, where the adapter recorded them
+    (``poros_config.json``'s :data:`BASE_IDENTITY_KEY`, written by ``PorosTrainer.save``; an adapter without it
+    is not checked).
+
+    Raises:
+        CheckpointLoadError: the fingerprints differ (same shapes, other weights: merged, another model).
+    """
+    record_file = adapter / "poros_config.json"
+    try:
+        recorded = json.loads(record_file.read_text(encoding="utf-8")).get(BASE_IDENTITY_KEY)
+    except (OSError, ValueError, AttributeError):
+        return
+    if not recorded or not weight_files:
+        return
+    found = base_identity(weight_files)
+    if found != recorded.get("sha256"):
+        raise CheckpointLoadError(
+            f"the adapter in {adapter} was trained on {recorded.get('model')} (weights {recorded.get('sha256', '')[:12]}), "
+            f"and the base given, {base}, holds other weights of the same shapes ({found[:12]}): with it the adapter "
+            "would make another model than the one trained. Fix: pass --model (model= in Python) the base it was "
+            "trained on.")
+
+
 def check_adapter_base(info: Any, *, revision: str | None = None) -> None:
     """:func:`check_adapter_fits` for an adapter :func:`poros.loading.load.read_adapter` found: the base it
     names is resolved (a hub id from the HF cache or downloaded, as loading would) and its config read.
@@ -128,11 +187,19 @@ def check_adapter_base(info: Any, *, revision: str | None = None) -> None:
     Raises:
         CheckpointLoadError: as :func:`check_adapter_fits`, and when the base cannot be found.
     """
-    from poros.loading.load import read_config, resolve_checkpoint
+    from poros.errors import PorosError
+    from poros.loading.load import inspect_checkpoint, read_config, resolve_checkpoint
 
-    _, text_config = read_config(resolve_checkpoint(info.base_model, revision=revision))
+    directory = resolve_checkpoint(info.base_model, revision=revision)
+    _, text_config = read_config(directory)
     check_adapter_fits(info.path, info.weights, info.base_model, text_config)
+    try:
+        weight_files = inspect_checkpoint(directory, allow_pickle=True).weight_files
+    except PorosError:
+        return  # loading names what is wrong with the base
+    check_base_identity(info.path, info.base_model, weight_files)
 
 
-__all__ = ["AdaptedShape", "adapted_shapes", "base_linear_shapes", "check_adapter_base", "check_adapter_fits",
+__all__ = ["BASE_IDENTITY_KEY", "IDENTITY_SAMPLE_BYTES", "AdaptedShape", "adapted_shapes", "base_identity",
+           "base_linear_shapes", "check_adapter_base", "check_adapter_fits", "check_base_identity",
            "read_safetensors_header"]

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from poros.errors import CheckpointLoadError, ConfigError, UnsupportedAdapterError
-from poros.export.adapter_fit import PEFT_PREFIX, check_adapter_fits
+from poros.export.adapter_fit import PEFT_PREFIX, check_adapter_fits, check_base_identity
 from poros.spellings import human_bytes
 from poros.export.shards import ShardReader, ShardWriter
 
@@ -236,6 +236,7 @@ def plan_merge(adapter: str | os.PathLike, model: str | os.PathLike | None, dtyp
     base_path = resolve_checkpoint(info.base_model)
     checkpoint = inspect_checkpoint(base_path)
     check_adapter_fits(info.path, info.weights, info.base_model, checkpoint.text_config)  # before a weight is read
+    check_base_identity(info.path, info.base_model, checkpoint.weight_files)
     if checkpoint.weight_format != "safetensors":
         raise CheckpointLoadError(f"{base_path} has pickle weights; poros merge reads safetensors. Convert the "
                                   "base with save_pretrained(safe_serialization=True) first.")

@@ -117,14 +117,36 @@ def read_config(path: pathlib.Path) -> tuple[Any, Any]:
     if not config_file.is_file():
         raise CheckpointLoadError(f"{path} has no config.json: not a transformers checkpoint directory. "
                                   f"Point at the directory that save_pretrained wrote.")
+    _check_model_type(config_file, transformers)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
+        first = str(exc).split(". ")[0][:300]
         raise CheckpointLoadError(
-            f"{config_file} could not be read by transformers {transformers.__version__}: {exc}. A newer "
+            f"{config_file} could not be read by transformers {transformers.__version__}: {first}. A newer "
             f"model type may need a newer transformers; a hand-edited config must be valid JSON."
         ) from exc
     return config, config.get_text_config()
+
+
+def _check_model_type(config_file: pathlib.Path, transformers: Any) -> None:
+    """A ``model_type`` transformers does not know, said in one line (transformers' own message is a paragraph
+    of install commands)."""
+    import difflib
+
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # transformers says what is wrong with the file
+    known = transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES
+    if not isinstance(model_type, str) or model_type in known:
+        return
+    close = difflib.get_close_matches(model_type, list(known), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise CheckpointLoadError(
+        f"{config_file} has model_type {model_type!r}, which transformers {transformers.__version__} does not know; "
+        f"{hint}Fix: correct model_type, or, for an architecture newer than this transformers, a newer "
+        "transformers (pip install -U transformers).")
 
 
 def inspect_checkpoint(path: pathlib.Path, *, allow_pickle: bool = False) -> CheckpointInfo:

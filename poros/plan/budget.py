@@ -145,20 +145,16 @@ def _refuse_below_minimum(sizing: _Sizing, options: StreamOptions, budget_bytes:
     other = (f" With the boundary states on the host it would need {format_gb(boundary.offload_minimum)}."
              if asked == "device" and sizing.layer_major and boundary.offload_minimum < boundary.device_minimum
              else "")
-    parts = ", ".join(f"{name} {format_gb(n)}" for name, n in (*minimum_peak.persistent, *minimum_peak.transient) if n)
     fp = sizing.footprint
     chunks = (f" (with loss_chunks={fp.loss_chunks}, mlp_chunks={fp.mlp_chunks})"
               if fp.loss_chunks > 1 or fp.mlp_chunks > 1 else "")
-    raise ConfigError(
+    raise ConfigError(  # one line: the parts of the peak are `poros plan`'s table at the minimum
         f"VRAM budget {format_gb(budget_bytes)} does not fit this run{chunks}: its biggest part is "
-        f"{biggest_part(minimum_peak, fp)}. "
-        f"VRAM budget {format_gb(budget_bytes)} is below the minimum for this run: it needs at least "
-        f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block"
-        f"{', embeddings on the host' if sizing.on_host else ''}{where}), {format_gb(pipelined)} with "
-        f"{options.num_slots} slots. Predicted peak {format_gb(minimum_peak.total)} at the {minimum_peak.phase}: "
-        f"{parts}; plus {format_gb(sizing.context_bytes)} context and {sizing.slack:.0%} allocator slack.{other} "
-        f"Raise the budget to at least {format_gb(minimum)}, or shrink the activations (seq_len, batch_size"
-        f"{', or micro-major accumulation' if sizing.layer_major and workload.grad_accum > 1 else ''})."
+        f"{biggest_part(minimum_peak, fp)}; it is below the minimum for this run: it needs at least "
+        f"{format_gb(minimum)} ({human_bytes(minimum)}; 1 device slot, no resident block{', embeddings on the host' if sizing.on_host else ''}"
+        f"{where}; {format_gb(pipelined)} with {options.num_slots} slots).{other} Fix: --vram-budget "
+        f"{format_gb(minimum).replace(' ', '')} or more (poros plan then prints the parts of the peak), or shrink "
+        f"the activations (seq_len, batch_size{', or micro-major accumulation' if sizing.layer_major and workload.grad_accum > 1 else ''})."
     )
 
 

@@ -71,8 +71,8 @@ def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tupl
         return pathlib.Path(cached).parent, "HF cache"
     raise CheckpointLoadError(
         f"{model!r}{f' (revision {revision})' if revision else ''} is not a local directory and its config.json "
-        f"is not in the HF cache ({huggingface_hub.constants.HF_HUB_CACHE}); --dry-run reads only the cache and "
-        f"never downloads. Fetch the config first (`hf download {model} config.json`), or pass a local "
+        f"is not in the HF cache ({huggingface_hub.constants.HF_HUB_CACHE}), and a plan reads only the cache: it "
+        f"never downloads. Fix: fetch the config first (`hf download {model} config.json`), or pass a local "
         "checkpoint directory."
     )
 

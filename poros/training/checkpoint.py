@@ -406,7 +406,7 @@ def check_resumable(checkpoint: TrainingCheckpoint, config: dict[str, Any]) -> N
 
     Raises:
         TrainingCheckpointError: a field of :data:`MATH_FIELDS` differs, ``steps`` differs under
-            a schedule that depends on it, or the checkpoint is past ``steps``.
+            a schedule that depends on it, or the checkpoint is at (the run is finished) or past ``steps``.
     """
     saved = checkpoint.poros_config.get("config", {})
     differences = []
@@ -434,6 +434,12 @@ def check_resumable(checkpoint: TrainingCheckpoint, config: dict[str, Any]) -> N
             f"checkpoint {checkpoint.path} is at step {checkpoint.step}, past this run's steps={config.get('steps')}; "
             f"expected steps >= {checkpoint.step}. Resume with steps={saved_steps}, or from an earlier checkpoint."
         )
+    if checkpoint.step == int(config.get("steps") or -1):  # the run's last step: resuming would train nothing
+        raise TrainingCheckpointError(
+            f"{checkpoint.path} is step {checkpoint.step} of the {checkpoint.step} this run trains: the run is "
+            f"finished, there is nothing to resume (its adapter is in {checkpoint.path.parent}). Fix: raise --steps "
+            f"above {checkpoint.step} (steps= in Python) to train on from it, or --overwrite (overwrite=True) to "
+            "start again.")
 
 
 __all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "CHECKPOINT_PREFIX", "DATA_STATE_FILE", "MATH_FIELDS",

@@ -297,8 +297,8 @@ def check_fresh_start(output_dir: str | os.PathLike, *, overwrite: bool) -> None
         raise OutputDirError(
             f"{directory} holds another run's results ({shown}); a fresh run would mix with or replace them"
             + ("" if resumable else " (it holds no checkpoint to resume)") + ". Fix: "
-            + ("continue that run with --resume_from auto, " if resumable else "")
-            + "pass another --output-dir, or --overwrite to replace them."
+            + ("continue that run with --resume_from auto (resume_from='auto' in Python), " if resumable else "")
+            + "pass another --output-dir (output_dir=), or --overwrite (overwrite=True) to replace them."
         )
     for name in found:
         path = directory / name

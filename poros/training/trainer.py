@@ -52,7 +52,7 @@ from poros.training import model_card
 from poros.training import tracking
 from poros.adapters import lora_target_modules
 from poros.devices import cpu_threads, resolve_device
-from poros.errors import ConfigError, TrainingCheckpointError, UnsupportedModelError
+from poros.errors import ConfigError, PorosError, TrainingCheckpointError, UnsupportedModelError
 from poros.training.progress import echo
 from poros.training.run import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
 
@@ -299,8 +299,9 @@ class PorosTrainer:
         return generate_text(self.model, self.tokenizer, prompt, **options).text
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, directory: str | os.PathLike) -> pathlib.Path:
-        """Write the adapter (PEFT layout), the tokenizer and ``poros_config.json`` into ``directory``.
+    def save(self, directory: str | os.PathLike | None = None) -> pathlib.Path:
+        """Write the adapter (PEFT layout), the tokenizer and ``poros_config.json`` into ``directory`` (default: the
+        run's ``output_dir``, beside its checkpoints and ``metrics.jsonl``).
 
         ``adapter_model.safetensors`` and ``adapter_config.json`` are written by PEFT's own
         ``save_pretrained`` (``base_model_name_or_path`` = ``config.model``), so stock
@@ -318,7 +319,7 @@ class PorosTrainer:
             UnsupportedModelError: the model has no PEFT adapters to save.
             TrainingCheckpointError: ``directory`` exists and is a file.
         """
-        target = pathlib.Path(directory)
+        target = pathlib.Path(self.run_config.output_dir if directory is None else directory)
         if not distributed.world().is_main:  # data parallel: rank 0 writes (the adapters are the same)
             return target
         previous_files = set(_saved_files(target))
@@ -373,6 +374,7 @@ class PorosTrainer:
             "guarantee_reason": detection.reason if detection else None,
             "steps_done": self.global_step,
             "base_model_name_or_path": model_card.base_model_reference(self.run_config.model),
+            **self._base_identity(),
             "config": self.run_config.to_dict(),
             # batch_size is per device (HF's per_device_train_batch_size); the ranks together train the global batch
             "per_device_batch_size": self.run_config.batch_size,
@@ -380,6 +382,21 @@ class PorosTrainer:
             "world_size": ranks,
             **extra,
         }
+
+    def _base_identity(self) -> dict[str, Any]:
+        """``{"base_identity": {"model", "sha256"}}``: the fingerprint of the base's weight files
+        (:func:`poros.export.adapter_fit.base_identity`) that ``poros merge`` and ``poros generate`` compare;
+        empty where the base is no checkpoint on disk (a model built in memory)."""
+        from poros.export.adapter_fit import BASE_IDENTITY_KEY, base_identity
+        from poros.loading.load import inspect_checkpoint, resolve_checkpoint
+
+        model = self.run_config.model
+        try:
+            directory = resolve_checkpoint(model, revision=self.run_config.revision)
+            files = inspect_checkpoint(directory, allow_pickle=True).weight_files
+        except (PorosError, OSError, ValueError):
+            return {}
+        return {BASE_IDENTITY_KEY: {"model": str(model), "sha256": base_identity(files)}}
 
     # -- resuming ------------------------------------------------------------------------------
     def _restore_adapter(self, state_dict: dict[str, torch.Tensor], source: pathlib.Path) -> None:
