@@ -47,8 +47,14 @@ def dense_bf16_tflops(device: torch.device, *, size: int = DENSE_SIZE, repeats: 
 
 
 def block_linear_parameters(config: Any) -> int:
-    """N: every decoder block's q, k, v, o, gate, up, down weights (``config``: the text config)."""
-    hidden, inter = config.hidden_size, config.intermediate_size
+    """N: every decoder block's q, k, v, o, gate, up, down weights (``config``: the text config). An MoE block
+    counts the MLP width a token goes through: its routed experts' (``num_experts_per_tok``) plus the shared
+    expert's; its attention is counted as full attention on every layer (linear-attention layers alike)."""
+    hidden = config.hidden_size
+    inter = getattr(config, "intermediate_size", None)
+    if getattr(config, "moe_intermediate_size", None):
+        inter = (config.moe_intermediate_size * config.num_experts_per_tok
+                 + (getattr(config, "shared_expert_intermediate_size", None) or 0))
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
