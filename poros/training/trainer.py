@@ -54,7 +54,7 @@ from poros.adapters import lora_target_modules
 from poros.devices import cpu_threads, resolve_device
 from poros.errors import ConfigError, PorosError, TrainingCheckpointError, UnsupportedModelError
 from poros.training.progress import echo
-from poros.training.run import TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
+from poros.training.run import METRIC_FIELDS, METRICS_FILE, TrainingRun, TrainResult, stream_schedule  # noqa: F401 (re-exported)
 from poros.training.moe import expert_lora_line, expert_lora_targets, router_aux_line
 
 if TYPE_CHECKING:
