@@ -31,7 +31,7 @@ from poros.errors import ConfigError
 from poros.settings import HOST_TIERS, SETTINGS, config_fields, documented_fields, fields_table
 from poros.settings import problems as setting_problems
 from poros.spellings import (YamlLoader, check_type, choice_list, known_fields, parse_budget, parse_overrides,
-                             yaml_line)
+                             report_to_names, yaml_line)
 
 __all__ = ["HOST_TIERS", "PorosConfig", "FIELD_SECTIONS", "field_docs", "fields_markdown", "parse_budget", "report_to_names"]
 
@@ -414,12 +414,6 @@ class PorosConfig:
 
 
 # -- fields and types --------------------------------------------------------------------------------
-
-def report_to_names(value: str | list[str]) -> list[str]:
-    """``"tensorboard"`` -> ``["tensorboard"]``; ``"tensorboard, wandb"`` and lists -> the names, stripped."""
-    items = value.split(",") if isinstance(value, str) else value
-    return [item.strip() for item in items if item.strip()]
-
 
 def _metadata(name: str) -> dict[str, Any]:
     return _fields_by_name()[name].metadata

@@ -144,6 +144,12 @@ def format_gb(nbytes: float) -> str:
             return f"{nbytes / size:.2f} {unit}" if unit == "GB" else f"{nbytes / size:.1f} {unit}"
     return f"{int(nbytes)} B"
 
+
+def report_to_names(value: str | list[str]) -> list[str]:
+    """``"tensorboard"`` -> ``["tensorboard"]``; ``"tensorboard, wandb"`` and lists -> the names, stripped."""
+    items = value.split(",") if isinstance(value, str) else value
+    return [item.strip() for item in items if item.strip()]
+
 # -- values as the command line and YAML spell them -------------------------------------------------
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
               "on": True, "off": False}
@@ -304,4 +310,4 @@ del _resolving
 
 __all__ = ["BOOL_WORDS", "FIELD_ALIASES", "NULL_WORDS", "YamlDumper", "YamlLoader", "aliases_of", "allowed_types",
            "check_type", "choice_list", "format_gb", "human_bytes", "known_fields", "parse_budget", "parse_overrides",
-           "parse_value", "suggestion", "type_name", "yaml_line"]
+           "parse_value", "report_to_names", "suggestion", "type_name", "yaml_line"]

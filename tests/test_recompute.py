@@ -12,7 +12,7 @@ import poros
 from poros import registry
 from poros.adapters import causal_lm_of
 from poros.descriptor import resolve_path
-from poros.dropin.model import _quantization
+from poros.dropin.detection import _quantization
 from poros.stream.placement import host_embedding_tables
 from conformance_flows import FAMILY_IDS, FAMILY_VARIANTS, assert_same_outcome, load, rows, run_trainer
 from poros.errors import ConfigError

@@ -106,8 +106,10 @@ def lora_inputs(block: nn.Module | None, targets: Iterable[str] | None, value_by
     if block is None:
         return {}
     if targets is None:  # a loaded PEFT model: its LoRA layers
-        wrapped = [(name, m.base_layer, next(iter(m.lora_A.values())).weight.dtype) for name, m in block.named_modules()
-                   if hasattr(m, "lora_A") and hasattr(m, "base_layer") and len(m.lora_A)]
+        # linears only (LoRA on fused experts wraps tensors without in_features); AdaLoRA's lora_A are tensors
+        wrapped = [(name, m.base_layer, getattr(first, "weight", first).dtype) for name, m in block.named_modules()
+                   if hasattr(m, "lora_A") and hasattr(m, "base_layer") and len(m.lora_A)
+                   and hasattr(m.base_layer, "in_features") and (first := next(iter(m.lora_A.values()))) is not None]
         value_bytes = max((torch.empty((), dtype=d, device="meta").element_size() for _, _, d in wrapped), default=0)
         casts = any(d != compute_dtype for _, _, d in wrapped) if compute_dtype is not None else bool(wrapped)
     else:

@@ -11,8 +11,6 @@ text tower, the part Poros trains.
 
 from __future__ import annotations
 
-import os
-import pathlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -21,13 +19,12 @@ import torch
 from poros.adapters import lora_targets
 from poros.descriptor import resolve_path
 from poros.devices import resolve_device
-from poros.distributed import check_batch_divides
-from poros.errors import CheckpointLoadError, ConfigError, HostMemoryError, PorosError
+from poros.errors import ConfigError, HostMemoryError, PorosError
 from poros.plan import host_tiers
 from poros.plan.entry import plan_config, workload_of
 from poros.loading.prequantized import read_prequantized
 from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
-from poros.plan.block_bytes import block_bytes, meta_skeleton, nf4_experts_bytes, padded, quantized_linears, tensor_bytes
+from poros.plan.block_bytes import block_bytes, meta_skeleton, quantized_linears, tensor_bytes
 from poros.plan.footprint import chunked_footprints, with_activations
 from poros.spellings import format_gb, parse_budget
 from poros.stream.placement import embeddings_on_host, host_embedding_tables
@@ -42,74 +39,9 @@ from poros.plan.budget import (
     kept_states,
     peak_upper_bound,
 )
-
-def locate_checkpoint_config(model: str, *, revision: str | None = None) -> tuple[pathlib.Path, str]:
-    """The directory holding ``model``'s ``config.json``, without downloading anything.
-
-    A local directory and a model bundled with poros resolve as :func:`poros.loading.load.resolve_checkpoint`
-    resolves them; a hub id only through the HF cache (its ``config.json`` is enough: the plan
-    needs no weights).
-
-    Returns:
-        ``(directory, where)``; ``where`` says how it was found, for the plan's header.
-
-    Raises:
-        CheckpointLoadError: no such directory, or a hub id whose ``config.json`` is not cached.
-    """
-    from poros.assets import is_asset
-    from poros.loading.load import resolve_checkpoint
-
-    path = pathlib.Path(model).expanduser()
-    hub_like = model.count("/") == 1 and not model.startswith((".", "/", "~")) and not path.exists()
-    if not hub_like:
-        directory = resolve_checkpoint(model, revision=revision)
-        return directory, "bundled with poros" if is_asset(model) else "local directory"
-    import huggingface_hub
-
-    cached = huggingface_hub.try_to_load_from_cache(model, "config.json", revision=revision)
-    if isinstance(cached, str) and os.path.isfile(cached):
-        return pathlib.Path(cached).parent, "HF cache"
-    raise CheckpointLoadError(
-        f"{model!r}{f' (revision {revision})' if revision else ''} is not a local directory and its config.json "
-        f"is not in the HF cache ({huggingface_hub.constants.HF_HUB_CACHE}), and a plan reads only the cache: it "
-        f"never downloads. Fix: fetch the config first (`hf download {model} config.json`), or pass a local "
-        "checkpoint directory."
-    )
-
-
-def load_text_config(directory: pathlib.Path) -> tuple[Any, Any]:
-    """``(config, text_config)`` of a checkpoint directory (:func:`poros.loading.load.read_config`), or of a
-    known hub id that is no directory: the shape its registry record holds (:func:`poros.records.config_json`)."""
-    from poros import records
-    from poros.loading.load import read_config
-
-    known = None if pathlib.Path(directory).is_dir() else records.find_checkpoint(str(directory))
-    if known is None:
-        return read_config(directory)
-    import transformers
-
-    fields = records.config_json(known[1])
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return config, config.get_text_config()
-
-
-def config_source(model: str, *, revision: str | None = None) -> tuple[pathlib.Path, str]:
-    """:func:`locate_checkpoint_config`, else, for a hub id the registry knows, ``(model, where)``: the plan
-    is then made from the shape its record holds, offline, and ``where`` says so.
-
-    Raises:
-        CheckpointLoadError: as :func:`locate_checkpoint_config`, for a model the registry does not know.
-    """
-    from poros import records
-
-    try:
-        return locate_checkpoint_config(model, revision=revision)
-    except CheckpointLoadError:
-        known = records.find_checkpoint(model)
-        if known is None:
-            raise
-        return pathlib.Path(model), (f"not in the HF cache; planned offline from its record in registry/{known[0]}"
-                                     f".toml (the shape of {known[1].get('config', model)})")
+from poros.plan.checkpoint_config import config_source, load_text_config, locate_checkpoint_config
+from poros.plan.step_time import parse_block_ms
+from poros.plan.experts import expert_lora_parameters, expert_sizes, largest_fused_experts
 
 
 @dataclass(frozen=True)
@@ -319,7 +251,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     double_quant = prequantized.double_quant if prequantized else config.double_quant
     quantized_weights = {id(module.weight) for module in quantized.values()}
     sizes = block_bytes(blocks, quantized_weights, double_quant=double_quant)
-    sizes, experts_line = _expert_sizes(blocks, sizes, config.quantize_experts)
+    sizes, experts_line = expert_sizes(blocks, sizes, config.quantize_experts)
 
     in_blocks = {id(t) for block in blocks for t in [*block.parameters(), *block.buffers()]}
     outside = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks}
@@ -332,7 +264,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     targets = lora_targets(model, config.target_modules)
     lora_parameters = sum(config.lora_rank * (m.in_features + m.out_features)
                           + (m.out_features if config.use_dora else 0) for m in targets.values())
-    expert_lora = _expert_lora_parameters(blocks, config)
+    expert_lora = expert_lora_parameters(blocks, config)
     lora_parameters += expert_lora
     if experts_line:
         experts_line += (f"; LoRA rank {config.lora_rank} per expert (lora_on_experts): "
@@ -345,7 +277,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
                             lora_value_bytes=LORA_VALUE_BYTES, compute_dtype=compute_dtype)
     if experts_line and config.quantize_experts is not False and device.startswith("cuda"):
         # prepare's default experts forward on a CUDA device with grouped_mm: each fused tensor dequantized whole
-        shapes = replace(shapes, dequantized_experts=_largest_fused_experts(blocks))
+        shapes = replace(shapes, dequantized_experts=largest_fused_experts(blocks))
     sms = attention_sms(device, config.deterministic)
     _, recompute, head = activation_bytes(shapes, batch_size=config.batch_size,
                                           seq_len=config.seq_len, value_bytes=value_bytes,
@@ -370,50 +302,6 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
         packed=config.packing, prequantized=prequantized is not None,
     ), text_config
-
-
-def _largest_fused_experts(blocks: list) -> int:
-    """Values of the largest fused expert tensor ``[E, rows, cols]`` of any block (what the grouped NF4
-    experts forward dequantizes at once)."""
-    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
-
-    return max((getattr(m, t).numel() for b in blocks for _, m in experts_modules(b) for t in FUSED_EXPERT_TENSORS),
-               default=0)
-
-
-def _expert_lora_parameters(blocks: list, config: Any) -> int:
-    """LoRA parameters on the fused experts with ``lora_on_experts`` (PEFT's ``target_parameters``: rank r per
-    expert, ``lora_A [E * r, in]`` and ``lora_B [out, E * r]`` per fused tensor ``[E, out, in]``), else 0."""
-    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
-
-    if not getattr(config, "lora_on_experts", True):
-        return 0
-    return sum(config.lora_rank * getattr(m, t).shape[0] * (getattr(m, t).shape[1] + getattr(m, t).shape[2])
-               for block in blocks for _, m in experts_modules(block) for t in FUSED_EXPERT_TENSORS)
-
-
-def _expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple[list[int], str | None]:
-    """The block sizes with the fused MoE experts in NF4 (``quantize_experts`` not false: what the run packs)
-    and the plan's line on the experts (count, bf16 and NF4 bytes); ``(sizes, None)`` without experts."""
-    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
-
-    per_block = []  # (bf16 bytes, NF4 bytes, experts) of each block
-    for block in blocks:
-        modules = [m for _, m in experts_modules(block)]
-        tensors = [getattr(m, t) for m in modules for t in FUSED_EXPERT_TENSORS]
-        per_block.append((sum(padded(t.numel() * t.element_size()) for t in tensors),
-                          sum(nf4_experts_bytes(tuple(t.shape)) for t in tensors) + len(modules) * padded(16 * 4),
-                          max((t.shape[0] for t in tensors), default=0)))
-    if not any(count for _, _, count in per_block):
-        return sizes, None
-    bf16, nf4 = sum(b for b, _, _ in per_block), sum(n for _, n, _ in per_block)
-    on = quantize is not False
-    if on:
-        sizes = [size - b + n for size, (b, n, _) in zip(sizes, per_block)]
-    moe_blocks = sum(1 for _, _, count in per_block if count)
-    line = (f"{max(c for _, _, c in per_block)} experts in each of {moe_blocks} blocks: {format_gb(bf16)} in bf16, "
-            f"{format_gb(nf4)} in NF4 ({'quantize_experts: the run packs them' if on else 'quantize_experts=false'})")
-    return sizes, line
 
 
 def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: Any, device: torch.device,
@@ -596,24 +484,6 @@ def _times(config: Any, options: PlanOptions, plan: Plan, text_config: Any, work
         link = options.prober.measure_link(device)
         link_source = "measured: one pinned 256 MiB copy" if on_cuda else "measured: a 256 MiB host memcpy (cpu)"
     return compute, link, link_source, notices
-
-
-def parse_block_ms(text: str) -> tuple[float, float]:
-    """``"6,12"`` -> ``(0.006, 0.012)`` seconds; ``"18"`` -> ``(0.006, 0.012)`` (split 1:2).
-
-    Raises:
-        ConfigError: not one or two positive numbers.
-    """
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2) or any(v <= 0 for v in values):
-        raise ConfigError(f"--block-ms {text!r}: expected FWD,BWD milliseconds per block and micro-batch (e.g. 6,12) "
-                          "or one total (split 1:2 between forward and recompute+backward).")
-    if len(values) == 1:
-        return values[0] / 3000, 2 * values[0] / 3000
-    return values[0] / 1000, values[1] / 1000
 
 
 __all__ = ["BudgetReport", "Plan", "PlanOptions", "config_source", "fit_host_ram", "fit_machine", "load_text_config", "locate_checkpoint_config",

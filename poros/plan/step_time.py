@@ -182,4 +182,22 @@ def predict_step(block_bytes: tuple[int, ...], workload: Workload, compute: Comp
                           optimizer_s=compute.optimizer_s, source=compute.source)
 
 
-__all__ = ["ComputeTimes", "StepPrediction", "copy_bytes_per_step", "predict_step"]
+def parse_block_ms(text: str) -> tuple[float, float]:
+    """``"6,12"`` -> ``(0.006, 0.012)`` seconds; ``"18"`` -> ``(0.006, 0.012)`` (split 1:2).
+
+    Raises:
+        ConfigError: not one or two positive numbers.
+    """
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or any(v <= 0 for v in values):
+        raise ConfigError(f"--block-ms {text!r}: expected FWD,BWD milliseconds per block and micro-batch (e.g. 6,12) "
+                          "or one total (split 1:2 between forward and recompute+backward).")
+    if len(values) == 1:
+        return values[0] / 3000, 2 * values[0] / 3000
+    return values[0] / 1000, values[1] / 1000
+
+
+__all__ = ["parse_block_ms", "ComputeTimes", "StepPrediction", "copy_bytes_per_step", "predict_step"]

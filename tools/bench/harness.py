@@ -57,17 +57,22 @@ from tools.bench.trainer_common import TrainerSetup
 ALL_ARMS = (*ARMS, *TRAINER_ARMS, unsloth_arm.ARM)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Resident QLoRA vs Poros streaming on random weights at real shapes; prints a table, writes JSON.",
-        epilog="shapes: " + ", ".join(SHAPES),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+def _shape_and_steps(parser: argparse.ArgumentParser) -> None:
+    """The shape a run measures and how many steps it times."""
     parser.add_argument("--model", default="qwen2.5-32b", choices=sorted(SHAPES), metavar="SHAPE")
     parser.add_argument("--layers", type=int, help="truncate to N decoder layers (same width)")
     parser.add_argument("--seq", type=int, help="tokens per row (default 512; 64 for the tiny-* shapes)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5, help="timed steps after warm-up (median over these)")
     parser.add_argument("--warmup", type=int, default=2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Resident QLoRA vs Poros streaming on random weights at real shapes; prints a table, writes JSON.",
+        epilog="shapes: " + ", ".join(SHAPES),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _shape_and_steps(parser)
     parser.add_argument("--arms", default="resident,poros",
                         help="comma list of: " + ", ".join(ALL_ARMS) + " (control: resident again, the reference "
                              "against itself; trl-*/hf-*: SFTTrainer / HF Trainer plain and with poros.prepare_trainer; "

@@ -1,0 +1,59 @@
+"""MoE experts in a run plan (:mod:`poros.plan.run_plan`): the fused expert tensors of a meta skeleton's
+blocks priced in NF4 as the run packs them (``quantize_experts`` not false) with the plan's line on them
+(:func:`expert_sizes`), the largest expert count (:func:`largest_fused_experts`) and the LoRA parameters
+``lora_on_experts`` adds (:func:`expert_lora_parameters`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from poros.plan.block_bytes import nf4_experts_bytes, padded
+from poros.spellings import format_gb
+
+
+def largest_fused_experts(blocks: list) -> int:
+    """Values of the largest fused expert tensor ``[E, rows, cols]`` of any block (what the grouped NF4
+    experts forward dequantizes at once)."""
+    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
+
+    return max((getattr(m, t).numel() for b in blocks for _, m in experts_modules(b) for t in FUSED_EXPERT_TENSORS),
+               default=0)
+
+
+def expert_lora_parameters(blocks: list, config: Any) -> int:
+    """LoRA parameters on the fused experts with ``lora_on_experts`` (PEFT's ``target_parameters``: rank r per
+    expert, ``lora_A [E * r, in]`` and ``lora_B [out, E * r]`` per fused tensor ``[E, out, in]``), else 0."""
+    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
+
+    if not getattr(config, "lora_on_experts", True):
+        return 0
+    return sum(config.lora_rank * getattr(m, t).shape[0] * (getattr(m, t).shape[1] + getattr(m, t).shape[2])
+               for block in blocks for _, m in experts_modules(block) for t in FUSED_EXPERT_TENSORS)
+
+
+def expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple[list[int], str | None]:
+    """The block sizes with the fused MoE experts in NF4 (``quantize_experts`` not false: what the run packs)
+    and the plan's line on the experts (count, bf16 and NF4 bytes); ``(sizes, None)`` without experts."""
+    from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
+
+    per_block = []  # (bf16 bytes, NF4 bytes, experts) of each block
+    for block in blocks:
+        modules = [m for _, m in experts_modules(block)]
+        tensors = [getattr(m, t) for m in modules for t in FUSED_EXPERT_TENSORS]
+        per_block.append((sum(padded(t.numel() * t.element_size()) for t in tensors),
+                          sum(nf4_experts_bytes(tuple(t.shape)) for t in tensors) + len(modules) * padded(16 * 4),
+                          max((t.shape[0] for t in tensors), default=0)))
+    if not any(count for _, _, count in per_block):
+        return sizes, None
+    bf16, nf4 = sum(b for b, _, _ in per_block), sum(n for _, n, _ in per_block)
+    on = quantize is not False
+    if on:
+        sizes = [size - b + n for size, (b, n, _) in zip(sizes, per_block)]
+    moe_blocks = sum(1 for _, _, count in per_block if count)
+    line = (f"{max(c for _, _, c in per_block)} experts in each of {moe_blocks} blocks: {format_gb(bf16)} in bf16, "
+            f"{format_gb(nf4)} in NF4 ({'quantize_experts: the run packs them' if on else 'quantize_experts=false'})")
+    return sizes, line
+
+
+__all__ = ["expert_lora_parameters", "expert_sizes", "largest_fused_experts"]
