@@ -17,7 +17,8 @@ from poros.stream import executor as executor_module
 from poros.stream.stash import HostStash
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
-from test_parity import MIN_LAYERS, assert_bitwise, make_batch
+from poros.testing.strategies import min_layers
+from test_parity import assert_bitwise, make_batch
 
 CASES = [(family, variants[0]) for family, variants in TINY_VARIANTS.items()] + [("gemma4", "moe")]
 LAYERS, MICRO, STEPS = 5, 2, 2
@@ -45,7 +46,7 @@ def recomputes(monkeypatch):
 @pytest.mark.parametrize("schedule", ["layer-major", "micro-major"])
 @pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
 def test_boundary_every_is_bitwise_every_block_and_resident(family, variant, schedule, tmp_path, recomputes):
-    layers = max(LAYERS, MIN_LAYERS.get((family, variant), 1))
+    layers = max(LAYERS, min_layers(family, variant))
     path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=11, num_layers=layers,
                                 attn_implementation="sdpa")
     steps = _steps(11)

@@ -112,6 +112,8 @@ def test_dry_run_plan_equals_the_block_store(capsys, checkpoints, family, varian
     status, out, err = run_cli(capsys, "train", "--model", str(path), "--device", "cpu", "--dry-run")
     assert status == 0, err
     plan = plan_run(PorosConfig(model=str(path), device="cpu"))
+    # the model below carries no expert LoRA (load_qlora): compare it with the plan of such a run
+    no_expert_lora = plan_run(PorosConfig(model=str(path), device="cpu", lora_on_experts=False))
     assert f"family      {family} " in out
     assert "peak device memory (estimate)" in out and "expected host RAM (estimate" in out
     assert "Nothing was loaded or trained" in out
@@ -124,7 +126,8 @@ def test_dry_run_plan_equals_the_block_store(capsys, checkpoints, family, varian
     model = poros.prepare(model)
     assert list(plan.block_bytes) == [block.nbytes for block in model.store.blocks]
     assert plan.host_store_bytes == model.store.host_bytes
-    assert plan.lora_parameters == sum(p.numel() for p in model.trainable_parameters())
+    assert no_expert_lora.lora_parameters == sum(p.numel() for p in model.trainable_parameters())
+    assert plan.lora_parameters >= no_expert_lora.lora_parameters  # the default run's expert LoRA on top
     assert plan.num_blocks == len(model.store.blocks)
     assert f"{plan.host_store_bytes:,}" in out
 
@@ -212,6 +215,7 @@ def test_plan_matches_the_block_store_measured_on_the_h200(tmp_path, monkeypatch
         embeddings_on_host=True, grad_accum=setup.get("grad_accum", 1),
         stream_schedule=setup.get("schedule", "micro-major"),
         quantize_experts=bool(setup.get("quantize_experts")),  # records before --quantize-experts: bf16 experts
+        lora_on_experts=bool(setup["lora"].get("on_experts")),  # records before --lora-on-experts: none
     ))
     # the bench's --vram-budget may keep some blocks on the device: the host store holds the rest
     assert plan.host_store_bytes == measured["host_bytes"] + measured.get("resident_bytes", 0)

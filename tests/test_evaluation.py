@@ -170,6 +170,7 @@ def test_eval_loss_is_the_resident_peft_models(family, tokenizer, chat_file, eva
     checkpoint = make_checkpoint(tmp_path / "ckpt", family, tokenizer)
     trainer = PorosTrainer.from_pretrained(checkpoint, **LORA, seed=3, seq_len=SEQ_LEN, batch_size=2,
                                            quantize_experts=False,  # the reference's experts stay bf16
+                                           lora_on_experts=False,  # and carry no LoRA (reference_run)
                                            output_dir=str(tmp_path / "out"))
     before = trainer.evaluate(eval_file)  # the model as from_pretrained leaves it: HF's eval mode
     result = trainer.train(chat_file, steps=2, lr=2e-2, seed=3, eval_dataset=str(eval_file), eval_steps=1)
