@@ -65,6 +65,7 @@ SAMPLES = {
     "plan-offline": Sample("configuration.md", "poros plan --model Qwen/Qwen2.5-72B --vram-budget 24GiB --device cpu",
                            env=(("HF_HUB_OFFLINE", "1"),), head=2),
     "doctor-cpu": Sample("installation.md", "poros doctor --model poros-tiny-qwen3 --vram-budget 2GiB"),
+    "init": Sample("configuration.md", "poros init"),
     "list-architectures": Sample("plugins.md", "poros list-architectures"),
     "plugins": Sample("plugins.md", "poros plugins"),
 }
