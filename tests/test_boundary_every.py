@@ -14,6 +14,7 @@ import torch
 
 import poros
 from poros.stream import executor as executor_module
+from poros.stream import layer_major
 from poros.stream.stash import HostStash
 from poros.testing import TINY_VARIANTS, load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
@@ -31,7 +32,8 @@ def _steps(seed: int) -> list[list[dict]]:
 
 @pytest.fixture
 def recomputes(monkeypatch):
-    """Every segment recompute the executor runs, as ``(start, stop, micro-batches)``."""
+    """Every segment recompute the executor runs (micro-major in ``executor.py``, layer-major in
+    ``layer_major.py``), as ``(start, stop, micro-batches)``."""
     seen = []
     original = executor_module.recompute_inputs
 
@@ -39,7 +41,8 @@ def recomputes(monkeypatch):
         seen.append((start, stop, len(steps)))
         return original(executor, steps, start, stop, bases)
 
-    monkeypatch.setattr(executor_module, "recompute_inputs", counted)
+    for module in (executor_module, layer_major):
+        monkeypatch.setattr(module, "recompute_inputs", counted)
     return seen
 
 

@@ -1,5 +1,5 @@
 """The Poros streaming executor (the block store is ``store.py``; what a recompute replays of its
-forward, RNG and autocast state, ``replay.py``).
+forward, RNG and autocast state, ``replay.py``; the layer-major schedule, ``layer_major.py``).
 
 ::
 
@@ -38,12 +38,14 @@ Notable features:
   prelude) is an input of the block's node, so its gradient flows back into the prelude.
 * **Two schedules.** Micro-major (the default): every ``model(batch)`` call streams every block,
   forward and backward, and autograd drives it. Layer-major (:meth:`StreamingExecutor.forward_backward`,
-  for gradient accumulation over M micro-batches): every block is fetched once for the M forwards
-  and once for the M backwards of an optimizer step, so it crosses the link twice instead of 2·M
-  times. HF still builds each micro-batch's context (a first call of the model, the trunk in its
-  ``PRELUDE`` phase, stops after the prelude) and computes its head and loss (a second call, ``HEAD``:
-  the trunk returns the streamed hidden states); the blocks in between are driven here, micro-batch 0 first in both directions, so every
-  LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise the same.
+  driven by ``layer_major.py``, for gradient accumulation over M micro-batches): every block is fetched
+  once for the M forwards and once for the M backwards of an optimizer step, so it crosses the link
+  twice instead of 2·M times. HF still builds each micro-batch's context (a first call of the model,
+  the trunk in its ``PRELUDE`` phase, stops after the prelude) and computes its head and loss (a second
+  call, ``HEAD``: the trunk returns the streamed hidden states); the blocks in between are driven by
+  ``layer_major.py`` through this executor's block forward and backward, micro-batch 0 first in both
+  directions, so every LoRA gradient is accumulated in the order of ordinary accumulation -- bitwise
+  the same.
 * **Without grad, HF's own loop.** A forward without grad (generation, evaluation) is never
   recomputed: the trunk's class ``forward`` runs with each layer a ``StreamingLayer`` proxy
   (fetch, run with HF's arguments, release), so HF's KV cache and whatever the trunk does
@@ -69,17 +71,17 @@ from torch.utils import _pytree as pytree
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
 from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
-from poros.stream.dropout import check_no_dropout, dropout_modules, dropout_p  # noqa: F401 (the last two re-exported)
+from poros.stream.dropout import dropout_modules, dropout_p  # noqa: F401 (re-exported)
 from poros.stream.block_node import StreamedBlock as _StreamedBlock
 from poros.stream.block_node import recording_use as _recording_use
-from poros.stream.kept import KeptBlock, run_kept
+from poros.stream import layer_major
+from poros.stream.kept import run_kept
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
 from poros.stream.recompute_choice import RecomputeChoice
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
 from poros.stream.router_logits import RouterRecorder
-from poros.stream.segments import kept as boundary_kept, recompute_inputs, resolve_every, segment_start, segment_top
-from poros.stream.stash import DiskStash, HostStash
+from poros.stream.segments import kept as boundary_kept, recompute_inputs, resolve_every, segment_start
 from poros.stream.store import BlockStore
 from poros.stream.trunk import (STREAMING, CaptureDone, LayerRecorder, Phase, Step, StreamingLayer, TrunkOutput,
                                 TrunkState, swapped)
@@ -413,162 +415,21 @@ class StreamingExecutor:
         input_grads = [captured.get(id(t)) for t in leaf_inputs]
         return hidden_grad, input_grads, [captured.get(id(p)) for p in parameters]
 
-    # -- layer-major accumulation -------------------------------------------------------------
+    # -- layer-major accumulation (layer_major.py) ---------------------------------------------
     def forward_backward(self, model_call: Callable[..., Any], micro_batches: list[dict], *,
                          own_backward: bool = False) -> list[torch.Tensor]:
         """Forward and backward of M micro-batches, block by block; returns their losses (detached).
-
-        ``model_call(**micro_batch)`` is the full model (e.g. the PEFT wrapper) and must return an
-        output with ``.loss`` (or the loss tensor); pass ``num_items_in_batch`` in each micro-batch for
-        HF's accumulation semantics. Gradients accumulate into ``.grad`` exactly as
-        ``for mb: model(**mb).loss.backward()`` would leave them; under autocast, as HF Trainer's loop does (autocast around each forward, every
-        backward outside it). With ``own_backward``, ``model_call`` is a
-        whole training step of one micro-batch (a trainer's loss, its scaling and its backward call) and
-        returns the loss; it is called twice per micro-batch (the first call is unwound at the trunk), so
-        nothing before its model call may have effects a second run would repeat. The blocks run under the
-        autocast state the model's forward set around its trunk call (recorded in the first call), as they
-        would inside that forward. Boundary states: the M x L block inputs stay on the device, or with
-        ``boundary_states == "host"`` wait in pinned host memory (copied out as they are made, back
-        one block ahead of backward, on their own stream; exact copies, so bitwise the same), or with
-        ``"disk"`` in files under :attr:`spill_dir` (one per state, deleted as it is read back; the
-        directory is removed after the step and when it fails).
-
-        Raises:
-            StreamingError: a dropout with p > 0 is active (its random draws would come in another
-                order than in ordinary accumulation; use the micro-major schedule).
-        """
-        check_no_dropout(self.causal_lm)
-        if not micro_batches:
-            return []
-        if self.graphs is not None:  # an autocast region that outlived the last step keeps its blocks eager
-            self.graphs.begin_step()
-        # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
-        steps = [self._prelude(model_call, batch) for batch in micro_batches]
-        stash = self._stash()
-        try:
-            return self._layer_major(model_call, micro_batches, steps, stash, own_backward)
-        finally:
-            if isinstance(stash, DiskStash):
-                stash.close()  # after the step and when it fails: no state file is left behind
-
-    def _stash(self) -> HostStash | DiskStash | None:
-        """Where this step's boundary states wait: None (the device), pinned host memory or files."""
-        if self.boundary_states not in ("host", "disk"):
-            return None
-        device = self.store.device
-        if device.type == "cuda" and self._stash_stream is None:
-            self._stash_stream = torch.cuda.Stream(device)
-        if self.boundary_states == "disk":
-            return DiskStash(device, self._stash_stream, self.spill_dir)
-        return HostStash(device, self._stash_stream)
-
-    def _layer_major(self, model_call: Callable[..., Any], micro_batches: list[dict], steps: list[Step],
-                     stash: HostStash | DiskStash | None, own_backward: bool = False) -> list[torch.Tensor]:
-        """:meth:`forward_backward` after the preludes: blocks forward, heads, blocks backward, preludes' backward."""
-        count, last = len(self.layers), len(self.layers) - 1
-        # 2. forward, block-major: each block fetched once for all micro-batches
-        hidden = [step.calls[0].leaves[0] for step in steps]
-        inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
-        kept_blocks = self.recompute.blocks(hidden[0], len(steps))
-        for step in steps:
-            step.kept_blocks = kept_blocks
-        # the forward's autocast state where it differs from this thread's (None: run as the caller runs)
-        outer = autocast_state(self.store.device)
-        autocasts = [None if step.autocast is None or step.autocast == outer else step.autocast for step in steps]
-        with torch.no_grad():
-            for index in range(count):
-                for m, step in enumerate(steps):
-                    self._note_mapping_entry(step, index)
-                    if not self.keeps_input(index):  # boundary_every > 1: recomputed in backward
-                        inputs[m].append(None)
-                    elif stash is not None and index > 0:  # block 0's input is the prelude's: HF holds it anyway
-                        stash.put((m, index), hidden[m])
-                        inputs[m].append(None)
-                    else:
-                        inputs[m].append(hidden[m])
-                    keep = m < len(steps) - 1 or index == last
-                    with replayed_autocast(autocasts[m], self.store.device):
-                        hidden[m] = self._run_block(step, index, hidden[m], step.calls[index].grad_tensors(),
-                                                    keep=keep)
-        # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
-        losses, grad_hidden, router_grads = [], [], []
-        for batch, output, step in zip(micro_batches, hidden, steps):
-            leaf = output.detach().requires_grad_(True)
-            routers = {i: [t.detach().requires_grad_(True) for t in step.router_logits.get(i, [])] for i in range(count)}
-            leaves = tuple(t for i in range(count) for t in routers[i]) if step.router else None
-            with self._switched(TrunkState(Phase.HEAD, hidden=leaf, router_logits=leaves)):
-                loss = model_call(**batch)  # with own_backward, the loss's backward ran inside
-            loss = loss if isinstance(loss, torch.Tensor) else loss.loss
-            if not own_backward:
-                with outside_autocast(leaf.device):  # every backward here runs outside autocast, as HF Trainer's
-                    loss.backward()
-            losses.append(loss.detach())
-            grad_hidden.append(leaf.grad)
-            router_grads.append({i: [t.grad for t in ts] for i, ts in routers.items()})
-        hidden = output = leaf = loss = None  # the last block's outputs are done with: backward needs their gradients
-        # 4. backward, block-major, micro-batch 0 first: the accumulation order of ordinary accumulation
-        input_grads: list[list[list]] = [[[] for _ in range(count)] for _ in steps]
-        every = self.boundary_every
-        recomputed: list[dict[int, torch.Tensor]] = [{} for _ in steps]  # boundary_every > 1: this segment's inputs
-
-        def kept_input(m: int, index: int) -> torch.Tensor:
-            return stash.take((m, index)) if stash is not None and index > 0 else inputs[m][index]
-
-        for index in range(last, -1, -1):
-            start = segment_start(index, every)
-            if stash is not None and index == segment_top(index, every, count):
-                # this segment's kept inputs (already on their way), the next segment's start now
-                for ahead in (start, start - every):
-                    for m in range(len(steps)):
-                        if ahead > 0:
-                            stash.fetch((m, ahead))
-            if index != start and index not in recomputed[0]:  # the segment's top: its inputs from its start
-                recomputed = recompute_inputs(self, steps, start, index, [kept_input(m, start) for m in range(len(steps))])
-            for m, step in enumerate(steps):
-                needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
-                keep = m < len(steps) - 1
-                block_input = recomputed[m].pop(index) if index in recomputed[m] else kept_input(m, index)
-                grad_hidden[m], input_grads[m][index], _ = self._backward_block(
-                    step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
-                    keep=keep, router_grads=router_grads[m][index] if step.router else None)
-                del block_input
-        # 5. the prelude of each micro-batch: its outputs' gradients into its own graph
-        for m, step in enumerate(steps):
-            roots, grads = [], []
-            if step.calls[0].leaves[0].requires_grad:
-                roots.append(step.calls[0].leaves[0])
-                grads.append(grad_hidden[m])
-            for index in range(count):
-                for tensor, grad in zip(step.calls[index].grad_tensors(), input_grads[m][index]):
-                    if grad is not None:
-                        roots.append(tensor)
-                        grads.append(grad)
-            if roots:
-                with outside_autocast(self.store.device):
-                    torch.autograd.backward(roots, grads)
-        return losses
+        The layer-major schedule: :func:`poros.stream.layer_major.forward_backward` says how it runs."""
+        return layer_major.forward_backward(self, model_call, micro_batches, own_backward=own_backward)
 
     @contextlib.contextmanager
     def _switched(self, state: TrunkState):
-        """The trunk in ``state`` for the calls inside, streaming again after them."""
+        """The trunk in ``state`` for the calls inside (layer-major's prelude and head), streaming again after them."""
         self._state = state
         try:
             yield
         finally:
             self._state = STREAMING
-
-    def _prelude(self, model_call: Callable[..., Any], batch: dict) -> Step:
-        """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
-        records the layer calls; the last recorder's :class:`CaptureDone` unwinds the model's forward, so
-        no block, head or loss runs."""
-        state = TrunkState(Phase.PRELUDE, calls=[], autocast=[])
-        with self._switched(state), contextlib.suppress(CaptureDone):
-            model_call(**batch)
-            raise StreamingError("the model returned without calling its trunk; it cannot be streamed.")
-        step = self._step_of(state.calls)
-        step.router = state.asked.get("router", False)
-        step.autocast = state.autocast[0] if state.autocast else None
-        return step
 
     # -- carried mappings --------------------------------------------------------------------
     def _note_mapping_entry(self, step: Step, index: int) -> None:
