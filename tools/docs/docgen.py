@@ -37,6 +37,14 @@ def parity_label(comparison: dict | None) -> str:
     return f"differs (loss {comparison['max_diff_loss']:.1e})"
 
 
+def rows_or_pending(rows: list[str]) -> str:
+    """A generated table's text: its two header rows and its rows, or, while no H200 run has made a row, one row
+    saying so (as wide as the header)."""
+    if len(rows) == 2:
+        rows = [*rows, "| pending the H200 run " + "| " * (rows[0].count("|") - 2) + "|"]
+    return "\n".join(rows)
+
+
 def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path) -> str:
     """Replace the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``
     with ``blocks[name]()`` for every name; the prose around the markers is kept."""

@@ -273,9 +273,7 @@ def render_trainer() -> str:
                         f"{_gb(arm.get('peak_allocated_gb'))} | {_gb(arm.get('peak_reserved_gb'))} | "
                         f"{_s(arm.get('median_step_s'))} | {arm.get('tokens_per_s') or '-'} | {ratio} | {parity} | "
                         f"[{path.name}](../{path.relative_to(ROOT)}) |")
-    if len(rows) == 2:
-        rows.append("| pending the H200 run | | | | | | | | | | | | |")
-    return "\n".join(rows)
+    return docgen.rows_or_pending(rows)
 
 
 def render_gate() -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from tools.docs import docgen
+
 #: the arms the machine table lists, in this order
 ARMS = ("trl-resident", "trl-poros", "hf-resident", "hf-poros", "unsloth")
 #: the profile's categories, in the table's order (tools.bench.kernel_profile.CATEGORIES)
@@ -39,9 +41,7 @@ def render_machine(reports: list[tuple[Path, dict]], root: Path) -> str:
                         f"{_cell(arm.get('hardware_tflops'))} | {_cell(arm.get('mfu'), '{:.1%}')} | {dense} | "
                         f"{_cell(kept) if name.endswith('-poros') else '-'} | {_cell(arm.get('peak_allocated_gb'), '{:.2f}')} | "
                         f"{_link(path, root)} |")
-    if len(rows) == 2:
-        rows.append("| pending the H200 run | | | | | | | | | | | | | |")
-    return "\n".join(rows)
+    return docgen.rows_or_pending(rows)
 
 
 def render_kernel_profile(reports: list[tuple[Path, dict]], root: Path) -> str:
@@ -58,9 +58,7 @@ def render_kernel_profile(reports: list[tuple[Path, dict]], root: Path) -> str:
             cells = " | ".join(f"{ms:.0f}" for ms in _categories(profile).values())
             rows.append(f"| {config['model']} | {config['seq']} | {config.get('grad_accum', 1)} | {name} | "
                         f"{profile['span_ms']:.0f} | {cells} | {profile['idle_ms']:.0f} | {_link(path, root)} |")
-    if len(rows) == 2:
-        rows.append("| pending the H200 run |" + " |" * (len(CATEGORIES) + 6))
-    return "\n".join(rows)
+    return docgen.rows_or_pending(rows)
 
 
 def _categories(profile: dict) -> dict[str, float]:
