@@ -23,6 +23,7 @@ import poros.registry
 from poros.descriptor import derive
 from poros.stream.carried import CarriedAccess
 from poros.stream.graph_keys import non_overlapping
+from poros.stream import layer_major
 from poros.stream.graphs import BlockGraphs
 from poros.testing import load_qlora, save_tiny_checkpoint
 from test_layer_major import layer_major_steps, resident_steps, with_item_counts
@@ -101,7 +102,7 @@ def batches(micro: int, step: int = 0):
 
 def first_step(streamed):
     """The captured prelude of one micro-batch (HF's own calls of every layer), as forward_backward sees it."""
-    return streamed.executor._prelude(streamed, batches(1)[0])
+    return layer_major.prelude(streamed.executor, streamed, batches(1)[0])
 
 
 def reasons_per_block(streamed, graphs=None):

@@ -62,7 +62,7 @@ def forward_backward(executor: Any, model_call: Callable[..., Any], micro_batche
     if executor.graphs is not None:  # an autocast region that outlived the last step keeps its blocks eager
         executor.graphs.begin_step()
     # 1. the prelude of every micro-batch, built by HF (first call, stopped after the capture)
-    steps = [_prelude(executor, model_call, batch) for batch in micro_batches]
+    steps = [prelude(executor, model_call, batch) for batch in micro_batches]
     stash = _stash(executor)
     try:
         return _layer_major(executor, model_call, micro_batches, steps, stash, own_backward)
@@ -170,7 +170,7 @@ def _layer_major(executor: Any, model_call: Callable[..., Any], micro_batches: l
     return losses
 
 
-def _prelude(executor: Any, model_call: Callable[..., Any], batch: dict) -> Step:
+def prelude(executor: Any, model_call: Callable[..., Any], batch: dict) -> Step:
     """Layer-major's first call of the model for one micro-batch: HF builds its context and the trunk
     records the layer calls; the last recorder's :class:`CaptureDone` unwinds the model's forward, so
     no block, head or loss runs."""
