@@ -54,6 +54,8 @@ OPTIMIZER_STATES = ("device", "host")
 LORA_PLACEMENTS = ("device", "host")
 #: which blocks recompute their forward in backward (``recompute``)
 RECOMPUTE = ("auto", "all", "none")
+#: whether a streamed block's NF4 weights are dequantized once per layer-major block phase (``dequantize_once``)
+DEQUANTIZE_ONCE = ("auto", True, False)
 
 _SAME = object()  # a keyword facet that is the config's
 
@@ -321,6 +323,23 @@ STREAMING: tuple[Setting, ...] = (
                 "pick one, e.g. recompute: auto"),
         choices=RECOMPUTE),
     Setting(
+        "dequantize_once", bool | str, "auto",
+        "Layer-major accumulation: dequantize a streamed block's NF4 weights once for its M forwards and once for "
+        "its M recomputes and backwards, holding the dequantized copy for the phase (one block's linear weights "
+        "in the compute dtype); true, false or 'auto' (on when vram_budget holds the copy; off without a budget on "
+        "CPU, in micro-major and at one micro-batch). Bitwise the same either way.",
+        "layer-major accumulation: each streamed block's NF4 weights dequantized once per block phase (its M "
+        "forwards, its M recomputes and backwards) instead of once per call, the copy held while the phase runs "
+        "(``poros.stream.dequantize_once``: bitsandbytes' own dequantization and matmul, so bitwise the same). "
+        "``True``, ``False`` or ``\"auto\"``: with ``vram_budget`` the plan's ``dequantize_once`` (on when the "
+        "budget holds the copy, layer-major with M > 1); without one, on CUDA, when the free device memory holds "
+        "it at the first step; off on a CPU without a budget and, under CUDA graphs, at micro-batches under "
+        "``poros.stream.recompute_choice.GRAPHS_MIN_TOKENS`` tokens (a held block runs eagerly).",
+        lambda value: None if value is True or value is False or value == "auto" else (
+            "true, false or 'auto' (on when the VRAM budget holds one block's dequantized weights)",
+            "e.g. dequantize_once: auto"),
+        choices=DEQUANTIZE_ONCE, example="true"),
+    Setting(
         "cuda_graphs", bool | str, False,
         "Replay each streamed block's forward and recompute+backward from a CUDA graph captured once per device "
         "slot and block kind: the eager kernels, bit for bit, without their host cost. true, false or 'auto' "
@@ -435,6 +454,6 @@ def problems(values: Any, where: str = "both") -> list[str]:
     return [line for line in found if line is not None]
 
 
-__all__ = ["BOUNDARY_STATES", "HOST_TIERS", "LORA_PLACEMENTS", "OPTIMIZER_STATES", "RECOMPUTE", "REQUIRABLE", "SETTINGS",
+__all__ = ["BOUNDARY_STATES", "DEQUANTIZE_ONCE", "HOST_TIERS", "LORA_PLACEMENTS", "OPTIMIZER_STATES", "RECOMPUTE", "REQUIRABLE", "SETTINGS",
            "STREAMING", "Setting", "config_fields", "documented_fields", "fields_table", "keyword_fields",
            "problems"]

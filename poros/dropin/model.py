@@ -379,7 +379,8 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
                                  before_forward=runtime_gates(causal_lm, layers, placement),
                                  spill_dir=cache.cache_root(options.cache_dir) / "spill",
                                  kept_blocks=getattr(found.get("budget_plan"), "kept_activation_blocks", None),
-                                 kept_estimate=activation_estimate(causal_lm, layers))
+                                 kept_estimate=activation_estimate(causal_lm, layers),
+                                 dequantize_once=getattr(found.get("budget_plan"), "dequantize_once", None))
     executor.install()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the blocks' device copies are gone: give their segments back

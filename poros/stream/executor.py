@@ -71,6 +71,7 @@ from torch.utils import _pytree as pytree
 from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
 from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
+from poros.stream.dequantize_once import DequantizeOnce
 from poros.stream.dropout import dropout_modules, dropout_p  # noqa: F401 (re-exported)
 from poros.stream.block_node import StreamedBlock as _StreamedBlock
 from poros.stream.block_node import recording_use as _recording_use
@@ -104,12 +105,15 @@ class StreamingExecutor:
         kept_blocks, kept_estimate: ``recompute="auto"``: how many blocks the plan keeps (None: no plan), and
             without one the activation estimate the first step decides with
             (:class:`~poros.stream.recompute_choice.RecomputeChoice`).
+        dequantize_once: ``dequantize_once="auto"``: the plan's decision (None: no plan;
+            :class:`~poros.stream.dequantize_once.DequantizeOnce`).
     """
 
     def __init__(self, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, store: BlockStore,
                  options: StreamOptions = StreamOptions(), *, graphs: Any = None,
                  before_forward: Callable[[dict], None] | None = None, spill_dir: Any = None,
-                 kept_blocks: int | None = None, kept_estimate: Callable[[torch.Tensor], Any] | None = None) -> None:
+                 kept_blocks: int | None = None, kept_estimate: Callable[[torch.Tensor], Any] | None = None,
+                 dequantize_once: bool | None = None) -> None:
         self.causal_lm, self.descriptor, self.store, self.options = causal_lm, descriptor, store, options
         self.graphs, self.before_forward = graphs, before_forward
         self.trunk = resolve_path(causal_lm, descriptor.text_model)
@@ -130,6 +134,8 @@ class StreamingExecutor:
         self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
         #: which blocks keep their activations (``options.recompute``; ``poros.stream.recompute_choice``)
         self.recompute = RecomputeChoice(self, options.recompute, kept_blocks, kept_estimate)
+        #: layer-major: each block's NF4 weights dequantized once per block phase (``options.dequantize_once``)
+        self.dequantize = DequantizeOnce(self, options.dequantize_once, dequantize_once)
 
     @property
     def boundary_states(self) -> str:
@@ -286,8 +292,8 @@ class StreamingExecutor:
         output = None
         if self._keeps(step, index, mappings):
             output = self._kept_forward(step, index, hidden, grad_tensors)
-        elif self.graphs is not None and (not graphable or step.router):
-            self.graphs.note_eager("router logits" if step.router else "micro-major")
+        elif self.graphs is not None and (not graphable or step.router or self.dequantize.held is not None):
+            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None, "micro-major"))
         elif self.graphs is not None:
             output = self.graphs.forward(index, leaves, call.unflatten, self._carried_at(index, call))
         if output is None:
@@ -368,8 +374,9 @@ class StreamingExecutor:
                          if (pending := step.pending.pop((name, key, index), None)) is not None]
         if kept is not None:
             pass  # no recompute, no graph replay: back-propagate the kept graph below
-        elif self.graphs is not None and (step.router or (return_parameter_grads and not self.graphs.micro_major)):
-            self.graphs.note_eager("router logits" if step.router else "micro-major")
+        elif self.graphs is not None and (step.router or self.dequantize.held is not None
+                                          or (return_parameter_grads and not self.graphs.micro_major)):
+            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None, "micro-major"))
         elif self.graphs is not None:
             replayed = self.graphs.backward(
                 index, call.leaves_with(hidden, grad_inputs, mappings), call.unflatten, grad_output, hidden_needs_grad,
@@ -479,3 +486,8 @@ class StreamingExecutor:
         """Start bringing block ``index`` in if a slot is free (it is needed next)."""
         if 0 <= index < len(self.layers) and None in self.store.slot_owner:
             self.store.fetch(index)
+
+
+def _eager_reason(router: bool, held: bool, otherwise: str) -> str:
+    """Why a block phase runs eagerly under CUDA graphs (``BlockGraphs.report.eager``)."""
+    return "router logits" if router else "dequantize once" if held else otherwise

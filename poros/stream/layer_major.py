@@ -67,6 +67,7 @@ def forward_backward(executor: Any, model_call: Callable[..., Any], micro_batche
     try:
         return _layer_major(executor, model_call, micro_batches, steps, stash, own_backward)
     finally:
+        executor.dequantize.end_step()
         if isinstance(stash, DiskStash):
             stash.close()  # after the step and when it fails: no state file is left behind
 
@@ -90,6 +91,7 @@ def _layer_major(executor: Any, model_call: Callable[..., Any], micro_batches: l
     # 2. forward, block-major: each block fetched once for all micro-batches
     hidden = [step.calls[0].leaves[0] for step in steps]
     inputs: list[list[torch.Tensor | None]] = [[] for _ in steps]
+    executor.dequantize.decide(hidden[0], len(steps))  # before the kept blocks: they get what it leaves
     kept_blocks = executor.recompute.blocks(hidden[0], len(steps))
     for step in steps:
         step.kept_blocks = kept_blocks
@@ -98,19 +100,8 @@ def _layer_major(executor: Any, model_call: Callable[..., Any], micro_batches: l
     autocasts = [None if step.autocast is None or step.autocast == outer else step.autocast for step in steps]
     with torch.no_grad():
         for index in range(count):
-            for m, step in enumerate(steps):
-                executor._note_mapping_entry(step, index)
-                if not executor.keeps_input(index):  # boundary_every > 1: recomputed in backward
-                    inputs[m].append(None)
-                elif stash is not None and index > 0:  # block 0's input is the prelude's: HF holds it anyway
-                    stash.put((m, index), hidden[m])
-                    inputs[m].append(None)
-                else:
-                    inputs[m].append(hidden[m])
-                keep = m < len(steps) - 1 or index == last
-                with replayed_autocast(autocasts[m], executor.store.device):
-                    hidden[m] = executor._run_block(step, index, hidden[m], step.calls[index].grad_tensors(),
-                                                keep=keep)
+            with executor.dequantize.holding(index):  # dequantized once for the M forwards
+                _forward_block(executor, steps, index, hidden, inputs, stash, autocasts)
     # 3. head and loss of each micro-batch, by HF (second call), and their backward to the trunk output
     losses, grad_hidden, router_grads = [], [], []
     for batch, output, step in zip(micro_batches, hidden, steps):
@@ -145,14 +136,15 @@ def _layer_major(executor: Any, model_call: Callable[..., Any], micro_batches: l
                         stash.fetch((m, ahead))
         if index != start and index not in recomputed[0]:  # the segment's top: its inputs from its start
             recomputed = recompute_inputs(executor, steps, start, index, [kept_input(m, start) for m in range(len(steps))])
-        for m, step in enumerate(steps):
-            needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
-            keep = m < len(steps) - 1
-            block_input = recomputed[m].pop(index) if index in recomputed[m] else kept_input(m, index)
-            grad_hidden[m], input_grads[m][index], _ = executor._backward_block(
-                step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
-                keep=keep, router_grads=router_grads[m][index] if step.router else None)
-            del block_input
+        with executor.dequantize.holding(index):  # dequantized once for the M recomputes and backwards
+            for m, step in enumerate(steps):
+                needs_grad = index > 0 or step.calls[0].leaves[0].requires_grad
+                keep = m < len(steps) - 1
+                block_input = recomputed[m].pop(index) if index in recomputed[m] else kept_input(m, index)
+                grad_hidden[m], input_grads[m][index], _ = executor._backward_block(
+                    step, index, block_input, step.calls[index].grad_tensors(), grad_hidden[m], needs_grad,
+                    keep=keep, router_grads=router_grads[m][index] if step.router else None)
+                del block_input
     # 5. the prelude of each micro-batch: its outputs' gradients into its own graph
     for m, step in enumerate(steps):
         roots, grads = [], []
@@ -182,3 +174,23 @@ def prelude(executor: Any, model_call: Callable[..., Any], batch: dict) -> Step:
     step.router = state.asked.get("router", False)
     step.autocast = state.autocast[0] if state.autocast else None
     return step
+
+
+def _forward_block(executor: Any, steps: list[Step], index: int, hidden: list[torch.Tensor],
+                   inputs: list[list[torch.Tensor | None]], stash: HostStash | DiskStash | None,
+                   autocasts: list) -> None:
+    """Block ``index``'s forward for the M micro-batches, micro-batch 0 first: each one's input kept (on the device,
+    in the stash, or not at all where ``boundary_every`` recomputes it), ``hidden`` advanced to its output."""
+    last = len(executor.layers) - 1
+    for m, step in enumerate(steps):
+        executor._note_mapping_entry(step, index)
+        if not executor.keeps_input(index):  # boundary_every > 1: recomputed in backward
+            inputs[m].append(None)
+        elif stash is not None and index > 0:  # block 0's input is the prelude's: HF holds it anyway
+            stash.put((m, index), hidden[m])
+            inputs[m].append(None)
+        else:
+            inputs[m].append(hidden[m])
+        keep = m < len(steps) - 1 or index == last
+        with replayed_autocast(autocasts[m], executor.store.device):
+            hidden[m] = executor._run_block(step, index, hidden[m], step.calls[index].grad_tensors(), keep=keep)

@@ -6,9 +6,9 @@
   workload). Without one, on CUDA, the last K blocks, K = the bytes free for kept activations // one block's
   kept bytes at this step's shape (micro-batches x tokens): what is free on the device at the first training
   step less what the rest of the step will still allocate (boundary states, a recompute's and the head's
-  working sets, LoRA gradients and AdamW state) and a margin; one block's bytes are the footprint's estimate
-  (``ActivationParts.kept``) or, once a block of that shape has kept its tensors, the measured bytes when
-  larger. On a CPU without a plan, none.
+  working sets, LoRA gradients and AdamW state, ``dequantize_once``'s held copy) and a margin; one block's
+  bytes are the footprint's estimate (``ActivationParts.kept``) or, once a block of that shape has kept its
+  tensors, the measured bytes when larger. On a CPU without a plan, none.
 
 The last blocks, because the last of forward are the first of backward: their tensors are held the shortest.
 """
@@ -102,6 +102,8 @@ class RecomputeChoice:
         lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
         still_needed = (micro_batches * (blocks + 2) * parts.boundary + parts.recompute + parts.head
                         + 3 * lora + int(FREE_MARGIN * total) + FREE_MARGIN_BYTES)
+        held = getattr(self.executor, "dequantize", None)  # dequantize_once's copies, decided before
+        still_needed += held.held_bytes() if held is not None and held.on else 0
         return max(0, free + cached - still_needed)
 
 

@@ -68,13 +68,14 @@ def recompute_inputs(executor: Any, steps: list, start: int, stop: int, bases: l
         for index in range(start, stop):
             executor._make_resident(index)
             executor._prefetch(index + 1)
-            for inputs, step in zip(found, steps):
-                call = step.calls[index]
-                mappings, _ = executor._recompute_mappings(step, index, call)
-                with restored_rng(step.rng_states.get(index), device), \
-                        replayed_autocast(step.autocast_states.get(index), device):
-                    args, kwargs = call.build(inputs[index], call.grad_tensors(), mappings)
-                    inputs[index + 1] = executor.layers[index](*args, **kwargs)
+            with executor.dequantize.holding(index):  # layer-major: dequantized once for the M micro-batches
+                for inputs, step in zip(found, steps):
+                    call = step.calls[index]
+                    mappings, _ = executor._recompute_mappings(step, index, call)
+                    with restored_rng(step.rng_states.get(index), device), \
+                            replayed_autocast(step.autocast_states.get(index), device):
+                        args, kwargs = call.build(inputs[index], call.grad_tensors(), mappings)
+                        inputs[index + 1] = executor.layers[index](*args, **kwargs)
             executor.store.release(index)
     return found
 
