@@ -119,6 +119,8 @@ def format_budget_plan(plan: Plan, budget_plan: BudgetPlan, *, link_source: str 
         ("mlp_chunks", str(bp.mlp_chunks)),
         ("kept activations", f"{bp.kept_activation_blocks} of {bp.num_blocks} blocks ({gb(bp.kept_activation_bytes)}; "
                              "the others recomputed in backward)"),
+        ("dequantize once", f"on ({gb(bp.dequantize_once_bytes)} held per block phase: one block's NF4 weights "
+                            "dequantized)" if bp.dequantize_once else "off"),
         ("attention kernel", bp.attention.split(":")[0] if bp.attention else "unknown"),
     ]
     memory = [(name, n) for name, n in (*bp.peak.persistent, *bp.peak.transient) if n]

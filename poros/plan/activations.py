@@ -42,6 +42,9 @@ class BlockShapes:
     # the values of the largest fused MoE expert tensor ``[E, rows, cols]`` that the experts' forward
     # dequantizes whole (``poros_nf4_grouped``: in forward, recompute and backward); 0: none does
     dequantized_experts: int = 0
+    # the values of the largest block's 4-bit linear weights, counted twice where the weights' dtype is not the
+    # compute dtype: what ``dequantize_once`` holds dequantized for a block phase (``poros.stream.dequantize_once``)
+    dequantized_block: int = 0
 
     @classmethod
     def of(cls, blocks: list[nn.Module], text_config: Any, *, lora_targets: Iterable[str] | None = None,
@@ -73,6 +76,7 @@ class BlockShapes:
             kv_width=(config.get("num_key_value_heads") or heads) * head_dim,
             **lora_inputs(largest, lora_targets, lora_value_bytes, compute_dtype),
             dequantized_experts=max((grouped_experts_values(b) for b in blocks), default=0),
+            dequantized_block=max((held_values(b, compute_dtype) for b in blocks), default=0),
         )
 
 
@@ -97,6 +101,23 @@ def grouped_experts_values(block: nn.Module) -> int:
         for name, (shape, _, _) in packed.items():
             largest = max(largest, (experts or getattr(module, f"{name}_nf4").shape[0]) * math.prod(shape))
     return largest
+
+
+def held_values(block: nn.Module, compute_dtype: torch.dtype | None) -> int:
+    """Values ``dequantize_once`` holds for one phase of ``block``: each 4-bit base linear's weight (a loaded
+    ``Linear4bit``, its ``QuantState``; a meta skeleton's linears, which the load quantizes) in the compute dtype,
+    twice where the weights were quantized from another dtype (the backward's copy is dequantized to theirs, then
+    cast)."""
+    total = 0
+    for name, module in block.named_modules():
+        if not isinstance(module, nn.Linear) or "lora_" in name:
+            continue
+        state = getattr(module.weight, "quant_state", None)
+        if state is not None:
+            total += module.in_features * module.out_features * (1 if compute_dtype in (None, state.dtype) else 2)
+        elif module.weight.is_meta:
+            total += module.in_features * module.out_features
+    return total
 
 
 def lora_inputs(block: nn.Module | None, targets: Iterable[str] | None, value_bytes: int | None,
@@ -382,4 +403,4 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
     return parts.boundary, parts.recompute, parts.head
 
 
-__all__ = ["ASSUMED_SMS", "ActivationParts", "AttentionEstimate", "BlockShapes", "GROUPED_NF4_EXPERTS", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "activation_bytes", "activation_parts", "attention_sms", "attention_working_set", "deterministic_now", "flash_backward_bytes", "grouped_experts_values", "lora_inputs", "per_token_parts", "round_up"]
+__all__ = ["ASSUMED_SMS", "ActivationParts", "AttentionEstimate", "BlockShapes", "GROUPED_NF4_EXPERTS", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "activation_bytes", "activation_parts", "attention_sms", "attention_working_set", "deterministic_now", "flash_backward_bytes", "grouped_experts_values", "held_values", "lora_inputs", "per_token_parts", "round_up"]

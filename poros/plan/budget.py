@@ -32,6 +32,7 @@ from poros.config import parse_budget
 from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
 from poros.plan.chunk_choice import ChunkChoice, choose_chunks
+from poros.plan.dequantize import choose_dequantize_once
 from poros.stream.options import SCHEDULES, StreamOptions, Workload
 from poros.plan.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
 from poros.stream.recompute_choice import kept_activations
@@ -55,11 +56,13 @@ from poros.plan.budget_plan import BudgetPlan
 
 def _fits_plan(footprint: Footprint, workload: Workload, resident: int, slots: int, on_host: bool,
                context_bytes: int, slack: float, boundary_on_host: bool = False,
-               optimizer_on_host: bool = False, lora_on_host: bool = False) -> tuple[PeakBreakdown, int]:
+               optimizer_on_host: bool = False, lora_on_host: bool = False,
+               dequantize_once: bool = False) -> tuple[PeakBreakdown, int]:
     last = footprint.num_blocks
     peak = predict_peak(footprint, workload, resident=range(last - resident, last), num_slots=slots,
                         embeddings_on_host=on_host, boundary_on_host=boundary_on_host,
-                        optimizer_on_host=optimizer_on_host, lora_on_host=lora_on_host)
+                        optimizer_on_host=optimizer_on_host, lora_on_host=lora_on_host,
+                        dequantize_once=dequantize_once)
     return peak, budget_for_peak(peak.total, context_bytes=context_bytes, slack=slack)
 
 
@@ -74,6 +77,7 @@ class _Sizing:
     slack: float
     optimizer_on_host: bool = False
     lora_on_host: bool = False
+    dequantize_once: bool = False  # a block phase holds the block's dequantized weights
 
     @property
     def layer_major(self) -> bool:
@@ -82,7 +86,8 @@ class _Sizing:
     def peak(self, resident: int, slots: int, boundary_on_host: bool) -> tuple[PeakBreakdown, int]:
         """The peak, and the budget it needs, with the last ``resident`` blocks resident and ``slots`` slots."""
         return _fits_plan(self.footprint, self.workload, resident, slots, self.on_host, self.context_bytes,
-                          self.slack, boundary_on_host, self.optimizer_on_host, self.lora_on_host)
+                          self.slack, boundary_on_host, self.optimizer_on_host, self.lora_on_host,
+                          self.dequantize_once)
 
     def needed(self, resident: int, slots: int, boundary_on_host: bool) -> int:
         return self.peak(resident, slots, boundary_on_host)[1]
@@ -103,14 +108,18 @@ def _choose_states(sizing: _Sizing, options: StreamOptions, budget_bytes: int) -
     """AdamW's state and the streamed blocks' LoRA tensors: where ``options`` say; under ``"auto"`` the
     host only when the ring asked for does not fit with them on the device, nothing resident and the
     boundary states wherever they may go (see ``adamw_states.choose``)."""
-    places = {"device": (False,), "host": (True,), "disk": (True,)}.get(options.boundary_states,
-                                                                       (False, sizing.layer_major))
+    places = _places(options, sizing.layer_major)
     states = adamw_states.choose(options.optimizer_states, lambda: any(
         sizing.needed(0, options.num_slots, boundary) <= budget_bytes for boundary in places))
     sizing = dataclasses.replace(sizing, optimizer_on_host=states == "host")
     lora = adamw_states.choose_lora(options.lora_placement, states, sizing.layer_major, lambda: any(
         sizing.needed(0, options.num_slots, boundary) <= budget_bytes for boundary in places))
     return dataclasses.replace(sizing, lora_on_host=lora == "host"), states
+
+
+def _places(options: StreamOptions, layer_major: bool) -> tuple[bool, ...]:
+    """Where the boundary states may wait under ``options``: on the host (True) or the device (False)."""
+    return {"device": (False,), "host": (True,), "disk": (True,)}.get(options.boundary_states, (False, layer_major))
 
 
 def _choose_boundary(sizing: _Sizing, options: StreamOptions, budget_bytes: int) -> _Boundary:
@@ -299,6 +308,11 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
         footprint, workload = chosen.footprint, dataclasses.replace(workload, loss_chunks=chosen.loss_chunks)
     sizing, states = _choose_states(_Sizing(footprint, workload, on_host, context_bytes, slack), options,
                                     budget_bytes)
+    held = dataclasses.replace(sizing, dequantize_once=True)  # dequantize_once: its copy in the peak where on
+    on, dequantize_note = choose_dequantize_once(
+        options.dequantize_once, workload, footprint.held_weight_bytes,
+        lambda: any(held.needed(0, options.num_slots, b) <= budget_bytes for b in _places(options, sizing.layer_major)))
+    sizing = held if on else sizing
     boundary = _choose_boundary(sizing, options, budget_bytes)
     _refuse_below_minimum(sizing, options, budget_bytes, boundary)
     slots, resident = _ring_and_resident(sizing, options, budget_bytes, boundary)
@@ -324,6 +338,7 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
                         f"({format_gb(_streamed_bytes(footprint, resident_blocks))})"))
     kept, kept_bytes = kept_activations(footprint, workload, options.recompute, blocks,
                                         headroom=budget_bytes - needed, slack=slack)
+    notes += [dequantize_note] if dequantize_note else []
     if kept:
         notes.append(f"{kept} of {blocks} blocks keep their activations (recompute={options.recompute}: "
                      f"{format_gb(kept_bytes)}, {'the budget left after the plan' if options.recompute == 'auto' else 'asked'}"
@@ -347,7 +362,8 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
         optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device",
         loss_chunks=workload.loss_chunks, mlp_chunks=footprint.mlp_chunks, parts=footprint.parts,
         attention=footprint.attention, kept_activation_blocks=kept, kept_activation_bytes=kept_bytes,
-        boundary_every=workload.boundary_every)
+        boundary_every=workload.boundary_every, dequantize_once=sizing.dequantize_once,
+        dequantize_once_bytes=footprint.held_weight_bytes if sizing.dequantize_once else 0)
 
 
 def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Workload, options: StreamOptions,
@@ -357,8 +373,7 @@ def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Wor
     def needed(footprint: Footprint, loss_chunks: int, slots: int) -> int:
         sized = dataclasses.replace(workload, loss_chunks=loss_chunks)
         sizing, _ = _choose_states(_Sizing(footprint, sized, on_host, context_bytes, slack), options, budget_bytes)
-        places = {"device": (False,), "host": (True,), "disk": (True,)}.get(options.boundary_states,
-                                                                           (False, sizing.layer_major))
+        places = _places(options, sizing.layer_major)
         return min(sizing.needed(0, slots, boundary) for boundary in places)
 
     return choose_chunks(footprint_for, needed, loss_chunks=workload.loss_chunks, mlp_chunks=options.mlp_chunks,

@@ -53,6 +53,8 @@ class BudgetPlan:
         kept_activation_blocks, kept_activation_bytes: how many blocks (the last ones) keep their activations
             instead of being recomputed, and the bytes they hold at once
             (:func:`poros.stream.recompute_choice.kept_activations`; beside ``peak``, in the budget it leaves).
+        dequantize_once, dequantize_once_bytes: whether layer-major's block phases hold a block's dequantized
+            NF4 weights, and the bytes held (in ``peak``; :func:`poros.plan.dequantize.choose_dequantize_once`).
     """
 
     budget_bytes: int
@@ -89,6 +91,8 @@ class BudgetPlan:
     kept_activation_blocks: int = 0
     kept_activation_bytes: int = 0
     boundary_every: int = 1
+    dequantize_once: bool = False
+    dequantize_once_bytes: int = 0
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -102,6 +106,7 @@ class BudgetPlan:
         boundary += ", AdamW state on the host" if self.optimizer_states == "host" else ""
         boundary += ", LoRA tensors on the host" if self.lora_placement == "host" else ""
         boundary += f", {self.kept_activation_blocks} blocks keep their activations" if self.kept_activation_blocks else ""
+        boundary += ", NF4 weights dequantized once per block phase" if self.dequantize_once else ""
         return (f"poros: VRAM budget {format_gb(self.budget_bytes)}: {resident}, {self.num_slots} device slot"
                 f"{'s' if self.num_slots != 1 else ''}, embeddings on the {'host' if self.embeddings_on_host else 'device'}"
                 f"{boundary}"

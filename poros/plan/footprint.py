@@ -123,6 +123,7 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
                              attention_sms=footprint.attention_sms, packed=workload.packed)
     return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
                                head_bytes=parts.head, kept_bytes=parts.kept, parts=parts.named(),
+                               held_weight_bytes=shapes.dequantized_block * value_bytes,
                                attention=f"{parts.attention.kernel} ({parts.attention.reason})",
                                loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
 
@@ -156,7 +157,8 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
                         embeddings_on_host=bool(model.host_tables),
                         boundary_on_host=model.executor.boundary_states in ("host", "disk"),
                         optimizer_on_host=optimizer_states == "host",
-                        lora_on_host=getattr(model, "lora_placement", None) is not None)
+                        lora_on_host=getattr(model, "lora_placement", None) is not None,
+                        dequantize_once=model.executor.dequantize.last)
     step = None
     if compute is not None and link_bytes_per_s:
         step = predict_step(footprint.block_bytes, workload, compute, link_bytes_per_s, resident=resident,

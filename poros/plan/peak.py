@@ -48,6 +48,8 @@ class Footprint:
         boundary_bytes, recompute_bytes, head_bytes: per micro-batch.
         kept_bytes: what a block that keeps its activations (no recompute) holds from its forward to its
             backward, per micro-batch (an estimate).
+        held_weight_bytes: the largest block's 4-bit linear weights dequantized to the compute dtype (twice where
+            quantized from another dtype): what ``dequantize_once`` holds while a block phase runs (exact).
         workspace_bytes: library workspaces inside the allocator (cuBLAS on CUDA).
         parts: the sequence-proportional activations by name (per micro-batch; what ``poros plan``
             tabulates: attention, MLP, head and loss...), or empty where unknown.
@@ -71,6 +73,7 @@ class Footprint:
     mlp_chunks: int = 1
     attention_sms: int = 0
     kept_bytes: int = 0  # one block's kept activations, per micro-batch (ActivationParts.kept)
+    held_weight_bytes: int = 0  # one block's dequantized 4-bit weights, held by dequantize_once for a block phase
 
     @property
     def num_blocks(self) -> int:
@@ -100,7 +103,8 @@ class PeakBreakdown:
 
 def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable[int] = (), num_slots: int = 2,
                  embeddings_on_host: bool = True, boundary_on_host: bool = False,
-                 optimizer_on_host: bool = False, lora_on_host: bool = False) -> PeakBreakdown:
+                 optimizer_on_host: bool = False, lora_on_host: bool = False,
+                 dequantize_once: bool = False) -> PeakBreakdown:
     """The peak allocated device bytes of a step: the largest of its three phases.
 
     Persistent: the slot ring (``min(num_slots, streamed blocks)`` x the largest streamed block),
@@ -124,6 +128,9 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
     micro-batch's output and its gradient (3 x M x B with the prelude's), in backward the block's
     M inputs, the next block's M arriving and the M gradients (4 x M x B).
     Micro-major keeps its boundary states on the device (autograd saves them): ignored there.
+
+    ``dequantize_once`` (layer-major): a block phase holds the block's dequantized weights
+    (``held_weight_bytes``), counted in the backward phase (the forward phase's working set is smaller).
     """
     resident = set(resident)
     streamed = [n for i, n in enumerate(footprint.block_bytes) if i not in resident]
@@ -166,6 +173,9 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         last_block = 2 * boundary + lora
         backward = [("boundary states and LoRA gradients still held", max(first_block, last_block)),
                     ("one block's recompute working set", footprint.recompute_bytes)]
+    if dequantize_once and workload.schedule == "layer-major":
+        backward.append(("held dequantized weights (dequantize_once: one block's 4-bit linears)",
+                         footprint.held_weight_bytes))
     optimizer = adamw_states.step_bytes(lora, states_on_host=optimizer_on_host,
                                         staying=staying if lora_on_host else None)
     phases = {"head and loss (forward-backward turn)": turn, "block recompute and backward": backward,
