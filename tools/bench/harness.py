@@ -109,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the poros arm replays its block phases from CUDA graphs (prepare(cuda_graphs=True))")
     parser.add_argument("--recompute", choices=("auto", "all", "none"),
                         help="the -poros Trainer arms: prepare_trainer(recompute=...) (default: prepare's, auto)")
+    parser.add_argument("--dequantize-once", choices=("auto", "true", "false"),
+                        help="the -poros Trainer arms: prepare_trainer(dequantize_once=...) (default: prepare's, auto)")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
                         help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks "
@@ -188,6 +190,7 @@ def trainer_setup(args, device) -> TrainerSetup:
     return TrainerSetup(device=str(device), warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
                         batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, cuda_graphs=args.cuda_graphs,
                         vram_budget=args.vram_budget, resident_blocks=args.resident_blocks, recompute=args.recompute,
+                        dequantize_once={"true": True, "false": False}.get(args.dequantize_once, args.dequantize_once),
                         profile=args.profile, output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 

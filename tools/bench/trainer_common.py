@@ -49,6 +49,7 @@ class TrainerSetup:
             a layer-major window of this batch, seq and accumulation; :meth:`prepare_options`), or None.
         profile: trace the last warm-up step of each arm by kernel category (``tools.bench.kernel_profile``).
         recompute: the ``-poros`` arms' ``recompute`` (None: prepare's default, ``"auto"``).
+        dequantize_once: the ``-poros`` arms' ``dequantize_once`` (None: prepare's default, ``"auto"``).
         resident_blocks: the ``-poros`` arms' ``resident_blocks`` (the last N blocks stay on the device),
             or None.
     """
@@ -64,6 +65,7 @@ class TrainerSetup:
     output_dir: str
     cuda_graphs: bool = False
     recompute: str | None = None
+    dequantize_once: bool | str | None = None
     profile: bool = False
     vram_budget: str | None = None
     resident_blocks: int | None = None
@@ -74,6 +76,8 @@ class TrainerSetup:
         options: dict[str, Any] = {"cuda_graphs": self.cuda_graphs}
         if self.recompute is not None:
             options["recompute"] = self.recompute
+        if self.dequantize_once is not None:
+            options["dequantize_once"] = self.dequantize_once
         if self.vram_budget is not None:
             from poros.plan.entry import workload_of
 
