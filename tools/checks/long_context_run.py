@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     (work / "cache").mkdir(parents=True)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     every = args.boundary_every if args.boundary_every == "auto" else int(args.boundary_every)
     config = PorosConfig(model=args.checkpoint, dataset="synthetic", device=args.device, steps=args.steps,
                          seq_len=args.seq, batch_size=1, grad_accum=args.grad_accum, stream_schedule=args.schedule,
