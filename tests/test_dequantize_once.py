@@ -106,9 +106,9 @@ def test_held_products_are_bitsandbytes_own(compute, weights, nested, bias, auto
     assert held_count == (1 if shared else 2)
 
 
-def _phases(executor) -> tuple[Counter, list]:
-    """Tag every dequantization with the block and phase running it (``_run_block``: forward, ``_backward_block``:
-    recompute and backward)."""
+def _count_per_phase(executor, seen: list) -> None:
+    """Each layer-major window's dequantizations go into ``seen`` (:func:`_per_phase`), tagged with the block and
+    phase running them (``_run_block``: forward; ``_backward_block``: recompute and backward)."""
     now: list = [None]
     for name, phase in (("_run_block", "forward"), ("_backward_block", "backward")):
         original = getattr(executor, name)
@@ -120,7 +120,15 @@ def _phases(executor) -> tuple[Counter, list]:
             finally:
                 now[0] = None
         setattr(executor, name, tagged)
-    return Dequantizations(lambda: now[0]), now
+    counter, window = Dequantizations(lambda: now[0]), executor.forward_backward
+
+    def counted(*args, **kwargs):
+        with counter:
+            out = window(*args, **kwargs)
+        seen.append(_per_phase(counter.counts))
+        counter.counts.clear()
+        return out
+    executor.forward_backward = counted
 
 
 def _per_phase(counts: Counter) -> dict:
@@ -161,20 +169,8 @@ def test_dequantize_once_trains_the_plain_bits(family, variant, bf16, tmp_path):
                 dict(dequantize_once="auto", vram_budget=_budget(load(checkpoint), True), workload=WORKLOAD))
     seen: list[dict] = []
 
-    def line(trainer):
-        model = poros.prepare_trainer(trainer, **keywords)
-        counter, _ = _phases(model.executor)
-        window = model.executor.forward_backward
-
-        def counted(*args, **kwargs):
-            with counter:
-                out = window(*args, **kwargs)
-            seen.append(_per_phase(counter.counts))
-            counter.counts.clear()
-            return out
-        model.executor.forward_backward = counted
-
-    run = run_trainer(load(checkpoint), tmp_path / "poros", line=line, **flow)
+    run = run_trainer(load(checkpoint), tmp_path / "poros", **flow, line=lambda trainer: _count_per_phase(
+        poros.prepare_trainer(trainer, **keywords).executor, seen))
     assert_same_outcome(plain, run)
     model = run["trainer"].model
     count = len(model.executor.layers)
@@ -198,17 +194,8 @@ def test_once_per_block_phase_against_once_a_call(tmp_path):
         seen: list[dict] = []
 
         def line(trainer, once=once, seen=seen):
-            model = poros.prepare_trainer(trainer, dequantize_once=once, workload=WORKLOAD,
-                                          vram_budget=_budget(trainer.model, once))
-            counter, _ = _phases(model.executor)
-            window = model.executor.forward_backward
-
-            def counted(*args, **kwargs):
-                with counter:
-                    out = window(*args, **kwargs)
-                seen.append(_per_phase(counter.counts))
-                return out
-            model.executor.forward_backward = counted
+            _count_per_phase(poros.prepare_trainer(trainer, dequantize_once=once, workload=WORKLOAD,
+                                                   vram_budget=_budget(trainer.model, once)).executor, seen)
 
         results[once] = run_trainer(load(checkpoint), tmp_path / str(once), train_rows=rows(8, 29), max_steps=1,
                                     line=line, **FLOW)

@@ -309,12 +309,13 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
     sizing, states = _choose_states(_Sizing(footprint, workload, on_host, context_bytes, slack), options,
                                     budget_bytes)
     held = dataclasses.replace(sizing, dequantize_once=True)  # dequantize_once: its copy in the peak where on
-    on, dequantize_note = choose_dequantize_once(
-        options.dequantize_once, workload, footprint.held_weight_bytes,
-        lambda: any(held.needed(0, options.num_slots, b) <= budget_bytes for b in _places(options, sizing.layer_major)))
-    sizing = held if on else sizing
+    sizing = held if options.dequantize_once is True and sizing.layer_major else sizing  # asked: in the minimum
     boundary = _choose_boundary(sizing, options, budget_bytes)
     _refuse_below_minimum(sizing, options, budget_bytes, boundary)
+    on, dequantize_note = choose_dequantize_once(
+        options.dequantize_once, workload, footprint.held_weight_bytes,
+        lambda: held.needed(0, options.num_slots, boundary.offload) <= budget_bytes)
+    sizing, minimal = (held if on else sizing), sizing  # auto's copy never raises the minimums
     slots, resident = _ring_and_resident(sizing, options, budget_bytes, boundary)
     timed = compute is not None and link_bytes_per_s is not None
     hiding = _hiding_copy(sizing, options, boundary, compute, link_bytes_per_s) if timed else (None,) * 4
@@ -356,7 +357,7 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
         boundary_states=place, peak=peak, needed_bytes=needed,
         copy_bytes_per_step=copy_bytes_per_step(footprint.block_bytes, workload, resident_blocks),
         link_bytes_per_s=link_bytes_per_s, step=step, minimum_bytes=boundary.accepted_minimum,
-        pipelined_minimum_bytes=sizing.needed(0, options.num_slots, boundary.offload), boundary_bytes=boundary_total,
+        pipelined_minimum_bytes=minimal.needed(0, options.num_slots, boundary.offload), boundary_bytes=boundary_total,
         boundary_offload_minimum_bytes=boundary.offload_minimum, hide_copy_resident=hiding[0],
         hide_copy_bytes=hiding[1], hide_copy_peak_bytes=hiding[2], hide_copy_step=hiding[3], notes=tuple(notes),
         optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device",
