@@ -30,8 +30,9 @@ A held block runs eagerly under CUDA graphs (a replay would hold its own dequant
 step (:meth:`DequantizeOnce.decide`): ``True`` on, ``False`` off; ``"auto"``: off in micro-major and at one
 micro-batch (nothing to share), under CUDA graphs at micro-batches under
 :data:`~poros.stream.recompute_choice.GRAPHS_MIN_TOKENS` tokens (launch-bound: the replay wins), else the plan's
-decision (``BudgetPlan.dequantize_once``); without a plan, on CUDA, whether the free memory holds the copies
-with the margin :mod:`~poros.stream.recompute_choice` leaves; on a CPU without a plan, off.
+decision (``BudgetPlan.dequantize_once``); without a plan, on CUDA, whether the free memory holds the copy
+beside what the rest of the step allocates and the margin :mod:`~poros.stream.recompute_choice` leaves (kept
+activations get what remains); on a CPU without a plan, off.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from poros.stream.recompute_choice import FREE_MARGIN, FREE_MARGIN_BYTES, GRAPHS_MIN_TOKENS
+from poros.stream.recompute_choice import GRAPHS_MIN_TOKENS
 
 
 class _HeldMatMul4Bit(torch.autograd.Function):
@@ -98,7 +99,7 @@ class DequantizeOnce:
             elif self.planned is not None:
                 self.on, self.reason = self.planned, "" if self.planned else "the VRAM budget cannot hold the copy"
             else:
-                self.on = self._fits_free(hidden.device)
+                self.on = self._fits_free(hidden, micro_batches)
                 self.reason = "" if self.on else ("no VRAM budget on the CPU" if hidden.device.type != "cuda"
                                                   else "the free device memory cannot hold the copy")
         self.last = self.on
@@ -112,13 +113,13 @@ class DequantizeOnce:
         weights' dtype differs from it (the backward's copy is theirs, cast)."""
         return max((_block_held_bytes(layer) for layer in self.executor.layers), default=0)
 
-    def _fits_free(self, device: torch.device) -> bool:
+    def _fits_free(self, hidden: torch.Tensor, micro_batches: int) -> bool:
+        """Without a plan, at the first step: on CUDA, whether the free memory beside the rest of the step and
+        the margin (:meth:`~poros.stream.recompute_choice.RecomputeChoice.free_beside_step`) holds the copy."""
         if self._free is None:
-            self._free = False
-            if device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(device)
-                cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-                self._free = free + cached >= self.held_bytes() + int(FREE_MARGIN * total) + FREE_MARGIN_BYTES
+            choice = getattr(self.executor, "recompute", None) if hidden.device.type == "cuda" else None
+            self._free = (choice is not None and choice.estimate is not None
+                          and choice.free_beside_step(hidden, micro_batches) >= self.held_bytes())
         return self._free
 
     # -- one block phase ---------------------------------------------------------------------------

@@ -85,11 +85,12 @@ class RecomputeChoice:
 
     def _allotted(self, hidden: torch.Tensor, micro_batches: int) -> int:
         if self.allotted_bytes is None:
-            self.allotted_bytes = self._free_for_kept(hidden, micro_batches)
+            self.allotted_bytes = self.free_beside_step(hidden, micro_batches)
         return self.allotted_bytes
 
-    def _free_for_kept(self, hidden: torch.Tensor, micro_batches: int) -> int:
-        """Without a plan: the device's free memory now less the rest of the step's needs and a margin (CPU: 0)."""
+    def free_beside_step(self, hidden: torch.Tensor, micro_batches: int) -> int:
+        """Without a plan: the device's free memory now less the rest of the step's needs and a margin (CPU: 0);
+        what kept activations get, and what ``dequantize_once`` asks its copy of."""
         import torch
 
         device = hidden.device
