@@ -38,10 +38,6 @@ def _records(kind: str) -> list[tuple[Path, dict]]:
     return out
 
 
-def _link(path: Path) -> str:
-    return f"[JSON](../{path.relative_to(ROOT).as_posix()})"
-
-
 def _gb(nbytes) -> str:
     return "-" if nbytes is None else f"{nbytes / 1e9:.1f}"
 
@@ -57,7 +53,7 @@ def render_starts() -> str:
                     f"{_gb(record['checkpoint_bytes'])} / {_gb(record.get('entry_bytes'))} | "
                     + " | ".join(f"{start[name]:.1f}" for name in STARTS)
                     + f" | {start['nocache'] / start['cached']:.1f}x / {start['nocache'] / start['cached_warm']:.1f}x | "
-                    f"{record['environment']['commit']} | {_link(path)} |")
+                    f"{record['environment']['commit']} | {docgen.json_link(path, 'JSON')} |")
     return "\n".join(rows)
 
 
@@ -74,7 +70,7 @@ def render_projection() -> str:
                   for phase in ("start_s", "through_first_step_s", "process_start_s")]
         rows.append(f"| {record['shape']} ({record['full_depth']}) | {at('nocache', 'start_s'):.1f} | "
                     f"{at('cached', 'start_s'):.1f} | {at('cached_warm', 'start_s'):.1f} | {' | '.join(ratios)} | "
-                    f"{_link(path)} |")
+                    f"{docgen.json_link(path, 'JSON')} |")
     return "\n".join(rows)
 
 
@@ -97,7 +93,7 @@ def render_tiers() -> str:
         timed = len(tiers["pinned"].get("timed_s") or tiers["pinned"].get("steps_s") or [])
         rows.append(f"| {record['model']['shape']} ({record['model']['num_hidden_layers']}) | {timed or record['steps']} | "
                     f"{tiers['pinned']['step_s']:.3f} | {cell('mapped')} | {cell('disk')} | {read} | "
-                    f"{_gb(record.get('entry_bytes'))} | {_link(path)} |")
+                    f"{_gb(record.get('entry_bytes'))} | {docgen.json_link(path, 'JSON')} |")
     return "\n".join(rows)
 
 

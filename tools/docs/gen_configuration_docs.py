@@ -43,7 +43,7 @@ def render_estimates() -> str:
         estimate = calibration.record_plan(record).peak_device_bytes_estimate
         rows.append(f"| {setup['model']} | {setup['model_info']['num_hidden_layers']} | {setup['seq']} | "
                     f"{record['arms']['poros']['peak_allocated_gb']:.2f} | {estimate / 1e9:.2f} | "
-                    f"[JSON](../{path.relative_to(ROOT).as_posix()}) |")
+                    f"{docgen.json_link(path, 'JSON')} |")
     return "\n".join(rows)
 
 

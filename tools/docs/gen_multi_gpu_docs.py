@@ -41,7 +41,7 @@ def render_scale() -> str:
                     f"{_cell(two.get('host_pss_node_gb'))} | {_cell(summary.get('host_pss_ratio'), '{:.2f}x')} | {above} | "
                     f"{_cell(summary.get('host_pss_above_baseline_ratio'), '{:.2f}x')} | {summary['speedup']:.2f}x | "
                     f"{rank['peak_allocated_gb']:.2f} | {rank['h2d_alone_gb_per_s']:.0f} / {rank['h2d_together_gb_per_s']:.0f} | "
-                    f"[JSON](../{path.relative_to(ROOT).as_posix()}) |")
+                    f"{docgen.json_link(path, 'JSON')} |")
     return "\n".join(rows)
 
 
