@@ -312,11 +312,11 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
     sizing = held if options.dequantize_once is True and sizing.layer_major else sizing  # asked: in the minimum
     boundary = _choose_boundary(sizing, options, budget_bytes)
     _refuse_below_minimum(sizing, options, budget_bytes, boundary)
-    on, dequantize_note = choose_dequantize_once(
-        options.dequantize_once, workload, footprint.held_weight_bytes,
-        lambda: held.needed(0, options.num_slots, boundary.offload) <= budget_bytes)
-    sizing, minimal = (held if on else sizing), sizing  # auto's copy never raises the minimums
     slots, resident = _ring_and_resident(sizing, options, budget_bytes, boundary)
+    on, dequantize_note = choose_dequantize_once(  # auto: in what the ring and the resident blocks leave
+        options.dequantize_once, workload, footprint.held_weight_bytes,
+        lambda: held.needed(resident, slots, boundary.offload) <= budget_bytes)
+    sizing, minimal = (held if on else sizing), sizing  # auto's copy never raises the minimums
     timed = compute is not None and link_bytes_per_s is not None
     hiding = _hiding_copy(sizing, options, boundary, compute, link_bytes_per_s) if timed else (None,) * 4
     blocks = footprint.num_blocks

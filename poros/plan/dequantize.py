@@ -3,11 +3,11 @@ a block's dequantized NF4 weights (``poros.stream.dequantize_once``), and the pl
 
 The copy is one block's 4-bit linear weights in the compute dtype (``Footprint.held_weight_bytes``, about 1 GB a
 block at Qwen2.5-32B's shape in bf16), priced in the peak's backward phase (:func:`poros.plan.peak.predict_peak`).
-``"auto"`` turns it on in layer-major accumulation over more than one micro-batch when the plan with the ring
-asked for, nothing resident and the boundary states where the budget put them fits with the copy (after the
-minimum, which it never raises; before resident blocks and kept activations: it saves a dequantization per 4-bit
-linear and micro-batch, and, where the compute dtype is the weights', the recompute's against its backward's);
-micro-major and one micro-batch have nothing to share. ``True`` counts the copy in the minimum too.
+``"auto"`` turns it on in layer-major accumulation over more than one micro-batch when what the plan leaves
+after the slot ring and the resident blocks holds the copy (it never raises the minimum and never costs a
+resident block, whose saved copies are measured; kept activations take what is left after it). Micro-major and
+one micro-batch have nothing to share. ``True`` counts the copy from the start: in the minimum, the ring and the
+resident blocks.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from poros.stream.options import Workload
 
 def choose_dequantize_once(mode: bool | str, workload: Workload, held_bytes: int,
                            fits: Callable[[], bool]) -> tuple[bool, str]:
-    """``(on, note)``: ``mode`` is ``StreamOptions.dequantize_once``; ``fits()`` whether the plan with one block's
-    held copy (``held_bytes``), the ring and nothing resident fits the budget. The note is empty where nothing
-    needs saying."""
+    """``(on, note)``: ``mode`` is ``StreamOptions.dequantize_once``; ``fits()`` whether the plan's ring and
+    resident blocks fit the budget with one block's held copy (``held_bytes``) too. The note is empty where
+    nothing needs saying."""
     layer_major = workload.schedule == "layer-major"
     held = format_gb(held_bytes)
     if mode is False or held_bytes <= 0:
@@ -34,7 +34,7 @@ def choose_dequantize_once(mode: bool | str, workload: Workload, held_bytes: int
         return False, "dequantize_once=auto: off at one micro-batch (nothing to share across micro-batches)"
     if mode == "auto" and not fits():
         return False, (f"dequantize_once=auto: off, the budget cannot hold one block's dequantized weights "
-                       f"({held}) beside the ring and the boundary states")
+                       f"({held}) beside the slot ring and the resident blocks")
     why = "asked" if mode is True else "the budget holds it"
     return True, (f"dequantize_once: each block's NF4 weights dequantized once for its "
                   f"{workload.grad_accum} forwards and once for its recomputes and backwards, the copy held while "
