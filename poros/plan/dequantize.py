@@ -1,8 +1,8 @@
 """``dequantize_once`` for a budget plan (:func:`choose_dequantize_once`): whether layer-major's block phases hold
 a block's dequantized NF4 weights (``poros.stream.dequantize_once``), and the plan's note saying why. Torch-free.
 
-The copy is one block's 4-bit linear weights in the compute dtype (``Footprint.held_weight_bytes``, about 1 GB a
-block at Qwen2.5-32B's shape in bf16), priced in the peak's backward phase (:func:`poros.plan.peak.predict_peak`).
+The copy is one block's 4-bit linear weights in the compute dtype (``Footprint.held_weight_bytes``, what
+``poros plan`` prints), priced in the peak's backward phase (:func:`poros.plan.peak.predict_peak`).
 ``"auto"`` turns it on in layer-major accumulation over more than one micro-batch when what the plan leaves
 after the slot ring and the resident blocks holds the copy (it never raises the minimum and never costs a
 resident block, whose saved copies are measured; kept activations take what is left after it). Micro-major and
