@@ -293,7 +293,7 @@ class StreamingExecutor:
         if self._keeps(step, index, mappings):
             output = self._kept_forward(step, index, hidden, grad_tensors)
         elif self.graphs is not None and (not graphable or step.router or self.dequantize.held is not None):
-            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None, "micro-major"))
+            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None))
         elif self.graphs is not None:
             output = self.graphs.forward(index, leaves, call.unflatten, self._carried_at(index, call))
         if output is None:
@@ -376,7 +376,7 @@ class StreamingExecutor:
             pass  # no recompute, no graph replay: back-propagate the kept graph below
         elif self.graphs is not None and (step.router or self.dequantize.held is not None
                                           or (return_parameter_grads and not self.graphs.micro_major)):
-            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None, "micro-major"))
+            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None))
         elif self.graphs is not None:
             replayed = self.graphs.backward(
                 index, call.leaves_with(hidden, grad_inputs, mappings), call.unflatten, grad_output, hidden_needs_grad,
@@ -488,6 +488,7 @@ class StreamingExecutor:
             self.store.fetch(index)
 
 
-def _eager_reason(router: bool, held: bool, otherwise: str) -> str:
-    """Why a block phase runs eagerly under CUDA graphs (``BlockGraphs.report.eager``)."""
-    return "router logits" if router else "dequantize once" if held else otherwise
+def _eager_reason(router: bool, held: bool) -> str:
+    """Why a block phase runs eagerly under CUDA graphs (``BlockGraphs.report.eager``): its router logits, its
+    held weights (``dequantize_once``), else micro-major (its backward inside the autograd engine)."""
+    return "router logits" if router else "dequantize once" if held else "micro-major"
