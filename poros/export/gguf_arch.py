@@ -313,15 +313,22 @@ class Gemma4Converter(TextConverter):
             return [(f"blk.{block}.ffn_down_exps.scale", build)]
         return [(self.map(name), build)]
 
-    def head_dim_full(self) -> int:
-        config = self.config
-        found = getattr(config, "global_head_dim", None)
+    def per_layer(self, key: str) -> Any:
+        """The converter's reading of a full-attention layer's ``key`` (``head_dim``, ``num_key_value_heads``): the
+        config's ``global_head_dim`` / ``num_global_key_value_heads``, else the first full layer's
+        ``per_layer_config`` entry (config.json's spelling; transformers' config object exposes only a per-layer
+        view of it)."""
+        hparams = self.config.to_dict()
+        found = hparams.get({"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}[key])
         if found is None:
-            layer_types = list(config.layer_types)
-            for index, layer in (getattr(config, "per_layer_config", None) or {}).items():
-                if int(index) < len(layer_types) and layer_types[int(index)] == "full_attention" and "head_dim" in layer:
-                    return layer["head_dim"]
+            layer_types = hparams.get("layer_types", [])
+            for index, layer in (hparams.get("per_layer_config") or {}).items():
+                if int(index) < len(layer_types) and layer_types[int(index)] == "full_attention" and key in layer:
+                    return layer[key]
         return found
+
+    def head_dim_full(self) -> int:
+        return self.per_layer("head_dim")
 
     def extra(self) -> list[Planned]:
         """``rope_freqs.weight``: the full layers' proportional RoPE as llama.cpp's neox RoPE over the whole head,
@@ -337,6 +344,7 @@ class Gemma4Converter(TextConverter):
 
     def metadata(self, writer: Any) -> None:
         config = self.config
+        hparams = config.to_dict()  # head_dim and num_key_value_heads: the sliding layers' (config.json's fields)
         full = config.rope_parameters["full_attention"]
         sliding = config.rope_parameters.get("sliding_attention", {})
         layer_types = list(config.layer_types)
@@ -363,25 +371,21 @@ class Gemma4Converter(TextConverter):
         head_dim_full = self.head_dim_full()
         writer.add_key_length(head_dim_full)
         writer.add_value_length(head_dim_full)
-        writer.add_key_length_swa(config.head_dim)
-        writer.add_value_length_swa(config.head_dim)
+        writer.add_key_length_swa(hparams["head_dim"])
+        writer.add_value_length_swa(hparams["head_dim"])
         if getattr(config, "moe_intermediate_size", None) is not None:
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if getattr(config, "use_double_wide_mlp", False):
             first_shared = config.num_hidden_layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
             writer.add_feed_forward_length([config.intermediate_size * (1 if i < first_shared else 2)
                                             for i in range(config.num_hidden_layers)])
-        kv_full = getattr(config, "num_global_key_value_heads", None)
-        if kv_full is None:
-            kv_full = next((layer["num_key_value_heads"] for index, layer in
-                            (getattr(config, "per_layer_config", None) or {}).items()
-                            if layer_types[int(index)] == "full_attention" and "num_key_value_heads" in layer), None)
-        kv_heads = config.num_key_value_heads
+        kv_full = self.per_layer("num_key_value_heads")
+        kv_heads = hparams["num_key_value_heads"]
         writer.add_head_count_kv([kv_heads if is_swa else kv_full for is_swa in swa] if kv_full is not None
                                  else kv_heads)
         writer.add_rope_dimension_count(int(head_dim_full))
         # the converter reads the factor at the top of rope_parameters, which Gemma 4 nests per layer kind: 1.0
-        writer.add_rope_dimension_count_swa(int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_dimension_count_swa(int(hparams["head_dim"] * config.rope_parameters.get("partial_rotary_factor", 1.0)))
 
 
 @dataclass(frozen=True)
