@@ -156,6 +156,64 @@ def test_llama_cpp_reads_the_gguf_as_transformers_does(exported):
     assert same_greedy == 400, f"f32: {same_greedy} of 400 greedy continuations equal transformers'"
 
 
+#: the MoE families (tests/test_moe_export.py): tiny random-weight models with LoRA on q_proj and on the experts
+MOE = [("qwen3_5_moe", "default"), ("gemma4", "moe")]
+MOE_PROMPTS = 48
+#: the largest |llama.cpp - transformers| allowed on a first-token logit of the tiny random MoE models (logits span
+#: about 1.5), per family and type: about twice the largest difference seen over the prompts (Qwen3.5 MoE 1.8e-7,
+#: 0.0015, 0.044; Gemma 4 6e-4, 0.29, 0.36). Qwen3.5 MoE in f32 is the same computation to rounding; Gemma 4's
+#: GELU is llama.cpp's tabulated one (f16 inputs) on the CPU. In bf16 and q8_0 a token's top-2 experts can differ
+#: from transformers' where two router scores are that close (one prompt of Gemma 4's), hence their wider bounds.
+MOE_TOLERANCE = {"qwen3_5_moe": {"f32": 1e-6, "bf16": 0.003, "q8_0": 0.09},
+                 "gemma4": {"f32": 0.0012, "bf16": 0.6, "q8_0": 0.75}}
+
+
+@pytest.fixture(scope="module", params=MOE, ids=[family for family, _ in MOE])
+def moe_exported(request, tmp_path_factory):
+    """A tiny MoE with random LoRA on q_proj and the experts, exported with ``poros merge --format gguf`` as each
+    type, and merged to safetensors."""
+    from test_moe_export import expert_adapter, gguf_base
+
+    from poros.export.merge import merge_adapter
+
+    folder = node_llama_cpp()
+    family, variant = request.param
+    tmp = tmp_path_factory.mktemp(f"llama-cpp-{family}")
+    base = gguf_base(tmp / "base", family, variant)
+    expert_adapter(base, tmp / "adapter")
+    files = {}
+    for gguf_type in TYPES:
+        files[gguf_type] = tmp / f"{family}-{gguf_type}.gguf"
+        status = main(["merge", "--adapter", str(tmp / "adapter"), "--model", str(base), "--format", "gguf",
+                       "--gguf-type", gguf_type, "--output", str(files[gguf_type])])
+        assert status == 0
+    merge_adapter(tmp / "adapter", tmp / "merged", model=base, progress=None)
+    return family, folder, base, tmp, files
+
+
+def test_llama_cpp_runs_the_moe_gguf_as_transformers_runs_the_merged_model(moe_exported):
+    """Qwen3.5 MoE (DeltaNet layers, stacked experts, shared expert) and Gemma 4 MoE (sliding and full layers,
+    fused experts, router scales) with LoRA merged into their experts: llama.cpp tokenizes the prompts as the HF
+    tokenizer does, its first-token logits are transformers' within :data:`MOE_TOLERANCE`, and its greedy
+    continuations (f32) are transformers' token for token."""
+    import transformers
+
+    family, folder, base, tmp, files = moe_exported
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    texts, prompts = conversations(tokenizer)
+    texts, prompts = texts[:MOE_PROMPTS], prompts[:MOE_PROMPTS]
+    vocab = transformers.AutoConfig.from_pretrained(base).vocab_size
+    answers = llama_cpp(folder, tmp, files, texts, prompts, vocab)
+    greedy, logits = transformers_answers(tmp / "merged", tokenizer, prompts)
+    for name in files:
+        assert answers[name]["prompt_tokens"] == [tokenizer.encode(prompt) for prompt in prompts], name
+    differences = {name: float(np.abs(answers[name]["logits"] - logits).max()) for name in files}
+    assert all(differences[name] <= MOE_TOLERANCE[family][name] for name in files), \
+        f"max |logit difference| {differences}, allowed {MOE_TOLERANCE[family]} (logits span {np.ptp(logits):.2f})"
+    same_greedy = sum(got == want for got, want in zip(answers["f32"]["greedy"], greedy))
+    assert same_greedy == len(prompts), f"f32: {same_greedy} of {len(prompts)} greedy continuations equal transformers'"
+
+
 def test_without_the_variable_the_module_says_how_to_install(monkeypatch):
     monkeypatch.delenv(VARIABLE, raising=False)
     with pytest.raises(pytest.skip.Exception, match="npm install --prefix DIR node-llama-cpp@3.22.1"):

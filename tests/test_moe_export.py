@@ -91,15 +91,28 @@ def test_an_adapter_trained_on_nf4_experts_is_peft_s_bf16_layout_and_merges(tmp_
 ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
+#: the routers' weights (Qwen3.5 MoE's ``mlp.gate``, Gemma 4's ``router.proj``) and the factor gguf_base scales them
+#: by: random tiny routers give near-equal expert scores, and a top-k choice within rounding of a tie flips between
+#: two correct implementations (llama.cpp's CPU GELU is tabulated), which is not what the llama.cpp test checks
+ROUTERS, ROUTER_SCALE = ("mlp.gate.weight", "router.proj.weight"), 16.0
+
+
 def gguf_base(directory, family, variant):
-    """A tiny MoE checkpoint of two layers (one of each kind) with the bundled byte-level BPE tokenizer."""
+    """A tiny MoE checkpoint of two layers (one of each kind) with the bundled byte-level BPE tokenizer, its routers
+    decisive (:data:`ROUTER_SCALE`)."""
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from poros.assets import asset_path
 
     base = save_tiny_checkpoint(directory, family, variant, seed=2, num_layers=2, vocab_size=2048)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(asset_path("poros-tiny-qwen3") / name, base / name)
+    for shard in base.glob("*.safetensors"):
+        tensors = load_file(shard)
+        save_file({name: tensor * ROUTER_SCALE if name.endswith(ROUTERS) else tensor for name, tensor in tensors.items()},
+                  shard, metadata={"format": "pt"})
     return base
 
 
