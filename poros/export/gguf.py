@@ -30,7 +30,11 @@ Notable choices:
   cannot reproduce is refused in one line (:func:`tokenizer_pre`). An Ollama ``NAME.Modelfile`` is
   written beside the file (:mod:`poros.export.modelfile`).
 * **Architectures as data.** :data:`GGUF_ARCHITECTURES` maps an HF ``model_type`` to the GGUF
-  architecture; a model type without an entry is refused by name.
+  architecture and its converter (:mod:`poros.export.gguf_arch`: Qwen2/Qwen3 as they are; Qwen3.5 MoE's
+  stacked experts and DeltaNet transforms; Gemma 4's fused experts, router scales and ``rope_freqs``); a
+  model type without an entry is refused by name. A GGUF tensor is a function of its checkpoint tensors
+  (one, or every expert's matrix of one projection): the layout runs it on meta tensors, the data pass on
+  the merged tensors, so the host holds one GGUF tensor's sources at a time.
 * **Atomic.** The file is written beside its name and renamed into place once complete.
 """
 
