@@ -79,7 +79,13 @@ def cpu_threads(setting: int | str, device: "torch.device", hidden_size: int) ->
 
 
 def compute_device(module: Any) -> "torch.device":
-    """The device ``module`` computes on: its first trainable parameter's, else its first parameter's."""
+    """The device ``module`` computes on: the one it is marked with (``poros_compute_device``: a streamed
+    model's store device, or :func:`poros.from_pretrained`'s mark), else its first trainable parameter's, else
+    its first parameter's. The mark comes first: a streamed model may keep its adapters on the host
+    (``lora_placement="host"``) and its embedding table on either side, so no parameter tells."""
+    marked = getattr(module, "poros_compute_device", None)
+    if marked is not None:
+        return marked
     trainable = [p for p in module.parameters() if p.requires_grad]
     if trainable:
         return trainable[0].device

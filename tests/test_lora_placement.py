@@ -395,3 +395,17 @@ def test_bench_runs_the_poros_arm_with_the_lora_tensors_on_the_host(tmp_path, ch
     comparison = report["comparison"]
     assert comparison["bitwise"] is True and comparison["adapter_tensors"] == 2 * 7 * 2
     assert "(bitwise, 28 LoRA tensors, 84 AdamW state tensors)" in done.stdout
+
+
+def test_the_trainer_feeds_the_store_device_not_the_adapters_home(qwen3):
+    """With the adapters at home on the host, the first trainable parameter is a host tensor: the trainer's
+    inputs must still go to the device the blocks compute on (on the H200 they went to the host, and the
+    device embedding table's lookup failed: ``index is on cpu``)."""
+    from poros.devices import compute_device
+
+    streamed = poros.prepare(load_qlora(qwen3, seed=9), lora_placement="host")
+    assert streamed.poros_compute_device == streamed.store.device
+    marked = torch.nn.Linear(2, 2)
+    marked.poros_compute_device = torch.device("meta")  # what poros.from_pretrained and a streamed model carry
+    assert compute_device(marked) == torch.device("meta")
+    assert compute_device(streamed) == streamed.store.device

@@ -253,7 +253,7 @@ def detect(model: nn.Module, causal_lm: nn.Module, require: str | None):
     _check_frozen(model, layers)
     _check_checkpointing(layers)
     # poros.from_pretrained keeps the blocks (and so PEFT their adapters) on the host and names the device
-    device = getattr(causal_lm, "poros_compute_device", None) or compute_device(causal_lm)
+    device = compute_device(causal_lm)
     platform, platform_class = platform_of(device)
     deterministic = torch.are_deterministic_algorithms_enabled()
     label, reason = guarantee_label(descriptor.name, adapters, quantization, platform_class, deterministic)

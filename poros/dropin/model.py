@@ -133,6 +133,12 @@ class PorosModel:
         ``embeddings_on_host`` is the input embedding table kept on the host."""
         return self.store.device
 
+    @property
+    def poros_compute_device(self) -> torch.device:
+        """The compute device, for :func:`poros.devices.compute_device` (the trainer's inputs go there): with
+        ``lora_placement="host"`` the first trainable parameter is on the host."""
+        return self.store.device
+
     def to(self, *args: Any, **kwargs: Any):
         """Placement is the streaming's: a move to the compute device is a no-op that returns the model.
 
@@ -272,7 +278,7 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
             "its unpatch() before preparing again."
         )
     descriptor, layers, detection = detect(model, causal_lm, options.require)
-    device = getattr(causal_lm, "poros_compute_device", None) or compute_device(causal_lm)  # poros.from_pretrained's mark
+    device = compute_device(causal_lm)  # poros.from_pretrained's mark
     graphs_on = cuda_graphs_on(options.cuda_graphs, device)  # cuda_graphs="auto" decided once, by the planner
     options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options,
                                                       graphs_on)

@@ -29,6 +29,7 @@ import torch
 
 from poros.stream.packing import Entry, Layout
 from poros.stream.block_file import HostArena, KeptBlocks, register_for_dma
+from poros.stream.private_pages import drop_pages, private_mappings
 
 #: a quantized weight's tensors as the store's layout names them (``X.weight.quant_state.*``) and as
 #: ``save_pretrained`` names them in a bnb-4bit checkpoint (``X.weight.*``)
@@ -112,6 +113,35 @@ def _contiguous(entry: Entry) -> bool:
     return entry.span == expected and all(s == e for s, e, size in zip(entry.stride, stride, entry.shape) if size > 1)
 
 
+def rest_on_twin(entry: Entry, tensor: torch.Tensor, twin: torch.Tensor, private: list[tuple[int, int]] = ()) -> int:
+    """Point a loaded block tensor at its twin in the mapped shard (equal bytes, checked by the caller), so
+    its own host copy is freed now; the bytes freed (0 where it shares a storage or the twin is not aligned
+    for its dtype: it stays as loaded). Where the loaded copy was a view of the loader's private mapping of
+    the shard (``private``: :func:`~poros.stream.private_pages.private_mappings`), its pages there are dropped
+    (:mod:`poros.stream.private_pages`).
+
+    The load holds every block's packed bytes in the process, and checking them against the shards pages
+    the shards in: without this, the host peak at the start is both (twice the blocks' bytes; 74 GB for
+    Qwen2.5-72B) until the store binds the blocks. Tensor by tensor, it stays at one copy. The model stays
+    whole meanwhile (a failure before the store binds leaves it readable); the twin is read-only, as the
+    frozen blocks are."""
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if (not nbytes or storage.nbytes() != nbytes or tensor.storage_offset() or not tensor.is_contiguous()
+            or storage.data_ptr() == twin.data_ptr()):
+        return 0
+    try:
+        resting = twin.view(tensor.dtype).view(tensor.shape)
+    except RuntimeError:  # the shard's offset is not a multiple of the dtype's size
+        return 0
+    pointer = storage.data_ptr()
+    tensor.data = resting  # the layout's own reference (a parameter's is an alias: ``param.data``)
+    if entry.kind == "param":
+        entry.owner.data = resting
+    drop_pages(pointer, nbytes, private)
+    return nbytes
+
+
 class ShardMappedTier(KeptBlocks):
     """Serve every streamed block from the mapped shards of a pre-quantized checkpoint (module docstring).
 
@@ -130,7 +160,9 @@ class ShardMappedTier(KeptBlocks):
         self.copies: HostArena | None = None  # pinned copies of the blocks, when registering was refused
         self.kept: dict[int, torch.Tensor] = {}
         #: tensors served from the mapped shards, and from small pinned copies (no twin in the file)
-        self.stats = {"mapped_tensors": 0, "mapped_bytes": 0, "pinned_tensors": 0, "pinned_bytes": 0}
+        #: (``handed_over_bytes``: loaded tensors now resting on their twin in the mapping, :func:`rest_on_twin`)
+        self.stats = {"mapped_tensors": 0, "mapped_bytes": 0, "pinned_tensors": 0, "pinned_bytes": 0,
+                      "handed_over_bytes": 0}
 
     def _mapping(self, path: Path) -> torch.Tensor:
         if path not in self.mappings:
@@ -146,6 +178,7 @@ class ShardMappedTier(KeptBlocks):
         if not layouts:
             return
         found = self.shards.tensors()
+        private = private_mappings(list(self.shards.files))  # the loader's own view of the shards
         for index, (entries, tensors, nbytes) in layouts.items():
             pieces = Pieces(nbytes)
             for entry, tensor in zip(entries, tensors):
@@ -160,6 +193,7 @@ class ShardMappedTier(KeptBlocks):
                 if piece is not None:
                     self.stats["mapped_tensors"] += 1
                     self.stats["mapped_bytes"] += entry.nbytes
+                    self.stats["handed_over_bytes"] += rest_on_twin(entry, tensor, piece, private)
                 elif loaded is not None:  # the loaded tensor itself, laid out as the slot holds it
                     piece = torch.zeros(entry.nbytes, dtype=torch.uint8, pin_memory=pin)
                     piece.view(entry.dtype).as_strided(entry.shape, entry.stride).copy_(tensor)
@@ -218,5 +252,5 @@ def prequantized_shards(files: list[Path], prefix: str) -> CheckpointShards | No
     return CheckpointShards(tuple(files), prefix)
 
 
-__all__ = ["CheckpointShards", "Pieces", "ShardMappedTier", "checkpoint_key", "copy_block", "prequantized_shards",
+__all__ = ["CheckpointShards", "Pieces", "ShardMappedTier", "checkpoint_key", "copy_block", "prequantized_shards", "rest_on_twin",
            "whole"]

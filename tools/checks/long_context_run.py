@@ -96,6 +96,10 @@ class Sampler(threading.Thread):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.cap_gib and args.device.startswith("cuda"):  # before anything initialises CUDA's allocator
+        # as docs/consumer-gpus.md recommends on a capped card (and tools/bench/harness.py runs): without it a
+        # 128K step's varying activation sizes strand reserved segments (23 GiB at 72B) under the cap
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from poros.config import PorosConfig
     from poros.plan.run_plan import PlanOptions, plan_run
     from poros.training.trainer import PorosTrainer
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     (work / "cache").mkdir(parents=True)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     every = args.boundary_every if args.boundary_every == "auto" else int(args.boundary_every)
     config = PorosConfig(model=args.checkpoint, dataset="synthetic", device=args.device, steps=args.steps,
                          seq_len=args.seq, batch_size=1, grad_accum=args.grad_accum, stream_schedule=args.schedule,
@@ -156,7 +162,8 @@ def main(argv=None) -> int:
         peak_allocated_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
         host_peak_rss_bytes=_hwm(), host_rss_sampled_peak_bytes=sampler.peak["rss"],
-        spill_peak_bytes=sampler.peak["spill"], disk_free_drop_peak_bytes=sampler.peak["disk_drop"], partial=False)
+        spill_peak_bytes=sampler.peak["spill"], disk_free_drop_peak_bytes=sampler.peak["disk_drop"],
+        cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), partial=False)
     write()
     print(json.dumps(report, default=str))
     return 1 if "failed" in report else 0
