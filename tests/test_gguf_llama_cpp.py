@@ -64,21 +64,28 @@ def node_llama_cpp() -> Path:
 def exported(tmp_path_factory):
     """The adapter exported with ``poros merge --format gguf`` as each type, and the merged checkpoint."""
     from poros.assets import asset_path
-    from poros.export.merge import merge_adapter
     from poros.testing import load_qlora
 
     folder = node_llama_cpp()
     tmp = tmp_path_factory.mktemp("llama-cpp")
     base = asset_path("poros-tiny-qwen3")
     load_qlora(base, lora_rank=4, lora_alpha=8).save_pretrained(tmp / "adapter")  # lora_B random
+    return folder, base, tmp, export_all(base, tmp, "tiny")
+
+
+def export_all(base: Path, tmp: Path, stem: str) -> dict:
+    """``tmp/adapter`` on ``base`` written by ``poros merge --format gguf`` as each of :data:`TYPES` (``{type:
+    file}``), and merged to safetensors in ``tmp/merged``."""
+    from poros.export.merge import merge_adapter
+
     files = {}
     for gguf_type in TYPES:
-        files[gguf_type] = tmp / f"tiny-{gguf_type}.gguf"
+        files[gguf_type] = tmp / f"{stem}-{gguf_type}.gguf"
         status = main(["merge", "--adapter", str(tmp / "adapter"), "--model", str(base), "--format", "gguf",
                        "--gguf-type", gguf_type, "--output", str(files[gguf_type])])
         assert status == 0
     merge_adapter(tmp / "adapter", tmp / "merged", model=base, progress=None)
-    return folder, base, tmp, files
+    return files
 
 
 def conversations(tokenizer):
@@ -174,21 +181,12 @@ def moe_exported(request, tmp_path_factory):
     type, and merged to safetensors."""
     from test_moe_export import expert_adapter, gguf_base
 
-    from poros.export.merge import merge_adapter
-
     folder = node_llama_cpp()
     family, variant = request.param
     tmp = tmp_path_factory.mktemp(f"llama-cpp-{family}")
     base = gguf_base(tmp / "base", family, variant)
     expert_adapter(base, tmp / "adapter")
-    files = {}
-    for gguf_type in TYPES:
-        files[gguf_type] = tmp / f"{family}-{gguf_type}.gguf"
-        status = main(["merge", "--adapter", str(tmp / "adapter"), "--model", str(base), "--format", "gguf",
-                       "--gguf-type", gguf_type, "--output", str(files[gguf_type])])
-        assert status == 0
-    merge_adapter(tmp / "adapter", tmp / "merged", model=base, progress=None)
-    return family, folder, base, tmp, files
+    return family, folder, base, tmp, export_all(base, tmp, family)
 
 
 def test_llama_cpp_runs_the_moe_gguf_as_transformers_runs_the_merged_model(moe_exported):

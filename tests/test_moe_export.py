@@ -208,18 +208,38 @@ def moe_gguf(request, tmp_path_factory):
     return family, base, merged, files, tmp
 
 
-def test_gguf_reads_back_the_merged_experts_as_llama_cpp_lays_them_out(moe_gguf):
-    """Every tensor of the file, read back with gguf's GGUFReader, is the merged checkpoint's after the converter's
-    transforms: the name, the shape, the type (F32 for norms, 1-D tensors, the router and the other tensors the
-    converter keeps in F32; bf16 / Q8_0 for the rest) and the bytes (F32 and bf16 bit for bit, Q8_0 as gguf's own
-    quantize of the same tensor). The expert LoRA is in the expert tensors."""
+def assert_reads_back(path, expected, gguf_type):
+    """Every tensor of the GGUF file ``path`` (GGUFReader) is ``expected`` (``{llama.cpp name: fp32 tensor}``): the
+    names, the shapes, the types (F32 for norms, 1-D tensors, non-weights and :data:`ALWAYS_F32`; ``gguf_type`` for
+    the rest) and the bytes (F32 bit for bit; bf16 / Q8_0 as gguf's own quantize of the expected tensor)."""
     import gguf
     import numpy as np
-    import transformers
 
-    family, base, merged, files, tmp = moe_gguf
+    reader = gguf.GGUFReader(path)
+    assert sorted(t.name for t in reader.tensors) == sorted(expected), gguf_type
+    asked = gguf.GGMLQuantizationType[gguf_type.upper()]
+    unequal = []
+    for stored in reader.tensors:
+        want = expected[stored.name]
+        assert tuple(int(d) for d in reversed(stored.shape)) == tuple(want.shape), stored.name
+        data = np.asarray(stored.data)
+        f32 = want.dim() <= 1 or stored.name.endswith(("_norm.weight", *ALWAYS_F32)) or not stored.name.endswith(
+            ".weight")
+        assert stored.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else asked), (stored.name, gguf_type)
+        reference = want.numpy() if f32 else gguf.quants.quantize(want.numpy(), asked)
+        if not np.array_equal(data.reshape(-1).view(np.uint8), reference.reshape(-1).view(np.uint8)):
+            unequal.append(stored.name)
+    assert unequal == [], gguf_type
+
+
+def test_gguf_reads_back_the_merged_experts_as_llama_cpp_lays_them_out(moe_gguf):
+    """Every tensor of the file, read back with gguf's GGUFReader, is the merged checkpoint's after the converter's
+    transforms (:func:`assert_reads_back`), as bf16 and as Q8_0. The expert LoRA is in the expert tensors, and
+    q_proj's in attn_q: the merge changed those and nothing else."""
+    import transformers
     from safetensors.torch import load_file
 
+    family, base, merged, files, tmp = moe_gguf
     config = transformers.AutoConfig.from_pretrained(base)
     expected = expected_gguf(family, merged, config)
     original = {}
@@ -227,29 +247,42 @@ def test_gguf_reads_back_the_merged_experts_as_llama_cpp_lays_them_out(moe_gguf)
         original.update(load_file(shard))
     untouched = expected_gguf(family, original, config)
     for gguf_type, path in files.items():
-        reader = gguf.GGUFReader(path)
-        assert sorted(t.name for t in reader.tensors) == sorted(expected), gguf_type
-        asked = gguf.GGMLQuantizationType[gguf_type.upper()]
-        unequal, changed = [], set()
-        for stored in reader.tensors:
-            want = expected[stored.name]
-            assert tuple(int(d) for d in reversed(stored.shape)) == tuple(want.shape), stored.name
-            data = np.asarray(stored.data)
-            f32 = want.dim() <= 1 or stored.name.endswith(("_norm.weight", *ALWAYS_F32)) or not stored.name.endswith(
-                ".weight")
-            assert stored.tensor_type == (gguf.GGMLQuantizationType.F32 if f32 else asked), (stored.name, gguf_type)
-            if f32:
-                same = np.array_equal(data.reshape(-1), want.numpy().reshape(-1))
-            else:
-                reference = gguf.quants.quantize(want.numpy(), asked)
-                same = np.array_equal(data.reshape(-1).view(np.uint8), reference.reshape(-1).view(np.uint8))
-            if not same:
-                unequal.append(stored.name)
-            if not torch.equal(want, untouched[stored.name]):
-                changed.add(stored.name.split(".", 2)[-1])
-        assert unequal == [], gguf_type
-        experts = GGUF[family][2]
-        assert changed == {"attn_q.weight", *experts}, changed  # q_proj's LoRA and the experts', nothing else
+        assert_reads_back(path, expected, gguf_type)
+    changed = {name.split(".", 2)[-1] for name in expected if not torch.equal(expected[name], untouched[name])}
+    assert changed == {"attn_q.weight", *GGUF[family][2]}, changed
+
+
+@pytest.mark.parametrize("family", [family for family, _ in MOE])
+def test_gguf_writes_the_text_tower_of_a_multimodal_checkpoint(family, tmp_path):
+    """Real Qwen3.5 MoE and Gemma 4 checkpoints are multimodal: the GGUF holds the text tower under llama.cpp's
+    names, converted as for a text checkpoint, and leaves the vision tower out (llama.cpp reads it from an mmproj
+    file the converter writes apart). Gemma 4's tiny VLM has the E2B text tower (per-layer inputs, KV sharing,
+    the double-wide MLP), which the same converter writes."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file
+    from test_merge import load_qlora_text
+
+    from poros.assets import asset_path
+    from poros.export.gguf import merge_to_gguf
+    from poros.testing import tiny_vlm
+
+    base = tmp_path / "vlm"
+    tiny_vlm(family, vocab_size=2048).save_pretrained(base, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(asset_path("poros-tiny-qwen3") / name, base / name)
+    text_config = transformers.AutoConfig.from_pretrained(base).get_text_config()
+    load_qlora_text(base, text_config).save_pretrained(tmp_path / "adapter")
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged", model=base, progress=None)
+    merged = {}
+    for shard in sorted((tmp_path / "merged").glob("*.safetensors")):
+        merged.update(load_file(shard))
+    text = {name.replace("model.language_model.", "model.", 1): tensor for name, tensor in merged.items()
+            if name.startswith(("model.language_model.", "lm_head."))}
+    assert len(text) < len(merged)  # the vision tower is in the checkpoint
+    merge_to_gguf(tmp_path / "adapter", tmp_path / "vlm.gguf", model=base, gguf_type="bf16", progress=None)
+    assert_reads_back(tmp_path / "vlm.gguf", expected_gguf(family, text, text_config), "bf16")
 
 
 def qwen35_metadata(config):

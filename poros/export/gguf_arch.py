@@ -352,7 +352,8 @@ class Gemma4Converter(TextConverter):
         writer.add_block_count(config.num_hidden_layers)
         writer.add_context_length(config.max_position_embeddings)
         writer.add_embedding_length(config.hidden_size)
-        writer.add_feed_forward_length(config.intermediate_size)
+        if not getattr(config, "use_double_wide_mlp", False):  # else per layer, below
+            writer.add_feed_forward_length(config.intermediate_size)
         writer.add_head_count(config.num_attention_heads)
         writer.add_rope_freq_base(float(full["rope_theta"]))
         if sliding.get("rope_theta") is not None:
