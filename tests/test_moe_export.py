@@ -342,8 +342,6 @@ def test_gguf_metadata_is_what_llama_cpp_reads_for_the_moe_architecture(moe_gguf
 
 def test_gguf_refuses_a_layer_whose_experts_are_incomplete():
     """A Qwen3.5 MoE checkpoint that lacks one expert's matrix is refused in one line, naming what it expected."""
-    import transformers
-
     from poros import errors
     from poros.export.gguf_arch import Qwen35Converter, Source
     from poros.testing import tiny_config
@@ -354,4 +352,46 @@ def test_gguf_refuses_a_layer_whose_experts_are_incomplete():
     with pytest.raises(errors.UnsupportedModelError, match=r"experts \[0, 1, 3\].*expected one for each of the 4") as info:
         Qwen35Converter("qwen35moe", config).plan(sources)
     assert "\n" not in str(info.value)
-    del transformers
+
+
+def test_gguf_splits_a_fused_gate_up_proj_on_disk_into_gate_and_up_experts():
+    """A Qwen3.5 MoE checkpoint with the experts fused on disk (``experts.gate_up_proj [E, 2 x ff, hidden]``, as
+    transformers holds them) is split as the converter splits it: the first ff rows of every expert to
+    ffn_gate_exps, the rest to ffn_up_exps; ``down_proj`` to ffn_down_exps as it is."""
+    from poros.export.gguf_arch import Qwen35Converter, Source
+    from poros.testing import tiny_config
+
+    config = tiny_config("qwen3_5_moe", num_layers=2)
+    experts, ff, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    gate_up = torch.randn(experts, 2 * ff, hidden)
+    down = torch.randn(experts, hidden, ff)
+    sources = [Source(0, "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj",
+                      tuple(gate_up.shape)),
+               Source(0, "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.down_proj",
+                      tuple(down.shape))]
+    planned = {item.name: item for item in Qwen35Converter("qwen35moe", config).plan(sources)}
+    assert sorted(planned) == ["blk.0.ffn_down_exps.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"]
+    assert planned["blk.0.ffn_gate_exps.weight"].shape() == (experts, ff, hidden)
+    assert torch.equal(planned["blk.0.ffn_gate_exps.weight"].build([gate_up]), gate_up[:, :ff])
+    assert torch.equal(planned["blk.0.ffn_up_exps.weight"].build([gate_up]), gate_up[:, ff:])
+    assert torch.equal(planned["blk.0.ffn_down_exps.weight"].build([down]), down)
+
+
+def test_gguf_refuses_gemma_s_own_tokenizer_in_one_line(tmp_path):
+    """Gemma 4's published tokenizer is BPE with byte fallback, which llama.cpp's converter writes as its gemma4
+    tokenizer model and Poros does not: refused before a tensor is read, naming what it writes and the fix."""
+    import json
+
+    from poros import errors
+    from poros.export.gguf import merge_to_gguf
+
+    base = gguf_base(tmp_path / "base", "gemma4", "moe")
+    spec = json.loads((base / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = True
+    (base / "tokenizer.json").write_text(json.dumps(spec))
+    expert_adapter(base, tmp_path / "adapter")
+    with pytest.raises(errors.UnsupportedModelError, match="gemma4 tokenizer model; poros merge --format gguf writes "
+                       "byte-level BPE") as info:
+        merge_to_gguf(tmp_path / "adapter", tmp_path / "out.gguf", model=base, progress=None)
+    assert "\n" not in str(info.value) and "Fix: merge to safetensors" in str(info.value)
+    assert not list(tmp_path.glob("*out.gguf*"))

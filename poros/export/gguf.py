@@ -279,7 +279,8 @@ def write_metadata(writer: Any, plan: Any, arch: GgufArchitecture, gguf_type: st
     tokenizer, as llama.cpp reads them.
 
     Raises:
-        UnsupportedModelError: sliding-window attention the architecture lacks, or a RoPE scaling it lacks.
+        UnsupportedModelError: sliding-window attention the architecture lacks, a RoPE scaling it lacks, or a
+            tokenizer the architecture's converter writes otherwise (Gemma 4's own).
     """
     import gguf
 
@@ -287,7 +288,9 @@ def write_metadata(writer: Any, plan: Any, arch: GgufArchitecture, gguf_type: st
     writer.add_name(_model_name(plan.info.base_model))
     writer.add_file_type(gguf.LlamaFileType[GGUF_TYPES[gguf_type][1]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    arch.converter(arch.arch, plan.checkpoint.text_config).metadata(writer)
+    converter = arch.converter(arch.arch, plan.checkpoint.text_config)
+    converter.metadata(writer)
+    converter.check_tokenizer(load_tokenizer(tokenizer_source(plan)))
     write_tokenizer(writer, plan, arch)
 
 

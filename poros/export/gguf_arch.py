@@ -119,6 +119,11 @@ class TextConverter:
         """The converter's ``generate_extra_tensors`` (none here)."""
         return []
 
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """Refuse a tokenizer this architecture's converter writes in a way Poros does not (none here: the
+        vocabulary is written by :func:`poros.export.gguf_tokenizer.write_tokenizer`, which refuses what llama.cpp
+        cannot reproduce)."""
+
     def map(self, name: str) -> str:
         found = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
         if found is None:
@@ -312,6 +317,23 @@ class Gemma4Converter(TextConverter):
         if ".per_expert_scale" in name:
             return [(f"blk.{block}.ffn_down_exps.scale", build)]
         return [(self.map(name), build)]
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """Gemma's own tokenizer (SentencePiece-style BPE with byte fallback) is what the converter writes as
+        llama.cpp's ``gemma4`` tokenizer model; Poros writes byte-level BPE vocabularies only.
+
+        Raises:
+            UnsupportedModelError: a BPE tokenizer with byte fallback.
+        """
+        import json
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        model = json.loads(backend.to_str()).get("model", {}) if backend is not None else {}
+        if model.get("type") == "BPE" and model.get("byte_fallback"):
+            raise UnsupportedModelError(
+                "the base's tokenizer is Gemma's SentencePiece-style BPE (byte fallback), which llama.cpp's converter "
+                "writes as its gemma4 tokenizer model; poros merge --format gguf writes byte-level BPE (gpt2) "
+                f"vocabularies only. {FIX}")
 
     def per_layer(self, key: str) -> Any:
         """The converter's reading of a full-attention layer's ``key`` (``head_dim``, ``num_key_value_heads``): the
