@@ -395,3 +395,38 @@ def test_gguf_refuses_gemma_s_own_tokenizer_in_one_line(tmp_path):
         merge_to_gguf(tmp_path / "adapter", tmp_path / "out.gguf", model=base, progress=None)
     assert "\n" not in str(info.value) and "Fix: merge to safetensors" in str(info.value)
     assert not list(tmp_path.glob("*out.gguf*"))
+
+
+def test_gguf_holds_one_gguf_tensor_s_sources_at_a_time(moe_gguf, monkeypatch):
+    """Host memory while writing MoE GGUF: when a GGUF tensor's bytes are written, every checkpoint tensor read for
+    it has been dropped; at most one layer's matrices of one projection (num_experts of them, for the stacked
+    experts) are alive at once."""
+    import gc
+    import weakref
+
+    import gguf
+    import transformers
+
+    from poros.export.gguf import merge_to_gguf
+    from poros.export.merge import ShardReader
+
+    family, base, merged, files, tmp = moe_gguf
+    experts = transformers.AutoConfig.from_pretrained(base).num_experts
+    alive, most, read, write = [], [0], ShardReader.read, gguf.GGUFWriter.write_tensor_data
+
+    def tracked(self, name):
+        tensor = read(self, name)
+        alive.append(weakref.ref(tensor))
+        most[0] = max(most[0], sum(ref() is not None for ref in alive))
+        return tensor
+
+    def written(self, *args, **kwargs):
+        if any(ref() is not None for ref in alive):
+            gc.collect()  # PEFT's layers hold reference cycles: what they held goes with a collection
+        assert [ref for ref in alive if ref() is not None] == []
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardReader, "read", tracked)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", written)
+    merge_to_gguf(tmp / "adapter", tmp / "one-at-a-time.gguf", model=base, progress=None)
+    assert 1 <= most[0] <= experts and len(alive) == len(merged)
