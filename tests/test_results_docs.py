@@ -58,3 +58,106 @@ def test_every_gate_record_in_the_registry_has_its_evidence():
             evidence = record.get("evidence")
             if evidence:
                 assert (ROOT / evidence).exists(), f"{family}: {evidence} is not committed"
+
+
+# -- no measured number typed outside a generated block ----------------------------------------------------
+#
+# A measured number is a figure with a unit of what a run produced -- GB, MB, TB, GB/s, s, ms, tokens/s, tok/s,
+# TFLOP/s, %, or a ratio such as ``0.84x`` -- in a sentence (or a table row, with its header) that says it was
+# measured. The rule is precise rather than broad:
+#   * the dated log (results-h200-log.md) is exempt: it is the narrative of each session, kept as written on
+#     the day (issue 40's split of the results page into generated tables and a dated log);
+#   * fenced code blocks and inline code are left out (commands, config values, sample output);
+#   * GiB and MiB are not measured units here: budgets, caps, cards and buffers are given in them;
+#   * a decimal figure counts beside any run word (STEP_WORDS), a whole one only beside a measuring word
+#     (MEASURED_WORDS): inputs and defaults are whole numbers ("30 s", "512 MiB"), measurements rarely are;
+#   * INPUTS lists the few input phrasings that would otherwise look measured: a memory cap ("an 8 GB cap",
+#     "8 GB / 12 GB memory caps", "a cap of 6 GB"), a target or threshold ("the 1.05x target", "target 1.25x",
+#     "at most 0.6x") and the planner's allocator slack ("20 % slack").
+# A figure a page needs is rendered into a generated block from registry/results (tools/docs/gen_*.py); a
+# sentence that needs only the idea points at that table. Sizes the planner computes from a shape may be
+# written where no measuring word stands beside them.
+EXEMPT_PAGES = {"docs/results-h200-log.md"}
+_FIGURE = r"[+\-−±~≈]?\d[\d,]*(?:\.\d+)?"
+_UNIT = r"(?: ?(?:GB/s|GB|MB|TB|tokens/s|tok/s|TFLOP/s|ms|s|%)(?![\w/])|[x×](?!\w))"
+MEASURED_FIGURE = re.compile(rf"(?<![\w.]){_FIGURE}(?:[–-]{_FIGURE})?{_UNIT}")
+MEASURED_WORDS = re.compile(r"\b(measur\w*|peak\w*|took|ran|median|traced|timed|H200|RTX|"
+                            r"on (?:this|that) (?:machine|host|drive))\b", re.I)
+STEP_WORDS = re.compile(r"\b(steps?|starts?|reads?|runs?|copied|spent|reached|stall\w*|reserved|allocated|resident)\b",
+                        re.I)
+INPUTS = re.compile(rf"{_FIGURE} ?GB(?: / {_FIGURE} ?GB)? (?:memory )?caps?\b|\bcaps? of {_FIGURE} ?GB"
+                    rf"|\btargets? (?:of |is |<= |≤ |≥ )?{_FIGURE}{_UNIT}|{_FIGURE}{_UNIT} target"
+                    rf"|(?:at most|at least|<=|≤|>=|≥) ?{_FIGURE}{_UNIT}|{_FIGURE} ?% (?:for )?(?:the )?(?:allocator's |allocator )?slack",
+                    re.I)
+#: a table whose header names a measured column: any decimal in its rows counts
+MEASURED_HEADER = re.compile(r"\b(GB|MB|s|ms|tokens/s|tok/s|TFLOP/s|GB/s)\b|%|\bx\b|\bpeak|\bstep|\bmeasured", re.I)
+TABLE_DECIMAL = re.compile(r"(?<![\w./])\d+\.\d+(?![\w.])")
+_BLOCK = re.compile(r"<!-- BEGIN GENERATED: (?P<name>[^>]+?) -->\n.*?<!-- END GENERATED: (?P=name) -->", re.S)
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_CODE = re.compile(r"`[^`\n]*`")
+_LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
+_SENTENCE_END = re.compile(r"(?<=[.;!?])\s+(?=[A-Z(*`])")
+
+
+def prose_units(text: str):
+    """``(line, text, is a table row)`` of a page's prose outside generated blocks and code fences: each
+    paragraph or list item joined into one text, each table row with its header."""
+    text = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), _BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text))
+    lines, current, start, header = text.split("\n"), [], 0, ""
+    for number, line in enumerate(lines, 1):
+        if (line.lstrip().startswith(("- ", "* ")) or line.startswith(("|", "#")) or not line.strip()) and current:
+            yield start, " ".join(current), False
+            current = []
+        if line.startswith("|"):
+            if number < 2 or not lines[number - 2].startswith("|"):
+                header = line
+            elif not set(line) <= set("|-: "):
+                yield number, f"{header}\n{line}", True
+            continue
+        if line.startswith("#") or not line.strip():
+            continue
+        start = start if current else number
+        current.append(line.strip())
+    if current:
+        yield start, " ".join(current), False
+
+
+def measured_figures(text: str) -> list[tuple[int, str]]:
+    """``(line, figure)`` of every measured-looking figure a page types outside its generated blocks."""
+    found = []
+    for line, unit, table in prose_units(text):
+        unit = _LINK_TARGET.sub("]", _CODE.sub("``", unit))
+        if table:
+            header, row = unit.split("\n")
+            if MEASURED_HEADER.search(header):
+                found += [(line, m.group(0)) for m in TABLE_DECIMAL.finditer(row)]
+            unit = row
+        for sentence in _SENTENCE_END.split(unit):
+            sentence = INPUTS.sub(" ", sentence)
+            measured, run = MEASURED_WORDS.search(sentence), STEP_WORDS.search(sentence)
+            found += [(line, m.group(0)) for m in MEASURED_FIGURE.finditer(sentence)
+                      if measured or (run and "." in m.group(0))]
+    return sorted(set(found))
+
+
+def test_the_rule_sees_a_typed_measurement_and_passes_inputs():
+    """The pattern itself: typed measurements are found, the listed input phrasings and code are not."""
+    assert measured_figures("The 72B run peaked at 5.75 GB under an 8 GB cap.\n") == [(1, "5.75 GB")]
+    assert measured_figures("It took 12 s on that machine, 1.05x the resident step.\n") == [(1, "1.05x"), (1, "12 s")]
+    assert measured_figures("| shape | peak GB |\n|---|---|\n| qwen2.5-32b | 5.20 |\n") == [(3, "5.20")]
+    assert measured_figures("Under a 6 GB cap, against the 1.05x target, at most 0.6x the step; 20 % slack.\n") == []
+    assert measured_figures("A line every 30 s, the step of `--vram-budget 7.5GiB` (default 512 MiB).\n\n```\n1.52 s/step peak\n```\n") == []
+    assert measured_figures("<!-- BEGIN GENERATED: t -->\npeak 5.75 GB\n<!-- END GENERATED: t -->\n") == []
+
+
+def test_no_page_types_a_measured_number_outside_a_generated_block():
+    """README.md and every docs/*.md page but the dated log: a measured figure stands only inside a generated
+    block (rendered from registry/results by tools/docs/gen_*.py); every offender is listed."""
+    offenders = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        name = page.relative_to(ROOT).as_posix()
+        if name not in EXEMPT_PAGES:
+            offenders += [f"{name}:{line}: {figure}" for line, figure in measured_figures(page.read_text(encoding="utf-8"))]
+    assert not offenders, ("measured figures typed outside a generated block (render them from registry/results "
+                           "in a tools/docs/gen_*.py block, or say the idea and point at the table):\n"
+                           + "\n".join(offenders))

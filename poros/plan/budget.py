@@ -335,8 +335,8 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
                         f"{chosen.loss_chunks} token chunks at a time and each block's MLP {chosen.mlp_chunks} "
                         "sequence chunks")
     return BudgetPlan(
-        budget_bytes=budget_bytes, context_bytes=context_bytes, slack=slack, workload=workload, num_blocks=blocks,
-        block_bytes=footprint.block_bytes, requested_slots=options.num_slots, num_slots=min(slots, blocks - resident),
+        budget_bytes=budget_bytes, context_bytes=context_bytes, slack=slack, workload=workload, footprint=footprint,
+        requested_slots=options.num_slots, num_slots=min(slots, blocks - resident),
         resident_blocks=resident_blocks, embeddings_on_host=on_host,
         boundary_states=place, peak=peak, needed_bytes=needed,
         copy_bytes_per_step=copy_bytes_per_step(footprint.block_bytes, workload, resident_blocks),
@@ -345,8 +345,7 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
         boundary_offload_minimum_bytes=boundary.offload_minimum, hide_copy_resident=hiding[0],
         hide_copy_bytes=hiding[1], hide_copy_peak_bytes=hiding[2], hide_copy_step=hiding[3], notes=tuple(notes),
         optimizer_states=states, lora_placement="host" if sizing.lora_on_host and blocks - resident else "device",
-        loss_chunks=workload.loss_chunks, mlp_chunks=footprint.mlp_chunks, parts=footprint.parts,
-        attention=footprint.attention, kept_activation_blocks=kept, kept_activation_bytes=kept_bytes,
+        kept_activation_blocks=kept, kept_activation_bytes=kept_bytes,
         boundary_every=workload.boundary_every)
 
 

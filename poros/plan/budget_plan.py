@@ -7,13 +7,13 @@ critical path, and the notes that say why, in words (:meth:`BudgetPlan.summary`,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from poros.stream.options import Workload
 from poros.plan.step_time import StepPrediction, copy_bytes_per_step
 from poros.spellings import format_gb
-from poros.plan.peak import PeakBreakdown
+from poros.plan.peak import Footprint, PeakBreakdown
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,11 @@ class BudgetPlan:
         hide_copy_step: that plan's step prediction.
         notes: the decisions, in words.
         optimizer_states: where AdamW's state lives: ``"device"``, or ``"host"`` (``HostAdamW``; asked, or no ring fit).
-        loss_chunks, mlp_chunks: the chunk counts the plan runs with: those asked for, raised when the
-            budget cannot hold the step otherwise (:mod:`poros.plan.chunk_choice`).
-        parts: the footprint's sequence-proportional activations by name (per micro-batch).
-        attention: the attention kernel the estimate assumes, and why.
+        footprint: the footprint the plan was made for (its chunk counts: those asked for, raised when the
+            budget cannot hold the step otherwise, :mod:`poros.plan.chunk_choice`); ``workload`` carries the
+            same ``loss_chunks``. ``block_bytes``, ``num_blocks``, ``mlp_chunks``, ``parts`` (the
+            sequence-proportional activations by name, per micro-batch) and ``attention`` (the kernel the
+            estimate assumes, and why) are read from it, ``loss_chunks`` from ``workload``.
         kept_activation_blocks, kept_activation_bytes: how many blocks (the last ones) keep their activations
             instead of being recomputed, and the bytes they hold at once
             (:func:`poros.stream.recompute_choice.kept_activations`; beside ``peak``, in the budget it leaves).
@@ -59,8 +60,7 @@ class BudgetPlan:
     context_bytes: int
     slack: float
     workload: Workload
-    num_blocks: int
-    block_bytes: tuple[int, ...]
+    footprint: Footprint
     requested_slots: int
     num_slots: int
     resident_blocks: tuple[int, ...]
@@ -82,13 +82,33 @@ class BudgetPlan:
     notes: tuple[str, ...]
     optimizer_states: str = "device"
     lora_placement: str = "device"
-    loss_chunks: int = 1
-    mlp_chunks: int = 1
-    parts: tuple[tuple[str, int], ...] = ()
-    attention: str = ""
     kept_activation_blocks: int = 0
     kept_activation_bytes: int = 0
     boundary_every: int = 1
+
+    @property
+    def block_bytes(self) -> tuple[int, ...]:
+        return self.footprint.block_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.footprint.num_blocks
+
+    @property
+    def loss_chunks(self) -> int:
+        return self.workload.loss_chunks
+
+    @property
+    def mlp_chunks(self) -> int:
+        return self.footprint.mlp_chunks
+
+    @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        return self.footprint.parts
+
+    @property
+    def attention(self) -> str:
+        return self.footprint.attention
 
     def summary(self) -> str:
         """The decision in one line, for the ``poros`` logger."""
@@ -109,9 +129,10 @@ class BudgetPlan:
                 f"context and allocator slack), {format_gb(self.copy_bytes_per_step)} copied per step{step}")
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("peak", "step", "hide_copy_step", "workload",
-                                                                   "block_bytes")}
-        out.update(workload=asdict(self.workload), peak=self.peak.to_dict(),
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("peak", "step", "hide_copy_step", "workload", "footprint")}
+        out.update(num_blocks=self.num_blocks, loss_chunks=self.loss_chunks, mlp_chunks=self.mlp_chunks,
+                   parts=self.parts, attention=self.attention, workload=asdict(self.workload), peak=self.peak.to_dict(),
                    step=self.step.to_dict() if self.step else None,
                    hide_copy_step=self.hide_copy_step.to_dict() if self.hide_copy_step else None,
                    resident_blocks=list(self.resident_blocks), notes=list(self.notes))

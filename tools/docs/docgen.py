@@ -37,6 +37,12 @@ def parity_label(comparison: dict | None) -> str:
     return f"differs (loss {comparison['max_diff_loss']:.1e})"
 
 
+def json_link(path: Path, label: str | None = None) -> str:
+    """A table cell linking a record under ``registry/`` from a page in ``docs/``: ``[label](../path)``, the
+    file's name by default."""
+    return f"[{label or path.name}](../{path.relative_to(ROOT).as_posix()})"
+
+
 def rows_or_pending(rows: list[str]) -> str:
     """A generated table's text: its two header rows and its rows, or, while no H200 run has made a row, one row
     saying so (as wide as the header)."""

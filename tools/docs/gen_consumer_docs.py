@@ -371,8 +371,38 @@ def render_long_context() -> str:
     return "\n".join(rows)
 
 
+def estimate_records() -> list[tuple[Path, dict]]:
+    """Per shape, depth and sequence, the first uncapped H200 bench record at batch 1, one micro-batch, no budget,
+    eager blocks and HF's loss, its Poros arm finished."""
+    found: dict[tuple[str, int, int], tuple[Path, dict]] = {}
+    for path in sorted(ROOT.glob("registry/results/h200-*/bench-*.json")):
+        record = json.loads(path.read_text())
+        setup, poros = record["config"], record["arms"].get("poros") or {}
+        key = (setup["model"], setup["model_info"]["num_hidden_layers"], setup["seq"])
+        if (poros.get("status") == "ok" and setup["batch"] == 1 and setup.get("grad_accum", 1) == 1
+                and not setup.get("vram_limit_gb") and not setup.get("vram_budget") and not setup.get("cuda_graphs")
+                and not setup.get("quantize_experts") and setup.get("loss_chunks", 1) == 1 and key not in found):
+            found[key] = (path, record)
+    return [found[key] for key in sorted(found)]
+
+
+def render_dry_run() -> str:
+    """Each record's peak beside today's ``poros train --dry-run`` estimate for the model and options it describes
+    (:attr:`poros.plan.run_plan.Plan.peak_device_bytes_estimate`, :func:`poros.plan.calibration.record_plan`)."""
+    from poros.plan import calibration
+
+    rows = ["| shape | layers | seq | recorded peak GB | estimated peak GB (dry run) | JSON |", "|---|---|---|---|---|---|"]
+    for path, record in estimate_records():
+        setup = record["config"]
+        estimate = calibration.record_plan(record).peak_device_bytes_estimate
+        rows.append(f"| {setup['model']} | {setup['model_info']['num_hidden_layers']} | {setup['seq']} | "
+                    f"{record['arms']['poros']['peak_allocated_gb']:.2f} | {estimate / 1e9:.2f} | {_link(path)} |")
+    return "\n".join(rows)
+
+
 BLOCKS = {
     "rule": lambda: f"the {COMPUTE_RULE}.",
+    "dry-run-estimate": render_dry_run,
     "long-context": render_long_context,
     "measured": render_measured,
     "capped": render_capped,
