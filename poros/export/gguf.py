@@ -11,7 +11,8 @@
 GGUF lists every tensor's name, shape, type and offset before the data, so a first pass reads only
 the shards' headers and lays the file out; the second reads, merges, converts and writes each
 tensor and drops it before the next -- the host holds one tensor (plus the adapter), as ``poros
-merge`` does.
+merge`` does; for an MoE checkpoint with one matrix per expert, one layer's matrices of one
+projection, stacked into the one GGUF tensor llama.cpp reads.
 
 Notable choices:
 
