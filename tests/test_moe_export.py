@@ -111,8 +111,8 @@ def gguf_base(directory, family, variant):
         shutil.copyfile(asset_path("poros-tiny-qwen3") / name, base / name)
     for shard in base.glob("*.safetensors"):
         tensors = load_file(shard)
-        save_file({name: tensor * ROUTER_SCALE if name.endswith(ROUTERS) else tensor for name, tensor in tensors.items()},
-                  shard, metadata={"format": "pt"})
+        scaled = {name: tensor * ROUTER_SCALE if name.endswith(ROUTERS) else tensor for name, tensor in tensors.items()}
+        save_file(scaled, shard, metadata={"format": "pt"})
     return base
 
 
@@ -349,7 +349,8 @@ def test_gguf_refuses_a_layer_whose_experts_are_incomplete():
     config = tiny_config("qwen3_5_moe", num_layers=2)
     sources = [Source(0, f"model.layers.0.mlp.experts.{e}.{p}.weight", f"model.layers.0.mlp.experts.{e}.{p}.weight",
                       (4, 4)) for e in (0, 1, 3) for p in ("gate_proj", "up_proj", "down_proj")]
-    with pytest.raises(errors.UnsupportedModelError, match=r"experts \[0, 1, 3\].*expected one for each of the 4") as info:
+    expected = r"experts \[0, 1, 3\].*expected one for each of the 4"
+    with pytest.raises(errors.UnsupportedModelError, match=expected) as info:
         Qwen35Converter("qwen35moe", config).plan(sources)
     assert "\n" not in str(info.value)
 

@@ -33,7 +33,8 @@ import torch
 from poros.errors import UnsupportedModelError
 
 #: where a tensor llama.cpp's architecture has no name for sends the user
-FIX = "Fix: merge to safetensors (poros merge without --format) and convert that with llama.cpp's convert_hf_to_gguf.py."
+FIX = ("Fix: merge to safetensors (poros merge without --format) and convert that with llama.cpp's "
+       "convert_hf_to_gguf.py.")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class TextConverter:
             UnsupportedModelError: a tensor llama.cpp's architecture has no name for.
         """
         planned = list(self.extra())
-        for name, group, build in self.group([s for s in sources if not any(re.match(p, s.name) for p in self.skipped)]):
+        kept = [source for source in sources if not any(re.match(prefix, source.name) for prefix in self.skipped)]
+        for name, group, build in self.group(kept):
             name, build = self.rename(name, build)
             planned.extend(Planned(new_name, group, new_build) for new_name, new_build in self.modify(name, build))
         return planned
@@ -408,7 +410,8 @@ class Gemma4Converter(TextConverter):
                                  else kv_heads)
         writer.add_rope_dimension_count(int(head_dim_full))
         # the converter reads the factor at the top of rope_parameters, which Gemma 4 nests per layer kind: 1.0
-        writer.add_rope_dimension_count_swa(int(hparams["head_dim"] * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+        factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        writer.add_rope_dimension_count_swa(int(hparams["head_dim"] * factor))
 
 
 @dataclass(frozen=True)
