@@ -167,12 +167,12 @@ def test_llama_cpp_reads_the_gguf_as_transformers_does(exported):
 MOE = [("qwen3_5_moe", "default"), ("gemma4", "moe")]
 MOE_PROMPTS = 48
 #: the largest |llama.cpp - transformers| allowed on a first-token logit of the tiny random MoE models (logits span
-#: about 1.5), per family and type: about twice the largest difference seen over the prompts (Qwen3.5 MoE 1.8e-7,
-#: 0.0015, 0.044; Gemma 4 6e-4, 0.29, 0.36). Qwen3.5 MoE in f32 is the same computation to rounding; Gemma 4's
-#: GELU is llama.cpp's tabulated one (f16 inputs) on the CPU. In bf16 and q8_0 a token's top-2 experts can differ
-#: from transformers' where two router scores are that close (one prompt of Gemma 4's), hence their wider bounds.
+#: about 1.3), per family and type: about twice the largest difference seen over the prompts (Qwen3.5 MoE 1.8e-7,
+#: 0.0015, 0.044; Gemma 4 3.8e-4, 0.14, 0.19). Qwen3.5 MoE in f32 is the same computation to rounding; Gemma 4's
+#: GELU is llama.cpp's tabulated one (f16 inputs) on the CPU, and in bf16 and q8_0 a token's top-2 experts can
+#: differ from transformers' where two router scores are that close, hence their wider bounds.
 MOE_TOLERANCE = {"qwen3_5_moe": {"f32": 1e-6, "bf16": 0.003, "q8_0": 0.09},
-                 "gemma4": {"f32": 0.0012, "bf16": 0.6, "q8_0": 0.75}}
+                 "gemma4": {"f32": 0.0008, "bf16": 0.3, "q8_0": 0.4}}
 
 
 @pytest.fixture(scope="module", params=MOE, ids=[family for family, _ in MOE])
@@ -190,26 +190,35 @@ def moe_exported(request, tmp_path_factory):
 
 
 def test_llama_cpp_runs_the_moe_gguf_as_transformers_runs_the_merged_model(moe_exported):
-    """Qwen3.5 MoE (DeltaNet layers, stacked experts, shared expert) and Gemma 4 MoE (sliding and full layers,
-    fused experts, router scales) with LoRA merged into their experts: llama.cpp tokenizes the prompts as the HF
-    tokenizer does, its first-token logits are transformers' within :data:`MOE_TOLERANCE`, and its greedy
-    continuations (f32) are transformers' token for token."""
+    """Qwen3.5 MoE (DeltaNet layers, stacked experts, shared expert; byte-level BPE) and Gemma 4 MoE (sliding and full
+    layers, fused experts, router scales; a tokenizer of Gemma's kind, llama.cpp's gemma4 model) with LoRA merged
+    into their experts: llama.cpp tokenizes the 400 conversations and the prompts as the HF tokenizer does, its
+    first-token logits are transformers' within :data:`MOE_TOLERANCE`, and its greedy continuations (f32) are
+    transformers' token for token up to a step where transformers' own two best logits are within that tolerance
+    (a tie either may break: random tiny models have them)."""
     import transformers
 
     family, folder, base, tmp, files = moe_exported
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
     texts, prompts = conversations(tokenizer)
-    texts, prompts = texts[:MOE_PROMPTS], prompts[:MOE_PROMPTS]
+    prompts = prompts[:MOE_PROMPTS]
     vocab = transformers.AutoConfig.from_pretrained(base).vocab_size
     answers = llama_cpp(folder, tmp, files, texts, prompts, vocab)
     greedy, logits = transformers_answers(tmp / "merged", tokenizer, prompts)
+    expected_tokens = [tokenizer.encode(text) for text in texts]
     for name in files:
+        assert answers[name]["tokens"] == expected_tokens, name
         assert answers[name]["prompt_tokens"] == [tokenizer.encode(prompt) for prompt in prompts], name
     differences = {name: float(np.abs(answers[name]["logits"] - logits).max()) for name in files}
     assert all(differences[name] <= MOE_TOLERANCE[family][name] for name in files), \
         f"max |logit difference| {differences}, allowed {MOE_TOLERANCE[family]} (logits span {np.ptp(logits):.2f})"
-    same_greedy = sum(got == want for got, want in zip(answers["f32"]["greedy"], greedy))
-    assert same_greedy == len(prompts), f"f32: {same_greedy} of {len(prompts)} greedy continuations equal transformers'"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).eval()
+    for prompt, got, want in zip(prompts, answers["f32"]["greedy"], greedy):
+        if got != want:  # where they part, transformers' two best logits must be a tie within the tolerance
+            step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            with torch.no_grad():
+                best = model(torch.tensor([tokenizer.encode(prompt) + want[:step]])).logits[0, -1].topk(2).values
+            assert float(best[0] - best[1]) <= MOE_TOLERANCE[family]["f32"], (prompt, got, want)
 
 
 def test_without_the_variable_the_module_says_how_to_install(monkeypatch):

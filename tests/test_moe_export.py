@@ -97,18 +97,60 @@ ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.we
 ROUTERS, ROUTER_SCALE = ("mlp.gate.weight", "router.proj.weight"), 16.0
 
 
-def gguf_base(directory, family, variant):
-    """A tiny MoE checkpoint of two layers (one of each kind) with the bundled byte-level BPE tokenizer, its routers
-    decisive (:data:`ROUTER_SCALE`)."""
+def bundled_tokenizer(directory):
+    """The bundled byte-level BPE tokenizer (a Qwen-style vocabulary) into ``directory``; returns its size."""
     import shutil
-
-    from safetensors.torch import load_file, save_file
 
     from poros.assets import asset_path
 
-    base = save_tiny_checkpoint(directory, family, variant, seed=2, num_layers=2, vocab_size=2048)
+    directory.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copyfile(asset_path("poros-tiny-qwen3") / name, base / name)
+        shutil.copyfile(asset_path("poros-tiny-qwen3") / name, directory / name)
+    return 2048
+
+
+def gemma_tokenizer(directory):
+    """A tiny tokenizer of Gemma's kind into ``directory`` (transformers' GemmaTokenizer: BPE with byte fallback,
+    spaces as ``▁``, BOS added; the special tokens, the 256 byte tokens, then BPE trained on the bundled
+    conversations, split at newlines as Gemma's vocabulary is) with the bundled chat template; returns its size."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    from poros.assets import asset_path
+
+    rows = [json.loads(line) for line in asset_path("poros-tiny-chat").read_text().splitlines()]
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] +
+                                                [f"<0x{byte:02X}>" for byte in range(256)])}
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.Replace(" ", "▁")
+    bpe.pre_tokenizer = pre_tokenizers.Split("\n", behavior="isolated")
+    bpe.train_from_iterator([m["content"] for row in rows for m in row["messages"]],
+                            trainers.BpeTrainer(vocab_size=2048 - len(vocab), show_progress=False))
+    trained = json.loads(bpe.to_str())["model"]
+    for token, _ in sorted(trained["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in trained["merges"]]
+    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
+    tokenizer.save_pretrained(directory)
+    shutil.copyfile(asset_path("poros-tiny-qwen3") / "chat_template.jinja", directory / "chat_template.jinja")
+    return len(tokenizer)
+
+
+#: per family, the tokenizer its tiny GGUF base gets: byte-level BPE for Qwen3.5 MoE (as its real ones), Gemma's
+#: own kind for Gemma 4 (llama.cpp's gemma4 tokenizer model)
+TOKENIZERS = {"qwen3_5_moe": bundled_tokenizer, "gemma4": gemma_tokenizer}
+
+
+def gguf_base(directory, family, variant, tokenizer=None):
+    """A tiny MoE checkpoint of two layers (one of each kind) with the family's kind of tokenizer
+    (:data:`TOKENIZERS`, or ``tokenizer``), its routers decisive (:data:`ROUTER_SCALE`)."""
+    from safetensors.torch import load_file, save_file
+
+    size = (tokenizer or TOKENIZERS[family])(directory)
+    base = save_tiny_checkpoint(directory, family, variant, seed=2, num_layers=2, vocab_size=size)
     for shard in base.glob("*.safetensors"):
         tensors = load_file(shard)
         scaled = {name: tensor * ROUTER_SCALE if name.endswith(ROUTERS) else tensor for name, tensor in tensors.items()}
@@ -378,24 +420,36 @@ def test_gguf_splits_a_fused_gate_up_proj_on_disk_into_gate_and_up_experts():
     assert torch.equal(planned["blk.0.ffn_down_exps.weight"].build([down]), down)
 
 
-def test_gguf_refuses_gemma_s_own_tokenizer_in_one_line(tmp_path):
-    """Gemma 4's published tokenizer is BPE with byte fallback, which llama.cpp's converter writes as its gemma4
-    tokenizer model and Poros does not: refused before a tensor is read, naming what it writes and the fix."""
+def test_gguf_writes_gemma_s_own_tokenizer_as_llama_cpp_s_gemma4_model(tmp_path):
+    """Gemma 4 with a tokenizer of Gemma's kind (BPE with byte fallback): the vocabulary as llama.cpp's converter
+    writes it (``tokenizer.ggml.model`` gemma4, every token with its score and type, the merges, BOS added, no space
+    prefix); tests/test_gguf_llama_cpp.py checks llama.cpp tokenizes with it as transformers does."""
     import json
 
-    from poros import errors
+    import gguf
+    import transformers
+
     from poros.export.gguf import merge_to_gguf
 
-    base = gguf_base(tmp_path / "base", "gemma4", "moe")
-    spec = json.loads((base / "tokenizer.json").read_text())
-    spec["model"]["byte_fallback"] = True
-    (base / "tokenizer.json").write_text(json.dumps(spec))
+    base = gguf_base(tmp_path / "base", "gemma4", "moe", tokenizer=gemma_tokenizer)
     expert_adapter(base, tmp_path / "adapter")
-    with pytest.raises(errors.UnsupportedModelError, match="gemma4 tokenizer model; poros merge --format gguf writes "
-                       "byte-level BPE") as info:
-        merge_to_gguf(tmp_path / "adapter", tmp_path / "out.gguf", model=base, progress=None)
-    assert "\n" not in str(info.value) and "Fix: merge to safetensors" in str(info.value)
-    assert not list(tmp_path.glob("*out.gguf*"))
+    result = merge_to_gguf(tmp_path / "adapter", tmp_path / "out.gguf", model=base, progress=None)
+    assert result.tokenizer_pre == "gemma4"
+    fields = gguf.GGUFReader(tmp_path / "out.gguf").fields
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert fields["tokenizer.ggml.model"].contents() == "gemma4" and "tokenizer.ggml.pre" not in fields
+    assert tokens == tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) and len(tokens) == len(tokenizer)
+    assert [types[i] for i in range(5)] == [gguf.TokenType.CONTROL] * 5  # <pad> <eos> <bos> <unk> <mask>
+    assert all(types[tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>")] == gguf.TokenType.BYTE for b in range(256))
+    assert len(fields["tokenizer.ggml.scores"].contents()) == len(tokens)
+    spec = json.loads((base / "tokenizer.json").read_text())
+    assert len(fields["tokenizer.ggml.merges"].contents()) == len(spec["model"]["merges"])
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is True
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == tokenizer.bos_token_id
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == tokenizer.eos_token_id
 
 
 def test_gguf_holds_one_gguf_tensor_s_sources_at_a_time(moe_gguf, monkeypatch):

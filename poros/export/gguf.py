@@ -215,7 +215,7 @@ def merge_to_gguf(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     tensors = layout(plan, arch, gguf_type)
     staging = target.with_name(f".{target.name}.partial")
     writer = gguf.GGUFWriter(staging, arch.arch)
-    write_metadata(writer, plan, arch, gguf_type)
+    pre = write_metadata(writer, plan, arch, gguf_type)
     for item in tensors:  # GGUF lists every tensor before the data: shapes and types from the headers
         byte_shape = gguf.quant_shape_to_byte_shape(item.shape, item.qtype)
         writer.add_tensor_info(item.name, byte_shape, gguf.np.uint8, _product(byte_shape), raw_dtype=item.qtype)
@@ -250,7 +250,7 @@ def merge_to_gguf(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     modelfile = write_modelfile(target, tokenizer)
     return GgufResult(target, plan.base_path, 1, len(tensors), len(merged_modules), total_bytes,
                       time.perf_counter() - start, peak_rss(), [modelfile], gguf_type=gguf_type,
-                      architecture=arch.arch, tokenizer_pre=tokenizer_pre(tokenizer), modelfile=modelfile)
+                      architecture=arch.arch, tokenizer_pre=pre, modelfile=modelfile)
 
 
 def _product(shape: tuple[int, ...]) -> int:
@@ -275,13 +275,13 @@ def require_gguf() -> Any:
     return gguf
 
 
-def write_metadata(writer: Any, plan: Any, arch: GgufArchitecture, gguf_type: str) -> None:
+def write_metadata(writer: Any, plan: Any, arch: GgufArchitecture, gguf_type: str) -> str:
     """``general.*``, the architecture's hyperparameters (its converter's, :mod:`poros.export.gguf_arch`) and the
-    tokenizer, as llama.cpp reads them.
+    tokenizer, as llama.cpp reads them; returns the pre-tokenizer written.
 
     Raises:
         UnsupportedModelError: sliding-window attention the architecture lacks, a RoPE scaling it lacks, or a
-            tokenizer the architecture's converter writes otherwise (Gemma 4's own).
+            tokenizer llama.cpp cannot reproduce.
     """
     import gguf
 
@@ -291,8 +291,7 @@ def write_metadata(writer: Any, plan: Any, arch: GgufArchitecture, gguf_type: st
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     converter = arch.converter(arch.arch, plan.checkpoint.text_config)
     converter.metadata(writer)
-    converter.check_tokenizer(load_tokenizer(tokenizer_source(plan)))
-    write_tokenizer(writer, plan, arch)
+    return converter.write_vocabulary(writer, plan, arch)
 
 
 def _model_name(base: str) -> str:

@@ -121,10 +121,13 @@ class TextConverter:
         """The converter's ``generate_extra_tensors`` (none here)."""
         return []
 
-    def check_tokenizer(self, tokenizer: Any) -> None:
-        """Refuse a tokenizer this architecture's converter writes in a way Poros does not (none here: the
-        vocabulary is written by :func:`poros.export.gguf_tokenizer.write_tokenizer`, which refuses what llama.cpp
-        cannot reproduce)."""
+    def write_vocabulary(self, writer: Any, plan: Any, arch: Any) -> str:
+        """The tokenizer, as the converter's ``set_vocab`` writes it (here: the GPT-2 BPE vocabulary,
+        :func:`poros.export.gguf_tokenizer.write_tokenizer`); returns the file's pre-tokenizer."""
+        from poros.export.gguf_tokenizer import load_tokenizer, tokenizer_pre, tokenizer_source, write_tokenizer
+
+        write_tokenizer(writer, plan, arch)
+        return tokenizer_pre(load_tokenizer(tokenizer_source(plan)))
 
     def map(self, name: str) -> str:
         found = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -320,22 +323,21 @@ class Gemma4Converter(TextConverter):
             return [(f"blk.{block}.ffn_down_exps.scale", build)]
         return [(self.map(name), build)]
 
-    def check_tokenizer(self, tokenizer: Any) -> None:
-        """Gemma's own tokenizer (SentencePiece-style BPE with byte fallback) is what the converter writes as
-        llama.cpp's ``gemma4`` tokenizer model; Poros writes byte-level BPE vocabularies only.
+    #: the tokens the converter writes as user-defined so that they are rendered (llama.cpp's chat parser reads them)
+    VISIBLE_TOKENS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                                "<tool_response|>", '<|"|>'})
 
-        Raises:
-            UnsupportedModelError: a BPE tokenizer with byte fallback.
-        """
-        import json
+    def write_vocabulary(self, writer: Any, plan: Any, arch: Any) -> str:
+        """Gemma's own tokenizer (SentencePiece-style BPE with byte fallback) as llama.cpp's ``gemma4`` tokenizer
+        model (:func:`poros.export.gguf_tokenizer.write_sentencepiece_bpe`); a byte-level BPE tokenizer as GPT-2
+        BPE (what the converter's ``gemma4`` model cannot read, so llama.cpp's ``gpt2`` model)."""
+        from poros.export.gguf_tokenizer import load_tokenizer, sentencepiece_bpe, tokenizer_source, write_sentencepiece_bpe
 
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        model = json.loads(backend.to_str()).get("model", {}) if backend is not None else {}
-        if model.get("type") == "BPE" and model.get("byte_fallback"):
-            raise UnsupportedModelError(
-                "the base's tokenizer is Gemma's SentencePiece-style BPE (byte fallback), which llama.cpp's converter "
-                "writes as its gemma4 tokenizer model; poros merge --format gguf writes byte-level BPE (gpt2) "
-                f"vocabularies only. {FIX}")
+        source = tokenizer_source(plan)
+        if not sentencepiece_bpe(load_tokenizer(source)):
+            return super().write_vocabulary(writer, plan, arch)
+        write_sentencepiece_bpe(writer, source, "gemma4", self.VISIBLE_TOKENS, self.config.vocab_size)
+        return "gemma4"
 
     def per_layer(self, key: str) -> Any:
         """The converter's reading of a full-attention layer's ``key`` (``head_dim``, ``num_key_value_heads``): the
