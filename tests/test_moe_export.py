@@ -485,3 +485,17 @@ def test_gguf_holds_one_gguf_tensor_s_sources_at_a_time(moe_gguf, monkeypatch):
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", written)
     merge_to_gguf(tmp / "adapter", tmp / "one-at-a-time.gguf", model=base, progress=None)
     assert 1 <= most[0] <= experts and len(alive) == len(merged)
+
+
+def test_gguf_refuses_a_gemma_tokenizer_smaller_than_the_embedding_in_one_line(tmp_path):
+    """llama.cpp reads one token per embedding row; the converter cuts the embedding to a smaller Gemma tokenizer,
+    Poros writes every row: refused before a tensor is read, naming both sizes and the fix."""
+    from poros import errors
+    from poros.export.gguf import merge_to_gguf
+
+    base = gguf_base(tmp_path / "base", "gemma4", "moe", tokenizer=lambda directory: gemma_tokenizer(directory) + 64)
+    expert_adapter(base, tmp_path / "adapter")
+    with pytest.raises(errors.UnsupportedModelError, match=r"has \d+ tokens, the model \d+ embedding rows") as info:
+        merge_to_gguf(tmp_path / "adapter", tmp_path / "out.gguf", model=base, progress=None)
+    assert "\n" not in str(info.value) and "Fix: merge to safetensors" in str(info.value)
+    assert not list(tmp_path.glob("*out.gguf*"))
