@@ -331,7 +331,8 @@ class Gemma4Converter(TextConverter):
         """Gemma's own tokenizer (SentencePiece-style BPE with byte fallback) as llama.cpp's ``gemma4`` tokenizer
         model (:func:`poros.export.gguf_tokenizer.write_sentencepiece_bpe`); a byte-level BPE tokenizer as GPT-2
         BPE (what the converter's ``gemma4`` model cannot read, so llama.cpp's ``gpt2`` model)."""
-        from poros.export.gguf_tokenizer import load_tokenizer, sentencepiece_bpe, tokenizer_source, write_sentencepiece_bpe
+        from poros.export.gguf_tokenizer import (load_tokenizer, sentencepiece_bpe, tokenizer_source,
+                                                 write_sentencepiece_bpe)
 
         source = tokenizer_source(plan)
         if not sentencepiece_bpe(load_tokenizer(source)):

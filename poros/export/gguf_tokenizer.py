@@ -230,4 +230,5 @@ def looks_special(token: str) -> bool:
     return (token.startswith("<|") and token.endswith("|>")) or token in ("<pad>", "<mask>")
 
 
-__all__ = ["added_specials", "load_tokenizer", "looks_special", "refuse", "split_regex", "tokenizer_pre", "tokenizer_source", "write_tokenizer"]
+__all__ = ["added_specials", "load_tokenizer", "looks_special", "refuse", "sentencepiece_bpe", "split_regex",
+           "tokenizer_pre", "tokenizer_source", "write_sentencepiece_bpe", "write_tokenizer"]
