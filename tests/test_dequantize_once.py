@@ -172,6 +172,7 @@ def test_dequantize_once_trains_the_plain_bits(family, variant, bf16, tmp_path):
     run = run_trainer(load(checkpoint), tmp_path / "poros", **flow, line=lambda trainer: _count_per_phase(
         poros.prepare_trainer(trainer, **keywords).executor, seen))
     assert_same_outcome(plain, run)
+    assert bnb.matmul_4bit is bnb.autograd._functions.matmul_4bit  # every phase gave bitsandbytes' function back
     model = run["trainer"].model
     count = len(model.executor.layers)
     assert model.executor.dequantize.last and len(seen) == 2  # two layer-major windows of 4, both held
@@ -260,6 +261,7 @@ def test_dequantize_once_is_checked_carried_and_planned(capsys):
     """The setting is checked and carried by the config; ``poros plan`` prints the decision and ``--json`` reports
     ``dequantize_once`` and its bytes: on with accumulation 4, off at one micro-batch and with ``false``."""
     from poros.cli.main import main
+    from poros.plan import budget as planner
 
     with pytest.raises(ConfigError, match="dequantize_once='some'"):
         StreamOptions(dequantize_once="some")
@@ -270,8 +272,23 @@ def test_dequantize_once_is_checked_carried_and_planned(capsys):
     assert main([*base, "--grad-accum", "4"]) == 0
     out = capsys.readouterr().out
     assert "dequantize once   on" in out and "dequantized once for its 4 forwards" in out
-    for extra, on in ((["--grad-accum", "4"], True), (["--grad-accum", "1"], False),
-                      (["--grad-accum", "4", "--dequantize-once", "false"], False)):
+    plans = {}
+    for name, extra, on in (("auto", ["--grad-accum", "4"], True), ("one", ["--grad-accum", "1"], False),
+                            ("false", ["--grad-accum", "4", "--dequantize-once", "false"], False)):
         assert main([*base, *extra, "--json"]) == 0
-        plan = json.loads(capsys.readouterr().out)["plan"]
+        plans[name] = plan = json.loads(capsys.readouterr().out)["plan"]
         assert plan["dequantize_once"] is on and (plan["dequantize_once_bytes"] > 0) is on
+    # auto never costs a resident block: a copy larger than what the plan leaves stays off (the plan is false's);
+    # true counts it from the start, so a budget that cannot hold it is refused
+    assert main([*base, "--grad-accum", "4", "--json"]) == 0
+    footprint = json.loads(capsys.readouterr().out)["footprint"]
+    footprint = planner.Footprint(**{**footprint, "block_bytes": tuple(footprint["block_bytes"]),
+                                     "held_weight_bytes": 1 << 31})
+    workload = Workload(1, 512, 4, "layer-major")
+    tight = planner.plan_budget(footprint, workload, StreamOptions(vram_budget="2GiB", optimizer_states="device"))
+    assert not tight.dequantize_once
+    assert tight.resident_blocks == tuple(plans["false"]["resident_blocks"])
+    assert any("cannot hold one block's dequantized weights" in note for note in tight.notes)
+    with pytest.raises(ConfigError, match="does not fit this run"):
+        planner.plan_budget(footprint, workload, StreamOptions(vram_budget="2GiB", dequantize_once=True,
+                                                               optimizer_states="device"))
