@@ -138,6 +138,14 @@ class StreamingExecutor:
         return self.options.boundary_states or "device"
 
     @property
+    def states_off_device(self) -> bool:
+        """Whether the boundary states are to wait off the device (:attr:`boundary_states` ``"host"`` or
+        ``"disk"``): only :meth:`forward_backward` (layer-major) moves them there, even for one micro-batch; a
+        step through the model's own forward and ``backward()`` (micro-major) keeps its kept block inputs on
+        the device, saved by autograd, whatever this says. Trainers run layer-major when it is true."""
+        return self.boundary_states in ("host", "disk")
+
+    @property
     def boundary_every(self) -> int:
         """k: the input of every k-th block is kept for backward (where :attr:`boundary_states` says); the
         k - 1 between are recomputed from it (``segments.py``). 1: every block's input is kept."""
