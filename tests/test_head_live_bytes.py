@@ -137,3 +137,18 @@ def test_a_trainer_step_of_one_micro_batch_keeps_the_boundary_states_where_the_p
         assert len(stash_copies) == kept_inputs - 1  # ran layer-major: the kept states went to the "host"
     else:
         assert not stash_copies and seen[0] >= kept_inputs  # on the device, as planned
+
+
+def test_a_plain_loop_with_the_states_planned_off_the_device_is_told_once(tmp_path, caplog):
+    """``model(**batch).loss.backward()`` is micro-major: the kept block inputs stay on the device whatever
+    ``boundary_states`` says, and the run is told where the plan is honoured."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", vocab_size=512, num_hidden_layers=4, **TINY)
+    model = poros.prepare(load_qlora(checkpoint, lora_rank=4, lora_alpha=8), boundary_states="disk",
+                          boundary_every=2)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="poros"):
+        for _ in range(2):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.forward_backward([{"input_ids": ids, "labels": ids}])  # layer-major: nothing to say
+    said = [r.getMessage() for r in caplog.records if "honoured by layer-major steps only" in r.getMessage()]
+    assert len(said) == 1 and "keeps its 2 kept block inputs on the device" in said[0], said

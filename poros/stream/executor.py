@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
@@ -85,6 +86,8 @@ from poros.stream.segments import kept as boundary_kept, recompute_inputs, resol
 from poros.stream.store import BlockStore
 from poros.stream.trunk import (STREAMING, CaptureDone, LayerRecorder, Phase, Step, StreamingLayer, TrunkOutput,
                                 TrunkState, swapped)
+
+logger = logging.getLogger("poros")
 
 
 class StreamingExecutor:
@@ -130,6 +133,7 @@ class StreamingExecutor:
         self._access: dict[int, dict[str, CarriedAccess]] = {}  # block -> its carried mappings' access, found once
         #: which blocks keep their activations (``options.recompute``; ``poros.stream.recompute_choice``)
         self.recompute = RecomputeChoice(self, options.recompute, kept_blocks, kept_estimate)
+        self._said_states_stay = False  # a micro-major step with the states planned off the device: said once
 
     @property
     def boundary_states(self) -> str:
@@ -200,6 +204,14 @@ class StreamingExecutor:
             self._record(state.calls, *args, **kwargs)
             self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
+        if self.states_off_device and not self._said_states_stay:
+            self._said_states_stay = True
+            logger.warning(
+                "poros: boundary_states=%r is honoured by layer-major steps only (model.forward_backward, "
+                "PorosTrainer, prepare_trainer's windows); this forward with grad runs micro-major and keeps its %d "
+                "kept block inputs on the device (autograd saves them), beyond what the plan priced. Run the step "
+                "through model.forward_backward([batch]).", self.boundary_states,
+                sum(1 for i in range(len(self.layers)) if self.keeps_input(i)))
         step.router = self.routers.wanted(kwargs)
         hidden = step.calls[0].leaves[0]
         step.kept_blocks = self.recompute.blocks(hidden, 1)
