@@ -143,10 +143,8 @@ class StreamingExecutor:
 
     @property
     def states_off_device(self) -> bool:
-        """Whether the boundary states are to wait off the device (:attr:`boundary_states` ``"host"`` or
-        ``"disk"``): only :meth:`forward_backward` (layer-major) moves them there, even for one micro-batch; a
-        step through the model's own forward and ``backward()`` (micro-major) keeps its kept block inputs on
-        the device, saved by autograd, whatever this says. Trainers run layer-major when it is true."""
+        """Whether the boundary states are to wait on the host or disk: only :meth:`forward_backward` (layer-major)
+        moves them there; a micro-major step keeps its kept block inputs on the device (autograd saves them)."""
         return self.boundary_states in ("host", "disk")
 
     @property
