@@ -64,21 +64,28 @@ def node_llama_cpp() -> Path:
 def exported(tmp_path_factory):
     """The adapter exported with ``poros merge --format gguf`` as each type, and the merged checkpoint."""
     from poros.assets import asset_path
-    from poros.export.merge import merge_adapter
     from poros.testing import load_qlora
 
     folder = node_llama_cpp()
     tmp = tmp_path_factory.mktemp("llama-cpp")
     base = asset_path("poros-tiny-qwen3")
     load_qlora(base, lora_rank=4, lora_alpha=8).save_pretrained(tmp / "adapter")  # lora_B random
+    return folder, base, tmp, export_all(base, tmp, "tiny")
+
+
+def export_all(base: Path, tmp: Path, stem: str) -> dict:
+    """``tmp/adapter`` on ``base`` written by ``poros merge --format gguf`` as each of :data:`TYPES` (``{type:
+    file}``), and merged to safetensors in ``tmp/merged``."""
+    from poros.export.merge import merge_adapter
+
     files = {}
     for gguf_type in TYPES:
-        files[gguf_type] = tmp / f"tiny-{gguf_type}.gguf"
+        files[gguf_type] = tmp / f"{stem}-{gguf_type}.gguf"
         status = main(["merge", "--adapter", str(tmp / "adapter"), "--model", str(base), "--format", "gguf",
                        "--gguf-type", gguf_type, "--output", str(files[gguf_type])])
         assert status == 0
     merge_adapter(tmp / "adapter", tmp / "merged", model=base, progress=None)
-    return folder, base, tmp, files
+    return files
 
 
 def conversations(tokenizer):
@@ -154,6 +161,64 @@ def test_llama_cpp_reads_the_gguf_as_transformers_does(exported):
         f"max |logit difference| {differences}, allowed {LOGIT_TOLERANCE} (logits span {np.ptp(logits):.1f})"
     same_greedy = sum(got == want for got, want in zip(answers["f32"]["greedy"], greedy))
     assert same_greedy == 400, f"f32: {same_greedy} of 400 greedy continuations equal transformers'"
+
+
+#: the MoE families (tests/test_moe_export.py): tiny random-weight models with LoRA on q_proj and on the experts
+MOE = [("qwen3_5_moe", "default"), ("gemma4", "moe")]
+MOE_PROMPTS = 48
+#: the largest |llama.cpp - transformers| allowed on a first-token logit of the tiny random MoE models (logits span
+#: about 1.3), per family and type: about twice the largest difference seen over the prompts (Qwen3.5 MoE 1.8e-7,
+#: 0.0015, 0.044; Gemma 4 3.8e-4, 0.14, 0.19). Qwen3.5 MoE in f32 is the same computation to rounding; Gemma 4's
+#: GELU is llama.cpp's tabulated one (f16 inputs) on the CPU, and in bf16 and q8_0 a token's top-2 experts can
+#: differ from transformers' where two router scores are that close, hence their wider bounds.
+MOE_TOLERANCE = {"qwen3_5_moe": {"f32": 1e-6, "bf16": 0.003, "q8_0": 0.09},
+                 "gemma4": {"f32": 0.0008, "bf16": 0.3, "q8_0": 0.4}}
+
+
+@pytest.fixture(scope="module", params=MOE, ids=[family for family, _ in MOE])
+def moe_exported(request, tmp_path_factory):
+    """A tiny MoE with random LoRA on q_proj and the experts, exported with ``poros merge --format gguf`` as each
+    type, and merged to safetensors."""
+    from test_moe_export import expert_adapter, gguf_base
+
+    folder = node_llama_cpp()
+    family, variant = request.param
+    tmp = tmp_path_factory.mktemp(f"llama-cpp-{family}")
+    base = gguf_base(tmp / "base", family, variant)
+    expert_adapter(base, tmp / "adapter")
+    return family, folder, base, tmp, export_all(base, tmp, family)
+
+
+def test_llama_cpp_runs_the_moe_gguf_as_transformers_runs_the_merged_model(moe_exported):
+    """Qwen3.5 MoE (DeltaNet layers, stacked experts, shared expert; byte-level BPE) and Gemma 4 MoE (sliding and full
+    layers, fused experts, router scales; a tokenizer of Gemma's kind, llama.cpp's gemma4 model) with LoRA merged
+    into their experts: llama.cpp tokenizes the 400 conversations and the prompts as the HF tokenizer does, its
+    first-token logits are transformers' within :data:`MOE_TOLERANCE`, and its greedy continuations (f32) are
+    transformers' token for token up to a step where transformers' own two best logits are within that tolerance
+    (a tie either may break: random tiny models have them)."""
+    import transformers
+
+    family, folder, base, tmp, files = moe_exported
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    texts, prompts = conversations(tokenizer)
+    prompts = prompts[:MOE_PROMPTS]
+    vocab = transformers.AutoConfig.from_pretrained(base).vocab_size
+    answers = llama_cpp(folder, tmp, files, texts, prompts, vocab)
+    greedy, logits = transformers_answers(tmp / "merged", tokenizer, prompts)
+    expected_tokens = [tokenizer.encode(text) for text in texts]
+    for name in files:
+        assert answers[name]["tokens"] == expected_tokens, name
+        assert answers[name]["prompt_tokens"] == [tokenizer.encode(prompt) for prompt in prompts], name
+    differences = {name: float(np.abs(answers[name]["logits"] - logits).max()) for name in files}
+    assert all(differences[name] <= MOE_TOLERANCE[family][name] for name in files), \
+        f"max |logit difference| {differences}, allowed {MOE_TOLERANCE[family]} (logits span {np.ptp(logits):.2f})"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "merged", dtype=torch.float32).eval()
+    for prompt, got, want in zip(prompts, answers["f32"]["greedy"], greedy):
+        if got != want:  # where they part, transformers' two best logits must be a tie within the tolerance
+            step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            with torch.no_grad():
+                best = model(torch.tensor([tokenizer.encode(prompt) + want[:step]])).logits[0, -1].topk(2).values
+            assert float(best[0] - best[1]) <= MOE_TOLERANCE[family]["f32"], (prompt, got, want)
 
 
 def test_without_the_variable_the_module_says_how_to_install(monkeypatch):

@@ -11,7 +11,8 @@
 GGUF lists every tensor's name, shape, type and offset before the data, so a first pass reads only
 the shards' headers and lays the file out; the second reads, merges, converts and writes each
 tensor and drops it before the next -- the host holds one tensor (plus the adapter), as ``poros
-merge`` does.
+merge`` does; for an MoE checkpoint with one matrix per expert, one layer's matrices of one
+projection, stacked into the one GGUF tensor llama.cpp reads.
 
 Notable choices:
 
@@ -30,20 +31,27 @@ Notable choices:
   cannot reproduce is refused in one line (:func:`tokenizer_pre`). An Ollama ``NAME.Modelfile`` is
   written beside the file (:mod:`poros.export.modelfile`).
 * **Architectures as data.** :data:`GGUF_ARCHITECTURES` maps an HF ``model_type`` to the GGUF
-  architecture; a model type without an entry is refused by name.
+  architecture and its converter (:mod:`poros.export.gguf_arch`: Qwen2/Qwen3 as they are; Qwen3.5 MoE's
+  stacked experts and DeltaNet transforms; Gemma 4's fused experts, router scales and ``rope_freqs``); a
+  model type without an entry is refused by name. A GGUF tensor is a function of its checkpoint tensors
+  (one, or every expert's matrix of one projection): the layout runs it on meta tensors, the data pass on
+  the merged tensors, so the host holds one GGUF tensor's sources at a time.
 * **Atomic.** The file is written beside its name and renamed into place once complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from poros.errors import ConfigError, MissingDependencyError, UnsupportedModelError
+from poros.export.gguf_arch import GGUF_ARCHITECTURES, GgufArchitecture, Planned, Source, converter_dtype
 from poros.export.modelfile import write_modelfile
 from poros.export.merge import (MergeResult, ShardReader, floating_dtype, model_key, peak_rss, plan_merge,
                                 progress_line)
@@ -51,26 +59,6 @@ from poros.spellings import human_bytes
 from poros.export.gguf_tokenizer import added_specials, load_tokenizer, tokenizer_pre, tokenizer_source, write_tokenizer
 
 
-@dataclass(frozen=True)
-class GgufArchitecture:
-    """How llama.cpp names a family.
-
-    Attributes:
-        arch: gguf-py's architecture name (``gguf.MODEL_ARCH_NAMES``), ``general.architecture``.
-        tokenizer_pre: the pre-tokenizer the family's published tokenizers get from llama.cpp's converter
-            (informational, for the docs' table); the file's own ``tokenizer.ggml.pre`` is chosen from the
-            tokenizer exported (:func:`tokenizer_pre`), as the converter chooses it.
-    """
-
-    arch: str
-    tokenizer_pre: str
-
-
-#: HF ``model_type`` -> its GGUF architecture (convert_hf_to_gguf.py: Qwen2Model, Qwen3Model)
-GGUF_ARCHITECTURES = {
-    "qwen2": GgufArchitecture("qwen2", "qwen2"),
-    "qwen3": GgufArchitecture("qwen3", "qwen2"),
-}
 #: ``--gguf-type`` -> (gguf.GGMLQuantizationType name, gguf.LlamaFileType name)
 GGUF_TYPES = {
     "bf16": ("BF16", "MOSTLY_BF16"),
@@ -106,13 +94,18 @@ class GgufResult(MergeResult):
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """One tensor of the GGUF file, laid out before any data is read."""
+    """One tensor of the GGUF file, laid out before any data is read: llama.cpp's name, its shape (torch order) and
+    type, and how it is made from the checkpoint (:class:`poros.export.gguf_arch.Planned`)."""
 
-    shard: int  # index into the checkpoint's weight files
-    key: str  # its checkpoint name
-    name: str  # its llama.cpp name
+    name: str
     shape: tuple[int, ...]
     qtype: Any  # gguf.GGMLQuantizationType
+    planned: Planned
+
+    @property
+    def shard(self) -> int:
+        """The shard of its first source (-1: a generated tensor)."""
+        return self.planned.sources[0].shard if self.planned.sources else -1
 
 
 def gguf_architecture(model_type: str | None) -> GgufArchitecture:
@@ -124,19 +117,26 @@ def gguf_architecture(model_type: str | None) -> GgufArchitecture:
     found = GGUF_ARCHITECTURES.get(model_type or "")
     if found is None:
         raise UnsupportedModelError(
-            f"poros merge --format gguf writes the llama.cpp architectures {', '.join(sorted(GGUF_ARCHITECTURES))}; "
+            f"poros merge --format gguf writes the model types {', '.join(sorted(GGUF_ARCHITECTURES))}; "
             f"this base is model_type {model_type!r}. Fix: merge to safetensors (poros merge without --format) and "
             "convert that with llama.cpp's convert_hf_to_gguf.py.")
     return found
 
 
+#: gguf-py's tensors the converter always writes in F32 (``prepare_tensors``: the router, the shared expert's
+#: gate, DeltaNet's convolution), by their names' patterns
+ALWAYS_F32 = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES", "SSM_CONV1D")
+
+
 def tensor_type(name: str, shape: tuple[int, ...], gguf_type: str) -> Any:
-    """The GGUF type of a tensor, as convert_hf_to_gguf.py chooses it: F32 for one-dimensional tensors, norms
-    and anything that is not a ``.weight``; the type asked for the rest, F16 where Q8_0's blocks do not divide
-    a row."""
+    """The GGUF type of a tensor, as convert_hf_to_gguf.py chooses it: F32 for one-dimensional tensors, norms,
+    anything that is not a ``.weight`` and the tensors it always keeps in F32 (:data:`ALWAYS_F32`); the type asked
+    for the rest, F16 where Q8_0's blocks do not divide a row."""
     import gguf
 
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or any(
+            re.fullmatch(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[kind]].replace("{bid}", r"\d+") + r"\.weight", name)
+            for kind in ALWAYS_F32):
         return gguf.GGMLQuantizationType.F32
     qtype = gguf.GGMLQuantizationType[GGUF_TYPES[gguf_type][0]]
     block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
@@ -154,29 +154,33 @@ def convert(tensor: Any, qtype: Any) -> Any:
 
 
 def layout(plan: Any, arch: GgufArchitecture, gguf_type: str) -> list[PlannedTensor]:
-    """Every tensor of the checkpoint with its llama.cpp name and GGUF type, from the shards' headers only.
+    """Every tensor of the GGUF file with its llama.cpp name, shape and type, from the shards' headers only (the
+    architecture's converter, :mod:`poros.export.gguf_arch`, says which checkpoint tensors make it and how).
 
     Raises:
-        UnsupportedModelError: a checkpoint tensor llama.cpp's architecture has no name for (a vision
-            tower, a module llama.cpp does not implement).
+        UnsupportedModelError: a checkpoint tensor llama.cpp's architecture has no name for (a module llama.cpp
+            does not implement), or an incomplete set of experts.
     """
-    import gguf
-
-    text_config = plan.checkpoint.text_config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.arch.upper()], text_config.num_hidden_layers)
-    planned = []
+    sources = []
     for shard, path in enumerate(plan.checkpoint.weight_files):
         with ShardReader(path) as reader:
             for key, (_, shape) in reader.tensors.items():
-                mapped = model_key(key, plan.checkpoint.key_mapping or {})
-                name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
-                if name is None:
-                    raise UnsupportedModelError(
-                        f"{key} has no name in llama.cpp's {arch.arch} architecture; expected only the text model's "
-                        "tensors. Fix: merge to safetensors (poros merge without --format) and convert with llama.cpp.")
-                shape = tuple(shape)
-                planned.append(PlannedTensor(shard, key, name, shape, tensor_type(name, shape, gguf_type)))
+                sources.append(Source(shard, key, model_key(key, plan.checkpoint.key_mapping or {}), tuple(shape)))
+    planned = []
+    for item in arch.converter(arch.arch, plan.checkpoint.text_config).plan(sources):
+        shape = item.shape()
+        planned.append(PlannedTensor(item.name, shape, tensor_type(item.name, shape, gguf_type), item))
     return planned
+
+
+def tensor_data(item: PlannedTensor, readers: dict[int, Any], plan: Any, device: str, merged_modules: set[str]) -> Any:
+    """The bytes gguf-py writes for ``item``: its checkpoint tensors read, merged (:meth:`MergePlan.merged`), in
+    the dtype the converter transforms them in, through the converter's transform, converted to its type."""
+    sources = [converter_dtype(plan.merged(source.key, readers[source.shard].read(source.key), device, merged_modules))
+               for source in item.planned.sources]
+    tensor = item.planned.build(sources)
+    del sources
+    return convert(tensor, item.qtype)
 
 
 def merge_to_gguf(adapter: str | os.PathLike, output: str | os.PathLike, *, model: str | os.PathLike | None = None,
@@ -211,7 +215,7 @@ def merge_to_gguf(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     tensors = layout(plan, arch, gguf_type)
     staging = target.with_name(f".{target.name}.partial")
     writer = gguf.GGUFWriter(staging, arch.arch)
-    write_metadata(writer, plan, arch, gguf_type)
+    pre = write_metadata(writer, plan, arch, gguf_type)
     for item in tensors:  # GGUF lists every tensor before the data: shapes and types from the headers
         byte_shape = gguf.quant_shape_to_byte_shape(item.shape, item.qtype)
         writer.add_tensor_info(item.name, byte_shape, gguf.np.uint8, _product(byte_shape), raw_dtype=item.qtype)
@@ -222,15 +226,19 @@ def merge_to_gguf(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for number, path in enumerate(shards):
-            with ShardReader(path) as reader:
-                for item in (item for item in tensors if item.shard == number):  # the order the infos list
-                    data = convert(plan.merged(item.key, reader.read(item.key), device, merged_modules), item.qtype)
-                    writer.write_tensor_data(data.view(gguf.np.uint8))  # one tensor in memory at a time
-                    total_bytes += data.nbytes
-                    del data
-            if progress is not None:
-                progress_line(progress, number + 1, len(shards), len(merged_modules), len(plan.modules), start)
+        with contextlib.ExitStack() as stack:  # the order the infos list; a tensor's sources may span shards
+            readers = {number: stack.enter_context(ShardReader(path)) for number, path in enumerate(shards)}
+            done = 0
+            for item in tensors:
+                data = tensor_data(item, readers, plan, device, merged_modules)
+                writer.write_tensor_data(data.view(gguf.np.uint8))  # one GGUF tensor in memory at a time
+                total_bytes += data.nbytes
+                del data
+                if progress is not None and item.shard > done:
+                    done = item.shard
+                    progress_line(progress, done, len(shards), len(merged_modules), len(plan.modules), start)
+        if progress is not None:
+            progress_line(progress, len(shards), len(shards), len(merged_modules), len(plan.modules), start)
         plan.check_all_merged(merged_modules)
         writer.close()
         os.replace(staging, target)
@@ -242,7 +250,7 @@ def merge_to_gguf(adapter: str | os.PathLike, output: str | os.PathLike, *, mode
     modelfile = write_modelfile(target, tokenizer)
     return GgufResult(target, plan.base_path, 1, len(tensors), len(merged_modules), total_bytes,
                       time.perf_counter() - start, peak_rss(), [modelfile], gguf_type=gguf_type,
-                      architecture=arch.arch, tokenizer_pre=tokenizer_pre(tokenizer), modelfile=modelfile)
+                      architecture=arch.arch, tokenizer_pre=pre, modelfile=modelfile)
 
 
 def _product(shape: tuple[int, ...]) -> int:
@@ -267,57 +275,23 @@ def require_gguf() -> Any:
     return gguf
 
 
-def write_metadata(writer: Any, plan: Any, arch: GgufArchitecture, gguf_type: str) -> None:
-    """``general.*``, the architecture's hyperparameters and the tokenizer, as llama.cpp reads them.
+def write_metadata(writer: Any, plan: Any, arch: GgufArchitecture, gguf_type: str) -> str:
+    """``general.*``, the architecture's hyperparameters (its converter's, :mod:`poros.export.gguf_arch`) and the
+    tokenizer, as llama.cpp reads them; returns the pre-tokenizer written.
 
     Raises:
-        UnsupportedModelError: sliding-window attention, or a RoPE scaling llama.cpp's architecture lacks.
+        UnsupportedModelError: sliding-window attention the architecture lacks, a RoPE scaling it lacks, or a
+            tokenizer llama.cpp cannot reproduce.
     """
     import gguf
 
-    config = plan.checkpoint.text_config
-    if getattr(config, "use_sliding_window", False):
-        raise UnsupportedModelError(
-            f"the base uses sliding-window attention (use_sliding_window: true, window {config.sliding_window}); "
-            f"llama.cpp's {arch.arch} attends to every token, so it would compute another model. Fix: merge to "
-            "safetensors (poros merge without --format) and serve it with transformers or vLLM.")
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(_model_name(plan.info.base_model))
     writer.add_file_type(gguf.LlamaFileType[GGUF_TYPES[gguf_type][1]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is not None:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    _rope(writer, config, arch)
-    write_tokenizer(writer, plan, arch)
-
-
-def _rope(writer: Any, config: Any, arch: GgufArchitecture) -> None:
-    import gguf
-
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is not None:
-        writer.add_rope_freq_base(float(theta))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return
-    if kind not in ("linear", "yarn"):
-        raise UnsupportedModelError(
-            f"the base scales RoPE with {kind!r}; GGUF for {arch.arch} is written with linear or yarn scaling only. "
-            "Fix: merge to safetensors (poros merge without --format).")
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(float(rope["factor"]))
-    if kind == "yarn" and rope.get("original_max_position_embeddings"):
-        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    converter = arch.converter(arch.arch, plan.checkpoint.text_config)
+    converter.metadata(writer)
+    return converter.write_vocabulary(writer, plan, arch)
 
 
 def _model_name(base: str) -> str:

@@ -62,6 +62,49 @@ def write_tokenizer(writer: Any, plan: Any, arch: Any) -> None:  # arch: poros.e
     special.add_to_gguf(writer, quiet=True)
 
 
+def write_sentencepiece_bpe(writer: Any, source: pathlib.Path, model: str, visible: frozenset[str],
+                            vocab_size: int) -> None:
+    """A SentencePiece-style BPE vocabulary (BPE with byte fallback, spaces as ``▁``: Gemma's) as llama.cpp's
+    converter writes it for ``model`` (``Gemma4Model.set_vocab``): gguf-py's ``LlamaHfVocab`` tokens, scores and
+    types, the ``visible`` tokens as user-defined (rendered, so llama.cpp's chat parser reads them), the merges
+    and special ids of gguf-py's ``SpecialVocab``, no space prefix, BOS added.
+
+    Raises:
+        UnsupportedModelError: the tokenizer's size is not the model's vocab size (the converter would cut the
+            embedding to the tokenizer; Poros writes every embedding row).
+    """
+    import gguf
+    from gguf.vocab import LlamaHfVocab
+
+    vocab = LlamaHfVocab(source)
+    tokens, scores, types = [], [], []
+    for text, score, kind in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(gguf.TokenType.USER_DEFINED if text.decode() in visible else kind)
+    if len(tokens) != vocab_size:
+        raise UnsupportedModelError(
+            f"the tokenizer in {source} has {len(tokens)} tokens, the model {vocab_size} embedding rows; llama.cpp "
+            f"reads one token per row. Fix: merge to safetensors (poros merge without --format) and convert that with "
+            "llama.cpp's convert_hf_to_gguf.py, which cuts the embedding to the tokenizer.")
+    writer.add_tokenizer_model(model)
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(source, load_merges=True).add_to_gguf(writer, quiet=True)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+
+
+def sentencepiece_bpe(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is BPE with byte fallback (SentencePiece-style, as Gemma's), not byte-level BPE."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = json.loads(backend.to_str()).get("model", {}) if backend is not None else {}
+    return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+
+
 def tokenizer_source(plan: Any) -> pathlib.Path:
     """The directory whose tokenizer goes into the file: the adapter's, else the base's.
 
@@ -187,4 +230,5 @@ def looks_special(token: str) -> bool:
     return (token.startswith("<|") and token.endswith("|>")) or token in ("<pad>", "<mask>")
 
 
-__all__ = ["added_specials", "load_tokenizer", "looks_special", "refuse", "split_regex", "tokenizer_pre", "tokenizer_source", "write_tokenizer"]
+__all__ = ["added_specials", "load_tokenizer", "looks_special", "refuse", "sentencepiece_bpe", "split_regex",
+           "tokenizer_pre", "tokenizer_source", "write_sentencepiece_bpe", "write_tokenizer"]

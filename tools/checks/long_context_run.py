@@ -94,6 +94,17 @@ class Sampler(threading.Thread):
             self.stop.wait(self.period)
 
 
+def _model_of(checkpoint: Path) -> dict[str, Any]:
+    """What the checkpoint's ``config.json`` says of its shape (the docs' tables name the row by it)."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    config = config.get("text_config", config)
+    return {key: config.get(key) for key in ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
+                                             "vocab_size")}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cap_gib and args.device.startswith("cuda"):  # before anything initialises CUDA's allocator
@@ -118,7 +129,7 @@ def main(argv=None) -> int:
                          embeddings_on_host=None if args.embeddings_on_host is None else args.embeddings_on_host == "true",
                          output_dir=str(work / "run"), save_steps=0, logging_steps=1)
     report: dict[str, Any] = {"tool": "long_context_run", "args": vars(args) | {"json": str(args.json)},
-                              "partial": True}
+                              "partial": True, "model": _model_of(Path(args.checkpoint))}
 
     def write() -> None:
         if args.json:

@@ -66,11 +66,11 @@ def render_projection() -> str:
         def at(name: str, phase: str) -> float:
             return start[name][phase]["at_full_depth_s"]
 
-        ratios = [f"{at('nocache', phase) / at('cached', phase):.1f}x / {at('nocache', phase) / at('cached_warm', phase):.1f}x"
+        cells = [f"{record['shape']} ({record['full_depth']})"]
+        cells += [f"{at(name, 'start_s'):.1f}" for name in ("nocache", "cached", "cached_warm")]
+        cells += [f"{at('nocache', phase) / at('cached', phase):.1f}x / {at('nocache', phase) / at('cached_warm', phase):.1f}x"
                   for phase in ("start_s", "through_first_step_s", "process_start_s")]
-        rows.append(f"| {record['shape']} ({record['full_depth']}) | {at('nocache', 'start_s'):.1f} | "
-                    f"{at('cached', 'start_s'):.1f} | {at('cached_warm', 'start_s'):.1f} | {' | '.join(ratios)} | "
-                    f"{docgen.json_link(path, 'JSON')} |")
+        rows.append("| " + " | ".join([*cells, docgen.json_link(path, "JSON")]) + " |")
     return "\n".join(rows)
 
 

@@ -332,9 +332,56 @@ def long_context_records() -> dict[tuple[str, int, float], tuple[Path, dict]]:
     return found
 
 
-def _long_context_cell(found: tuple[Path, dict] | None) -> str:
-    if found is None:
-        return "not measured"
+def _quantized_shape(directory: Path, checkpoint: str) -> str | None:
+    """The full-depth shape a ``prequant`` report of ``directory`` wrote into ``checkpoint`` (the long-context runs
+    start from it), or None."""
+    for path in sorted(directory.glob("prequant-*.json")):
+        record = json.loads(path.read_text())
+        quantize, model = record.get("quantize") or {}, record.get("model") or {}
+        if quantize.get("output") == checkpoint and model.get("num_hidden_layers") == model.get("full_depth"):
+            return model.get("shape")
+    return None
+
+
+def long_context_runs() -> dict[tuple[str, int, float], tuple[Path, dict]]:
+    """``(shape, seq, cap GB) -> (path, report)``: the newest finished ``tools/checks/long_context_run`` report
+    (trained or failed) per row, its shape the one quantized into its checkpoint in the same run."""
+    found = {}
+    for path in sorted(ROOT.glob("registry/results/h200-*/long-*.json")):
+        record = json.loads(path.read_text())
+        args = record.get("args") or {}
+        if record.get("tool") != "long_context_run" or record.get("partial") or not args.get("cap_gib"):
+            continue
+        shape = _quantized_shape(path.parent, args["checkpoint"])
+        if shape is not None:
+            found[(shape, args["seq"], float(round(args["cap_gib"] * 2**30 / 1e9)))] = (path, record)
+    return found
+
+
+def _long_context_run_cell(path: Path, record: dict) -> str:
+    plan = record.get("budget_plan") or {}
+    predicted = _gb((plan.get("peak") or {}).get("total", 0))
+    allocated = record["peak_allocated_bytes"] / 1e9
+    host = (f"host {record['host_peak_rss_bytes'] / 1e9:.1f} GB peak RSS "
+            f"(planned {_gb(record['planned']['host_ram_bytes'])})" if record.get("planned") else "")
+    if record.get("failed"):
+        return (f"failed, {record['failed'].split(':')[0]} at {allocated:.2f} GB allocated (predicted {predicted}), "
+                f"{host} ({_link(path)})")
+    disk = f", boundary states on the disk {record['spill_peak_bytes'] / 1e9:.1f} GB" if record["spill_peak_bytes"] else ""
+    return (f"{allocated:.2f} allocated / {record['peak_reserved_bytes'] / 1e9:.2f} reserved GB (predicted {predicted}), "
+            f"{record['step_s'][-1]:.1f} s, {record['tokens_per_second'][-1]:,.0f} tokens/s, {host}, "
+            f"boundary_every {record['boundary_every']}{disk}, deterministic, from a bnb-4bit checkpoint "
+            f"({_link(path)})")
+
+
+def _long_context_cell(found: tuple[Path, dict] | None, run: tuple[Path, dict] | None = None) -> str:
+    cells = [_long_context_bench_cell(found)] if found is not None else []
+    if run is not None:
+        cells.append(_long_context_run_cell(*run))
+    return "; ".join(cells) or "not measured"
+
+
+def _long_context_bench_cell(found: tuple[Path, dict]) -> str:
     path, record = found
     from poros.plan import calibration
 
@@ -353,7 +400,7 @@ def render_long_context() -> str:
             "(phase) | largest parts GB | host RAM GB | with a host budget (boundary_every auto): states, host RAM "
             "planned | measured under that cap (H200, full depth) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    measured = long_context_records()
+    measured, runs = long_context_records(), long_context_runs()
     for name, seq, card in LONG_CONTEXT:
         plan, bp = long_context_plan(name, seq, card)
         if isinstance(bp, Exception):
@@ -367,7 +414,7 @@ def render_long_context() -> str:
         rows.append(f"| {name} | {seq:,} | {card} GiB | yes | {bp.loss_chunks} | {bp.mlp_chunks} | "
                     f"{bp.boundary_states} ({_gb(bp.boundary_bytes)} GB) | {_gb(bp.peak.total)} ({bp.peak.phase}) | "
                     f"{largest} | {_gb(host_gb)} | {long_context_host_fit(plan, card)} | "
-                    f"{_long_context_cell(measured.get((name, seq, float(card))))} |")
+                    f"{_long_context_cell(measured.get((name, seq, float(card))), runs.get((name, seq, float(card))))} |")
     return "\n".join(rows)
 
 
