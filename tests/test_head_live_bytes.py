@@ -1,17 +1,17 @@
 """What the head and the chunked loss keep alive, counted on the CPU, against what the planner prices (issue 43).
 
-The H200's 72B run at 131,072 tokens under a 74.5 GiB cap died in its head phase (``Tried to allocate 9.28
-GiB``: one fp32 chunk of ``16384 x 152064``) with about 39 GB more alive than the plan's turn. Counted here
-tensor by tensor (``poros.testing.live_bytes``) on a real transformers Qwen2 with Qwen2.5's vocabulary:
+The H200's 72B run at 128K tokens under an 80 GB cap died in its head phase, allocating one fp32 chunk of the
+logits, with far more alive than the plan's turn (``tools/checks/long_context_run.py``'s record). Counted
+here tensor by tensor (``poros.testing.live_bytes``) on a real transformers Qwen2 with Qwen2.5's vocabulary:
 
 * the head and the chunked loss hold one chunk's working set and nothing across chunks: at the head phase's
   peak the only vocabulary-wide tensors alive are one chunk's three fp32 ones (the log-softmax output, the
   gradient ``nll_loss`` gives it, the gradient it gives), within the planner's head and loss parts;
 * the extra bytes were the boundary states: ``PorosTrainer`` ran a step of one micro-batch micro-major
   (only gradient accumulation, host-kept LoRA tensors or CUDA graphs turned layer-major on), and a
-  micro-major step keeps its kept block inputs on the device (autograd saves them), so the 19 states the
-  plan put in pinned memory (``boundary_states="host"``, 19 x 2.15 GB) were on the card. A step of one
-  micro-batch now runs layer-major when the states are to wait off the device.
+  micro-major step keeps its kept block inputs on the device (autograd saves them), so every state the
+  plan put in pinned memory (``boundary_states="host"``) was on the card. A step of one micro-batch now
+  runs layer-major when the states are to wait off the device.
 """
 
 from __future__ import annotations
