@@ -219,6 +219,21 @@ def test_accumulation_windows_run_layer_major_and_bitwise(family, variant, bf16,
         assert_same_trainer_state(tmp_path / "plain" / step, tmp_path / "poros" / step)
 
 
+def test_a_window_of_one_runs_layer_major_when_the_boundary_states_wait_on_the_host(tmp_path):
+    """Without accumulation a window has nothing to share, but only ``forward_backward`` puts the boundary
+    states where the plan said (the Trainer's own step keeps them on the device: issue 43's 128K OOM). With
+    them on the host every window of one runs layer-major, the plain run's bits."""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    flow = dict(train_rows=rows(3, 29), gradient_accumulation_steps=1, max_steps=3)
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", **flow)
+    streamed = run_trainer(load(checkpoint), tmp_path / "poros", **flow,
+                           line=lambda trainer: poros.prepare_trainer(trainer, boundary_states="host"))
+    assert_same_outcome(plain, streamed)
+    assert _windows(streamed) == 3
+    on_device = run_trainer(load(checkpoint), tmp_path / "device", line=poros.prepare_trainer, **flow)
+    assert _windows(on_device) == 0  # on the device: the Trainer's own step, as before
+
+
 @pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b")], ids=["qwen3", "gemma4"])
 def test_accumulation_fetches_each_block_twice_per_optimizer_step(family, variant, tmp_path):
     """Layer-major: each streamed block crosses to the device once per direction per optimizer step (the last

@@ -19,7 +19,8 @@ the layers' context), so the step must do nothing before its model call that a s
 That holds for the Trainer's and ``SFTTrainer``'s own methods; where it cannot be shown -- or layer-major is
 not the same computation -- the driver leaves every window to the Trainer (micro-major, bitwise as before)
 and says why once (:func:`fallback_reason`). A window of one micro-batch runs micro-major as well: there is
-nothing to share.
+nothing to share -- unless the boundary states are to wait off the device (``boundary_states`` host or disk),
+which only ``forward_backward`` does: a micro-major step keeps them on the device.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class WindowDriver:
         window = self.window
         ours = not args and not kwargs and window is not None and window.next < len(window.batches) \
             and inputs is window.batches[window.next] and num_items_in_batch is window.num_items
-        if not ours or len(window.batches) < 2 or not self._layer_major():
+        if not ours or (len(window.batches) < 2 and not self._states_off_device()) or not self._layer_major():
             with self._step_stream():  # micro-major: the Trainer's own step, off the legacy stream with graphs
                 return self.training_step(model, inputs, num_items_in_batch, *args, **kwargs)
         if window.next == 0:
@@ -158,6 +159,12 @@ class WindowDriver:
         if executor is None:
             return contextlib.nullcontext()
         return step_stream(executor.store.device, executor.graphs is not None)
+
+    def _states_off_device(self) -> bool:
+        """A window of one micro-batch still runs layer-major when the boundary states are to wait off the
+        device: only ``forward_backward`` puts them there (the Trainer's own step keeps them on the device)."""
+        executor = getattr(self.trainer.model, "executor", None)
+        return executor is not None and executor.states_off_device
 
     def _layer_major(self) -> bool:
         if not self.decided:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
@@ -86,6 +87,8 @@ from poros.stream.segments import kept as boundary_kept, recompute_inputs, resol
 from poros.stream.store import BlockStore
 from poros.stream.trunk import (STREAMING, CaptureDone, LayerRecorder, Phase, Step, StreamingLayer, TrunkOutput,
                                 TrunkState, swapped)
+
+logger = logging.getLogger("poros")
 
 
 class StreamingExecutor:
@@ -136,12 +139,19 @@ class StreamingExecutor:
         self.recompute = RecomputeChoice(self, options.recompute, kept_blocks, kept_estimate)
         #: layer-major: each block's NF4 weights dequantized once per block phase (``options.dequantize_once``)
         self.dequantize = DequantizeOnce(self, options.dequantize_once, dequantize_once)
+        self._said_states_stay = False  # a micro-major step with the states planned off the device: said once
 
     @property
     def boundary_states(self) -> str:
         """Layer-major: where the M x L boundary states wait for backward, ``"device"``, ``"host"`` (pinned) or
         ``"disk"`` (files under :attr:`spill_dir`)."""
         return self.options.boundary_states or "device"
+
+    @property
+    def states_off_device(self) -> bool:
+        """Whether the boundary states are to wait on the host or disk: only :meth:`forward_backward` (layer-major)
+        moves them there; a micro-major step keeps its kept block inputs on the device (autograd saves them)."""
+        return self.boundary_states in ("host", "disk")
 
     @property
     def boundary_every(self) -> int:
@@ -198,6 +208,14 @@ class StreamingExecutor:
             self._record(state.calls, *args, **kwargs)
             self._step_of(state.calls)  # returned before the last layer: names what went wrong
         step = self._capture(*args, **kwargs)
+        if self.states_off_device and not self._said_states_stay:
+            self._said_states_stay = True
+            logger.warning(
+                "poros: boundary_states=%r is honoured by layer-major steps only (model.forward_backward, "
+                "PorosTrainer, prepare_trainer's windows); this forward with grad runs micro-major and keeps its %d "
+                "kept block inputs on the device (autograd saves them), beyond what the plan priced. Run the step "
+                "through model.forward_backward([batch]).", self.boundary_states,
+                sum(1 for i in range(len(self.layers)) if self.keeps_input(i)))
         step.router = self.routers.wanted(kwargs)
         hidden = step.calls[0].leaves[0]
         step.kept_blocks = self.recompute.blocks(hidden, 1)

@@ -218,12 +218,15 @@ class TrainingRun:
     def _runs_layer_major(self) -> bool:
         """Whether the steps run layer-major (through ``forward_backward``): on the layer-major schedule (see
         :func:`stream_schedule`) when it saves anything — gradient accumulation, LoRA tensors on the host
-        (always through ``forward_backward``), CUDA graphs (replayed layer-major only). Says when a dropout
-        turns gradient accumulation micro-major."""
+        (always through ``forward_backward``), CUDA graphs (replayed layer-major only), boundary states off
+        the device (``boundary_states`` host or disk: only layer-major moves them there, so a micro-major step
+        of one micro-batch would keep them all on the device, beyond what the plan priced). Says when a
+        dropout turns gradient accumulation micro-major."""
         config = self.config
+        executor = self.model.executor
         placement = self.model.lora_placement  # LoRA tensors on the host: always through forward_backward
-        graphs = getattr(self.model.executor, "graphs", None) is not None  # CUDA graphs replay layer-major only
-        layer_major = ((config.grad_accum > 1 or placement is not None or graphs)
+        graphs = getattr(executor, "graphs", None) is not None  # CUDA graphs replay layer-major only
+        layer_major = ((config.grad_accum > 1 or placement is not None or graphs or executor.states_off_device)
                        and stream_schedule(config, self.model) == "layer-major")
         if config.grad_accum > 1 and config.stream_schedule == "layer-major" and not layer_major:
             echo("poros: dropout is active, so gradient accumulation runs micro-major (layer-major would "
