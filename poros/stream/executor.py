@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from typing import Any, Callable
 
 import torch
@@ -73,6 +72,7 @@ from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.errors import StreamingError
 from poros.stream.carried import CarriedAccess, add_reader_grads, recompute_roots
 from poros.stream.dequantize_once import DequantizeOnce
+from poros.stream.graphs import eager_reason
 from poros.stream.dropout import dropout_modules, dropout_p  # noqa: F401 (re-exported)
 from poros.stream.block_node import StreamedBlock as _StreamedBlock
 from poros.stream.block_node import recording_use as _recording_use
@@ -80,6 +80,7 @@ from poros.stream import layer_major
 from poros.stream.kept import run_kept
 from poros.stream.layer_call import LayerCall
 from poros.stream.options import StreamOptions
+from poros.stream.placement import warn_states_stay
 from poros.stream.recompute_choice import RecomputeChoice
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast, restored_rng, rng_state
 from poros.stream.router_logits import RouterRecorder
@@ -87,9 +88,6 @@ from poros.stream.segments import kept as boundary_kept, recompute_inputs, resol
 from poros.stream.store import BlockStore
 from poros.stream.trunk import (STREAMING, CaptureDone, LayerRecorder, Phase, Step, StreamingLayer, TrunkOutput,
                                 TrunkState, swapped)
-
-logger = logging.getLogger("poros")
-
 
 class StreamingExecutor:
     """Runs a causal LM whose decoder blocks live in a :class:`BlockStore`; built whole (no part is set later).
@@ -210,12 +208,7 @@ class StreamingExecutor:
         step = self._capture(*args, **kwargs)
         if self.states_off_device and not self._said_states_stay:
             self._said_states_stay = True
-            logger.warning(
-                "poros: boundary_states=%r is honoured by layer-major steps only (model.forward_backward, "
-                "PorosTrainer, prepare_trainer's windows); this forward with grad runs micro-major and keeps its %d "
-                "kept block inputs on the device (autograd saves them), beyond what the plan priced. Run the step "
-                "through model.forward_backward([batch]).", self.boundary_states,
-                sum(1 for i in range(len(self.layers)) if self.keeps_input(i)))
+            warn_states_stay(self.boundary_states, sum(1 for i in range(len(self.layers)) if self.keeps_input(i)))
         step.router = self.routers.wanted(kwargs)
         hidden = step.calls[0].leaves[0]
         step.kept_blocks = self.recompute.blocks(hidden, 1)
@@ -311,7 +304,7 @@ class StreamingExecutor:
         if self._keeps(step, index, mappings):
             output = self._kept_forward(step, index, hidden, grad_tensors)
         elif self.graphs is not None and (not graphable or step.router or self.dequantize.held is not None):
-            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None))
+            self.graphs.note_eager(eager_reason(step.router, self.dequantize.held is not None))
         elif self.graphs is not None:
             output = self.graphs.forward(index, leaves, call.unflatten, self._carried_at(index, call))
         if output is None:
@@ -394,7 +387,7 @@ class StreamingExecutor:
             pass  # no recompute, no graph replay: back-propagate the kept graph below
         elif self.graphs is not None and (step.router or self.dequantize.held is not None
                                           or (return_parameter_grads and not self.graphs.micro_major)):
-            self.graphs.note_eager(_eager_reason(step.router, self.dequantize.held is not None))
+            self.graphs.note_eager(eager_reason(step.router, self.dequantize.held is not None))
         elif self.graphs is not None:
             replayed = self.graphs.backward(
                 index, call.leaves_with(hidden, grad_inputs, mappings), call.unflatten, grad_output, hidden_needs_grad,
@@ -504,9 +497,3 @@ class StreamingExecutor:
         """Start bringing block ``index`` in if a slot is free (it is needed next)."""
         if 0 <= index < len(self.layers) and None in self.store.slot_owner:
             self.store.fetch(index)
-
-
-def _eager_reason(router: bool, held: bool) -> str:
-    """Why a block phase runs eagerly under CUDA graphs (``BlockGraphs.report.eager``): its router logits, its
-    held weights (``dequantize_once``), else micro-major (its backward inside the autograd engine)."""
-    return "router logits" if router else "dequantize once" if held else "micro-major"

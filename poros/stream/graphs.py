@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 from poros.stream.carried import CarriedAccess, recompute_roots
-from poros.stream.executor import dropout_p
+from poros.stream.dropout import dropout_p
 from poros.stream.graph_capture import (Graph, as_grad_of, clone, numbered, own_mappings, pointed_at, read_tensors,
                                         static_copy, written_entries)
 from poros.stream.graph_keys import (NOT_PLAIN, PLAIN, autocast_on, carried_reason, carried_signature, global_hooks,
@@ -469,5 +469,10 @@ class BlockGraphs:
         inputs = [static_grad, *reads, *(g for _, _, grads in sent for g in grads if g is not None)]
         return Graph(replay, statics, params, outputs, inputs=inputs)
 
+def eager_reason(router: bool, held: bool) -> str:
+    """Why a block phase runs eagerly under CUDA graphs (``BlockGraphs.report.eager``): its router logits, its
+    held weights (``dequantize_once``), else micro-major (its backward inside the autograd engine)."""
+    return "router logits" if router else "dequantize once" if held else "micro-major"
 
-__all__ = ["AUTOCAST_SWITCH", "MAX_GRAPHS", "MICRO_MAJOR_SWITCH", "WARMUP", "BlockGraphs", "GraphReport", "check"]
+
+__all__ = ["eager_reason", "AUTOCAST_SWITCH", "MAX_GRAPHS", "MICRO_MAJOR_SWITCH", "WARMUP", "BlockGraphs", "GraphReport", "check"]

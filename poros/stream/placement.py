@@ -67,6 +67,17 @@ def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
     graphs = 2 * max(num_slots, 1) + 1
     return footprint.recompute_bytes + graphs * (3 * footprint.boundary_bytes + 2 * lora_per_block)
 
+def warn_states_stay(boundary_states: str, kept_inputs: int) -> None:
+    """Say once that a forward with grad outside a layer-major step keeps its block inputs on the device although
+    the plan put the boundary states on the ``boundary_states`` side (the 128K step that ran out of memory)."""
+    import logging
 
-__all__ = ["BOUNDARY_STATES", "check_boundary_states", "embeddings_on_host", "graph_reserve_bytes",
+    logging.getLogger("poros").warning(
+        "poros: boundary_states=%r is honoured by layer-major steps only (model.forward_backward, PorosTrainer, "
+        "prepare_trainer's windows); this forward with grad runs micro-major and keeps its %d kept block inputs on "
+        "the device (autograd saves them), beyond what the plan priced. Run the step through "
+        "model.forward_backward([batch]).", boundary_states, kept_inputs)
+
+
+__all__ = ["warn_states_stay", "BOUNDARY_STATES", "check_boundary_states", "embeddings_on_host", "graph_reserve_bytes",
            "host_embedding_tables"]

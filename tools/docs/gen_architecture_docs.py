@@ -216,11 +216,12 @@ def moe_measured_block() -> str:
         for arm, cap, parity in (("resident", "none", "reference"),
                                  ("poros", f"{config['vram_limit_gb']:g} GB", docgen.parity_label(comparison))):
             measured = report["arms"][arm]
-            rows.append([shape, cap, arm, f"NF4 (`{config['experts_implementation']}`)",
-                         f"{measured['peak_allocated_gb']:.2f} GB", f"{measured['median_step_s']:.3f} s",
-                         f"{measured['tokens_per_s']:,.0f}", parity, link])
-    return table(["shape", "cap", "arm", "experts", "peak allocated", "step time", "tokens/s", "parity",
-                  "record"], rows)
+            lora = f"r{config['lora']['rank']}" + (" + experts" if config["lora"].get("on_experts") else "")
+            rows.append([shape, cap, arm, f"NF4 (`{config['experts_implementation']}`)", lora,
+                         f"{config.get('grad_accum', 1)}", f"{measured['peak_allocated_gb']:.2f} GB",
+                         f"{measured['median_step_s']:.3f} s", f"{measured['tokens_per_s']:,.0f}", parity, link])
+    return table(["shape", "cap", "arm", "experts", "LoRA", "micro-batches", "peak allocated", "step time",
+                  "tokens/s", "parity", "record"], rows)
 
 
 #: tools/moe_quant_error.py's JSON: NF4 experts against bf16 experts, per MoE family
