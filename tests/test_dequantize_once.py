@@ -268,13 +268,15 @@ def test_dequantize_once_is_checked_carried_and_planned(capsys):
     assert StreamOptions.from_config(poros.PorosConfig(dequantize_once=True)).dequantize_once is True
     with pytest.raises(ConfigError, match="dequantize_once"):
         poros.PorosConfig(dequantize_once="some")
-    base = ["plan", "--vram-budget", "2GiB", "--device", "cpu", "--stream-schedule", "layer-major"]
+    assert poros.PorosConfig().dequantize_once is False  # off until the H200 gates the CUDA path
+    base = ["plan", "--vram-budget", "2GiB", "--device", "cpu", "--stream-schedule", "layer-major",
+            "--dequantize-once", "auto"]
     assert main([*base, "--grad-accum", "4"]) == 0
     out = capsys.readouterr().out
     assert "dequantize once   on" in out and "dequantized once for its 4 forwards" in out
     plans = {}
     for name, extra, on in (("auto", ["--grad-accum", "4"], True), ("one", ["--grad-accum", "1"], False),
-                            ("false", ["--grad-accum", "4", "--dequantize-once", "false"], False)):
+                            ("false", ["--grad-accum", "4", "--dequantize-once", "false"], False)):  # the last --dequantize-once wins
         assert main([*base, *extra, "--json"]) == 0
         plans[name] = plan = json.loads(capsys.readouterr().out)["plan"]
         assert plan["dequantize_once"] is on and (plan["dequantize_once_bytes"] > 0) is on
@@ -285,7 +287,8 @@ def test_dequantize_once_is_checked_carried_and_planned(capsys):
     footprint = planner.Footprint(**{**footprint, "block_bytes": tuple(footprint["block_bytes"]),
                                      "held_weight_bytes": 1 << 31})
     workload = Workload(1, 512, 4, "layer-major")
-    tight = planner.plan_budget(footprint, workload, StreamOptions(vram_budget="2GiB", optimizer_states="device"))
+    tight = planner.plan_budget(footprint, workload, StreamOptions(vram_budget="2GiB", optimizer_states="device",
+                                                                   dequantize_once="auto"))
     assert not tight.dequantize_once
     assert tight.resident_blocks == tuple(plans["false"]["resident_blocks"])
     assert any("cannot hold one block's dequantized weights" in note for note in tight.notes)

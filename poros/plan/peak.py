@@ -136,7 +136,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
     streamed = [n for i, n in enumerate(footprint.block_bytes) if i not in resident]
     slots = min(num_slots, len(streamed))
     lora = footprint.lora_parameter_bytes
-    staying, lora_persistent = adamw_states.lora_parts(lora, footprint.num_blocks, len(streamed), slots,
+    staying, lora_persistent, block_grads = adamw_states.lora_parts(lora, footprint.num_blocks, len(streamed), slots,
                                                        states_on_host=optimizer_on_host, lora_on_host=lora_on_host)
     persistent = [
         (f"device slots ({slots} x largest streamed block)", slots * max(streamed, default=0)),
@@ -157,14 +157,16 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         backward = [("boundary states on the device (M prelude outputs, this block's M inputs, the next block's, "
                      "M gradients)" + (f", the segment's {segment} x M recomputed ones" if segment else ""),
                      (4 + segment) * micro * boundary),
-                    ("LoRA gradients", staying), ("one block's recompute working set", footprint.recompute_bytes)]
+                    ("LoRA gradients", staying + block_grads),
+                    ("one block's recompute working set", footprint.recompute_bytes)]
     elif workload.schedule == "layer-major":
         turn = [("boundary states (M x L) + outputs and their gradients", micro * (blocks + 2) * boundary),
                 ("head and loss working set", footprint.head_bytes)]
         backward = [("boundary states (M x L, kept until backward ends)" + (
                         f" + the segment's {segment} x M recomputed ones" if segment else ""),
                      micro * (blocks + 1 + segment) * boundary),
-                    ("LoRA gradients", staying), ("one block's recompute working set", footprint.recompute_bytes)]
+                    ("LoRA gradients", staying + block_grads),
+                    ("one block's recompute working set", footprint.recompute_bytes)]
     else:
         accumulated = lora if micro > 1 else 0  # gradients of the earlier micro-batches
         turn = [("boundary states (L)", blocks * boundary), ("head and loss working set", footprint.head_bytes),

@@ -28,20 +28,21 @@ def persistent_bytes(lora_parameter_bytes: int, *, states_on_host: bool) -> tupl
 
 
 def lora_parts(lora_parameter_bytes: int, num_blocks: int, streamed: int, slots: int, *, states_on_host: bool,
-               lora_on_host: bool) -> tuple[int, list[tuple[str, int]]]:
-    """``(LoRA bytes that stay on the device, the persistent parts)``.
+               lora_on_host: bool) -> tuple[int, list[tuple[str, int]], int]:
+    """``(LoRA bytes that stay on the device, the persistent parts, the streamed gradients in backward)``.
 
     With the LoRA tensors on the host only the adapters outside the streamed blocks stay (the
     streamed blocks' share is taken as uniform: ``lora / num_blocks`` each); the blocks in the
-    slots hold their parameters and gradients.
+    slots hold their parameters, and the block in backward its gradients too (no block has any at the
+    head's turn: a block's gradients leave with it). Without: 0 streamed gradients (all are in ``staying``).
     """
     if not lora_on_host:
-        return lora_parameter_bytes, [persistent_bytes(lora_parameter_bytes, states_on_host=states_on_host)]
+        return lora_parameter_bytes, [persistent_bytes(lora_parameter_bytes, states_on_host=states_on_host)], 0
     per_block = lora_parameter_bytes // max(num_blocks, 1)
     staying = lora_parameter_bytes - per_block * streamed
     return staying, [persistent_bytes(staying, states_on_host=states_on_host),
-                     (f"LoRA parameters + gradients of the blocks in the {slots} slots (the rest on the host)",
-                      2 * slots * per_block)]
+                     (f"LoRA parameters of the blocks in the {slots} slots (the rest on the host)",
+                      slots * per_block)], per_block
 
 
 def step_bytes(lora_parameter_bytes: int, *, states_on_host: bool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
