@@ -137,6 +137,21 @@ def test_the_speed_plot_draws_the_newest_sweep_run_per_seq_and_accumulation():
         ("trl-poros", [(512, 1), (2048, 1)]), ("trl-poros", [(512, 8), (2048, 8)])]
 
 
+def test_a_sweeps_per_configuration_reports_are_bench_reports(tmp_path):
+    """``--sweep`` writes one bench report per configuration (``sweep-<seq>-<accum>.json``) beside its merged JSON: the
+    tables and the plot read those; the merged rows (no ``config``) are not read twice."""
+    import json
+
+    from tools.docs import gen_results_docs, results_speed
+
+    report = _bench(8192, 1)
+    (tmp_path / "sweep-8192-1.json").write_text(json.dumps(report))
+    (tmp_path / "sweep-all.json").write_text(json.dumps({"tool": "tools.bench --sweep", "rows": [{"seq": 8192}]}))
+    found = gen_results_docs.bench_reports([tmp_path])
+    assert found == [(tmp_path / "sweep-8192-1.json", report)]
+    assert results_speed.sweep_points(found) == found
+
+
 def test_every_gate_record_in_the_registry_has_its_evidence():
     from poros import records
 

@@ -45,11 +45,11 @@ def _x(value) -> str:
 _parity = docgen.parity_label
 
 
-def bench_reports() -> list[tuple[Path, dict]]:
+def bench_reports(directories: list[Path] = RESULTS) -> list[tuple[Path, dict]]:
     """Every H200 bench report: ``bench-*.json``, and the per-configuration reports ``--sweep`` writes beside its merged
     JSON (``sweep-<seq>-<accum>.json``, ``tools/bench/sweep.py``; the merged file, rows without a ``config``, only
     repeats them and is not read)."""
-    paths = (p for d in RESULTS for p in sorted([*d.glob("bench-*.json"), *d.glob("sweep-*.json")]))
+    paths = (p for d in directories for p in sorted([*d.glob("bench-*.json"), *d.glob("sweep-*.json")]))
     return [(p, report) for p, report in ((p, _load(p)) for p in paths) if "config" in report and "arms" in report]
 
 
