@@ -49,6 +49,109 @@ def test_every_generated_block_has_its_generator():
     assert not orphans, f"generated blocks no generator renders: {orphans}"
 
 
+def test_the_speed_plot_is_current():
+    """docs/img/speed-h200.png is what ``gen_results_docs`` draws from today's records, byte for byte; only under the
+    matplotlib and Pillow pyproject's ``docs`` extra pins (other versions draw other bytes)."""
+    from tools.docs import gen_results_docs, results_speed, speed_plot
+
+    reason = speed_plot.pin_mismatch()
+    if reason:
+        pytest.skip(f"speed plot not compared: {reason}")
+    fresh = speed_plot.render_png(results_speed.sweep_points(gen_results_docs.bench_reports()))
+    assert speed_plot.PLOT.read_bytes() == fresh, "docs/img/speed-h200.png is stale: run python -m tools.docs.gen_results_docs"
+
+
+def test_a_stale_generated_file_fails_the_check(capsys):
+    """``--check`` compares each generated file's bytes (the plot), not only the page's text; one it cannot render
+    here is reported, not compared, and not written."""
+    from tools.docs import docgen, gen_results_docs, speed_plot
+
+    current = gen_results_docs.PAGE.read_text(encoding="utf-8")
+    committed = speed_plot.PLOT.read_bytes()
+    same = {speed_plot.PLOT: lambda: committed}
+    assert docgen.main("t", gen_results_docs.PAGE, lambda text: text, ["--check"], same) == 0
+    assert docgen.main("t", gen_results_docs.PAGE, lambda text: text, ["--check"], {speed_plot.PLOT: lambda: committed + b"x"}) == 1
+    assert "docs/img/speed-h200.png is stale" in capsys.readouterr().err
+
+    def unrenderable():
+        raise docgen.NotRenderable("matplotlib 0 (pinned 1)")
+
+    assert docgen.main("t", gen_results_docs.PAGE, lambda text: text, ["--check"], {speed_plot.PLOT: unrenderable}) == 0
+    assert "not checked: matplotlib 0 (pinned 1)" in capsys.readouterr().err
+    assert speed_plot.PLOT.read_bytes() == committed and gen_results_docs.PAGE.read_text(encoding="utf-8") == current
+
+
+def test_the_plot_pins_are_exact_and_the_tests_install_them():
+    """The ``docs`` extra pins matplotlib and Pillow exactly (the plot's bytes depend on both), and the ``test`` extra,
+    which the README's set-up command and CI install, takes it."""
+    import tomllib
+
+    from tools.docs import speed_plot
+
+    assert set(speed_plot.pins()) == {"matplotlib", "pillow"}
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    assert "poros-train[docs]" in extras["test"]
+
+
+def _bench(seq, accum, arms=("trl-resident", "trl-poros", "unsloth"), *, date="2026-12-03", model="qwen2.5-32b",
+           deterministic=False, layers=64, dense=780.0, **config):
+    info = {"num_hidden_layers": layers, "full_depth": 64}
+    return {"environment": {"date": date}, "dense_bf16_tflops": dense,
+            "config": {"model": model, "model_info": info, "seq": seq, "grad_accum": accum, "deterministic": deterministic,
+                       **config},
+            "arms": {name: {"status": "ok", "tokens_per_s": 1000.0 + seq, "mfu": 0.3} for name in arms}}
+
+
+def test_the_speed_plot_draws_the_newest_sweep_run_per_seq_and_accumulation():
+    """One record per (seq, accumulation): the newest by date, then session (``-s10`` after ``-s9`` after the day's
+    first directory); deterministic runs, other shapes, truncated depth, memory caps, Liger variants, runs without
+    the machine's numbers or without a plotted arm are left out. An arm with several accumulations at one seq gets a
+    line per accumulation; otherwise one line through its seqs."""
+    from tools.docs import results_speed, speed_plot
+
+    root = Path("registry/results")
+    reports = [
+        (root / "h200-2026-12-02" / "bench-a.json", _bench(512, 8, date="2026-12-02")),
+        (root / "h200-2026-12-03-s10" / "bench-a.json", _bench(512, 8)),
+        (root / "h200-2026-12-03-s9" / "bench-a.json", _bench(512, 8)),
+        (root / "h200-2026-12-03" / "bench-a.json", _bench(512, 8)),
+        (root / "h200-2026-12-03" / "bench-b.json", _bench(2048, 4)),
+        (root / "h200-2026-12-04" / "bench-det.json", _bench(2048, 4, date="2026-12-04", deterministic=True)),
+        (root / "h200-2026-12-04" / "bench-72b.json", _bench(2048, 4, date="2026-12-04", model="qwen2.5-72b")),
+        (root / "h200-2026-12-04" / "bench-depth.json", _bench(2048, 4, date="2026-12-04", layers=8)),
+        (root / "h200-2026-12-04" / "bench-cap.json", _bench(2048, 4, date="2026-12-04", vram_limit_gb=24)),
+        (root / "h200-2026-12-04" / "bench-liger.json", _bench(2048, 4, date="2026-12-04", use_liger_kernel=True)),
+        (root / "h200-2026-12-04" / "bench-old.json", _bench(2048, 4, date="2026-12-04", dense=None)),
+        (root / "h200-2026-12-04" / "bench-peft.json", _bench(2048, 4, ("resident", "poros"), date="2026-12-04")),
+    ]
+    chosen = results_speed.sweep_points(reports)
+    assert [path.parent.name + "/" + path.name for path, _ in chosen] == ["h200-2026-12-03-s10/bench-a.json",
+                                                                         "h200-2026-12-03/bench-b.json"]
+    lines = speed_plot.series(speed_plot.points(chosen))
+    assert [(arm, [(seq, accum) for seq, accum, *_ in line]) for arm, line in lines] == [
+        (arm, [(512, 8), (2048, 4)]) for arm in ("trl-resident", "trl-poros", "unsloth")]
+    sweep = [(root / "h200-2026-12-05" / f"sweep-{seq}-{accum}.json", _bench(seq, accum, ("trl-poros",), date="2026-12-05"))
+             for seq in (512, 2048) for accum in (1, 8)]
+    lines = speed_plot.series(speed_plot.points(results_speed.sweep_points(sweep)))
+    assert [(arm, [(seq, accum) for seq, accum, *_ in line]) for arm, line in lines] == [
+        ("trl-poros", [(512, 1), (2048, 1)]), ("trl-poros", [(512, 8), (2048, 8)])]
+
+
+def test_a_sweeps_per_configuration_reports_are_bench_reports(tmp_path):
+    """``--sweep`` writes one bench report per configuration (``sweep-<seq>-<accum>.json``) beside its merged JSON: the
+    tables and the plot read those; the merged rows (no ``config``) are not read twice."""
+    import json
+
+    from tools.docs import gen_results_docs, results_speed
+
+    report = _bench(8192, 1)
+    (tmp_path / "sweep-8192-1.json").write_text(json.dumps(report))
+    (tmp_path / "sweep-all.json").write_text(json.dumps({"tool": "tools.bench --sweep", "rows": [{"seq": 8192}]}))
+    found = gen_results_docs.bench_reports([tmp_path])
+    assert found == [(tmp_path / "sweep-8192-1.json", report)]
+    assert results_speed.sweep_points(found) == found
+
+
 def test_every_gate_record_in_the_registry_has_its_evidence():
     from poros import records
 

@@ -62,32 +62,56 @@ def fill_blocks(page_text: str, blocks: dict[str, Callable[[], str]], page: Path
     return page_text
 
 
-def main(description: str, page: Path, render: Callable[[str], str], argv: list[str] | None = None) -> int:
-    """Parse ``--check``; ``render(current page text or "")`` gives the fresh page text."""
+class NotRenderable(Exception):
+    """A generated file this machine cannot write byte for byte (a package the file is pinned to is missing or at
+    another version); the message says which and how to install it."""
+
+
+def main(description: str, page: Path, render: Callable[[str], str], argv: list[str] | None = None,
+         files: dict[Path, Callable[[], bytes]] | None = None) -> int:
+    """Parse ``--check``; ``render(current page text or "")`` gives the fresh page text, ``files`` the generated files
+    beside it (a plot the page shows) and the function that renders each one's bytes."""
     parser = argparse.ArgumentParser(description=description.strip().splitlines()[0])
     parser.add_argument("--check", action="store_true", help=f"exit 1 if {page.relative_to(ROOT)} is stale")
     args = parser.parse_args(argv)
     current = page.read_text(encoding="utf-8") if page.exists() else ""
     fresh = render(current)
-    if args.check:
-        if fresh != current:
-            print(f"{page.relative_to(ROOT)} is stale: run python -m tools.docs.{Path(sys.argv[0]).stem}", file=sys.stderr)
-            return 1
-        return 0
-    if fresh != current:
+    generator = f"python -m tools.docs.{Path(sys.argv[0]).stem}"
+    status = 0
+    if args.check and fresh != current:
+        print(f"{page.relative_to(ROOT)} is stale: run {generator}", file=sys.stderr)
+        status = 1
+    elif not args.check and fresh != current:
         page.write_text(fresh, encoding="utf-8")
         print(f"rewrote {page.relative_to(ROOT)}")
-    return 0
+    for path, render_file in (files or {}).items():
+        name = path.relative_to(ROOT)
+        try:
+            data = render_file()
+        except NotRenderable as reason:
+            print(f"{name} not {'checked' if args.check else 'rewritten'}: {reason}", file=sys.stderr)
+            status = status if args.check else 1
+            continue
+        if (path.read_bytes() if path.exists() else None) == data:
+            continue
+        if args.check:
+            print(f"{name} is stale: run {generator}", file=sys.stderr)
+            status = 1
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            print(f"rewrote {name}")
+    return status
 
 
 def main_for_blocks(description: str, page: Path, blocks: dict[str, Callable[[], str]], argv: list[str] | None = None,
-                    *, quiet: bool = False) -> int:
-    """:func:`main` for a page of generated blocks (:func:`fill_blocks`); ``quiet``: transformers' warnings
-    and log lines off (a generator that builds configs)."""
+                    *, quiet: bool = False, files: dict[Path, Callable[[], bytes]] | None = None) -> int:
+    """:func:`main` for a page of generated blocks (:func:`fill_blocks`) and the ``files`` beside it; ``quiet``:
+    transformers' warnings and log lines off (a generator that builds configs)."""
     if quiet:
         import logging
         import warnings
 
         warnings.filterwarnings("ignore")
         logging.getLogger("transformers").setLevel(logging.ERROR)
-    return main(description, page, lambda text: fill_blocks(text, blocks, page), argv)
+    return main(description, page, lambda text: fill_blocks(text, blocks, page), argv, files)

@@ -6,7 +6,8 @@
 The blocks: ``measured`` (the 32B and 72B peaks beside the resident ones: the records
 ``docs/consumer-gpus.md``'s measured table uses), ``moe`` (the MoE shapes' streamed peaks: the records
 ``docs/architecture-support.md``'s MoE table uses) and ``planner`` (how far today's predicted peak is from
-every H200 record the planner is calibrated against, ``poros.plan.calibration``).
+every H200 record the planner is calibrated against, ``poros.plan.calibration``) and ``speed-plot`` (the speed plot
+``python -m tools.docs.gen_results_docs`` draws, ``tools/docs/speed_plot.py``, and the JSON it came from).
 """
 
 from __future__ import annotations
@@ -59,7 +60,13 @@ def render_planner() -> str:
             "`poros.plan.calibration`) — see [consumer GPUs](docs/consumer-gpus.md).")
 
 
-BLOCKS = {"measured": render_measured, "moe": render_moe, "planner": render_planner}
+def render_speed_plot() -> str:
+    from tools.docs import gen_results_docs, results_speed, speed_plot
+
+    return speed_plot.render_block(results_speed.sweep_points(gen_results_docs.bench_reports()), PAGE)
+
+
+BLOCKS = {"measured": render_measured, "moe": render_moe, "planner": render_planner, "speed-plot": render_speed_plot}
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,12 @@
 """Render docs/results-h200.md from the JSON that tools/bench/harness.py and tools/checks/parity_gate.py wrote.
 
     python -m tools.docs.gen_results_docs            # rewrite the generated blocks of docs/results-h200.md
-    python -m tools.docs.gen_results_docs --check    # exit 1 if the page is stale
+    python -m tools.docs.gen_results_docs --check    # exit 1 if the page (or the speed plot) is stale
 
 Only the text between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` is
 rewritten; the analysis around it is prose kept in the page. Every number in the generated
-blocks comes from a JSON file under ``registry/results/h200-*/``, named in the table.
+blocks comes from a JSON file under ``registry/results/h200-*/``, named in the table. The speed plot,
+``docs/img/speed-h200.png`` (``tools/docs/speed_plot.py``), is written with the page.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from tools.docs import docgen, results_speed  # write or --check
+from tools.docs import docgen, results_speed, speed_plot  # write or --check
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results-h200.md"
@@ -44,8 +45,12 @@ def _x(value) -> str:
 _parity = docgen.parity_label
 
 
-def bench_reports() -> list[tuple[Path, dict]]:
-    return [(p, _load(p)) for d in RESULTS for p in sorted(d.glob("bench-*.json"))]
+def bench_reports(directories: list[Path] = RESULTS) -> list[tuple[Path, dict]]:
+    """Every H200 bench report: ``bench-*.json``, and the per-configuration reports ``--sweep`` writes beside its merged
+    JSON (``sweep-<seq>-<accum>.json``, ``tools/bench/sweep.py``; the merged file, rows without a ``config``, only
+    repeats them and is not read)."""
+    paths = (p for d in directories for p in sorted([*d.glob("bench-*.json"), *d.glob("sweep-*.json")]))
+    return [(p, report) for p, report in ((p, _load(p)) for p in paths) if "config" in report and "arms" in report]
 
 
 def render_environment() -> str:
@@ -301,11 +306,14 @@ BLOCKS = {
     "timeline": render_timeline,
     "trainer": render_trainer,
     **results_speed.blocks(bench_reports, ROOT),
+    "speed-plot": lambda: speed_plot.render_block(results_speed.sweep_points(bench_reports()), PAGE),
 }
+#: the generated files beside the page: the speed plot its block and the README's show
+FILES = {speed_plot.PLOT: lambda: speed_plot.render_png(results_speed.sweep_points(bench_reports()))}
 
 
 def main(argv=None) -> int:
-    return docgen.main_for_blocks(__doc__, PAGE, BLOCKS, argv)
+    return docgen.main_for_blocks(__doc__, PAGE, BLOCKS, argv, files=FILES)
 
 
 if __name__ == "__main__":
