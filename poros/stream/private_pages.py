@@ -3,8 +3,7 @@
 transformers reads a pre-quantized checkpoint's tensors through safetensors' own private mapping of each
 shard, and :class:`~poros.stream.shard_tier.ShardMappedTier` maps the same shards again, shared, to stream
 from. Checking the loaded bytes against the shared mapping pages both in: the same page-cache pages, mapped
-twice, so the process's RSS counts the blocks twice (74 GB at Qwen2.5-72B, against one copy's 37 GB of
-memory) and a machine that enforces RSS (a cgroup, a scheduler) sees twice the run. Once a loaded tensor
+twice, so the process's RSS counts the blocks twice against one copy of memory, and a machine that enforces RSS (a cgroup, a scheduler) sees twice the run. Once a loaded tensor
 rests on its twin in the shared mapping (``rest_on_twin``), its pages in the private mapping are read by
 nobody: dropping them takes them out of the count, and a later read (there is none) would fault them in
 from the file again. Only whole pages inside the tensor's bytes are dropped, and only inside a private

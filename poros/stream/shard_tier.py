@@ -120,9 +120,9 @@ def rest_on_twin(entry: Entry, tensor: torch.Tensor, twin: torch.Tensor, private
     the shard (``private``: :func:`~poros.stream.private_pages.private_mappings`), its pages there are dropped
     (:mod:`poros.stream.private_pages`).
 
-    The load holds every block's packed bytes in the process, and checking them against the shards pages
-    the shards in: without this, the host peak at the start is both (twice the blocks' bytes; 74 GB for
-    Qwen2.5-72B) until the store binds the blocks. Tensor by tensor, it stays at one copy. The model stays
+    The loaded tensors are the loader's view of the shards (or a copy), and checking them against the tier's
+    mapping pages both in: without this, the host peak at the start counts the blocks twice until the store
+    binds them (the H200 record is in docs/results-h200-log.md). Tensor by tensor, it stays at one copy. The model stays
     whole meanwhile (a failure before the store binds leaves it readable); the twin is read-only, as the
     frozen blocks are."""
     nbytes = tensor.numel() * tensor.element_size()
