@@ -321,7 +321,7 @@ CLI_CASES = [
          "e.g. device: cuda:0"),
     Case("plan-usage-error", lambda tmp, ctx: ["plan", "--head-ms", "abc"], None, code=2),
     Case("plan-budget-below-the-minimum", lambda tmp, ctx: ["plan", "--device", "cpu", "--vram-budget", "1MiB"],
-         "ConfigError", "is below the minimum for this run: it needs at least 5.5 MB", max_chars=500),
+         "ConfigError", "is below the minimum for this run: it needs at least 5.3 MB", max_chars=500),
     Case("plan-model-not-cached", lambda tmp, ctx: ["plan", "--model", "no-org/no-model-xyz", "--vram-budget", "8GiB"],
          "CheckpointLoadError", "Fix: fetch the config first (`hf download no-org/no-model-xyz config.json`)",
          absent="--dry-run"),
