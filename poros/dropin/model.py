@@ -133,11 +133,9 @@ class PorosModel:
         ``embeddings_on_host`` is the input embedding table kept on the host."""
         return self.store.device
 
-    @property
-    def poros_compute_device(self) -> torch.device:
-        """The compute device, for :func:`poros.devices.compute_device` (the trainer's inputs go there): with
-        ``lora_placement="host"`` the first trainable parameter is on the host."""
-        return self.store.device
+    #: the mark :func:`poros.devices.compute_device` reads first (the trainer's inputs go there): with
+    #: ``lora_placement="host"`` the first trainable parameter is on the host
+    poros_compute_device = device
 
     def to(self, *args: Any, **kwargs: Any):
         """Placement is the streaming's: a move to the compute device is a no-op that returns the model.

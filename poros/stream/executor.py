@@ -89,6 +89,7 @@ from poros.stream.store import BlockStore
 from poros.stream.trunk import (STREAMING, CaptureDone, LayerRecorder, Phase, Step, StreamingLayer, TrunkOutput,
                                 TrunkState, swapped)
 
+
 class StreamingExecutor:
     """Runs a causal LM whose decoder blocks live in a :class:`BlockStore`; built whole (no part is set later).
 

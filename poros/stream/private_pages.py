@@ -39,6 +39,15 @@ def private_mappings(files: list[Path]) -> list[tuple[int, int]]:
     return ranges
 
 
+_LIBC: list = []  # the C library, loaded once
+
+
+def _libc():
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
 def drop_pages(pointer: int, nbytes: int, ranges: list[tuple[int, int]]) -> int:
     """Drop the whole pages of ``[pointer, pointer + nbytes)`` where the span lies in one of ``ranges``; the
     bytes dropped (0: not in a private mapping of a shard, or smaller than a page)."""
@@ -48,8 +57,7 @@ def drop_pages(pointer: int, nbytes: int, ranges: list[tuple[int, int]]) -> int:
             last = (pointer + nbytes) // PAGE * PAGE
             if last <= first:
                 return 0
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) != 0:
+            if _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) != 0:
                 return 0
             return last - first
     return 0
