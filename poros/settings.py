@@ -56,6 +56,8 @@ LORA_PLACEMENTS = ("device", "host")
 RECOMPUTE = ("auto", "all", "none")
 #: whether a streamed block's NF4 weights are dequantized once per layer-major block phase (``dequantize_once``)
 DEQUANTIZE_ONCE = ("auto", True, False)
+#: whose kernels the model's modules run (``kernels``): ``"default"`` (the model's own) or ``"liger"`` (liger-kernel's)
+KERNELS = ("default", "liger")
 
 _SAME = object()  # a keyword facet that is the config's
 
@@ -342,6 +344,21 @@ STREAMING: tuple[Setting, ...] = (
             "e.g. dequantize_once: auto"),
         choices=DEQUANTIZE_ONCE, example="true"),
     Setting(
+        "kernels", str, "default",
+        "Whose kernels the model runs: 'default' (its own modules) or 'liger' (liger-kernel's RMSNorm, RoPE, "
+        "SwiGLU/GeGLU and fused linear cross-entropy, applied to the model instance before streaming, as HF's "
+        "TrainingArguments(use_liger_kernel=True) applies them; pip install 'poros-train[liger]', CUDA only). "
+        "The fused linear cross-entropy replaces loss_chunks; `poros plan` says so.",
+        "``\"liger\"``: apply liger-kernel's kernels to the model instance before streaming, the call HF's "
+        "``Trainer`` makes for ``TrainingArguments(use_liger_kernel=True)`` (``poros.dropin.kernels``); its "
+        "patched modules are the same module objects, so the streamed blocks run them, recompute reruns them and "
+        "CUDA graphs capture them. Liger's fused linear cross-entropy replaces ``loss_chunks`` (the logits are "
+        "never whole either way). ``\"default\"``: the model as given (a model Liger already patched stays "
+        "patched, and ``prepare`` reads what it finds). ``prepare_trainer`` applies Liger itself when the "
+        "trainer's ``args.use_liger_kernel`` is set.",
+        _one_of(KERNELS, "liger: liger-kernel's fused kernels", "pick one, e.g. kernels: liger"),
+        choices=KERNELS, example="liger"),
+    Setting(
         "cuda_graphs", bool | str, False,
         "Replay each streamed block's forward and recompute+backward from a CUDA graph captured once per device "
         "slot and block kind: the eager kernels, bit for bit, without their host cost. true, false or 'auto' "
@@ -456,6 +473,6 @@ def problems(values: Any, where: str = "both") -> list[str]:
     return [line for line in found if line is not None]
 
 
-__all__ = ["BOUNDARY_STATES", "DEQUANTIZE_ONCE", "HOST_TIERS", "LORA_PLACEMENTS", "OPTIMIZER_STATES", "RECOMPUTE", "REQUIRABLE", "SETTINGS",
+__all__ = ["BOUNDARY_STATES", "DEQUANTIZE_ONCE", "HOST_TIERS", "KERNELS", "LORA_PLACEMENTS", "OPTIMIZER_STATES", "RECOMPUTE", "REQUIRABLE", "SETTINGS",
            "STREAMING", "Setting", "config_fields", "documented_fields", "fields_table", "keyword_fields",
            "problems"]

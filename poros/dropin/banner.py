@@ -5,6 +5,11 @@ configuring any logger::
     poros: streaming qwen3: 28 of 28 decoder blocks from the host (pinned) through 2 device slots on
     cuda:0; guarantee bitwise
 
+With Liger's kernels on the model (``kernels: liger``, ``use_liger_kernel=True``) it ends with what Liger
+patched (``; kernels liger (rms_norm x57, swiglu x28, rope, fused linear cross-entropy)``), or, for a family
+Liger has no kernels for, why it patched nothing (``; kernels liger not applied: liger-kernel 0.8.5 has no
+kernels for model type ...``).
+
 The detail (family provider, adapters, platform, the reason for the label) stays on the ``poros``
 logger at INFO, and on ``PorosModel.detection``. ``PorosTrainer`` prints that detail itself and
 silences the line (:func:`silenced`); under data parallel only rank 0 prints it.
@@ -41,8 +46,9 @@ def banner_line(model: Any) -> str:
     slots = f" through {store.num_slots} device slot{'' if store.num_slots == 1 else 's'}" if streamed else ""
     detection = model.detection
     label = f"; guarantee {detection.guarantee}" if detection is not None else ""
+    kernels = f"; kernels {detection.kernels}" if detection is not None and detection.kernels else ""
     return (f"poros: streaming {model.descriptor.name}: {streamed} of {total} decoder blocks from the host "
-            f"({tier}){slots} on {store.device}{resident}{label}")
+            f"({tier}){slots} on {store.device}{resident}{label}{kernels}")
 
 
 def announce(model: Any) -> None:

@@ -63,6 +63,7 @@ class Detection:
     guarantee: str
     reason: str
     prequantized: bool = False  # the base was loaded from a pre-quantized (bnb-4bit) checkpoint
+    kernels: str | None = None  # Liger's kernels on the model (poros.dropin.kernels.KernelReport.summary), if asked or found
 
     def summary(self) -> str:
         base = (f"pre-quantized ({self.quantization}{', double quant' if self.double_quant else ''})"
@@ -75,6 +76,7 @@ class Detection:
             f"poros: platform {self.platform} ({self.platform_class}), "
             f"{banner.determinism(self.platform_class, self.deterministic)}",
             f"poros: guarantee {self.guarantee}: {self.reason}",
+            *([f"poros: kernels {self.kernels}"] if self.kernels else []),
         ])
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,10 +216,14 @@ def _check_checkpointing(layers: list[nn.Module]) -> None:
             )
 
 
-def runtime_gates(causal_lm: nn.Module, layers: list[nn.Module], placement: LoraPlacement | None = None):
-    """Checks run before every streamed forward (they see what HF passes the trunk)."""
+def runtime_gates(causal_lm: nn.Module, layers: list[nn.Module], placement: LoraPlacement | None = None,
+                  tiled: Any = None):
+    """Checks run before every streamed forward (they see what HF passes the trunk); ``tiled``: the
+    ``mlp_chunks`` tiling, re-tiled over forwards rebound since (the Trainer's second Liger call)."""
 
     def check(kwargs: dict) -> None:
+        if tiled is not None:
+            tiled.retile()
         if placement is not None:
             placement.check_forward()
         if kwargs.get("use_cache") and torch.is_grad_enabled() and causal_lm.training:

@@ -45,6 +45,25 @@ def _check_args(args: Any) -> None:
         )
 
 
+def _apply_trainer_liger(args: Any, model: Any) -> None:
+    """``args.use_liger_kernel``: apply Liger to ``model`` now, with the trainer's own ``liger_kernel_config``
+    (TRL's turns the fused cross-entropy off), the call the Trainer makes when ``train()`` starts -- so Poros
+    streams, plans and labels the model the Trainer will train (the Trainer's second call rebinds the same
+    functions). Nothing for a model already streamed."""
+    if getattr(args, "use_liger_kernel", False) and model is not None and not isinstance(model, PorosModel):
+        from poros.dropin.kernels import apply_liger
+
+        apply_liger(model, getattr(args, "liger_kernel_config", None))
+
+
+def _trainer_options(args: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``kernels="liger"`` when the trainer asks for Liger (so the banner names a family Liger
+    leaves unpatched), unless the caller chose ``kernels`` itself."""
+    if getattr(args, "use_liger_kernel", False):
+        return {"kernels": "liger", **options}
+    return options
+
+
 def prepare_trainer(trainer: Any, **options: Any) -> PorosModel:
     """Stream ``trainer.model`` in place (an HF ``Trainer`` or TRL ``SFTTrainer``, after construction), and
     run each of its gradient-accumulation windows layer-major (:func:`poros.dropin.trainer_window.install`).
@@ -57,12 +76,20 @@ def prepare_trainer(trainer: Any, **options: Any) -> PorosModel:
         ``trainer.model`` itself, streamed (a :class:`~poros.dropin.model.PorosModel`); a model already
         prepared is returned as it is.
 
+    With ``args.use_liger_kernel`` (HF ``TrainingArguments`` / TRL ``SFTConfig``) Liger's kernels are applied to
+    the model first, with ``args.liger_kernel_config``, as the Trainer applies them when ``train()`` starts
+    (:mod:`poros.dropin.kernels`): the streamed blocks run Liger's modules, and Liger's fused linear
+    cross-entropy, where the config keeps it, replaces ``loss_chunks``.
+
     Raises:
         TorchCompileError: ``trainer.args.torch_compile`` is on.
+        MissingDependencyError: ``use_liger_kernel`` without liger-kernel installed.
         PorosError: any gate of :func:`poros.prepare`.
     """
     _check_args(trainer.args)
-    model = trainer.model if isinstance(trainer.model, PorosModel) else prepare(trainer.model, **options)
+    _apply_trainer_liger(trainer.args, trainer.model)
+    model = trainer.model if isinstance(trainer.model, PorosModel) else prepare(
+        trainer.model, **_trainer_options(trainer.args, options))
     trainer_window.install(trainer)
     return model
 
@@ -87,8 +114,9 @@ class PorosCallback(TrainerCallback):
     def _prepare(self, args, model) -> bool:
         """Stream ``model`` (once) and drive the calling trainer's windows; False: no trainer found."""
         _check_args(args)
+        _apply_trainer_liger(args, model)
         if model is not None and not isinstance(model, PorosModel):
-            self.model = prepare(model, **self.options)
+            self.model = prepare(model, **_trainer_options(args, self.options))
         trainer = self._trainer()
         return trainer is not None and trainer_window.install(trainer) is not None
 

@@ -11,6 +11,7 @@ every check that can refuse the model runs before any weight moves, and raises a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from typing import Any, Iterable
@@ -32,7 +33,7 @@ from poros.stream.tiling import tile_mlp
 from poros.stream.executor import StreamingExecutor
 from poros.stream.lora_placement import LoraPlacement
 from poros.stream.optimizer_states import resolve as resolve_optimizer_states
-from poros.stream.options import StreamOptions, keyword_parameters
+from poros.stream.options import StreamOptions, Workload, keyword_parameters
 from poros.stream.placement import embeddings_on_host as choose_embeddings_on_host, host_embedding_tables
 from poros.stream.segments import resolve_every
 from poros.stream.store import BlockStore, HostEmbedding
@@ -69,6 +70,8 @@ class PorosModel:
         host_tables: the embedding tables kept on the host (``embeddings_on_host``).
         detection: what :func:`prepare` found (:class:`Detection`), with the guarantee label.
         budget_plan: the planner's ``BudgetPlan`` when :func:`prepare` got a ``vram_budget``, else None.
+        kernel_report: what Liger patched on the model (:class:`~poros.dropin.kernels.KernelReport`) when
+            ``kernels="liger"`` or Liger's kernels were found on it, else None.
         host_plan: the host tier decision (``poros.plan.host_tiers.HostPlan``: tier, read-ahead, why).
         lora_placement: the :class:`~poros.stream.lora_placement.LoraPlacement` keeping the streamed
             blocks' adapters on the host (``lora_placement="host"``), else None.
@@ -80,7 +83,7 @@ class PorosModel:
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
                      "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
-                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp", "_streamed_counts")
+                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp", "_streamed_counts", "kernel_report")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None,
                          train_step: Any = None) -> list[torch.Tensor]:
@@ -275,13 +278,35 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
             f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "
             "its unpatch() before preparing again."
         )
+    kernels = _kernels(model, causal_lm, options.kernels)  # before detect: Liger patches no weight
     descriptor, layers, detection = detect(model, causal_lm, options.require)
+    if kernels is not None:
+        detection = dataclasses.replace(detection, kernels=kernels.summary())
+        logger.info("poros: kernels %s", kernels.summary())
+        if kernels.fused_loss:  # Liger computes the head from the hidden states: no chunked head under it
+            options = options.replace(workload=None if options.workload is None else dataclasses.replace(
+                Workload.of(options.workload), fused_loss=True))
     device = compute_device(causal_lm)  # poros.from_pretrained's mark
     graphs_on = cuda_graphs_on(options.cuda_graphs, device)  # cuda_graphs="auto" decided once, by the planner
     options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options,
                                                       graphs_on)
-    return _stream(model, causal_lm, descriptor, layers, device, {"detection": detection, "budget_plan": budget_plan},
+    return _stream(model, causal_lm, descriptor, layers, device, {"detection": detection, "budget_plan": budget_plan,
+                                                                   "kernel_report": kernels},
                    options, resident, num_slots, graphs_on)
+
+
+def _kernels(model: nn.Module, causal_lm: nn.Module, kernels: str):
+    """The :class:`~poros.dropin.kernels.KernelReport` of the run: with ``kernels="liger"``, Liger applied to
+    the instance (unless something already did: the trainer's own ``liger_kernel_config`` stands); otherwise
+    what Liger already patched, or None (no Liger on this model)."""
+    from poros.dropin.kernels import apply_liger, check_packed_experts, liger_report
+
+    found = liger_report(causal_lm)
+    if kernels == "liger" and (found is None or not found.applied):
+        found = apply_liger(model)
+    if found is not None and found.applied:
+        check_packed_experts(causal_lm)
+    return found if found is not None and (found.applied or kernels == "liger") else None
 
 
 prepare.__signature__ = inspect.Signature(  # the options by name, as prepare always took them
@@ -343,6 +368,11 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
             num_slots: int, graphs_on: bool) -> PorosModel:
     """Past the gates: the blocks move into the store, the executor is built whole and installed, and
     ``model`` becomes its streamed class. ``found``: the detection and the budget plan."""
+    fused = getattr(found.get("kernel_report"), "fused_loss", False)  # Liger's head replaces loss_chunks
+    if fused and options.loss_chunks > 1:
+        logger.info("poros: loss_chunks=%d is not installed: Liger's fused linear cross-entropy computes the head "
+                    "and loss, one chunk of logits at a time", options.loss_chunks)
+        options = options.replace(loss_chunks=1)
     chunked_loss = use_chunked_loss(causal_lm, options.loss_chunks) if options.loss_chunks > 1 else None
     tiled_mlp = tile_mlp(causal_lm, options.mlp_chunks) if options.mlp_chunks > 1 else None
     if device.type != "cpu":
@@ -380,7 +410,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
     from poros.plan.footprint import activation_estimate
 
     executor = StreamingExecutor(causal_lm, descriptor, store, options, graphs=block_graphs,
-                                 before_forward=runtime_gates(causal_lm, layers, placement),
+                                 before_forward=runtime_gates(causal_lm, layers, placement, tiled_mlp),
                                  spill_dir=cache.cache_root(options.cache_dir) / "spill",
                                  kept_blocks=getattr(found.get("budget_plan"), "kept_activation_blocks", None),
                                  kept_estimate=activation_estimate(causal_lm, layers),

@@ -273,6 +273,7 @@ class ActivationParts:
     norm_backward: int = 0  # an RMSNorm's backward: its fp32 temporaries and the MLP's input gradient
     tiled_buffers: int = 0  # tiled (mlp_chunks > 1): a tiled node's whole input gradient and the block's output
     post_attention_norm: int = 0  # the part of norms the post-attention norm keeps, freed before attention's backward
+    fused_loss: bool = False  # the head is Liger's fused linear cross-entropy (fused_loss_bytes)
 
     @property
     def recompute(self) -> int:
@@ -318,21 +319,28 @@ class ActivationParts:
                 (f"block recompute: a norm's backward{mlp} (or the MLP below, the larger)", self.norm_backward),
                 (f"block recompute: MLP working set{mlp}", self.mlp),
                 ("block recompute: one dequantized weight", self.dequantized_weight),
-                (f"head: logits and their gradient{loss}", self.logits + self.softcap),
-                (f"loss: fp32 working set{loss}", self.loss))
+                *((("head: Liger's fused linear cross-entropy (the input gradient and one chunk of logits)",
+                    self.logits), ("loss: fp32 per-token losses", self.loss)) if self.fused_loss else
+                  ((f"head: logits and their gradient{loss}", self.logits + self.softcap),
+                   (f"loss: fp32 working set{loss}", self.loss))))
 
 
 def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
                      attn_implementation: str | None, loss_chunks: int = 1, mlp_chunks: int = 1,
-                     attention_sms: int = 0, packed: bool = False) -> ActivationParts:
+                     attention_sms: int = 0, packed: bool = False, fused_loss: bool = False) -> ActivationParts:
     """One micro-batch's activations, by part (see :func:`activation_bytes` for what each counts;
-    ``attention_sms``: :func:`attention_sms`; ``packed``: :attr:`~poros.plan.budget.Workload.packed`)."""
+    ``attention_sms``: :func:`attention_sms`; ``packed``: :attr:`~poros.plan.budget.Workload.packed`;
+    ``fused_loss``: the head is Liger's fused linear cross-entropy, :func:`fused_loss_bytes`, and
+    ``loss_chunks`` does not apply)."""
     tokens = batch_size * seq_len
     hidden = shapes.hidden_size
     attention_linears = shapes.linear_outputs - shapes.mlp_outputs
     mlp_tokens = -(-tokens // mlp_chunks) if mlp_chunks > 1 else tokens
     logits = tokens * shapes.vocab_size
-    if loss_chunks == 1:
+    if fused_loss:  # Liger's fused linear cross-entropy: the input gradient, one chunk of logits, fp32 losses
+        head_logits, loss, softcap = fused_loss_bytes(tokens, hidden, shapes.vocab_size, value_bytes), tokens * 4, 0
+        loss_chunks = 1
+    elif loss_chunks == 1:
         head_logits, loss = logits * value_bytes, logits * LOSS_BYTES_PER_LOGIT
         softcap = 2 * logits * value_bytes if shapes.logit_softcapping else 0
     else:  # the head and the loss run chunk by chunk: one chunk's logits, their gradient, the fp32 loss
@@ -351,7 +359,18 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
         mlp=mlp_tokens * mlp_per_token,
         dequantized_weight=max(shapes.largest_linear, shapes.dequantized_experts) * value_bytes,
         logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
-        **per_token_parts(tokens, mlp_tokens, hidden, value_bytes, lora * shapes.lora_attention_inputs, mlp_chunks))
+        fused_loss=fused_loss, **per_token_parts(tokens, mlp_tokens, hidden, value_bytes, lora * shapes.lora_attention_inputs, mlp_chunks))
+
+
+def fused_loss_bytes(tokens: int, hidden: int, vocab: int, value_bytes: int) -> int:
+    """The head's device bytes under Liger's fused linear cross-entropy (``kernels: liger``): it never makes the
+    whole logits. Its forward computes the loss and the hidden states' gradient together, ``chunk`` tokens at a
+    time, ``chunk`` the power of two at or above ``tokens / ceil(vocab / hidden)`` (at most ``tokens``): one
+    chunk's logits in the compute dtype (the cross-entropy kernel writes their gradient in place) and the whole
+    ``tokens x hidden`` input gradient, kept for backward (``liger_kernel.ops.fused_linear_cross_entropy``)."""
+    factor = -(-vocab // hidden)
+    chunk = min(1 << max(0, (-(-tokens // factor) - 1).bit_length()), tokens)
+    return tokens * hidden * value_bytes + chunk * vocab * value_bytes
 
 
 def per_token_parts(tokens: int, chunk_tokens: int, hidden: int, value_bytes: int, lora_input_bytes: int,
@@ -373,7 +392,8 @@ def per_token_parts(tokens: int, chunk_tokens: int, hidden: int, value_bytes: in
 
 def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, value_bytes: int,
                      attn_implementation: str | None, loss_chunks: int = 1,
-                     mlp_chunks: int = 1, attention_sms: int = 0, packed: bool = False) -> tuple[int, int, int]:
+                     mlp_chunks: int = 1, attention_sms: int = 0, packed: bool = False,
+                     fused_loss: bool = False) -> tuple[int, int, int]:
     """``(boundary, recompute, head)`` bytes of one micro-batch (estimates, except the boundary).
 
     * boundary: one block's input hidden states, ``batch x seq x hidden`` values (exact).
@@ -395,12 +415,13 @@ def activation_bytes(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
       (:data:`LOSS_BYTES_PER_LOGIT`); soft-capped logits keep two more logit-sized tensors. With
       ``loss_chunks`` N > 1 the head and the loss run one token chunk at a time: one chunk's
       logits and their gradient in the compute dtype and its fp32 working set (the chunked head
-      of issue 32: the logits are never whole).
+      of issue 32: the logits are never whole). With ``fused_loss`` (``kernels: liger``) the head is
+      Liger's fused linear cross-entropy instead (:func:`fused_loss_bytes`).
     """
     parts = activation_parts(shapes, batch_size=batch_size, seq_len=seq_len, value_bytes=value_bytes,
                              attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
-                             attention_sms=attention_sms, packed=packed)
+                             attention_sms=attention_sms, packed=packed, fused_loss=fused_loss)
     return parts.boundary, parts.recompute, parts.head
 
 
-__all__ = ["ASSUMED_SMS", "ActivationParts", "AttentionEstimate", "BlockShapes", "GROUPED_NF4_EXPERTS", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "activation_bytes", "activation_parts", "attention_sms", "attention_working_set", "deterministic_now", "flash_backward_bytes", "grouped_experts_values", "held_values", "lora_inputs", "per_token_parts", "round_up"]
+__all__ = ["ASSUMED_SMS", "ActivationParts", "AttentionEstimate", "BlockShapes", "GROUPED_NF4_EXPERTS", "LOSS_BYTES_PER_LOGIT", "NORM_BACKWARD_FP32_VALUES", "activation_bytes", "activation_parts", "attention_sms", "attention_working_set", "deterministic_now", "flash_backward_bytes", "fused_loss_bytes", "grouped_experts_values", "held_values", "lora_inputs", "per_token_parts", "round_up"]

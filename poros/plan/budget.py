@@ -303,6 +303,8 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
     budget_bytes = options.vram_budget_bytes
     on_host = options.embeddings_on_host is not False and footprint.host_embedding_bytes > 0
     chosen, asked_chunks = None, (workload.loss_chunks, options.mlp_chunks)
+    if workload.fused_loss:  # Liger's fused linear cross-entropy computes the head: loss_chunks does not apply
+        workload = dataclasses.replace(workload, loss_chunks=1)
     if footprint_for is not None:
         chosen = _choose_chunks(footprint_for, workload, options, budget_bytes, on_host, context_bytes, slack)
         footprint, workload = chosen.footprint, dataclasses.replace(workload, loss_chunks=chosen.loss_chunks)
@@ -344,6 +346,8 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
         notes.append(f"{kept} of {blocks} blocks keep their activations (recompute={options.recompute}: "
                      f"{format_gb(kept_bytes)}, {'the budget left after the plan' if options.recompute == 'auto' else 'asked'}"
                      "); the others are recomputed in backward")
+    if workload.fused_loss:
+        notes.insert(0, fused_loss_note(asked_chunks[0]))
     if chosen is not None and chosen.raised:
         notes.insert(0, f"loss_chunks={chosen.loss_chunks}, mlp_chunks={chosen.mlp_chunks} (asked "
                         f"{asked_chunks[0]} and {asked_chunks[1]}): "
@@ -378,7 +382,14 @@ def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Wor
 
     return choose_chunks(footprint_for, needed, loss_chunks=workload.loss_chunks, mlp_chunks=options.mlp_chunks,
                          tokens=workload.batch_size * workload.seq_len, seq_len=workload.seq_len,
-                         budget_bytes=budget_bytes, ring=options.num_slots)
+                         budget_bytes=budget_bytes, ring=options.num_slots, fused_loss=workload.fused_loss)
+
+
+def fused_loss_note(loss_chunks: int) -> str:
+    """What a plan says when Liger's fused linear cross-entropy computes the head (``kernels: liger``)."""
+    asked = f"; it replaces loss_chunks={loss_chunks}" if loss_chunks > 1 else ""
+    return ("the head and loss run as Liger's fused linear cross-entropy (kernels: liger): one chunk of logits at a "
+            f"time, the whole logits never exist{asked}")
 
 
 def _streamed_bytes(footprint: Footprint, resident_blocks: tuple[int, ...]) -> int:

@@ -33,7 +33,7 @@ class ChunkChoice:
 
 def choose_chunks(footprint_for: Callable[[int, int], Any], needed: Callable[[Any, int, int], int], *,
                   loss_chunks: int, mlp_chunks: int, tokens: int, seq_len: int, budget_bytes: int,
-                  ring: int) -> ChunkChoice:
+                  ring: int, fused_loss: bool = False) -> ChunkChoice:
     """The smallest chunk counts at or above ``loss_chunks`` / ``mlp_chunks`` whose step fits ``budget_bytes``.
 
     Args:
@@ -42,9 +42,10 @@ def choose_chunks(footprint_for: Callable[[int, int], Any], needed: Callable[[An
             and that many slots needs (nothing resident, the placements the options allow).
         tokens, seq_len: tokens per micro-batch and per example (the caps: a chunk holds one at least).
         ring: the slots asked for; one slot is tried when the ring cannot fit at any count.
+        fused_loss: the head is Liger's fused linear cross-entropy: ``loss_chunks`` stays 1 (it does not apply).
     """
     asked = (loss_chunks, mlp_chunks)
-    caps = (min(MAX_LOSS_CHUNKS, max(tokens, 1)), min(MAX_MLP_CHUNKS, max(seq_len, 1)))
+    caps = (1 if fused_loss else min(MAX_LOSS_CHUNKS, max(tokens, 1)), min(MAX_MLP_CHUNKS, max(seq_len, 1)))
     best = None
     for slots in dict.fromkeys((ring, 1)):
         counts = asked

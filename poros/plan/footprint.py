@@ -120,12 +120,13 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
     loss_chunks = workload.loss_chunks if loss_chunks is None else loss_chunks
     parts = activation_parts(shapes, batch_size=workload.batch_size, seq_len=workload.seq_len, value_bytes=value_bytes,
                              attn_implementation=attn_implementation, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
-                             attention_sms=footprint.attention_sms, packed=workload.packed)
+                             attention_sms=footprint.attention_sms, packed=workload.packed,
+                             fused_loss=workload.fused_loss)
     return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
                                head_bytes=parts.head, kept_bytes=parts.kept, parts=parts.named(),
                                held_weight_bytes=shapes.dequantized_block * value_bytes,
                                attention=f"{parts.attention.kernel} ({parts.attention.reason})",
-                               loss_chunks=loss_chunks, mlp_chunks=mlp_chunks)
+                               loss_chunks=parts.loss_chunks, mlp_chunks=mlp_chunks)
 
 
 def chunked_footprints(footprint: Footprint, shapes: BlockShapes, workload: Workload, *, value_bytes: int,

@@ -128,6 +128,7 @@ class Plan:
     attention_sms: int = 0  # the flash backward's deterministic dQ split (poros.plan.footprint.attention_sms)
     packed: bool = False  # packing: true (rows of several examples: a seq x seq mask, no flash kernel)
     prequantized: bool = False  # a bnb-4bit checkpoint: its blocks stream from its own shards (the mapped tier)
+    fused_loss: bool = False  # kernels: liger: the head is Liger's fused linear cross-entropy (no loss_chunks)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -159,7 +160,7 @@ class Plan:
     @property
     def workload(self) -> Workload:
         return Workload(self.batch_size, self.seq_len, self.grad_accum, self.stream_schedule, self.loss_chunks,
-                        packed=self.packed)
+                        packed=self.packed, fused_loss=self.fused_loss)
 
     @property
     def peak_device_bytes_estimate(self) -> int:
@@ -283,7 +284,8 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
                                           seq_len=config.seq_len, value_bytes=value_bytes,
                                           attn_implementation=config.attn_implementation,
                                           loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks,
-                                          attention_sms=sms, packed=config.packing)
+                                          attention_sms=sms, packed=config.packing,
+                                          fused_loss=config.kernels == "liger")
     return Plan(
         model=config.model, checkpoint=str(directory), found_in=found_in, family=descriptor.name,
         model_type=text_config.model_type,
@@ -300,7 +302,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
-        packed=config.packing, prequantized=prequantized is not None,
+        packed=config.packing, prequantized=prequantized is not None, fused_loss=config.kernels == "liger",
     ), text_config
 
 

@@ -51,6 +51,9 @@ class Workload:
         boundary_every: k, the input of every k-th block kept for backward and the others recomputed
             (``StreamOptions.boundary_every``): fewer boundary states, one more forward through
             (k - 1) / k of the blocks and their copies.
+        fused_loss: the head and the loss run as Liger's fused linear cross-entropy (``kernels: liger``,
+            ``poros.dropin.kernels``): one chunk of logits at a time, the input gradient made in forward;
+            ``loss_chunks`` then does not apply (it stays 1).
 
     Raises:
         ConfigError: a size below 1 or an unknown schedule.
@@ -63,6 +66,7 @@ class Workload:
     loss_chunks: int = 1
     packed: bool = False
     boundary_every: int = 1
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum", "loss_chunks", "boundary_every"):
@@ -245,11 +249,12 @@ def check_cuda_graphs(value: Any) -> None:
 
 def step_of(config: Any, schedule: str | None = None) -> dict[str, Any]:
     """The step a :class:`~poros.config.PorosConfig` trains, as :class:`Workload`'s fields: ``batch_size``,
-    ``seq_len``, ``grad_accum``, ``loss_chunks``, ``packed`` (its ``packing``) and ``schedule`` (by default
-    its ``stream_schedule``). :func:`poros.plan.workload_of` and :meth:`StreamOptions.from_config` read it."""
+    ``seq_len``, ``grad_accum``, ``loss_chunks``, ``packed`` (its ``packing``), ``fused_loss`` (its ``kernels``
+    is ``liger``: Liger's fused linear cross-entropy) and ``schedule`` (by default its ``stream_schedule``). :func:`poros.plan.workload_of` and :meth:`StreamOptions.from_config` read it."""
     return {"batch_size": config.batch_size, "seq_len": config.seq_len, "grad_accum": config.grad_accum,
             "schedule": schedule or config.stream_schedule, "loss_chunks": config.loss_chunks,
-            "packed": bool(getattr(config, "packing", False))}
+            "packed": bool(getattr(config, "packing", False)),
+            "fused_loss": getattr(config, "kernels", "default") == "liger"}
 
 
 __all__ = ["HOST_TIERS", "REQUIRABLE", "SCHEDULES", "StreamOptions", "Workload", "check_cuda_graphs",

@@ -128,8 +128,35 @@ class TiledMlp:
 
     def remove(self) -> None:
         for module in self.modules:
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop("_poros_mlp_chunks", None)
+            _untile(module)
+
+    def retile(self) -> int:
+        """Tile again each module whose forward was rebound over the tiled one since (HF's ``Trainer`` applies
+        Liger's kernels again when ``train()`` starts): the new forward, tiled. Returns how many were."""
+        replaced = [m for m in self.modules if getattr(m.__dict__.get("forward"), "_poros_tiled", None) is not m]
+        for module in replaced:
+            _tile(module, self.chunks)
+        return len(replaced)
+
+
+def _untile(module: nn.Module) -> None:
+    """``module``'s forward before :func:`tile_mlp`: its own instance forward (e.g. Liger's), else its class's."""
+    forward = module.__dict__.get("forward")
+    if getattr(forward, "_poros_tiled", None) is module:
+        if forward._poros_inner is None:
+            module.__dict__.pop("forward")
+        else:
+            module.__dict__["forward"] = forward._poros_inner
+    module.__dict__.pop("_poros_mlp_chunks", None)
+
+
+def _tile(module: nn.Module, chunks: int) -> None:
+    """Tile ``module``'s current forward (an instance forward such as Liger's stays what runs, per chunk)."""
+    inner = module.__dict__.get("forward")
+    tiled = _bound_tiled(module, module.forward, chunks)
+    tiled._poros_tiled, tiled._poros_inner = module, inner
+    module.forward = tiled
+    module._poros_mlp_chunks = chunks
 
 
 def _resolve_or_none(layer: nn.Module, path: str) -> nn.Module | None:
@@ -186,11 +213,9 @@ def tile_mlp(model: nn.Module, chunks: int) -> TiledMlp:
     descriptor = getattr(model, "descriptor", None) or registry.for_config(causal_lm.config)
     modules = mlp_modules(causal_lm, descriptor) + per_token_modules(causal_lm, descriptor)
     for module in modules:
-        module.__dict__.pop("forward", None)  # the class's forward again, then tiled over it
+        _untile(module)  # the module's own forward again (an earlier tiling undone), then tiled over it
         if chunks > 1:
-            run = module.forward  # bound: the module's own (class) forward
-            module.forward = _bound_tiled(module, run, chunks)
-            module._poros_mlp_chunks = chunks
+            _tile(module, chunks)
     return TiledMlp(causal_lm, chunks, modules if chunks > 1 else [],
                     descriptor.mlp_untiled_reason(causal_lm.config.get_text_config()))
 
