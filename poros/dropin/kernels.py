@@ -174,4 +174,17 @@ def apply_liger(model: Any, kernel_config: dict | None = None) -> KernelReport:
     return liger_report(causal_lm_of(model)) or KernelReport(unpatched="liger-kernel was not imported")
 
 
-__all__ = ["KernelReport", "LIGER_PACKAGE", "apply_liger", "check_packed_experts", "liger_report", "unpatched_reason"]
+def kernel_report(model: Any, causal_lm: Any, kernels: str) -> KernelReport | None:
+    """The report ``prepare`` keeps for ``kernels`` (its option): with ``"liger"``, Liger applied to the instance
+    unless something already did (a trainer's own ``liger_kernel_config`` stands); otherwise what Liger already
+    patched, or None (no Liger on this model). Liger's experts kernel over NF4-packed experts is refused
+    (:func:`check_packed_experts`)."""
+    found = liger_report(causal_lm)
+    if kernels == "liger" and (found is None or not found.applied):
+        found = apply_liger(model)
+    if found is not None and found.applied:
+        check_packed_experts(causal_lm)
+    return found if found is not None and (found.applied or kernels == "liger") else None
+
+
+__all__ = ["KernelReport", "LIGER_PACKAGE", "apply_liger", "check_packed_experts", "kernel_report", "liger_report", "unpatched_reason"]

@@ -25,6 +25,7 @@ from poros.devices import compute_device, same_device
 from poros.distributed import DDP_IGNORE_ATTRIBUTE, host_parameter_names, world
 from poros.errors import AlreadyPreparedError, ConfigError, DeviceError
 from poros.dropin import banner
+from poros.dropin.kernels import kernel_report
 from poros.plan.entry import cuda_graphs_on
 from poros.stream import graphs
 from poros.stream.compute_stream import step_stream
@@ -278,7 +279,7 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
             f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "
             "its unpatch() before preparing again."
         )
-    kernels = _kernels(model, causal_lm, options.kernels)  # before detect: Liger patches no weight
+    kernels = kernel_report(model, causal_lm, options.kernels)  # before detect: Liger patches no weight
     descriptor, layers, detection = detect(model, causal_lm, options.require)
     if kernels is not None:
         detection = dataclasses.replace(detection, kernels=kernels.summary())
@@ -293,20 +294,6 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
     return _stream(model, causal_lm, descriptor, layers, device, {"detection": detection, "budget_plan": budget_plan,
                                                                    "kernel_report": kernels},
                    options, resident, num_slots, graphs_on)
-
-
-def _kernels(model: nn.Module, causal_lm: nn.Module, kernels: str):
-    """The :class:`~poros.dropin.kernels.KernelReport` of the run: with ``kernels="liger"``, Liger applied to
-    the instance (unless something already did: the trainer's own ``liger_kernel_config`` stands); otherwise
-    what Liger already patched, or None (no Liger on this model)."""
-    from poros.dropin.kernels import apply_liger, check_packed_experts, liger_report
-
-    found = liger_report(causal_lm)
-    if kernels == "liger" and (found is None or not found.applied):
-        found = apply_liger(model)
-    if found is not None and found.applied:
-        check_packed_experts(causal_lm)
-    return found if found is not None and (found.applied or kernels == "liger") else None
 
 
 prepare.__signature__ = inspect.Signature(  # the options by name, as prepare always took them

@@ -31,7 +31,7 @@ from typing import Callable
 from poros.config import parse_budget
 from poros.errors import ConfigError
 from poros.stream import optimizer_states as adamw_states
-from poros.plan.chunk_choice import ChunkChoice, choose_chunks
+from poros.plan.chunk_choice import ChunkChoice, choose_chunks, fused_loss_note
 from poros.plan.dequantize import choose_dequantize_once
 from poros.stream.options import SCHEDULES, StreamOptions, Workload
 from poros.plan.step_time import ComputeTimes, StepPrediction, copy_bytes_per_step, predict_step
@@ -303,8 +303,7 @@ def _plan_budget(footprint: Footprint, workload: Workload, options: StreamOption
     budget_bytes = options.vram_budget_bytes
     on_host = options.embeddings_on_host is not False and footprint.host_embedding_bytes > 0
     chosen, asked_chunks = None, (workload.loss_chunks, options.mlp_chunks)
-    if workload.fused_loss:  # Liger's fused linear cross-entropy computes the head: loss_chunks does not apply
-        workload = dataclasses.replace(workload, loss_chunks=1)
+    workload = dataclasses.replace(workload, loss_chunks=1) if workload.fused_loss else workload  # Liger's head
     if footprint_for is not None:
         chosen = _choose_chunks(footprint_for, workload, options, budget_bytes, on_host, context_bytes, slack)
         footprint, workload = chosen.footprint, dataclasses.replace(workload, loss_chunks=chosen.loss_chunks)
@@ -384,12 +383,6 @@ def _choose_chunks(footprint_for: Callable[[int, int], Footprint], workload: Wor
                          tokens=workload.batch_size * workload.seq_len, seq_len=workload.seq_len,
                          budget_bytes=budget_bytes, ring=options.num_slots, fused_loss=workload.fused_loss)
 
-
-def fused_loss_note(loss_chunks: int) -> str:
-    """What a plan says when Liger's fused linear cross-entropy computes the head (``kernels: liger``)."""
-    asked = f"; it replaces loss_chunks={loss_chunks}" if loss_chunks > 1 else ""
-    return ("the head and loss run as Liger's fused linear cross-entropy (kernels: liger): one chunk of logits at a "
-            f"time, the whole logits never exist{asked}")
 
 
 def _streamed_bytes(footprint: Footprint, resident_blocks: tuple[int, ...]) -> int:

@@ -66,4 +66,11 @@ def choose_chunks(footprint_for: Callable[[int, int], Any], needed: Callable[[An
     return ChunkChoice(counts[0], counts[1], footprint_for(*counts), counts != asked, need <= budget_bytes)
 
 
-__all__ = ["MAX_LOSS_CHUNKS", "MAX_MLP_CHUNKS", "ChunkChoice", "choose_chunks"]
+def fused_loss_note(loss_chunks: int) -> str:
+    """What a plan says when Liger's fused linear cross-entropy computes the head (``kernels: liger``)."""
+    asked = f"; it replaces loss_chunks={loss_chunks}" if loss_chunks > 1 else ""
+    return ("the head and loss run as Liger's fused linear cross-entropy (kernels: liger): one chunk of logits at a "
+            f"time, the whole logits never exist{asked}")
+
+
+__all__ = ["MAX_LOSS_CHUNKS", "MAX_MLP_CHUNKS", "ChunkChoice", "choose_chunks", "fused_loss_note"]
