@@ -21,6 +21,9 @@
 #   tools/gpu_run.sh bench:qwen2.5-32b:arms=trl-resident,trl-poros,unsloth:grad-accum=8:deterministic:steps=2:warmup=1:unsloth-timeout=240
 #   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros,unsloth:deterministic:steps=5:warmup=2:unsloth-timeout=300
 #   tools/gpu_run.sh bench:qwen2.5-72b:arms=hf-resident,hf-poros:deterministic:steps=3:warmup=1:vram-budget=30GB  # planner: resident blocks
+#   tools/gpu_run.sh bench:qwen2.5-32b:layers=8:arms=trl-resident,trl-poros:seq=2048:grad-accum=4:deterministic:cuda-graphs:liger:steps=2:warmup=1
+#                  # --liger: the Trainer arms with use_liger_kernel=True (liger-kernel's wheel in .whl/; Triton: torch's)
+#   tools/gpu_run.sh gate:liger:only=qwen3,gemma3:cuda-graphs:grad-accum=2:schedule=layer-major:steps=2   # Liger's gate
 #
 # A step is `gate` (tools/checks/parity_gate.py), `bench:SHAPE` (tools/bench/harness.py --model SHAPE),
 # `curve:SHAPE` (tools/bench/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/checks/merge_generate_bench.py
@@ -108,17 +111,18 @@ print_environment() {
   echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) $(hostname) commit=${POROS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi || echo "(no nvidia-smi)"
   python3 - <<'PY'
-import importlib, platform
+import importlib, importlib.metadata, platform
 import torch
 print("python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda,
       "| cuda available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability(),
           "memory %.1f GB" % (torch.cuda.get_device_properties(0).total_memory / 1e9))
-for name in ("transformers", "peft", "bitsandbytes", "accelerate", "safetensors"):
+for name in ("transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "trl", "triton", "liger_kernel"):
     try:
         module = importlib.import_module(name)
-        print(name, module.__version__, module.__file__)
+        print(name, getattr(module, "__version__", None) or importlib.metadata.version(name.replace("_", "-")),
+              module.__file__)
     except Exception as exc:  # noqa: BLE001
         print(name, "MISSING:", exc)
 PY

@@ -32,6 +32,9 @@ from poros.errors import MissingDependencyError
 
 #: the package whose functions mark a module or forward as Liger's
 LIGER_PACKAGE = "liger_kernel"
+#: the causal LM attribute :func:`apply_liger` leaves (the config it applied): ``prepare(kernels="liger")`` does not
+#: apply Liger again over a trainer's own application (TRL's config turns the fused cross-entropy off)
+APPLIED_MARK = "_poros_liger_config"
 
 
 @dataclass(frozen=True)
@@ -171,20 +174,22 @@ def apply_liger(model: Any, kernel_config: dict | None = None) -> KernelReport:
             f"kernels='liger' (or use_liger_kernel=True) needs liger-kernel and Triton ({exc}); expected them "
             "installed. Fix: pip install 'poros-train[liger]' (CUDA machines: Triton comes with torch).") from None
     apply_liger_kernel(model, kernel_config or {})
-    return liger_report(causal_lm_of(model)) or KernelReport(unpatched="liger-kernel was not imported")
+    causal_lm = causal_lm_of(model)
+    causal_lm.__dict__[APPLIED_MARK] = dict(kernel_config or {})  # kernel_report: applied, with this config
+    return liger_report(causal_lm) or KernelReport(unpatched="liger-kernel was not imported")
 
 
 def kernel_report(model: Any, causal_lm: Any, kernels: str) -> KernelReport | None:
     """The report ``prepare`` keeps for ``kernels`` (its option): with ``"liger"``, Liger applied to the instance
-    unless something already did (a trainer's own ``liger_kernel_config`` stands); otherwise what Liger already
-    patched, or None (no Liger on this model). Liger's experts kernel over NF4-packed experts is refused
-    (:func:`check_packed_experts`)."""
+    unless :func:`apply_liger` already did (``prepare_trainer``: the trainer's own ``liger_kernel_config``
+    stands); otherwise what Liger already patched, or None (no Liger on this model). Liger's experts kernel over
+    NF4-packed experts is refused (:func:`check_packed_experts`)."""
     found = liger_report(causal_lm)
-    if kernels == "liger" and (found is None or not found.applied):
+    if kernels == "liger" and APPLIED_MARK not in causal_lm.__dict__:
         found = apply_liger(model)
     if found is not None and found.applied:
         check_packed_experts(causal_lm)
     return found if found is not None and (found.applied or kernels == "liger") else None
 
 
-__all__ = ["KernelReport", "LIGER_PACKAGE", "apply_liger", "check_packed_experts", "kernel_report", "liger_report", "unpatched_reason"]
+__all__ = ["APPLIED_MARK", "KernelReport", "LIGER_PACKAGE", "apply_liger", "check_packed_experts", "kernel_report", "liger_report", "unpatched_reason"]

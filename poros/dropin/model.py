@@ -284,9 +284,9 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
     if kernels is not None:
         detection = dataclasses.replace(detection, kernels=kernels.summary())
         logger.info("poros: kernels %s", kernels.summary())
-        if kernels.fused_loss:  # Liger computes the head from the hidden states: no chunked head under it
-            options = options.replace(workload=None if options.workload is None else dataclasses.replace(
-                Workload.of(options.workload), fused_loss=True))
+    fused = bool(kernels is not None and kernels.fused_loss)  # Liger's head: the planner prices what runs
+    if options.workload is not None and Workload.of(options.workload).fused_loss != fused:
+        options = options.replace(workload=dataclasses.replace(Workload.of(options.workload), fused_loss=fused))
     device = compute_device(causal_lm)  # poros.from_pretrained's mark
     graphs_on = cuda_graphs_on(options.cuda_graphs, device)  # cuda_graphs="auto" decided once, by the planner
     options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options,

@@ -111,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the -poros Trainer arms: prepare_trainer(recompute=...) (default: prepare's, auto)")
     parser.add_argument("--dequantize-once", choices=("auto", "true", "false"),
                         help="the -poros Trainer arms: prepare_trainer(dequantize_once=...) (default: prepare's, auto)")
+    parser.add_argument("--liger", action="store_true",
+                        help="the Trainer arms (trl-*, hf-*) train with use_liger_kernel=True (liger-kernel's fused "
+                             "kernels; TRL keeps its own fused head); the step arms and the Unsloth arm are untouched")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
                         help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks "
@@ -191,7 +194,7 @@ def trainer_setup(args, device) -> TrainerSetup:
                         batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, cuda_graphs=args.cuda_graphs,
                         vram_budget=args.vram_budget, resident_blocks=args.resident_blocks, recompute=args.recompute,
                         dequantize_once={"true": True, "false": False}.get(args.dequantize_once, args.dequantize_once),
-                        profile=args.profile, output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
+                        profile=args.profile, liger=args.liger, output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 
 def trainer_arms_report(args, peft_model, batches, setup: TrainerSetup, arms: dict) -> dict:
@@ -297,7 +300,7 @@ def main(argv=None) -> int:
             "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
             "mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states, "host_budget": args.host_budget,
-            "timeline": args.timeline, "grad_accum": args.grad_accum,
+            "timeline": args.timeline, "grad_accum": args.grad_accum, "liger": args.liger,
             "schedule": args.schedule, "attn_implementation": args.attn,
             "experts_implementation": experts_implementation(model), "quantize_experts": args.quantize_experts,
             "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": 0.0, "targets": targets, "on_experts": args.lora_on_experts},
@@ -339,7 +342,16 @@ def main(argv=None) -> int:
     write_report(report, args.json)
     failed = any(arm["status"] == "error" for arm in report["arms"].values())
     mismatch = not all(c.get("bitwise", True) for c in (report["comparison"] or {}, *report["trainer"].values()))
-    return 1 if failed or mismatch else 0
+    return 1 if failed or mismatch or liger_missing(args, report["arms"]) else 0
+
+
+def liger_missing(args, arms: dict) -> bool:
+    """``--liger`` whose Trainer arm trained without Liger's kernels (nothing patched): said loudly, a failure."""
+    missing = [name for name, arm in arms.items() if args.liger and name in TRAINER_ARMS
+               and arm.get("status") == "ok" and not arm.get("kernels")]
+    if missing:
+        print(f"--liger: {', '.join(missing)} trained without Liger's kernels (nothing patched)", file=sys.stderr)
+    return bool(missing)
 
 
 if __name__ == "__main__":

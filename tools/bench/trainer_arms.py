@@ -10,6 +10,10 @@ Arms (``--arms`` of :mod:`tools.bench`):
   LoRA weights of a quantized model to bf16 (TRL's QLoRA default), in both arms alike.
 * ``hf-resident`` / ``hf-poros``: the same with ``transformers.Trainer`` on rows with ``labels``.
 
+With ``--liger`` every Trainer arm sets ``use_liger_kernel=True`` (TRL's arms keep TRL's fused head: SFTTrainer
+turns Liger's fused cross-entropy off; HF's arms get it); the Trainer patches the ONE model object when its
+``train()`` starts, so each arm trains Liger's kernels, and each arm records what Liger patched (``kernels``).
+
 Every arm starts from the same initial LoRA tensors (fp32, put back before each arm), the same rows in
 the same order (the same ``seed`` / ``data_seed``) and the arguments of
 :func:`tools.bench.trainer_common.training_arguments`. Per arm: each optimizer step's wall time (the device
@@ -31,8 +35,8 @@ import torch
 
 from tools.bench.kernel_profile import KernelProfile
 from tools.bench.arms import ArmResult, free_memory, optimizer_snapshot, parity, snapshot, trainable
-from tools.bench.trainer_common import (StepClock, TrainerSetup, logged_grad_norms, logged_losses, sft_config_arguments,
-                                  sft_dataset, throughput, training_arguments)
+from tools.bench.trainer_common import (StepClock, TrainerSetup, liger_arguments, logged_grad_norms, logged_losses,
+                                        sft_config_arguments, sft_dataset, throughput, training_arguments)
 
 #: the Trainer arms, in the order they run: each flow's resident reference before its one-line arm
 TRAINER_ARMS = ("trl-resident", "trl-poros", "hf-resident", "hf-poros")
@@ -61,13 +65,14 @@ def _trainer(flow: str, model, rows: list[list[int]], setup: TrainerSetup, clock
     if flow == "trl":
         import trl
 
-        return trl.SFTTrainer(model=model, args=trl.SFTConfig(**sft_config_arguments(setup)),
+        return trl.SFTTrainer(model=model, args=trl.SFTConfig(**sft_config_arguments(setup), **liger_arguments(setup)),
                               train_dataset=sft_dataset(rows), processing_class=tokenizer, callbacks=[clock])
     from poros.testing.models import Rows
 
     dataset = Rows([{"input_ids": torch.tensor(ids), "attention_mask": torch.ones(len(ids), dtype=torch.long),
                      "labels": torch.tensor(ids)} for ids in rows])
-    return transformers.Trainer(model=model, args=transformers.TrainingArguments(**training_arguments(setup)),
+    return transformers.Trainer(model=model, args=transformers.TrainingArguments(**training_arguments(setup),
+                                                                                 **liger_arguments(setup)),
                                 train_dataset=dataset, callbacks=[clock])
 
 
@@ -76,6 +81,16 @@ def restore_lora(named: list[tuple[str, torch.nn.Parameter]], initial: dict[str,
     for name, param in named:
         param.data = initial[name].to(param.device, copy=True)
         param.grad = None
+
+
+def _kernels(model, handle) -> dict[str, Any] | None:
+    """What Liger patched on the arm's model as it trained (None: no Liger): the streamed arm's own report, or
+    the same read off the resident model (``poros.dropin.kernels.liger_report``)."""
+    from poros.adapters import causal_lm_of
+    from poros.dropin.kernels import liger_report
+
+    report = getattr(handle, "kernel_report", None) or liger_report(causal_lm_of(model))
+    return report.to_dict() if report is not None and report.applied else None
 
 
 def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tensor], rows: list[list[int]],
@@ -103,6 +118,7 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         result.extra["grad_norms"] = logged_grad_norms(trainer)
         result.adapter = snapshot(trainable(trainer.model))
         result.optimizer = optimizer_snapshot(trainer.optimizer, trainable(trainer.model))
+        result.extra["kernels"] = _kernels(trainer.model, handle)
         if handle is not None:
             fetches = sum(handle.store.stats.fetches)
             result.extra.update({"guarantee": handle.guarantee, "blocks": len(handle.store.blocks),

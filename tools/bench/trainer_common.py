@@ -52,6 +52,8 @@ class TrainerSetup:
         dequantize_once: the ``-poros`` arms' ``dequantize_once`` (None: prepare's default, ``"auto"``).
         resident_blocks: the ``-poros`` arms' ``resident_blocks`` (the last N blocks stay on the device),
             or None.
+        liger: every Trainer arm (``trl-*``, ``hf-*``, resident and one-line alike) trains with
+            ``use_liger_kernel=True`` (:func:`liger_arguments`); the Unsloth child never reads it.
     """
 
     device: str
@@ -69,6 +71,7 @@ class TrainerSetup:
     profile: bool = False
     vram_budget: str | None = None
     resident_blocks: int | None = None
+    liger: bool = False
 
     def prepare_options(self) -> dict[str, Any]:
         """The keywords a ``-poros`` arm passes to ``poros.prepare_trainer`` (to ``poros.prepare``): with a
@@ -105,6 +108,12 @@ def training_arguments(setup: TrainerSetup) -> dict[str, Any]:
         use_cpu=torch.device(setup.device).type == "cpu", seed=setup.seed, data_seed=setup.seed,
         dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def liger_arguments(setup: TrainerSetup) -> dict[str, Any]:
+    """``use_liger_kernel=True`` for a run with ``setup.liger`` (the Trainer arms of the bench's ``--liger``); {}
+    otherwise. Kept out of :func:`training_arguments`, which the Unsloth child shares."""
+    return {"use_liger_kernel": True} if setup.liger else {}
 
 
 def sft_config_arguments(setup: TrainerSetup) -> dict[str, Any]:

@@ -21,6 +21,10 @@ implementation (eager / sdpa) and, for MoE, the other experts implementation (ea
 grouped_mm), and the report names the kernel whose swap makes it bitwise. Kernels that torch
 reports as non-deterministic are listed by torch's own message.
 
+``--liger`` applies liger-kernel's kernels to each variant's model before either arm (the call HF's Trainer makes
+for ``use_liger_kernel=True``): the resident arm trains Liger's modules, the streamed arm streams the same
+patched modules, and its loss is Liger's fused linear cross-entropy in both; the record says ``kernels = "liger"``.
+
 ``--autocast bf16`` (or ``fp16``) runs both arms under ``torch.autocast`` (as ``TrainingArguments(bf16=True)``
 does; PEFT keeps the LoRA weights in fp32, so autocast changes their ops and Poros's recompute must replay
 the forward's autocast state), entered around each forward as HF Trainer does (``--autocast-region
@@ -107,6 +111,11 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
                               experts_implementation=experts)
     peft_model = add_lora(model, rank=args.rank, alpha=args.alpha, targets=args.targets,
                                 target_parameters=list(variant.target_parameters) or None)
+    liger = None
+    if getattr(args, "liger", False):  # both arms: the resident model patched, prepare streams what it finds
+        from poros.dropin.kernels import apply_liger
+
+        liger = apply_liger(peft_model).to_dict()
     batches = make_batches(config, count=args.steps, batch=args.batch, seq=args.seq, seed=args.seed + 1,
                                  left_pad=args.pad)
     autocast = getattr(args, "autocast", "none")  # callers building their own Namespace may leave it out
@@ -139,7 +148,7 @@ def run_variant(variant: Variant, args, device: torch.device, *, attn: str, expe
         "target_parameters": list(variant.target_parameters),
         "arms": arms, "comparison": outcome["comparison"], "nondeterministic_kernels": kernels,
         "model_info": info, "autocast": autocast, "autocast_region": region if autocast != "none" else None,
-        "save_load": save_load,
+        "save_load": save_load, "liger": liger,
         "cuda_graphs": (outcome["arms"]["poros"].extra.get("cuda_graphs") if "poros" in outcome["arms"] else None),
     }
     del outcome, peft_model, model
@@ -303,6 +312,8 @@ def validation_record(report: dict[str, Any], env: dict[str, Any], args) -> dict
         record["autocast"] = getattr(args, "autocast", "none")
     if getattr(args, "save_load", False):
         record["save_load"] = "checked"
+    if report.get("liger"):
+        record["kernels"] = "liger"
     if report["experts_implementation"]:
         record["experts_implementation"] = report["experts_implementation"]
     if report["label"] == "numerical":
@@ -398,6 +409,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="micro-major", choices=("micro-major", "layer-major"))
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the streamed arm replays its block phases from CUDA graphs (issue 18's gate)")
+    parser.add_argument("--liger", action="store_true",
+                        help="apply liger-kernel's kernels to the model before both arms (poros.dropin.kernels."
+                             "apply_liger: RMSNorm, RoPE, SwiGLU/GeGLU, fused linear cross-entropy); CUDA only")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 with --tiny on CPU)")
     parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
     parser.add_argument("--json", type=Path, help="write the report here")
