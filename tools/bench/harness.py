@@ -67,12 +67,19 @@ def _shape_and_steps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
 
 
+def _kernels(parser: argparse.ArgumentParser) -> None:
+    """Whose kernels the Trainer arms run."""
+    parser.add_argument("--liger", action="store_true", help="the Trainer arms (trl-*, hf-*) train with "
+                        "use_liger_kernel=True (TRL keeps its fused head); the step and Unsloth arms do not")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Resident QLoRA vs Poros streaming on random weights at real shapes; prints a table, writes JSON.",
         epilog="shapes: " + ", ".join(SHAPES),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _shape_and_steps(parser)
+    _kernels(parser)
     parser.add_argument("--arms", default="resident,poros",
                         help="comma list of: " + ", ".join(ALL_ARMS) + " (control: resident again, the reference "
                              "against itself; trl-*/hf-*: SFTTrainer / HF Trainer plain and with poros.prepare_trainer; "
@@ -105,15 +112,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "pinned host memory travelling with their block (poros.prepare(lora_placement=...); "
                              "needs --optimizer-states host and --schedule layer-major); auto: the --vram-budget "
                              "planner decides")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="the poros arm replays its block phases from CUDA graphs (prepare(cuda_graphs=True))")
+    parser.add_argument("--cuda-graphs", action="store_true", help="the poros arm replays its block phases from "
+                        "CUDA graphs (prepare(cuda_graphs=True))")
     parser.add_argument("--recompute", choices=("auto", "all", "none"),
                         help="the -poros Trainer arms: prepare_trainer(recompute=...) (default: prepare's, auto)")
     parser.add_argument("--dequantize-once", choices=("auto", "true", "false"),
                         help="the -poros Trainer arms: prepare_trainer(dequantize_once=...) (default: prepare's, auto)")
-    parser.add_argument("--liger", action="store_true",
-                        help="the Trainer arms (trl-*, hf-*) train with use_liger_kernel=True (liger-kernel's fused "
-                             "kernels; TRL keeps its own fused head); the step arms and the Unsloth arm are untouched")
     parser.add_argument("--slots", type=int, default=2, help="device slots of the Poros block ring")
     parser.add_argument("--vram-budget", metavar="SIZE",
                         help="poros.prepare(vram_budget=SIZE), e.g. 8GiB: the planner picks slots and resident blocks "
