@@ -28,6 +28,12 @@ def accum_label(config: dict) -> str:
     return label + (", boundary states on the host" if config.get("boundary_states") == "host" else "")
 
 
+def arm_label(name: str, arm: dict) -> str:
+    """A bench arm's name as the results tables print it: ``trl-poros + liger`` where the arm trained Liger's
+    kernels (``tools/bench --liger``: the arm's ``kernels`` record), else the name."""
+    return f"{name} + liger" if arm.get("kernels") else name
+
+
 def parity_label(comparison: dict | None) -> str:
     """A bench comparison in words: ``bitwise (0.0)``, or how far the losses differ; ``-`` for none."""
     if not comparison:

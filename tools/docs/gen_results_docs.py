@@ -274,7 +274,7 @@ def render_trainer() -> str:
                 ratio, parity = "1.00x" if arm.get("status") == "ok" else "-", "reference"
             status = "" if arm.get("status") == "ok" else f" ({arm.get('status')})"
             rows.append(f"| {config['model']} | {layers} | {config['seq']} | {config.get('grad_accum', 1)} | "
-                        f"{'on' if config['deterministic'] else 'off'} | {name}{status} | "
+                        f"{'on' if config['deterministic'] else 'off'} | {docgen.arm_label(name, arm)}{status} | "
                         f"{_gb(arm.get('peak_allocated_gb'))} | {_gb(arm.get('peak_reserved_gb'))} | "
                         f"{_s(arm.get('median_step_s'))} | {arm.get('tokens_per_s') or '-'} | {ratio} | {parity} | "
                         f"[{path.name}](../{path.relative_to(ROOT)}) |")

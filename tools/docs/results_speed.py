@@ -36,7 +36,7 @@ PLOT_ARMS = ("trl-resident", "trl-poros", "unsloth")
 #: the shape the speed plot draws (issue 41's sweep)
 PLOT_SHAPE = "qwen2.5-32b"
 #: config fields that make a run a variant of the sweep's configuration (a memory cap, Liger's kernels): not plotted
-VARIANT_FIELDS = ("vram_limit_gb", "use_liger_kernel", "kernels")
+VARIANT_FIELDS = ("vram_limit_gb", "liger", "use_liger_kernel", "kernels")
 _SESSION = re.compile(r"-s(\d+)$")
 
 
@@ -76,7 +76,8 @@ def render_machine(reports: list[tuple[Path, dict]], root: Path) -> str:
             arm = report["arms"][name]
             kept = arm.get("kept_activation_blocks")
             rows.append(f"| {config['model']} | {config['seq']} | {config.get('grad_accum', 1)} | "
-                        f"{'on' if config['deterministic'] else 'off'} | {name} | {_cell(arm.get('median_step_s'), '{:.3f}')} | "
+                        f"{'on' if config['deterministic'] else 'off'} | {docgen.arm_label(name, arm)} | "
+                        f"{_cell(arm.get('median_step_s'), '{:.3f}')} | "
                         f"{_cell(arm.get('tokens_per_s'))} | {_cell(arm.get('model_tflops'))} | "
                         f"{_cell(arm.get('hardware_tflops'))} | {_cell(arm.get('mfu'), '{:.1%}')} | {dense} | "
                         f"{_cell(kept) if name.endswith('-poros') else '-'} | {_cell(arm.get('peak_allocated_gb'), '{:.2f}')} | "
