@@ -534,7 +534,8 @@ def test_plan_with_given_times_and_json(capsys, tiny_checkpoint):
     report = json.loads(out)
     plan = report["plan"]
     assert plan["workload"] == {"batch_size": 1, "seq_len": 64, "grad_accum": 2, "schedule": "layer-major",
-                                "loss_chunks": 1, "packed": False, "boundary_every": 1}
+                                "loss_chunks": 1, "packed": False, "boundary_every": 1,
+                                "fused_loss": False}
     assert plan["step"]["step_s"] > 0 and report["compute"]["source"] == "given: --block-ms 0.3,0.6"
     assert plan["needed_bytes"] <= plan["budget_bytes"] and plan["hide_copy_resident"] is not None
     minimum = plan["boundary_offload_minimum_bytes"]  # layer-major: the states may wait on the host
