@@ -65,6 +65,13 @@ def test_kernels_is_checked_like_every_setting():
     assert poros.StreamOptions().kernels == "default" and PorosConfig().kernels == "default"
 
 
+def test_poros_trainer_refuses_liger_off_cuda_before_loading():
+    from poros.training.trainer import PorosTrainer
+
+    with pytest.raises(ConfigError, match=r"kernels='liger' on cpu: .*CUDA devices only.*kernels: default"):
+        PorosTrainer.from_pretrained("poros-tiny-qwen3", kernels="liger", device="cpu")
+
+
 @pytest.mark.skipif(HAVE_LIGER, reason="liger-kernel is installed here: the refusal needs it absent")
 def test_asking_for_liger_without_it_fails_in_one_line(tmp_path):
     model = qlora_model("qwen3", tmp_path=tmp_path)

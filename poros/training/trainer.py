@@ -165,6 +165,9 @@ class PorosTrainer:
         tracking.check_installed(config.report_to)  # before the model loads
         # a missing GPU is named before any weight is read; under torchrun: this rank's device
         device = distributed.join_launched_job(resolve_device(config.device, check=True))
+        if config.kernels == "liger" and device.type != "cuda":
+            raise ConfigError(f"kernels='liger' on {device}: liger-kernel's kernels are Triton kernels, which run on "
+                              "CUDA devices only; expected a CUDA device. Fix: kernels: default on this machine.")
         # the host RAM the run needs against this machine's: a host budget that fits, or a refusal, before loading
         config, refit = fit_host_ram(config)
         if refit is not None:
