@@ -254,8 +254,8 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
         **keywords: the options by name, each documented on ``StreamOptions`` (``num_slots``,
             ``embeddings_on_host``, ``require``, ``resident_blocks``, ``vram_budget``, ``workload``,
             ``boundary_states``, ``optimizer_states``, ``host_tier``, ``host_budget``, ``read_ahead``,
-            ``cache_dir``, ``cuda_graphs``, ``lora_placement``, ``loss_chunks``, ``mlp_chunks``); beside ``options`` they
-            override its values. What prepare and the planner decide for the choices left open is
+            ``cache_dir``, ``cuda_graphs``, ``lora_placement``, ``loss_chunks``, ``mlp_chunks``, ``kernels``);
+            beside ``options`` they override its values. What prepare and the planner decide for the choices left open is
             ``PorosModel.stream_options``, the object the executor is built with.
 
     Raises:
@@ -265,8 +265,10 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
         AlreadyPreparedError, TorchCompileError, OffloadedModelError, QuantizationError, UnsupportedAdapterError,
         BaseNotFrozenError, TrainableInBlockError, CheckpointingError, GuaranteeError: the gates
             (``docs/prepare.md`` lists each with its message).
+        MissingDependencyError: ``kernels="liger"`` without liger-kernel (and Triton) installed.
         ConfigError: an unknown option (named, with the closest one) or an invalid value (see
-            ``StreamOptions``); ``resident_blocks`` naming no block of this model; ``vram_budget`` without
+            ``StreamOptions``); Liger's experts kernel over NF4-packed experts; ``resident_blocks`` naming no
+            block of this model; ``vram_budget`` without
             ``workload`` or below the minimum the run needs (the message says how much it needs).
     """
     from poros.loading.experts import adopt_expert_lora
@@ -279,8 +281,8 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
             f"this {type(causal_lm).__name__} is already streamed by Poros; keep using it, or call "
             "its unpatch() before preparing again."
         )
-    kernels = kernel_report(model, causal_lm, options.kernels)  # before detect: Liger patches no weight
     descriptor, layers, detection = detect(model, causal_lm, options.require)
+    kernels = kernel_report(model, causal_lm, options.kernels)  # kernels="liger": applied here, past the gates
     if kernels is not None:
         detection = dataclasses.replace(detection, kernels=kernels.summary())
         logger.info("poros: kernels %s", kernels.summary())
