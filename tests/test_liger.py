@@ -12,7 +12,9 @@ trainers:
   saying so): ``prepare_trainer`` applies Liger as the Trainer does, to the very module objects the streamed
   blocks run; the banner names what Liger patched; no chunked head is installed under Liger's; ``mlp_chunks``
   tiles over Liger's forwards and tiles again after the Trainer's own second application; Liger's experts
-  kernel over NF4-packed experts is refused.
+  kernel over NF4-packed experts is refused; and ``trainer.train()`` runs the real path -- the Trainer's own
+  Liger call, ``PorosCallback`` streaming after it, layer-major accumulation -- until a streamed decoder layer
+  calls Liger's RMSNorm, whose Triton launch a CPU cannot make (the traceback shows the executor's frame above it).
 """
 
 from __future__ import annotations
@@ -188,3 +190,56 @@ def test_a_family_liger_has_no_kernels_for_is_named_and_packed_experts_are_refus
     with pytest.raises(ConfigError, match=r"Liger's experts kernel .*packed to NF4.*'swiglu': False"):
         poros.prepare(moe)
     assert torch.is_tensor(next(moe.parameters()))
+
+
+def _sft_trainer(model, tmp_path, **extra):
+    import transformers
+    import trl
+    from datasets import Dataset
+
+    from poros.assets import asset_path
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(asset_path("poros-tiny-qwen3"))
+    args = trl.SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1, max_length=4,
+                         use_liger_kernel=True, per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    return trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([{"input_ids": [1, 2, 3, 4]}] * 2),
+                          processing_class=tokenizer, **extra)
+
+
+def _reached_liger_in_a_streamed_block(raised) -> None:
+    """The failed launch came from Liger's module inside a decoder layer the streaming executor called."""
+    files = [str(entry.path) for entry in raised.traceback]
+    executor = max(i for i, f in enumerate(files) if f.endswith("poros/stream/executor.py"))
+    layer = next(i for i, f in enumerate(files) if i > executor and "/models/qwen3/modeling_qwen3.py" in f)
+    assert any("liger_kernel/transformers/rms_norm.py" in f for f in files[layer:]), files
+
+
+@needs_liger
+def test_the_trainers_own_liger_call_at_train_leaves_the_streamed_model_as_prepared(tmp_path, capsys):
+    """``train()`` applies Liger again (HF's call), then its first forward reaches Liger's first Triton launch,
+    which a CPU cannot make: up to there, the real path. ``PorosCallback`` streams at ``on_train_begin``, after
+    that call, with TRL's final config (its fused head kept, Liger's fused cross-entropy off)."""
+    callback = poros.PorosCallback()
+    model = qlora_model("qwen3", tmp_path=tmp_path / "a")
+    trainer = _sft_trainer(model, tmp_path / "a", callbacks=[callback])
+    assert callback.model is None  # not at on_init_end: TRL sets its liger_kernel_config after it
+    with pytest.raises(RuntimeError, match="driver") as raised:  # Liger's first kernel, on a CPU
+        trainer.train()
+    _reached_liger_in_a_streamed_block(raised)
+    handle = callback.model
+    assert handle is model and handle.kernel_report.applied and not handle.kernel_report.fused_loss
+    assert handle.executor.trunk.__dict__["forward"] == handle.executor.trunk_forward  # still streamed
+    assert "kernels liger (rms_norm x" in capsys.readouterr().err
+    handle.unpatch()
+
+    model = qlora_model("qwen3", tmp_path=tmp_path / "b")
+    trainer = _sft_trainer(model, tmp_path / "b")
+    handle = poros.prepare_trainer(trainer, loss_chunks=4)
+    forward, chunked = model.get_base_model().__dict__.get("forward"), handle._chunked_loss
+    with pytest.raises(RuntimeError, match="driver") as raised:
+        trainer.train()
+    _reached_liger_in_a_streamed_block(raised)
+    # the second application rebound the same functions: TRL's head under Poros's chunked head, Liger's norms
+    assert model.get_base_model().__dict__.get("forward") is forward and chunked is not None and chunked.head.active
+    assert _liger_forward(handle.executor.layers[0].mlp) == "LigerSwiGLUMLP.forward"
+    handle.unpatch()

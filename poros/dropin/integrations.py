@@ -98,7 +98,9 @@ class PorosCallback(TrainerCallback):
     """A ``TrainerCallback`` that streams the trainer's model when the trainer is built (``on_init_end``,
     after TRL applied ``peft_config``), or at the latest when training starts, and runs the trainer's
     gradient-accumulation windows layer-major as :func:`prepare_trainer` does (it finds its trainer as the
-    trainer calls it: the caller whose ``callback_handler`` holds this callback).
+    trainer calls it: the caller whose ``callback_handler`` holds this callback). With ``use_liger_kernel`` it
+    streams when training starts, once the Trainer has applied Liger's kernels with its final
+    ``liger_kernel_config`` (TRL sets its own after the constructor's ``on_init_end``).
 
     Args:
         **options: passed to :func:`poros.prepare`.
@@ -111,10 +113,13 @@ class PorosCallback(TrainerCallback):
         self.options = options
         self.model: PorosModel | None = None
 
-    def _prepare(self, args, model) -> bool:
-        """Stream ``model`` (once) and drive the calling trainer's windows; False: no trainer found."""
+    def _prepare(self, args, model, *, starting: bool = False) -> bool:
+        """Stream ``model`` (once) and drive the calling trainer's windows; False: no trainer found. With
+        ``use_liger_kernel`` only when training starts (``starting``): the Trainer has applied Liger then, with
+        the final ``liger_kernel_config`` (TRL sets its own after ``on_init_end``)."""
         _check_args(args)
-        _apply_trainer_liger(args, model)
+        if getattr(args, "use_liger_kernel", False) and not starting:
+            return True
         if model is not None and not isinstance(model, PorosModel):
             self.model = prepare(model, **_trainer_options(args, self.options))
         trainer = self._trainer()
@@ -138,7 +143,7 @@ class PorosCallback(TrainerCallback):
         self._prepare(args, model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not self._prepare(args, model):
+        if not self._prepare(args, model, starting=True):
             trainer_window.logger.warning(
                 "poros: gradient accumulation runs micro-major, not layer-major: PorosCallback found no "
                 "transformers Trainer calling it (use poros.prepare_trainer(trainer) instead)")

@@ -137,6 +137,15 @@ def check_packed_experts(causal_lm: Any) -> None:
                 "liger_kernel_config={'swiglu': False} (TrainingArguments/SFTConfig), or quantize_experts: false.")
 
 
+def patched_instance(causal_lm: Any) -> bool:
+    """Whether Liger was applied to this very instance: :func:`apply_liger` marked it, or a module of it (the
+    causal LM included) has Liger's ``forward`` bound on the instance. Modules merely built of Liger's classes
+    (a class swap that an earlier application left in the modeling module) do not count."""
+    return APPLIED_MARK in causal_lm.__dict__ or any(
+        "forward" in module.__dict__ and _liger_function(module.__dict__["forward"]) is not None
+        for module in causal_lm.modules())
+
+
 def unpatched_reason(causal_lm: Any) -> str:
     """Why Liger leaves ``causal_lm`` as it is: the model type liger-kernel has no kernels for, or the class its
     patch for that type does not take."""
@@ -181,15 +190,15 @@ def apply_liger(model: Any, kernel_config: dict | None = None) -> KernelReport:
 
 def kernel_report(model: Any, causal_lm: Any, kernels: str) -> KernelReport | None:
     """The report ``prepare`` keeps for ``kernels`` (its option): with ``"liger"``, Liger applied to the instance
-    unless :func:`apply_liger` already did (``prepare_trainer``: the trainer's own ``liger_kernel_config``
-    stands); otherwise what Liger already patched, or None (no Liger on this model). Liger's experts kernel over
+    unless it already is (:func:`patched_instance`: ``prepare_trainer``'s application, or the Trainer's own when
+    ``PorosCallback`` prepares at ``on_train_begin`` -- the trainer's ``liger_kernel_config`` stands); otherwise what Liger already patched, or None (no Liger on this model). Liger's experts kernel over
     NF4-packed experts is refused (:func:`check_packed_experts`)."""
     found = liger_report(causal_lm)
-    if kernels == "liger" and APPLIED_MARK not in causal_lm.__dict__:
+    if kernels == "liger" and not patched_instance(causal_lm):
         found = apply_liger(model)
     if found is not None and found.applied:
         check_packed_experts(causal_lm)
     return found if found is not None and (found.applied or kernels == "liger") else None
 
 
-__all__ = ["APPLIED_MARK", "KernelReport", "LIGER_PACKAGE", "apply_liger", "check_packed_experts", "kernel_report", "liger_report", "unpatched_reason"]
+__all__ = ["APPLIED_MARK", "KernelReport", "LIGER_PACKAGE", "apply_liger", "check_packed_experts", "kernel_report", "liger_report", "patched_instance", "unpatched_reason"]
