@@ -6,9 +6,9 @@ cross-entropy off for its own fused head) make the ``Trainer`` patch the model *
 Liger's on the same module object, the family's ``apply_rotary_pos_emb`` becomes Liger's in the modeling module,
 and the causal LM's ``forward`` becomes Liger's ``lce_forward`` (the loss straight from the hidden states, the
 logits never whole). Poros streams what those modules hold, not what they run, so the patched modules stream
-as they are: the streamed trunk calls the very layer objects, recompute reruns their (patched) forward, CUDA
-graphs capture Liger's Triton launches like any other kernel, and ``dequantize_once`` still serves
-``self.gate_proj(x)`` inside Liger's MLP. What Poros has to know is what changed (:func:`liger_report`):
+as they are: the streamed trunk calls the very layer objects, recompute reruns their (patched) forward, a CUDA
+graph captures the Triton launches with the rest of a block (compiled in the eager warm-up; a capture that fails
+runs eagerly, counted by reason), and ``dequantize_once`` still serves ``self.gate_proj(x)`` inside Liger's MLP. What Poros has to know is what changed (:func:`liger_report`):
 
 * the head: Liger's fused linear cross-entropy replaces ``loss_chunks`` (Poros installs no chunked head under
   it) and the planner prices its working set (``poros.plan.activations.fused_loss_bytes``);
