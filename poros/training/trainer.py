@@ -209,6 +209,9 @@ class PorosTrainer:
         with banner.silenced():  # the detection summary below says it in full
             model = prepare(peft_model, options=options)  # loss_chunks > 1: prepare installs the chunked loss
         chunks = model.stream_options.loss_chunks  # the config's, or what the budget plan raised it to
+        if getattr(model.kernel_report, "fused_loss", False) and config.loss_chunks > 1:
+            echo(f"poros: loss_chunks={config.loss_chunks} is not installed: Liger's fused linear cross-entropy "
+                 "(kernels: liger) computes the head and the loss, one chunk of logits at a time")
         if chunks > 1:
             echo(f"poros: loss_chunks={chunks}: the head and the loss are computed over {chunks} token "
                   "chunks (the whole logits never exist): bitwise a resident run with the same loss_chunks, numerically (not bitwise) HF's "
