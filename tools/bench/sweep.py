@@ -14,7 +14,7 @@ ACCUMULATIONS = (1, 4, 8)
 SWEEP_ARMS = "trl-resident,trl-poros,unsloth"
 #: what each arm's row keeps of its configuration's report
 ROW_KEYS = ("status", "median_step_s", "tokens_per_s", "model_tflops", "hardware_tflops", "mfu", "peak_allocated_gb",
-            "kept_activation_blocks", "error")
+            "kept_activation_blocks", "kernels", "error")
 
 
 def strip(argv: list[str], names: tuple[str, ...]) -> list[str]:
