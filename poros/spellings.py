@@ -54,6 +54,12 @@ FIELD_ALIASES: dict[str, str] = {
 }
 
 
+#: other trainers' keys whose values are not the field's (so not aliases): what an unknown-key message says instead
+SPELLED_OTHERWISE: dict[str, str] = {
+    "use_liger_kernel": "kernels: liger (HF's and TRL's use_liger_kernel: true)",
+}
+
+
 def known_fields(given: dict[str, Any], names: list[str], source: str) -> dict[str, Any]:
     """``given`` with every alias replaced by the field name it means (order kept).
 
@@ -83,7 +89,8 @@ def suggestion(key: str, names: list[str]) -> str:
     'max_steps' (PorosConfig's 'steps')?``), and where every field is listed."""
     close = difflib.get_close_matches(key, [*names, *FIELD_ALIASES], n=1, cutoff=0.5)
     found = close[0] if close else None
-    hint = (f"; did you mean {found!r}?" if found in names else
+    hint = (f"; Poros spells it {SPELLED_OTHERWISE[key]}." if key in SPELLED_OTHERWISE else
+            f"; did you mean {found!r}?" if found in names else
             f"; did you mean {found!r} (PorosConfig's {FIELD_ALIASES[found]!r})?" if found else ".")
     return hint + " Every field is listed in docs/configuration.md (or run `poros init` for a commented poros.yaml)."
 
@@ -308,6 +315,6 @@ for _resolving in (YamlLoader, YamlDumper):
 del _resolving
 
 
-__all__ = ["BOOL_WORDS", "FIELD_ALIASES", "NULL_WORDS", "YamlDumper", "YamlLoader", "aliases_of", "allowed_types",
+__all__ = ["BOOL_WORDS", "FIELD_ALIASES", "NULL_WORDS", "SPELLED_OTHERWISE", "YamlDumper", "YamlLoader", "aliases_of", "allowed_types",
            "check_type", "choice_list", "format_gb", "human_bytes", "known_fields", "parse_budget", "parse_overrides",
            "parse_value", "report_to_names", "suggestion", "type_name", "yaml_line"]

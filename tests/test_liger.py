@@ -65,6 +65,8 @@ def test_kernels_is_checked_like_every_setting():
     with pytest.raises(ConfigError, match="kernels='fast'"):
         poros.StreamOptions(kernels="fast")
     assert poros.StreamOptions().kernels == "default" and PorosConfig().kernels == "default"
+    with pytest.raises(ConfigError, match=r"unknown key 'use_liger_kernel'.*Poros spells it kernels: liger"):
+        PorosConfig(use_liger_kernel=True)  # HF's switch: not an alias (its values are not the field's)
 
 
 def test_poros_trainer_refuses_liger_off_cuda_before_loading():
