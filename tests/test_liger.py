@@ -186,12 +186,22 @@ def test_a_family_liger_has_no_kernels_for_is_named_and_packed_experts_are_refus
     assert "has no kernels for model type 'qwen3_unknown' (Qwen3ForCausalLM)" in reason
     assert KernelReport(unpatched=reason).summary() == f"liger not applied: {reason}"  # the banner's words
 
-    moe = qlora_model("qwen3_5_moe", tmp_path=tmp_path / "b")
+    # experts poros.quantize_experts packed to NF4: a trainer's Liger experts kernel over them is refused (the
+    # Trainer would bind it again at train()); Poros's own kernels: liger leaves them Poros's NF4 forward
+    moe, other = (qlora_model("qwen3_5_moe", tmp_path=tmp_path / d) for d in "bc")  # before Liger swaps classes
     poros.quantize_experts(moe)
+    poros.quantize_experts(other)
     apply_liger(moe)
     with pytest.raises(ConfigError, match=r"Liger's experts kernel .*packed to NF4.*'swiglu': False"):
         poros.prepare(moe)
     assert torch.is_tensor(next(moe.parameters()))
+    moe = other
+    handle = poros.prepare(moe, kernels="liger")
+    experts = [m for name, m in moe.named_modules() if name.endswith("mlp.experts")]
+    assert experts and all("forward" not in m.__dict__ for m in experts)
+    assert "experts: Poros's NF4 forward" in handle.kernel_report.summary()
+    assert all(_liger_forward(layer.mlp.shared_expert) for layer in handle.executor.layers)
+    handle.unpatch()
 
 
 def _sft_trainer(model, tmp_path, **extra):

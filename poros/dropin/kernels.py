@@ -24,6 +24,7 @@ liger-kernel is imported only here, only when asked for: ``import poros`` stays 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +48,14 @@ class KernelReport:
         rope: the family's ``apply_rotary_pos_emb`` is Liger's.
         fused_loss: the causal LM's forward is Liger's fused linear cross-entropy forward.
         unpatched: why Liger patched nothing of this model (None: it patched something).
+        notes: what of the model Liger's kernels were left off, and why.
     """
 
     modules: tuple[tuple[str, int], ...] = ()
     rope: bool = False
     fused_loss: bool = False
     unpatched: str | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def applied(self) -> bool:
@@ -66,11 +69,11 @@ class KernelReport:
         parts += ["rope"] if self.rope else []
         parts += ["fused linear cross-entropy"] if self.fused_loss else []
         own = "" if self.rope else "; rope: the model's own (liger-kernel has none for this family)"
-        return f"liger ({', '.join(parts)}{own})"
+        return f"liger ({', '.join(parts)}{own}{''.join(f'; {note}' for note in self.notes)})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"modules": dict(self.modules), "rope": self.rope, "fused_loss": self.fused_loss,
-                "unpatched": self.unpatched}
+                "unpatched": self.unpatched, "notes": list(self.notes)}
 
 
 def _kind(name: str) -> str:
@@ -126,15 +129,34 @@ def check_packed_experts(causal_lm: Any) -> None:
     """
     from poros.errors import ConfigError
 
-    for name, module in causal_lm.named_modules():
-        forward = module.__dict__.get("forward")
-        packed = any(buffer.endswith("_nf4") for buffer, _ in module.named_buffers(recurse=False))
-        if packed and forward is not None and _liger_function(forward) is not None:
-            raise ConfigError(
-                f"Liger's experts kernel ({_liger_function(forward).__qualname__}) was applied to {name}, whose "
-                "experts poros.quantize_experts packed to NF4: it reads bf16 gate_up_proj/down_proj tensors those "
-                "experts no longer hold; expected Liger without its experts kernel on packed experts. Fix: "
-                "liger_kernel_config={'swiglu': False} (TrainingArguments/SFTConfig), or quantize_experts: false.")
+    for name, module in _packed_liger_experts(causal_lm):
+        raise ConfigError(
+            f"Liger's experts kernel ({_liger_function(module.forward).__qualname__}) was applied to {name}, whose "
+            "experts poros.quantize_experts packed to NF4: it reads bf16 gate_up_proj/down_proj tensors those "
+            "experts no longer hold; expected Liger without its experts kernel on packed experts. Fix: "
+            "liger_kernel_config={'swiglu': False} (TrainingArguments/SFTConfig), or quantize_experts: false.")
+
+
+def _packed_liger_experts(causal_lm: Any) -> list[tuple[str, Any]]:
+    """The experts modules ``poros.quantize_experts`` packed to NF4 whose forward Liger rebound."""
+    return [(name, module) for name, module in causal_lm.named_modules()
+            if any(buffer.endswith("_nf4") for buffer, _ in module.named_buffers(recurse=False))
+            and _liger_function(module.__dict__.get("forward")) is not None]
+
+
+#: what the report says of packed experts ``kernels: liger`` leaves to Poros's NF4 experts forward
+PACKED_EXPERTS_NOTE = ("experts: Poros's NF4 forward (poros.quantize_experts packed them; Liger's experts kernel "
+                       "reads bf16 experts)")
+
+
+def _leave_packed_experts(causal_lm: Any) -> bool:
+    """``kernels: liger`` (Poros's own application): Liger's forward taken off NF4-packed experts again, so they
+    run Poros's NF4 experts forward (Liger's reads the bf16 tensors they no longer hold). Whether any was."""
+    packed = _packed_liger_experts(causal_lm)
+    for _, module in packed:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_get_name", None)
+    return bool(packed)
 
 
 def patched_instance(causal_lm: Any) -> bool:
@@ -191,14 +213,18 @@ def apply_liger(model: Any, kernel_config: dict | None = None) -> KernelReport:
 def kernel_report(model: Any, causal_lm: Any, kernels: str) -> KernelReport | None:
     """The report ``prepare`` keeps for ``kernels`` (its option): with ``"liger"``, Liger applied to the instance
     unless it already is (:func:`patched_instance`: ``prepare_trainer``'s application, or the Trainer's own when
-    ``PorosCallback`` prepares at ``on_train_begin`` -- the trainer's ``liger_kernel_config`` stands); otherwise what Liger already patched, or None (no Liger on this model). Liger's experts kernel over
-    NF4-packed experts is refused (:func:`check_packed_experts`)."""
+    ``PorosCallback`` prepares at ``on_train_begin`` -- the trainer's ``liger_kernel_config`` stands); otherwise
+    what Liger already patched, or None (no Liger on this model). Experts ``poros.quantize_experts`` packed to NF4
+    keep Poros's forward under Poros's own application (the report says so); a trainer's Liger experts kernel
+    over them is refused (:func:`check_packed_experts`: the Trainer would bind it again at ``train()``)."""
     found = liger_report(causal_lm)
     if kernels == "liger" and not patched_instance(causal_lm):
         found = apply_liger(model)
+        if _leave_packed_experts(causal_lm):
+            found = dataclasses.replace(liger_report(causal_lm), notes=(PACKED_EXPERTS_NOTE,))
     if found is not None and found.applied:
         check_packed_experts(causal_lm)
     return found if found is not None and (found.applied or kernels == "liger") else None
 
 
-__all__ = ["APPLIED_MARK", "KernelReport", "LIGER_PACKAGE", "apply_liger", "check_packed_experts", "kernel_report", "liger_report", "patched_instance", "unpatched_reason"]
+__all__ = ["APPLIED_MARK", "KernelReport", "LIGER_PACKAGE", "PACKED_EXPERTS_NOTE", "apply_liger", "check_packed_experts", "kernel_report", "liger_report", "patched_instance", "unpatched_reason"]
