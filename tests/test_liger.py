@@ -59,6 +59,22 @@ def test_the_planner_prices_ligers_fused_head_and_says_it_replaces_loss_chunks(t
     assert any("fused linear cross-entropy" in note and "replaces loss_chunks=8" in note for note in plan.notes)
 
 
+def test_ligers_kernels_earn_bitwise_only_where_a_record_gates_them(tmp_path, monkeypatch):
+    from poros import records
+    from poros.dropin.detection import guarantee_label
+
+    monkeypatch.setenv(records.REGISTRY_DIR_ENV, str(tmp_path))
+    record = 'platform = "GPU"\nplatform_class = "cuda-sm90"\nlabel = "bitwise"\nadapter = "lora"\ndate = "2026-12-03"\n'
+    (tmp_path / "fam.toml").write_text(f'family = "fam"\n[[validation]]\n{record}')
+    assert guarantee_label("fam", ("lora",), "nf4", "cuda-sm90", True)[0] == "bitwise"
+    label, reason = guarantee_label("fam", ("lora",), "nf4", "cuda-sm90", True, kernels="liger")
+    assert label == "numerical" and "liger's kernels are not gated for fam" in reason and "--liger" in reason
+    (tmp_path / "fam.toml").write_text(f'family = "fam"\n[[validation]]\n{record}[[validation]]\n{record}'
+                                       'kernels = "liger"\n')
+    assert guarantee_label("fam", ("lora",), "nf4", "cuda-sm90", True, kernels="liger")[0] == "bitwise"
+    assert guarantee_label("fam", ("lora",), "nf4", "cuda-sm90", False, kernels="liger")[0] == "numerical"
+
+
 def test_kernels_is_checked_like_every_setting():
     with pytest.raises(ConfigError, match=r"kernels='triton': expected one of default, liger .*kernels: liger"):
         PorosConfig(kernels="triton")

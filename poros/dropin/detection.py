@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import platform as _platform
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -129,11 +130,17 @@ def _adapters(model: nn.Module, causal_lm: nn.Module) -> tuple[tuple[str, ...], 
 
 
 def guarantee_label(family: str, adapters: tuple[str, ...], quantization: str, platform_class: str,
-                    deterministic: bool) -> tuple[str, str]:
-    """The label a run earns from the validation records, and why (see docs/parity-modes.md)."""
+                    deterministic: bool, kernels: str | None = None) -> tuple[str, str]:
+    """The label a run earns from the validation records, and why (see docs/parity-modes.md). ``kernels``
+    (``"liger"``: Liger's kernels on the model) counts only the records gated with those kernels."""
     records_here = [r for r in records.validations(family) if r.get("platform_class") == platform_class]
     if not records_here:
         return "unverified", f"no validation record for {family} on {platform_class}"
+    if kernels is not None:
+        records_here = [r for r in records_here if r.get("kernels") == kernels]
+        if not records_here:
+            return "numerical", (f"same modules and math, but {kernels}'s kernels are not gated for {family} on "
+                                 f"{platform_class} (tools/checks/parity_gate.py --{kernels} records them)")
     gated = {r.get("adapter", "lora") for r in records_here if r.get("label") == "bitwise"}
     missing = [a for a in adapters if a not in gated]
     if missing:
@@ -267,13 +274,30 @@ def detect(model: nn.Module, causal_lm: nn.Module, require: str | None):
                           double_quant, compute_dtype, adapters, targets, platform, platform_class,
                           deterministic, label, reason,
                           prequantized=bool(getattr(getattr(causal_lm, "hf_quantizer", None), "pre_quantized", False)))
+    check_required(require, label, reason)
+    logger.info(detection.summary())
+    return descriptor, layers, detection
+
+
+def check_required(require: str | None, label: str, reason: str) -> None:
+    """Raise :class:`GuaranteeError` when ``label`` is weaker than ``require`` asks."""
     if require is not None and LABEL_STRENGTH[label] < LABEL_STRENGTH[require]:
         raise GuaranteeError(
             f"prepare(require={require!r}) but this run is {label!r}: {reason}. Meet the condition, or "
             f"pass require={label!r} (or None) to accept it."
         )
-    logger.info(detection.summary())
-    return descriptor, layers, detection
 
 
-__all__ = ["COMPILE_WORKAROUND", "Detection", "LABEL_STRENGTH", "SUPPORTED_ADAPTERS", "check_not_compiled", "detect", "guarantee_label", "platform_of", "runtime_gates"]
+def with_kernels(detection: Detection, summary: str, require: str | None) -> Detection:
+    """``detection`` with Liger's kernels on the model (``summary``: what Liger patched): the label the records
+    gated with Liger earn (:func:`guarantee_label`), checked against ``require`` again."""
+    label, reason = guarantee_label(detection.family, detection.adapters, detection.quantization,
+                                    detection.platform_class, detection.deterministic, kernels="liger")
+    if LABEL_STRENGTH[label] > LABEL_STRENGTH[detection.guarantee]:  # never stronger than without Liger
+        label, reason = detection.guarantee, detection.reason
+    check_required(require, label, reason)
+    return dataclasses.replace(detection, guarantee=label, reason=reason, kernels=summary)
+
+
+__all__ = ["COMPILE_WORKAROUND", "Detection", "LABEL_STRENGTH", "SUPPORTED_ADAPTERS", "check_not_compiled",
+           "check_required", "detect", "guarantee_label", "platform_of", "runtime_gates", "with_kernels"]

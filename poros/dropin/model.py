@@ -47,6 +47,7 @@ from poros.dropin.detection import (  # re-exported: this module's names before 
     guarantee_label,
     platform_of,
     runtime_gates,
+    with_kernels,
 )
 
 logger = logging.getLogger("poros")
@@ -283,9 +284,10 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
         )
     descriptor, layers, detection = detect(model, causal_lm, options.require)
     kernels = kernel_report(model, causal_lm, options.kernels)  # kernels="liger": applied here, past the gates
-    if kernels is not None:
-        detection = dataclasses.replace(detection, kernels=kernels.summary())
-        logger.info("poros: kernels %s", kernels.summary())
+    if kernels is not None:  # Liger's kernels earn what the records gated with them
+        detection = (with_kernels(detection, kernels.summary(), options.require) if kernels.applied
+                     else dataclasses.replace(detection, kernels=kernels.summary()))
+        logger.info("poros: kernels %s; guarantee %s: %s", kernels.summary(), detection.guarantee, detection.reason)
     fused = bool(kernels is not None and kernels.fused_loss)  # Liger's head: the planner prices what runs
     if options.workload is not None and Workload.of(options.workload).fused_loss != fused:
         options = options.replace(workload=dataclasses.replace(Workload.of(options.workload), fused_loss=fused))
