@@ -8,11 +8,13 @@ and the causal LM's ``forward`` becomes Liger's ``lce_forward`` (the loss straig
 logits never whole). Poros streams what those modules hold, not what they run, so the patched modules stream
 as they are: the streamed trunk calls the very layer objects, recompute reruns their (patched) forward, a CUDA
 graph captures the Triton launches with the rest of a block (compiled in the eager warm-up; a capture that fails
-runs eagerly, counted by reason), and ``dequantize_once`` still serves ``self.gate_proj(x)`` inside Liger's MLP. What Poros has to know is what changed (:func:`liger_report`):
+runs eagerly, counted by reason), and ``dequantize_once`` still serves ``self.gate_proj(x)`` inside Liger's MLP.
+What Poros has to know is what changed (:func:`liger_report`):
 
 * the head: Liger's fused linear cross-entropy replaces ``loss_chunks`` (Poros installs no chunked head under
   it) and the planner prices its working set (``poros.plan.activations.fused_loss_bytes``);
-* the banner names what Liger patched, or why it patched nothing (a family it has no kernels for).
+* the banner names what Liger patched, or why it patched nothing (a family it has no kernels for), and the
+  guarantee label counts only the validation records gated with Liger (``kernels = "liger"``).
 
 :func:`apply_liger` is the Trainer's own call, made before streaming: by ``prepare(kernels="liger")``
 (``PorosConfig.kernels``, so ``PorosTrainer`` / ``poros train``) and by ``prepare_trainer`` when the trainer's
