@@ -98,7 +98,9 @@ class TrunkOutput:
     def __getattr__(self, name: str) -> None:
         return None
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):  # ``outputs[1:]``: Liger's fused forward with return_dict=False
+            return (self.last_hidden_state,)[index]
         if index != 0:
             raise IndexError(index)
         return self.last_hidden_state
