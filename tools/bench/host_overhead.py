@@ -19,8 +19,10 @@ round by round so that a drifting machine drifts for all of them:
   micro-batches (the schedule ``prepare_trainer`` runs with accumulation), recompute ``all`` / ``none``.
 
 Median seconds per micro-batch (forward + backward; a layer-major step's time over its micro-batches) per
-arm, its ratio to ``resident`` and ``resident-plain``, and the host milliseconds per block call (one block's
-forward and backward for one micro-batch). ``--breakdown`` adds, for the kept layer-major arm and
+arm, its ratio to ``resident`` and ``resident-plain``, the host milliseconds per block call (one block's
+forward and backward for one micro-batch), and the time Python's cyclic garbage collector took inside the
+steps (a kept graph holds Python objects until its backward: the packed saved tensors, and the wrappers of the
+graph nodes its context walk visited). ``--breakdown`` adds, for the kept layer-major arm and
 ``resident-plain``, one profiled step (cProfile; it slows Python down, so read shares, not times) with the
 self time grouped by whose code it is, and -- unprofiled -- the milliseconds per kept block call spent in
 each part of ``poros/stream/kept.py``'s bookkeeping (packing saved tensors, walking the graph for
@@ -30,7 +32,9 @@ contexts, binding them back, unpacking).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import json
 import pstats
 import statistics
@@ -81,11 +85,14 @@ def main(argv=None) -> int:
     batches = make_batches(config, count=args.accumulation, batch=1, seq=args.seq)
     arms = [arm for arm in ARMS if arm in args.arms]
     times: dict[str, list[float]] = {arm: [] for arm in arms}
+    collector = _Collector()
     for _ in range(args.rounds):
         for arm in arms:
             with _arm(peft_model, arm, args.layers) as call:
                 count = args.accumulation if POROS_ARMS.get(arm, (0, 0, False))[2] else 1
-                times[arm] += [_timed(call, batches[:count]) / count for _ in range(args.steps)]
+                for _ in range(args.steps):
+                    with collector.counting(arm, count):
+                        times[arm].append(_timed(call, batches[:count]) / count)
     medians = {arm: statistics.median(values[1:]) for arm, values in times.items()}  # the first step warms up
     report = {
         "tool": "tools/bench/host_overhead.py", "environment": environment(device, args.commit),
@@ -96,6 +103,11 @@ def main(argv=None) -> int:
         "step_times_s": {arm: [round(t, 5) for t in values] for arm, values in times.items()},
         "median_step_s": {arm: round(m, 5) for arm, m in medians.items()},
         "ms_per_block_call": {arm: round(m / args.layers * 1e3, 3) for arm, m in medians.items()},
+        # Python's cyclic garbage collector, inside the timed steps: ms per micro-batch, collections per micro-batch
+        "gc_ms_per_micro_batch": {arm: round(collector.seconds[arm] / collector.micro_batches[arm] * 1e3, 3)
+                                  for arm in arms},
+        "gc_collections_per_micro_batch": {
+            arm: [round(c / collector.micro_batches[arm], 2) for c in collector.collections[arm]] for arm in arms},
     }
     for reference in ("resident", "resident-plain"):
         if reference in medians:
@@ -141,6 +153,38 @@ class _arm:
             self.handle.unpatch()
 
 
+class _Collector:
+    """Time the cyclic garbage collector spends (and its collections by generation) inside counted steps."""
+
+    def __init__(self) -> None:
+        self.arm, self.started = None, 0.0
+        self.seconds: dict[str, float] = {}
+        self.collections: dict[str, list[int]] = {}
+        self.micro_batches: dict[str, int] = {}
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if self.arm is None:
+            return
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.seconds[self.arm] += time.perf_counter() - self.started
+            self.collections[self.arm][info["generation"]] += 1
+
+    @contextlib.contextmanager
+    def counting(self, arm: str, micro_batches: int):
+        self.seconds.setdefault(arm, 0.0)
+        self.collections.setdefault(arm, [0, 0, 0])
+        self.micro_batches[arm] = self.micro_batches.get(arm, 0) + micro_batches
+        self.arm = arm
+        gc.callbacks.append(self._callback)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self._callback)
+            self.arm = None
+
+
 def _timed(call, batches) -> float:
     start = time.perf_counter()
     call(batches)
@@ -152,7 +196,7 @@ def _breakdown(peft_model, batches, layers: int) -> dict:
     and the kept bookkeeping's milliseconds per kept block call, timed without the profiler."""
     from poros.stream import kept
 
-    out: dict = {"profile_self_time_share": {}}
+    out: dict = {"profile_self_time_share": {}, "profiled_ms_per_block_call": {}}
     for arm in ("resident-plain", "poros-kept-layer-major"):
         with _arm(peft_model, arm, layers) as call:
             count = len(batches) if arm.endswith("layer-major") else 1
@@ -167,6 +211,8 @@ def _breakdown(peft_model, batches, layers: int) -> dict:
             shares[owner] = shares.get(owner, 0.0) + row[2]  # tottime
         total = sum(shares.values())
         out["profile_self_time_share"][arm] = {k: round(v / total, 4) for k, v in sorted(shares.items())}
+        calls = count * layers
+        out["profiled_ms_per_block_call"][arm] = {k: round(v / calls * 1e3, 3) for k, v in sorted(shares.items())}
     spent = {part: 0.0 for part in KEPT_PARTS}
     originals = {part: getattr(kept.KeptBlock, part) for part in KEPT_PARTS}
 
