@@ -1,6 +1,6 @@
 """Host work per step, Poros against the resident reference, with the device work made negligible.
 
-    python -m tools.bench.host_overhead --json registry/results/cpu-2026-12-03/host-overhead.json
+    python -m tools.bench.host_overhead --breakdown --json registry/results/cpu-2026-12-03/host-overhead.json
 
 On the H200 the 512-token steps are host-bound (the GPU waits for the host at most block
 boundaries, ``tools/bench/harness.py --timeline``), so a step costs what the host spends issuing it. This
