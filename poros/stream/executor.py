@@ -410,10 +410,7 @@ class StreamingExecutor:
                     output = self.layers[index](*args, **kwargs)
         written = [(mappings[name][key], sent) for name, key, sent in written_grads]
         live = recompute_roots(output, grad_output, written + ([(logits, router_grads)] if router_grads else []))
-        if not return_parameter_grads:
-            parameters = []
-        elif parameters is None:
-            parameters = self.block_parameters(index)
+        parameters = (parameters or self.block_parameters(index)) if return_parameter_grads else []
         # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
         # sums inside the block are the engine's either way, so the values are backward's.
         targets = [leaf_hidden] if hidden_needs_grad else []
