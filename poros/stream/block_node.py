@@ -38,11 +38,13 @@ class StreamedBlock(torch.autograd.Function):
         hidden, *grad_inputs = ctx.saved_tensors
         if hidden is None:
             hidden = ctx.executor.segment_input(ctx.step, ctx.index)
+        parameters = ctx.executor.block_parameters(ctx.index)  # found once for both (a walk of the block's modules)
         hidden_grad, input_grads, parameter_grads = ctx.executor._backward_block(
             ctx.step, ctx.index, hidden, grad_inputs, grad_output, ctx.needs_input_grad[5],
             return_parameter_grads=True, router_grads=list(router_grads) if ctx.step.router else None,
+            parameters=parameters,
         )
-        by_parameter = dict(zip(map(id, ctx.executor.block_parameters(ctx.index)), parameter_grads))
+        by_parameter = dict(zip(map(id, parameters), parameter_grads))
         in_use_order = [by_parameter[id(p)] for p in ctx.used]
         return (None, None, None, None, None, hidden_grad, None, None, *input_grads, *in_use_order)
 

@@ -359,15 +359,15 @@ class StreamingExecutor:
 
     def _backward_block(self, step: Step, index: int, hidden: torch.Tensor, grad_inputs, grad_output,
                         hidden_needs_grad: bool, keep: bool = False, return_parameter_grads: bool = False,
-                        router_grads: list | None = None):
+                        router_grads: list | None = None, parameters: list[nn.Parameter] | None = None):
         """Backward of block ``index``: fetch, recompute from its input with grad, back-propagate, release.
         ``router_grads``: the gradients of the block's router logits (``output_router_logits``), one per logits
         tensor or None, more roots of the recompute.
 
-        With ``return_parameter_grads`` the block's parameter gradients are returned (third value)
-        instead of accumulated into ``.grad`` here (else that list is empty): the caller's autograd node hands them to the
-        parameters' own accumulators, so hooks on those (DDP's reducer) fire once, from the graph
-        the forward built.
+        With ``return_parameter_grads`` the block's parameter gradients are returned (third value), in the order of
+        ``parameters`` (None: :meth:`block_parameters`, found now), instead of accumulated into ``.grad`` here (else
+        that list is empty): the caller's autograd node hands them to the parameters' own accumulators, so hooks on
+        those (DDP's reducer) fire once, from the graph the forward built.
         """
         self._make_resident(index)
         self._prefetch(index - 1)
@@ -410,7 +410,7 @@ class StreamingExecutor:
                     output = self.layers[index](*args, **kwargs)
         written = [(mappings[name][key], sent) for name, key, sent in written_grads]
         live = recompute_roots(output, grad_output, written + ([(logits, router_grads)] if router_grads else []))
-        parameters = self.block_parameters(index) if return_parameter_grads else []
+        parameters = (parameters or self.block_parameters(index)) if return_parameter_grads else []
         # autograd.grad captures gradients at these leaves (without their accumulators' hooks);
         # sums inside the block are the engine's either way, so the values are backward's.
         targets = [leaf_hidden] if hidden_needs_grad else []

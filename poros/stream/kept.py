@@ -56,8 +56,34 @@ def _ref(tensor: Any, buffer: torch.Tensor) -> SlotRef | None:
     return SlotRef(offset, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 
 
+class _Bytes:
+    """A block's device bytes, for the hot test "does this tensor lie in them" (:meth:`ref`).
+
+    A tensor lies in ``buffer`` exactly when it shares its storage and ``0 <= offset < buffer.numel()``, where
+    ``offset`` is ``tensor.data_ptr() - buffer.data_ptr()``: so a data pointer outside that byte range settles it
+    with two integer comparisons (almost every saved tensor is an activation), and one inside it gets
+    :func:`_ref`'s whole test."""
+
+    __slots__ = ("buffer", "start", "end")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.start = buffer, buffer.data_ptr()
+        self.end = self.start + buffer.numel()
+
+    def ref(self, tensor: Any) -> SlotRef | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        try:
+            pointer = tensor.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no plain data pointer: the whole test decides
+            return _ref(tensor, self.buffer)
+        if pointer < self.start or pointer >= self.end:
+            return None
+        return _ref(tensor, self.buffer)
+
+
 def _view(ref: SlotRef, buffer: torch.Tensor) -> torch.Tensor:
-    size = torch.empty((), dtype=ref.dtype).element_size()
+    size = ref.dtype.itemsize
     start = buffer.storage_offset() + ref.offset
     if start % size:
         raise StreamingError(f"a kept block's saved weight at byte {ref.offset} is not aligned to its dtype "
@@ -78,6 +104,7 @@ class KeptBlock:
         self.output: Any = None
         self.saved_bytes = 0  # what the graph keeps besides the block's weights (distinct storages)
         self._seen: set[int] = set()
+        self._bytes: _Bytes | None = None  # while the forward runs: the block's bytes
 
     def _buffer(self) -> torch.Tensor:
         buffer = self.buffer_of(self.index)
@@ -87,12 +114,13 @@ class KeptBlock:
         return buffer
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        ref = _ref(tensor, self._buffer())
+        ref = self._bytes.ref(tensor)
         if ref is not None:
             return ref
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
+        pointer = storage.data_ptr()
+        if pointer not in self._seen:
+            self._seen.add(pointer)
             self.saved_bytes += storage.nbytes()
         return tensor
 
@@ -101,33 +129,54 @@ class KeptBlock:
 
     @contextlib.contextmanager
     def saving(self):
-        """Around the kept forward: saved tensors in the block's bytes are kept by place."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        """Around the kept forward: saved tensors in the block's bytes are kept by place. (The block is on the device
+        for the whole forward, so its bytes are looked up once, here.)"""
+        self._bytes = _Bytes(self._buffer())
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._bytes = None
 
     def detach_contexts(self, roots: list[torch.Tensor]) -> None:
         """After the kept forward: tensors in the block's bytes that graph nodes hold as attributes
-        (custom Functions' contexts) are replaced by :class:`SlotRef` s."""
-        buffer = self._buffer()
-        stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
-        seen: set[int] = set()
+        (custom Functions' contexts) are replaced by :class:`SlotRef` s.
+
+        Every node of the block's graph is visited (its leaves end it: the block's input and its adapters); only
+        Python-defined nodes (custom Functions' contexts) have attributes to look at."""
+        change = _Bytes(self._buffer()).ref
+        stack, seen = [], set()
+        for root in roots:
+            node = root.grad_fn if isinstance(root, torch.Tensor) else None
+            if node is not None and id(node) not in seen:
+                seen.add(id(node))
+                stack.append(node)
+        contexts = self.contexts
         while stack:
             node = stack.pop()
-            if node is None or id(node) in seen:
+            for edge in node.next_functions:
+                after = edge[0]
+                if after is not None and id(after) not in seen:
+                    seen.add(id(after))
+                    stack.append(after)
+            attributes = getattr(node, "__dict__", None)
+            if not attributes:
                 continue
-            seen.add(id(node))
-            stack.extend(n for n, _ in node.next_functions)
-            for name, value in list(getattr(node, "__dict__", {}).items()):
-                replaced = _map(value, lambda t: _ref(t, buffer))
+            for name, value in list(attributes.items()):
+                replaced = _map(value, change)
                 if replaced is not value:
                     setattr(node, name, replaced)
-                    self.contexts.append((node, name, replaced))
+                    contexts.append((node, name, replaced))
 
     def bind_contexts(self) -> None:
         """Before the backward (the block fetched again): the contexts' references become views of its bytes now."""
         buffer = self._buffer()
+
+        def view(value: Any) -> torch.Tensor | None:
+            return _view(value, buffer) if isinstance(value, SlotRef) else None
+
         for node, name, value in self.contexts:
-            setattr(node, name, _map(value, lambda r: _view(r, buffer) if isinstance(r, SlotRef) else None))
+            setattr(node, name, _map(value, view))
         self.contexts = []
 
 
