@@ -325,16 +325,15 @@ STREAMING: tuple[Setting, ...] = (
                 "pick one, e.g. recompute: auto"),
         choices=RECOMPUTE),
     Setting(
-        "dequantize_once", bool | str, False,
+        "dequantize_once", bool | str, "auto",
         "Layer-major accumulation: dequantize a streamed block's NF4 weights once for its M forwards and once for "
         "its M recomputes and backwards, holding the dequantized copy for the phase (one block's linear weights "
         "in the compute dtype); true, false or 'auto' (on when vram_budget holds the copy; off without a budget on "
-        "CPU, in micro-major and at one micro-batch). Bitwise the same either way on the CPU, where it is gated; "
-        "off by default until the H200 has gated it and measured what it buys.",
+        "CPU, in micro-major and at one micro-batch). Bitwise the same either way, gated on the CPU and on the "
+        "H200.",
         "layer-major accumulation: each streamed block's NF4 weights dequantized once per block phase (its M "
         "forwards, its M recomputes and backwards) instead of once per call, the copy held while the phase runs "
         "(``poros.stream.dequantize_once``: bitsandbytes' own dequantization and matmul, so bitwise the same). "
-        "``False`` by default until the CUDA path is gated bitwise and measured on the H200 (issue 41). "
         "``True``, ``False`` or ``\"auto\"``: with ``vram_budget`` the plan's ``dequantize_once`` (on when the "
         "budget holds the copy, layer-major with M > 1); without one, on CUDA, when the free device memory holds "
         "it at the first step; off on a CPU without a budget and, under CUDA graphs, at micro-batches under "

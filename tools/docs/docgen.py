@@ -34,6 +34,12 @@ def arm_label(name: str, arm: dict) -> str:
     return f"{name} + liger" if arm.get("kernels") else name
 
 
+def shared_mark(record: dict) -> str:
+    """`` (GPU shared)`` after the step time of a run that shared the GPU with another process (the ``shared_gpu``
+    note its record carries, added when it was collected): its times are not clean; its memory and parity are."""
+    return " (GPU shared)" if record.get("shared_gpu") else ""
+
+
 def parity_label(comparison: dict | None) -> str:
     """A bench comparison in words: ``bitwise (0.0)``, or how far the losses differ; ``-`` for none."""
     if not comparison:

@@ -214,12 +214,13 @@ def moe_measured_block() -> str:
             shape += f" ({depth['num_hidden_layers']} of {depth['full_depth']} layers)"
         link = f"[JSON](../{path.relative_to(REPO).as_posix()})"
         for arm, cap, parity in (("resident", "none", "reference"),
-                                 ("poros", f"{config['vram_limit_gb']:g} GB", docgen.parity_label(comparison))):
+                                 ("poros", f"{config['vram_limit_gb']:g} GB" if config.get("vram_limit_gb") else "none",
+                                  docgen.parity_label(comparison))):
             measured = report["arms"][arm]
             lora = f"r{config['lora']['rank']}" + (" + experts" if config["lora"].get("on_experts") else "")
             rows.append([shape, cap, arm, f"NF4 (`{config['experts_implementation']}`)", lora,
                          f"{config.get('grad_accum', 1)}", f"{measured['peak_allocated_gb']:.2f} GB",
-                         f"{measured['median_step_s']:.3f} s", f"{measured['tokens_per_s']:,.0f}", parity, link])
+                         f"{measured['median_step_s']:.3f} s{docgen.shared_mark(config)}", f"{measured['tokens_per_s']:,.0f}", parity, link])
     return table(["shape", "cap", "arm", "experts", "LoRA", "micro-batches", "peak allocated", "step time",
                   "tokens/s", "parity", "record"], rows)
 

@@ -343,6 +343,22 @@ def _quantized_shape(directory: Path, checkpoint: str) -> str | None:
     return None
 
 
+def _recorded_shape(model: dict) -> str | None:
+    """The full-depth bench shape whose config the run recorded (``long_context_run``'s ``model``), or None: for a
+    run whose checkpoint's ``prequant`` report did not come back with it."""
+    from tools.bench.shapes import SHAPES, model_config
+
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
+    for name in SHAPES:
+        try:
+            config, _ = model_config(name)
+        except KeyError:
+            continue
+        if all(getattr(config, key, None) == model.get(key) for key in keys):
+            return name
+    return None
+
+
 def long_context_runs() -> dict[tuple[str, int, float], tuple[Path, dict]]:
     """``(shape, seq, cap GB) -> (path, report)``: the newest finished ``tools/checks/long_context_run`` report
     (trained or failed) per row, its shape the one quantized into its checkpoint in the same run."""
@@ -352,7 +368,7 @@ def long_context_runs() -> dict[tuple[str, int, float], tuple[Path, dict]]:
         args = record.get("args") or {}
         if record.get("tool") != "long_context_run" or record.get("partial") or not args.get("cap_gib"):
             continue
-        shape = _quantized_shape(path.parent, args["checkpoint"])
+        shape = _quantized_shape(path.parent, args["checkpoint"]) or _recorded_shape(record.get("model") or {})
         if shape is not None:
             found[(shape, args["seq"], float(round(args["cap_gib"] * 2**30 / 1e9)))] = (path, record)
     return found
@@ -367,9 +383,10 @@ def _long_context_run_cell(path: Path, record: dict) -> str:
     if record.get("failed"):
         return (f"failed, {record['failed'].split(':')[0]} at {allocated:.2f} GB allocated (predicted {predicted}), "
                 f"{host} ({_link(path)})")
-    disk = f", boundary states on the disk {record['spill_peak_bytes'] / 1e9:.1f} GB" if record["spill_peak_bytes"] else ""
+    disk = (f", boundary states on the disk {record['spill_peak_bytes'] / 1e9:.1f} GB" if record["spill_peak_bytes"]
+            else ", nothing on the disk")
     return (f"{allocated:.2f} allocated / {record['peak_reserved_bytes'] / 1e9:.2f} reserved GB (predicted {predicted}), "
-            f"{record['step_s'][-1]:.1f} s, {record['tokens_per_second'][-1]:,.0f} tokens/s, {host}, "
+            f"{record['step_s'][-1]:.1f} s{docgen.shared_mark(record)}, {record['tokens_per_second'][-1]:,.0f} tokens/s, {host}, "
             f"boundary_every {record['boundary_every']}{disk}, deterministic, from a bnb-4bit checkpoint "
             f"({_link(path)})")
 

@@ -41,11 +41,18 @@ def render_measured() -> str:
 def render_moe() -> str:
     from tools.docs.gen_architecture_docs import moe_records
 
-    trained = [(report["config"]["model_info"]["hf_id"].split("/")[-1], report["arms"]["poros"]["peak_allocated_gb"])
-               for _, report in moe_records() if report.get("comparison", {}).get("bitwise")]
-    claims = " and\n  ".join(f"{shape} in {peak:.1f} GB" for shape, peak in trained)
+    claims = []
+    for _, report in moe_records():
+        config, depth = report["config"], report["config"]["model_info"]
+        if not (report.get("comparison", {}).get("bitwise") and config.get("vram_limit_gb")
+                and depth["num_hidden_layers"] == depth["full_depth"]):
+            continue  # the README claims full-depth runs under a cap only
+        experts = " with LoRA on the experts" if config["lora"].get("on_experts") else ""
+        claims.append(f"{depth['hf_id'].split('/')[-1]} in {report['arms']['poros']['peak_allocated_gb']:.1f} GB "
+                      f"under a {config['vram_limit_gb']:g} GB cap{experts}")
     return ("- Mixture-of-experts: Qwen3.5/3.6 MoE (`qwen3_5_moe`) and Gemma 4 26B-A4B, the fused experts packed to NF4\n"
-            f"  (`poros.quantize_experts`, the trainer's default for MoE) and streamed: {claims} trained on the H200,\n"
+            "  (`poros.quantize_experts`, the trainer's default for MoE) and streamed: " + " and\n  ".join(claims)
+            + " trained on the H200,\n"
             "  bitwise the resident NF4-expert model ([architecture support](docs/architecture-support.md)).")
 
 

@@ -122,7 +122,7 @@ def render_bench(capped: bool) -> str:
             f"{'on' if config['deterministic'] else 'off'} | "
             f"{_gb(resident.get('peak_allocated_gb'))} | {_s(resident.get('median_step_s'))} | "
             f"{_gb(poros.get('peak_allocated_gb'))} | {_gb(poros.get('peak_reserved_gb'))} | "
-            f"{_s(poros.get('median_step_s'))} | {_x(comparison.get('ratio_median_step_s'))} | "
+            f"{_s(poros.get('median_step_s'))}{docgen.shared_mark(config)} | {_x(comparison.get('ratio_median_step_s'))} | "
             f"{_x(comparison.get('ratio_peak_allocated_gb'))} | {h2d} | {_parity(comparison)} | "
             f"[{path.name}](../{rel}) |")
     return "\n".join(rows)
@@ -273,10 +273,12 @@ def render_trainer() -> str:
             else:
                 ratio, parity = "1.00x" if arm.get("status") == "ok" else "-", "reference"
             status = "" if arm.get("status") == "ok" else f" ({arm.get('status')})"
+            status += ", dequantize once" if arm.get("dequantize_once") else ""
             rows.append(f"| {config['model']} | {layers} | {config['seq']} | {config.get('grad_accum', 1)} | "
                         f"{'on' if config['deterministic'] else 'off'} | {docgen.arm_label(name, arm)}{status} | "
                         f"{_gb(arm.get('peak_allocated_gb'))} | {_gb(arm.get('peak_reserved_gb'))} | "
-                        f"{_s(arm.get('median_step_s'))} | {arm.get('tokens_per_s') or '-'} | {ratio} | {parity} | "
+                        f"{_s(arm.get('median_step_s'))}{docgen.shared_mark(config)} | {arm.get('tokens_per_s') or '-'} | "
+                        f"{ratio} | {parity} | "
                         f"[{path.name}](../{path.relative_to(ROOT)}) |")
     return docgen.rows_or_pending(rows)
 

@@ -21,6 +21,14 @@ def _cell(value, pattern: str = "{}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def _dequantize_once(name: str, arm: dict) -> str:
+    """A Poros arm's ``dequantize_once`` as it ran: on, or off (runs from before the option had bitsandbytes
+    dequantize once per linear per call); ``-`` for the arms without Poros."""
+    if not name.endswith("-poros"):
+        return "-"
+    return "on" if arm.get("dequantize_once") else "off"
+
+
 def _link(path: Path, root: Path) -> str:
     return f"[{path.name}](../{path.relative_to(root)})"
 
@@ -69,18 +77,23 @@ def sweep_points(reports: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
 def render_machine(reports: list[tuple[Path, dict]], root: Path) -> str:
     """One row per arm of every bench report with a dense bf16 rate (issue 41's runs on)."""
     rows = ["| shape | seq | accum | det. | arm | step s | tokens/s | model TFLOP/s | hardware TFLOP/s | MFU | "
-            "dense bf16 TFLOP/s | kept blocks | peak GB | JSON |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "dense bf16 TFLOP/s | kept blocks | dequantize once | peak GB | JSON |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, report in machine_reports(reports):
         dense, config = report["dense_bf16_tflops"], report["config"]
         for name in (n for n in ARMS if n in report["arms"]):
             arm = report["arms"][name]
             kept = arm.get("kept_activation_blocks")
-            rows.append(f"| {config['model']} | {config['seq']} | {config.get('grad_accum', 1)} | "
+            depth = config["model_info"]
+            shape = config["model"] + ("" if depth["num_hidden_layers"] == depth.get("full_depth", depth["num_hidden_layers"])
+                                       else f" ({depth['num_hidden_layers']} of {depth['full_depth']} layers)")
+            rows.append(f"| {shape} | {config['seq']} | {config.get('grad_accum', 1)} | "
                         f"{'on' if config['deterministic'] else 'off'} | {docgen.arm_label(name, arm)} | "
-                        f"{_cell(arm.get('median_step_s'), '{:.3f}')} | "
+                        f"{_cell(arm.get('median_step_s'), '{:.3f}')}{docgen.shared_mark(config)} | "
                         f"{_cell(arm.get('tokens_per_s'))} | {_cell(arm.get('model_tflops'))} | "
                         f"{_cell(arm.get('hardware_tflops'))} | {_cell(arm.get('mfu'), '{:.1%}')} | {dense} | "
-                        f"{_cell(kept) if name.endswith('-poros') else '-'} | {_cell(arm.get('peak_allocated_gb'), '{:.2f}')} | "
+                        f"{_cell(kept) if name.endswith('-poros') else '-'} | {_dequantize_once(name, arm)} | "
+                        f"{_cell(arm.get('peak_allocated_gb'), '{:.2f}')} | "
                         f"{_link(path, root)} |")
     return docgen.rows_or_pending(rows)
 
