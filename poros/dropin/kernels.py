@@ -141,9 +141,10 @@ def check_packed_experts(causal_lm: Any) -> None:
 
 def _packed_liger_experts(causal_lm: Any) -> list[tuple[str, Any]]:
     """The experts modules ``poros.quantize_experts`` packed to NF4 whose forward Liger rebound."""
+    from poros.loading.experts import is_quantized
+
     return [(name, module) for name, module in causal_lm.named_modules()
-            if any(buffer.endswith("_nf4") for buffer, _ in module.named_buffers(recurse=False))
-            and _liger_function(module.__dict__.get("forward")) is not None]
+            if is_quantized(module) and _liger_function(module.__dict__.get("forward")) is not None]
 
 
 #: what the report says of packed experts ``kernels: liger`` leaves to Poros's NF4 experts forward
@@ -219,11 +220,12 @@ def kernel_report(model: Any, causal_lm: Any, kernels: str) -> KernelReport | No
     what Liger already patched, or None (no Liger on this model). Experts ``poros.quantize_experts`` packed to NF4
     keep Poros's forward under Poros's own application (the report says so); a trainer's Liger experts kernel
     over them is refused (:func:`check_packed_experts`: the Trainer would bind it again at ``train()``)."""
-    found = liger_report(causal_lm)
     if kernels == "liger" and not patched_instance(causal_lm):
         found = apply_liger(model)
         if _leave_packed_experts(causal_lm):
             found = dataclasses.replace(liger_report(causal_lm), notes=(PACKED_EXPERTS_NOTE,))
+    else:
+        found = liger_report(causal_lm)
     if found is not None and found.applied:
         check_packed_experts(causal_lm)
     return found if found is not None and (found.applied or kernels == "liger") else None
