@@ -152,3 +152,25 @@ def test_poros_plan_says_how_many_blocks_keep_their_activations(capsys):
                  "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["plan"]["kept_activation_blocks"] == 0
+
+
+def test_auto_without_a_plan_counts_a_block_by_its_measured_bytes_once_measured(tmp_path):
+    """``recompute="auto"`` without a plan: before a block of the step's shape kept its tensors, one block is the
+    estimate with ``UNMEASURED_FACTOR``; after, the bytes a kept block's graph really held, also when fewer than
+    the estimate (fused kernels such as Liger's keep less than transformers' modules): the count then grows."""
+    from poros.stream.recompute_choice import UNMEASURED_FACTOR
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7, num_hidden_layers=3)
+    model = poros.prepare(load(checkpoint), recompute="auto")
+    choice = model.executor.recompute
+    hidden = torch.zeros(2, 29, model.config.hidden_size)
+    estimate = choice._activation_parts(hidden).kept
+    assert choice.block_bytes(hidden) == int(estimate * UNMEASURED_FACTOR)
+    choice.note(tuple(hidden.shape), estimate // 2)
+    assert choice.block_bytes(hidden) == estimate // 2
+    choice.note(tuple(hidden.shape), 3 * estimate)
+    assert choice.block_bytes(hidden) == 3 * estimate  # the largest measured block
+    choice.allotted_bytes = 4 * 3 * estimate  # as if the first step had found room for four such blocks
+    assert choice.blocks(hidden, 1) == frozenset(range(3))
+    choice.allotted_bytes = 3 * estimate
+    assert choice.blocks(hidden, 2) == frozenset()

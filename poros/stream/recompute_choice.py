@@ -7,8 +7,8 @@
   kept bytes at this step's shape (micro-batches x tokens): what is free on the device at the first training
   step less what the rest of the step will still allocate (boundary states, a recompute's and the head's
   working sets, LoRA gradients and AdamW state, ``dequantize_once``'s held copy) and a margin; one block's
-  bytes are the footprint's estimate (``ActivationParts.kept``) or, once a block of that shape has kept its
-  tensors, the measured bytes when larger. On a CPU without a plan, none.
+  bytes are the footprint's estimate (``ActivationParts.kept``) with a factor until a block of that shape has
+  kept its tensors, then the measured bytes, larger or smaller (fused kernels keep less). On a CPU without a plan, none.
 
 The last blocks, because the last of forward are the first of backward: their tensors are held the shortest.
 """
@@ -66,12 +66,15 @@ class RecomputeChoice:
 
     def block_bytes(self, hidden: torch.Tensor) -> int:
         """One block's kept bytes for one micro-batch of this shape: the measured bytes once a block of this shape
-        kept its tensors (never below the estimate), before that the estimate with :data:`UNMEASURED_FACTOR`."""
+        kept its tensors, before that the estimate with :data:`UNMEASURED_FACTOR`.
+
+        The measurement wins in both directions: it counts the storages the block's autograd graph really holds,
+        and fused kernels (``kernels: liger``: its RMSNorm and SwiGLU save fewer tensors than the modules they
+        replace) hold less than the estimate, which prices transformers' own modules."""
         shape = tuple(hidden.shape)
-        estimate = self._activation_parts(hidden).kept
         if shape in self.measured:
-            return max(estimate, self.measured[shape])
-        return int(estimate * UNMEASURED_FACTOR)
+            return self.measured[shape]
+        return int(self._activation_parts(hidden).kept * UNMEASURED_FACTOR)
 
     def note(self, hidden_shape: tuple[int, ...], saved_bytes: int) -> None:
         """A kept block's measured saved bytes (one micro-batch)."""
