@@ -12,7 +12,8 @@ checkpointing: each block's forward once, with autograd) and the cyclic garbage 
 one profiled step's self time by whose code it is. ``h200-idle``: per H200 arm with a kernel profile, the
 profiled step's kernel span, busy and idle time beside the unprofiled median step: the median less the busy
 time is the most idle an unprofiled step can hold, and the busy time over the same record's Unsloth step what the
-arm's step would be against Unsloth's with no idle at all.
+arm's step would be against Unsloth's with no idle at all. ``gc-pause``: the kept layer-major arm with ``pause_gc`` on
+and off (``host-overhead-pause-gc.json``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ ARM_WORDS = {
     "poros-kept": "Poros streaming, recompute none (micro-major)",
     "poros-layer-major": "Poros streaming, recompute all, layer-major accumulation",
     "poros-kept-layer-major": "Poros streaming, recompute none, layer-major accumulation (`prepare_trainer`'s path)",
+    "poros-kept-layer-major-collecting": "the same with `pause_gc=False`: the collector runs inside the step",
 }
 
 
@@ -130,7 +132,28 @@ def render_idle() -> str:
     return docgen.rows_or_pending(rows)
 
 
-BLOCKS = {"host-overhead": render_arms, "kept-host-parts": render_parts, "h200-idle": render_idle}
+#: tools/bench/host_overhead.py's run of the kept layer-major arm with the collector paused and left alone
+PAUSE_GC = ROOT / "registry" / "results" / "cpu-2026-12-03" / "host-overhead-pause-gc.json"
+
+
+def render_pause_gc() -> str:
+    """``gc-pause``: the kept layer-major arm with ``pause_gc`` on (the default) and off, beside ``resident-plain``."""
+    if not PAUSE_GC.exists():
+        return "pending `python -m tools.bench.host_overhead --arms resident-plain poros-kept-layer-major " \
+               "poros-kept-layer-major-collecting --json ...`"
+    record = _load(PAUSE_GC)
+    rows = [f"- {_header(PAUSE_GC, record, 'measured')}", "",
+            "| arm | what runs | ms per block call (x resident-plain) | GC ms per micro-batch | "
+            "GC collections per micro-batch (generation 0 / 1 / 2) |", "|---|---|---|---|---|"]
+    for arm in record["ms_per_block_call"]:
+        collections = record["gc_collections_per_micro_batch"][arm]
+        rows.append(f"| `{arm}` | {ARM_WORDS.get(arm, '-')} | {_cell(record, arm)} | "
+                    f"{record['gc_ms_per_micro_batch'][arm]:.1f} | {' / '.join(f'{c:g}' for c in collections)} |")
+    return "\n".join(rows)
+
+
+BLOCKS = {"host-overhead": render_arms, "kept-host-parts": render_parts, "h200-idle": render_idle,
+          "gc-pause": render_pause_gc}
 
 
 def main(argv=None) -> int:
