@@ -1,11 +1,12 @@
 """MoE experts in a run plan (:mod:`poros.plan.run_plan`): the fused expert tensors of a meta skeleton's
 blocks priced in NF4 as the run packs them (``quantize_experts`` not false) with the plan's line on them
 (:func:`expert_sizes`), the largest expert count (:func:`largest_fused_experts`) and the LoRA parameters
-``lora_on_experts`` adds (:func:`expert_lora_parameters`).
+``lora_on_experts`` adds (:func:`expert_lora_parameters`, per block :func:`expert_lora_shapes`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from poros.plan.block_bytes import nf4_experts_bytes, padded
@@ -22,14 +23,24 @@ def largest_fused_experts(blocks: list) -> int:
 
 
 def expert_lora_parameters(blocks: list, config: Any) -> int:
-    """LoRA parameters on the fused experts with ``lora_on_experts`` (PEFT's ``target_parameters``: rank r per
-    expert, ``lora_A [E * r, in]`` and ``lora_B [out, E * r]`` per fused tensor ``[E, out, in]``), else 0."""
+    """LoRA parameters on the fused experts with ``lora_on_experts`` (:func:`expert_lora_shapes`), else 0."""
+    return sum(math.prod(shape) for block in blocks for shape in expert_lora_shapes(block, config))
+
+
+def expert_lora_shapes(block: Any, config: Any) -> list[tuple[int, int]]:
+    """The shapes of a block's LoRA tensors on its fused experts with ``lora_on_experts`` (PEFT's
+    ``target_parameters``: rank r per expert, ``lora_A [E * r, in]`` and ``lora_B [out, E * r]`` per fused
+    tensor ``[E, out, in]``), else none."""
     from poros.loading.experts import FUSED_EXPERT_TENSORS, experts_modules
 
     if not getattr(config, "lora_on_experts", True):
-        return 0
-    return sum(config.lora_rank * getattr(m, t).shape[0] * (getattr(m, t).shape[1] + getattr(m, t).shape[2])
-               for block in blocks for _, m in experts_modules(block) for t in FUSED_EXPERT_TENSORS)
+        return []
+    shapes = []
+    for _, module in experts_modules(block):
+        for name in FUSED_EXPERT_TENSORS:
+            experts, rows, columns = getattr(module, name).shape
+            shapes += [(config.lora_rank * experts, columns), (rows, config.lora_rank * experts)]
+    return shapes
 
 
 def expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple[list[int], str | None]:
@@ -56,4 +67,4 @@ def expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple
     return sizes, line
 
 
-__all__ = ["expert_lora_parameters", "expert_sizes", "largest_fused_experts"]
+__all__ = ["expert_lora_parameters", "expert_lora_shapes", "expert_sizes", "largest_fused_experts"]

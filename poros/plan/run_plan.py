@@ -11,6 +11,7 @@ text tower, the part Poros trains.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
 from poros.plan.block_bytes import block_bytes, meta_skeleton, quantized_linears, tensor_bytes
 from poros.plan.footprint import chunked_footprints, with_activations
 from poros.spellings import format_gb, parse_budget
-from poros.stream.placement import embeddings_on_host, host_embedding_tables
+from poros.stream.placement import embeddings_on_host, host_embedding_tables, shared_statics_bytes
 from poros.plan.budget import (
     CUDA_WORKSPACE_BYTES,
     LORA_BYTES_PER_PARAMETER,
@@ -41,7 +42,8 @@ from poros.plan.budget import (
 )
 from poros.plan.checkpoint_config import config_source, load_text_config, locate_checkpoint_config
 from poros.plan.step_time import parse_block_ms
-from poros.plan.experts import expert_lora_parameters, expert_sizes, largest_fused_experts
+from poros.stream.graph_keys import block_structures
+from poros.plan.experts import expert_lora_parameters, expert_lora_shapes, expert_sizes, largest_fused_experts
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class Plan:
     packed: bool = False  # packing: true (rows of several examples: a seq x seq mask, no flash kernel)
     prequantized: bool = False  # a bnb-4bit checkpoint: its blocks stream from its own shards (the mapped tier)
     fused_loss: bool = False  # kernels: liger: the head is Liger's fused linear cross-entropy (no loss_chunks)
+    block_structures: int = 1  # how many block structures CUDA graphs key apart (graph_keys.block_structures)
+    lora_statics_bytes: int = 0  # the CUDA graphs' shared static LoRA buffers (placement.shared_statics_bytes)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -201,7 +205,8 @@ class Plan:
             boundary_bytes=self.batch_size * self.seq_len * self.hidden_size * self.activation_bytes_per_value,
             recompute_bytes=self.recompute_bytes, head_bytes=self.logits_bytes,
             workspace_bytes=CUDA_WORKSPACE_BYTES if self.device.startswith("cuda") else 0,
-            attention_sms=self.attention_sms,
+            attention_sms=self.attention_sms, block_structures=self.block_structures,
+            lora_statics_bytes=self.lora_statics_bytes,
         )
 
 
@@ -263,8 +268,15 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     tables = sum(t.weight.numel() * t.weight.element_size() for t in host_embedding_tables(model, descriptor))
 
     targets = lora_targets(model, config.target_modules)
-    lora_parameters = sum(config.lora_rank * (m.in_features + m.out_features)
-                          + (m.out_features if config.use_dora else 0) for m in targets.values())
+
+    def lora_shapes(linear: Any) -> list[tuple[int, ...]]:  # PEFT's lora_A, lora_B (and DoRA's magnitude)
+        shapes = [(config.lora_rank, linear.in_features), (linear.out_features, config.lora_rank)]
+        return shapes + ([(linear.out_features,)] if config.use_dora else [])
+
+    lora_parameters = sum(math.prod(shape) for m in targets.values() for shape in lora_shapes(m))
+    targeted = {id(m) for m in targets.values()}
+    block_lora = [[shape for m in block.modules() if id(m) in targeted for shape in lora_shapes(m)]
+                  + expert_lora_shapes(block, config) for block in blocks]
     expert_lora = expert_lora_parameters(blocks, config)
     lora_parameters += expert_lora
     if experts_line:
@@ -303,6 +315,9 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
         packed=config.packing, prequantized=prequantized is not None, fused_loss=config.kernels == "liger",
+        block_structures=block_structures(blocks),
+        lora_statics_bytes=shared_statics_bytes([[(shape, math.prod(shape) * LORA_VALUE_BYTES) for shape in shapes]
+                                                 for shapes in block_lora]),
     ), text_config
 
 
