@@ -28,7 +28,7 @@ from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
 from poros.plan.block_bytes import block_bytes, meta_skeleton, quantized_linears, tensor_bytes
 from poros.plan.footprint import chunked_footprints, with_activations
 from poros.spellings import format_gb, parse_budget
-from poros.stream.placement import embeddings_on_host, host_embedding_tables, shared_statics_bytes
+from poros.stream.placement import embeddings_on_host, host_embedding_tables
 from poros.plan.budget import (
     CUDA_WORKSPACE_BYTES,
     LORA_BYTES_PER_PARAMETER,
@@ -43,7 +43,8 @@ from poros.plan.budget import (
 from poros.plan.checkpoint_config import config_source, load_text_config, locate_checkpoint_config
 from poros.plan.step_time import parse_block_ms
 from poros.stream.graph_keys import block_structures
-from poros.plan.experts import expert_lora_parameters, expert_lora_shapes, expert_sizes, largest_fused_experts
+from poros.plan.experts import (expert_lora_parameters, expert_sizes, largest_fused_experts, lora_shapes,
+                                lora_statics_bytes)
 
 
 @dataclass(frozen=True)
@@ -268,15 +269,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     tables = sum(t.weight.numel() * t.weight.element_size() for t in host_embedding_tables(model, descriptor))
 
     targets = lora_targets(model, config.target_modules)
-
-    def lora_shapes(linear: Any) -> list[tuple[int, ...]]:  # PEFT's lora_A, lora_B (and DoRA's magnitude)
-        shapes = [(config.lora_rank, linear.in_features), (linear.out_features, config.lora_rank)]
-        return shapes + ([(linear.out_features,)] if config.use_dora else [])
-
-    lora_parameters = sum(math.prod(shape) for m in targets.values() for shape in lora_shapes(m))
-    targeted = {id(m) for m in targets.values()}
-    block_lora = [[shape for m in block.modules() if id(m) in targeted for shape in lora_shapes(m)]
-                  + expert_lora_shapes(block, config) for block in blocks]
+    lora_parameters = sum(math.prod(shape) for m in targets.values() for shape in lora_shapes(m, config))
     expert_lora = expert_lora_parameters(blocks, config)
     lora_parameters += expert_lora
     if experts_line:
@@ -316,8 +309,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
         packed=config.packing, prequantized=prequantized is not None, fused_loss=config.kernels == "liger",
         block_structures=block_structures(blocks),
-        lora_statics_bytes=shared_statics_bytes([[(shape, math.prod(shape) * LORA_VALUE_BYTES) for shape in shapes]
-                                                 for shapes in block_lora]),
+        lora_statics_bytes=lora_statics_bytes(blocks, targets, config),
     ), text_config
 
 
