@@ -34,14 +34,14 @@ cost of queueing ~500 kernels per block disappears.
   copies the running block's values in. Those buffers are **one set shared by every graph**
   (:class:`~poros.stream.graph_capture.ParameterStatics`, :attr:`BlockGraphs.statics`): the k-th
   parameter of a given (shape, strides, dtype, device) in a block reads that signature's k-th buffer,
-  in every graph of every block structure, so they hold the largest block's LoRA once, not a copy
-  per graph (an MoE block's expert LoRA is large, and a family of two layer kinds keys twice the
+  in every graph of every block structure, so they hold the largest block's LoRA (per signature)
+  once, not a copy per graph (an MoE block's expert LoRA is large, and a family of two layer kinds keys twice the
   graphs). Why that is sound: every use of the buffers is queued on the one compute stream, per
   replay in this order — the copy of the running block's values in (:meth:`Graph.load`), the replay
   that reads them, the reads of its outputs (cloned, or added into ``.grad``) — and the next replay's
   copy in is queued after all of it, so no copy overwrites values a replay has yet to read. No graph
   writes them (its outputs, gradients included, are allocated in the graphs' pool while it records;
-  the buffers outside it before), and none reads them outside its replay: a capture fills them with
+  the shared buffers outside the pool, before any capture uses them), and none reads them outside its replay: a capture fills them with
   its block's values first, and its eager warm-up on the side stream waits for that copy while the
   compute stream waits for the warm-up. Two parameters of one block never share a buffer (a block's
   values must all be there at once). Micro-major's replays (:data:`MICRO_MAJOR_SWITCH`) run inside the
@@ -303,7 +303,7 @@ class BlockGraphs:
         where = ("resident", index) if block.resident else ("slot", block.slot)
         adapters = tuple((m._disable_adapters, str(m.active_adapters), len(m.merged_adapters))
                          for m in self._adapter_layers(index))
-        parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(index))  # the static LoRA copies
+        parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(index))  # the static LoRA buffers
         arguments = tuple(("carried", type(leaf).__qualname__) if position in (carried or {}) else signature(leaf)
                           for position, leaf in enumerate(leaves))
         return (phase, where, self._structure_of(index), arguments, layer.training, adapters, parameters, extra)
