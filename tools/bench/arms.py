@@ -29,6 +29,7 @@ import resource
 import statistics
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 
 from poros.devices import resolve_device
 from poros.doctor.probe import measure_link
+from tools.bench import snapshots
 from tools.bench.timeline import CopyTimeline, allocator_delta, profile_step, sync_check, synchronize
 
 #: the unit of every ``*_gb`` and ``*_gb_per_s`` field of a report
@@ -59,18 +61,16 @@ def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-def snapshot(named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Host copies (they must not count towards the next arm's device memory)."""
-    return {name: t.detach().to("cpu", copy=True) for name, t in named}
+def snapshot(named: list[tuple[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
+    """Exact copies off the device (they must not count towards the next arm's device memory): host tensors, or
+    files with ``--snapshot-dir`` (``tools.bench.snapshots``)."""
+    return snapshots.keep(iter(named), "lora")
 
 
-def optimizer_snapshot(optimizer, named) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, param in named:
-        for key, value in optimizer.state.get(param, {}).items():
-            if isinstance(value, torch.Tensor):
-                out[f"{name}::{key}"] = value.detach().to("cpu", copy=True)
-    return out
+def optimizer_snapshot(optimizer, named) -> Mapping[str, torch.Tensor]:
+    return snapshots.keep(((f"{name}::{key}", value) for name, param in named
+                           for key, value in optimizer.state.get(param, {}).items() if isinstance(value, torch.Tensor)),
+                          "adamw")
 
 
 @dataclass
@@ -80,8 +80,8 @@ class ArmResult:
     error: str | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
-    adapter: dict[str, torch.Tensor] = field(default_factory=dict)
-    optimizer: dict[str, torch.Tensor] = field(default_factory=dict)
+    adapter: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: Mapping[str, torch.Tensor] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self, warmup: int) -> dict[str, Any]:

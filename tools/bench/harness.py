@@ -67,6 +67,19 @@ def _shape_and_steps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
 
 
+def _outputs(parser: argparse.ArgumentParser) -> None:
+    """What a run writes and where it keeps its copies: the sweep, the snapshots, the report."""
+    parser.add_argument("--sweep", action="store_true",
+                        help="seq 512/2048/4096/8192 x --grad-accum 1/4/8, one process each (tools/bench/sweep.py); "
+                             "default arms trl-resident,trl-poros,unsloth; --json gets the merged rows")
+    parser.add_argument("--snapshot-dir", type=Path, metavar="DIR",
+                        help="keep each arm's copies of the LoRA tensors and AdamW state for the parity check in files "
+                             "under DIR, memory-mapped, not in host memory (tools/bench/snapshots.py: 122B with expert "
+                             "LoRA needs it on a 125 GB host)")
+    parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
+    parser.add_argument("--json", type=Path, help="write the report here")
+
+
 def _kernels(parser: argparse.ArgumentParser) -> None:
     """Whose kernels the Trainer arms run."""
     parser.add_argument("--liger", action="store_true", help="the Trainer arms (trl-*, hf-*) train with "
@@ -156,11 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for tiny shapes on CPU)")
     unsloth_arm.add_arguments(parser)
-    parser.add_argument("--sweep", action="store_true",
-                        help="seq 512/2048/4096/8192 x --grad-accum 1/4/8, one process each (tools/bench/sweep.py); "
-                             "default arms trl-resident,trl-poros,unsloth; --json gets the merged rows")
-    parser.add_argument("--commit", help="commit to record (default: git, or $POROS_COMMIT)")
-    parser.add_argument("--json", type=Path, help="write the report here")
+    _outputs(parser)
     args = parser.parse_args(argv)
     if args.threads is None and args.model.startswith("tiny") and args.device == "cpu":
         args.threads = 1
@@ -253,6 +262,10 @@ def main(argv=None) -> int:
         # partly used by building the model stay reserved (they OOM-ed a 72B run under an 8 GB cap:
         # docs/results-h200.md). Set before the first CUDA allocation; recorded in the environment.
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if args.snapshot_dir is not None:
+        from tools.bench import snapshots
+
+        snapshots.DIRECTORY = args.snapshot_dir
     device, env = start_tool(args)
     dense = dense_bf16_tflops(device)  # the machine's dense bf16 rate, before anything else holds the device
     targets = "all-linear" if args.targets == "all-linear" else tuple(args.targets.split(","))
@@ -304,6 +317,7 @@ def main(argv=None) -> int:
             "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
             "mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states, "host_budget": args.host_budget,
+            "snapshot_dir": str(args.snapshot_dir) if args.snapshot_dir else None,
             "timeline": args.timeline, "grad_accum": args.grad_accum, "liger": args.liger,
             "schedule": args.schedule, "attn_implementation": args.attn,
             "experts_implementation": experts_implementation(model), "quantize_experts": args.quantize_experts,

@@ -218,7 +218,13 @@ def moe_measured_block() -> str:
                                   docgen.parity_label(comparison))):
             measured = report["arms"][arm]
             lora = f"r{config['lora']['rank']}" + (" + experts" if config["lora"].get("on_experts") else "")
-            rows.append([shape, cap, arm, f"NF4 (`{config['experts_implementation']}`)", lora,
+            graphs = " (CUDA graphs)" if arm == "poros" and config.get("cuda_graphs") else ""
+            if measured.get("status", "ok") != "ok":  # a failed arm is a row too: what stopped it
+                reason = (measured.get("error") or "failed").split(":")[0].strip()
+                rows.append([shape, cap, arm + graphs, f"NF4 (`{config['experts_implementation']}`)", lora,
+                             f"{config.get('grad_accum', 1)}", "-", f"failed: {reason}", "-", "-", link])
+                continue
+            rows.append([shape, cap, arm + graphs, f"NF4 (`{config['experts_implementation']}`)", lora,
                          f"{config.get('grad_accum', 1)}", f"{measured['peak_allocated_gb']:.2f} GB",
                          f"{measured['median_step_s']:.3f} s{docgen.shared_mark(config)}", f"{measured['tokens_per_s']:,.0f}", parity, link])
     return table(["shape", "cap", "arm", "experts", "LoRA", "micro-batches", "peak allocated", "step time",

@@ -124,7 +124,7 @@ def render_idle() -> str:
                 continue
             median, busy = result["median_step_s"], profile["busy_ms"] / 1e3
             unsloth = (record["arms"].get("unsloth") or {}).get("median_step_s")
-            rows.append(f"| {docgen.json_link(path, path.parent.name)} | `{arm}` | {median:.2f} | "
+            rows.append(f"| {docgen.json_link(path, path.parent.name)} | `{docgen.arm_label(arm, result)}` | {median:.2f} | "
                         f"{profile['span_ms'] / 1e3:.2f} | {busy:.2f} | {profile['idle_ms'] / 1e3:.2f} | "
                         f"{median - busy:.2f} | {'-' if not unsloth else f'{busy / unsloth:.2f}x'} |")
     return docgen.rows_or_pending(rows)

@@ -44,7 +44,7 @@ def render_moe() -> str:
     claims = []
     for _, report in moe_records():
         config, depth = report["config"], report["config"]["model_info"]
-        if not (report.get("comparison", {}).get("bitwise") and config.get("vram_limit_gb")
+        if not ((report.get("comparison") or {}).get("bitwise") and config.get("vram_limit_gb")
                 and depth["num_hidden_layers"] == depth["full_depth"]):
             continue  # the README claims full-depth runs under a cap only
         experts = " with LoRA on the experts" if config["lora"].get("on_experts") else ""

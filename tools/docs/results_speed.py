@@ -110,7 +110,7 @@ def render_kernel_profile(reports: list[tuple[Path, dict]], root: Path) -> str:
             if not profile or "category_ms" not in profile:
                 continue
             cells = " | ".join(f"{ms:.0f}" for ms in _categories(profile).values())
-            rows.append(f"| {config['model']} | {config['seq']} | {config.get('grad_accum', 1)} | {name} | "
+            rows.append(f"| {config['model']} | {config['seq']} | {config.get('grad_accum', 1)} | {docgen.arm_label(name, arm)} | "
                         f"{profile['span_ms']:.0f} | {cells} | {profile['idle_ms']:.0f} | {_link(path, root)} |")
     return docgen.rows_or_pending(rows)
 
