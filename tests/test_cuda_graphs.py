@@ -241,7 +241,8 @@ def test_every_graph_reads_one_shared_set_of_static_lora_buffers(tmp_path):
     assert len({key[2] for key in captured}) == 2  # both block structures captured
     shared = {id(b): b for held in block_graphs.statics.buffers.values() for b in held}
     for graph in captured.values():  # a graph's tensors: shared buffers, none twice
-        assert {id(t) for t in graph.params} <= shared.keys() and len({id(t) for t in graph.params}) == len(graph.params)
+        ids = [id(t) for t in graph.params]
+        assert set(ids) <= shared.keys() and len(set(ids)) == len(ids)
     read = {id(t) for graph in captured.values() for t in graph.params}
     assert read == shared.keys() and len(read) < sum(len(graph.params) for graph in captured.values())
     expert_lora = [p for p in streamed.executor.layers[0].parameters() if p.requires_grad]
@@ -278,7 +279,8 @@ def test_the_static_lora_buffers_are_found_by_signature_and_occurrence():
     assert all(torch.equal(x, p) for x, p in zip(b, second))  # the running block's values
     assert statics.for_block(first) == a  # the same block again: the same buffers, its values back in
     assert torch.equal(a[0], first[0]) and len([t for held in statics.buffers.values() for t in held]) == 5
-    sizes = [[(ParameterStatics.signature(p), p.numel() * p.element_size()) for p in block] for block in (first, second)]
+    sizes = [[(ParameterStatics.signature(p), p.numel() * p.element_size()) for p in block]
+             for block in (first, second)]
     assert statics.nbytes == shared_statics_bytes(sizes) == 4 * (3 * 32 + 32) + 2 * 32
     assert shared_statics_bytes([]) == 0
 

@@ -88,4 +88,5 @@ def expert_sizes(blocks: list, sizes: list[int], quantize: bool | None) -> tuple
     return sizes, line
 
 
-__all__ = ["expert_lora_parameters", "expert_lora_shapes", "lora_shapes", "lora_statics_bytes", "expert_sizes", "largest_fused_experts"]
+__all__ = ["expert_lora_parameters", "expert_lora_shapes", "expert_sizes", "largest_fused_experts", "lora_shapes",
+           "lora_statics_bytes"]

@@ -3,7 +3,8 @@ the LoRA values, the outputs, the further inputs; :meth:`Graph.load` copies a ru
 :meth:`Graph.write_back` puts what it wrote into the live carried mappings), and the pieces a capture is
 built from: static copies (:func:`static_copy`), the static LoRA buffers every graph shares
 (:class:`ParameterStatics`; why sharing them is sound: ``graphs.py``'s docstring), the trainable parameters
-pointed at their static buffers while the graph records (:func:`pointed_at`), a carried mapping of the capture's own
+pointed at their static buffers while the graph records (:func:`pointed_at`), a carried mapping of the
+capture's own
 (:func:`own_mappings`, :func:`read_tensors`, :func:`written_entries`), and gradients laid out as
 autograd's accumulator lays them out (:func:`as_grad_of`).
 """
@@ -201,5 +202,5 @@ def pointed_at(parameters: list[nn.Parameter], statics: list[torch.Tensor]):
             parameter.data = original
 
 
-__all__ = ["Graph", "ParameterStatics", "as_grad_of", "clone", "numbered", "own_mappings", "pointed_at", "read_tensors", "static_copy",
-           "written_entries"]
+__all__ = ["Graph", "ParameterStatics", "as_grad_of", "clone", "numbered", "own_mappings", "pointed_at", "read_tensors",
+           "static_copy", "written_entries"]

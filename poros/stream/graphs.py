@@ -35,19 +35,20 @@ cost of queueing ~500 kernels per block disappears.
   (:class:`~poros.stream.graph_capture.ParameterStatics`, :attr:`BlockGraphs.statics`): the k-th
   parameter of a given (shape, strides, dtype, device) in a block reads that signature's k-th buffer,
   in every graph of every block structure, so they hold the largest block's LoRA (per signature)
-  once, not a copy per graph (an MoE block's expert LoRA is large, and a family of two layer kinds keys twice the
-  graphs). Why that is sound: every use of the buffers is queued on the one compute stream, per
-  replay in this order — the copy of the running block's values in (:meth:`Graph.load`), the replay
-  that reads them, the reads of its outputs (cloned, or added into ``.grad``) — and the next replay's
-  copy in is queued after all of it, so no copy overwrites values a replay has yet to read. No graph
-  writes them (its outputs, gradients included, are allocated in the graphs' pool while it records;
-  the shared buffers outside the pool, before any capture uses them), and none reads them outside its replay: a capture fills them with
-  its block's values first, and its eager warm-up on the side stream waits for that copy while the
-  compute stream waits for the warm-up. Two parameters of one block never share a buffer (a block's
-  values must all be there at once). Micro-major's replays (:data:`MICRO_MAJOR_SWITCH`) run inside the
-  autograd engine on the stream their forward ran on, the compute stream, one at a time. Backward
-  returns the gradients from static buffers of its own graph; the executor's accumulation (``p.grad``
-  set, then ``add_``) is the one autograd's accumulator does, queued right after the replay.
+  once, not a copy per graph (an MoE block's expert LoRA is large, and a family of two layer kinds
+  keys twice the graphs). Why that is sound: every use of the buffers is queued on the one compute
+  stream, per replay in this order — the copy of the running block's values in (:meth:`Graph.load`),
+  the replay that reads them, the reads of its outputs (cloned, or added into ``.grad``) — and the
+  next replay's copy in is queued after all of it, so no copy overwrites values a replay has yet to
+  read. No graph writes them (its outputs, gradients included, are allocated in the graphs' pool
+  while it records; the shared buffers outside the pool, before any capture uses them), and none
+  reads them outside its replay: a capture fills them with its block's values first, and its eager
+  warm-up on the side stream waits for that copy while the compute stream waits for the warm-up.
+  Two parameters of one block never share a buffer (a block's values must all be there at once).
+  Micro-major's replays (:data:`MICRO_MAJOR_SWITCH`) run inside the autograd engine on the stream
+  their forward ran on, the compute stream, one at a time. Backward returns the gradients from
+  static buffers of its own graph; the executor's accumulation (``p.grad`` set, then ``add_``) is
+  the one autograd's accumulator does, queued right after the replay.
 * **The copy stream stays outside**: the store's events order the replay after the block's copy,
   exactly as they order eager compute.
 * **Layer-major only**: graphs replay the phases :meth:`StreamingExecutor.forward_backward` drives
