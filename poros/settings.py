@@ -370,6 +370,17 @@ STREAMING: tuple[Setting, ...] = (
             "true, false or 'auto' (graphs on when the device is CUDA)", "e.g. cuda_graphs: true"),
         example="true"),
     Setting(
+        "pause_gc", bool, True,
+        "Pause Python's cyclic garbage collector while a layer-major step runs (PorosTrainer's and "
+        "prepare_trainer's accumulation, model.forward_backward) and restore it after: a step whose blocks keep "
+        "their activations holds many Python objects, and the collector's passes over them stall the host that "
+        "feeds the GPU. Changes no bit; false: Python collects whenever it decides.",
+        "``True``: automatic garbage collection is off while ``forward_backward`` runs and restored after "
+        "(``poros.stream.gc_pause``; the collector was found scanning the kept graphs' objects many times a step "
+        "while the GPU waited); it decides no value, so the bits are the same. ``False``: untouched.",
+        lambda value: None if value is True or value is False else ("true or false", "e.g. pause_gc: false"),
+        example="false"),
+    Setting(
         "host_tier", str | None, None,
         "Where the streamed NF4 blocks live on the host: 'pinned' (page-locked RAM, one copy per process), "
         "'mapped' (the NF4 block cache file mapped and registered for DMA: one copy per node in the page cache), "

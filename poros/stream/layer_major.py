@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from poros.errors import StreamingError
+from poros.stream import gc_pause
 from poros.stream.dropout import check_no_dropout
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast
 from poros.stream.segments import recompute_inputs, segment_start, segment_top
@@ -56,6 +57,12 @@ def forward_backward(executor: Any, model_call: Callable[..., Any], micro_batche
         StreamingError: a dropout with p > 0 is active (its random draws would come in another
             order than in ordinary accumulation; use the micro-major schedule).
     """
+    with gc_pause.paused(executor.options.pause_gc):
+        return _paused_step(executor, model_call, micro_batches, own_backward)
+
+
+def _paused_step(executor: Any, model_call: Callable[..., Any], micro_batches: list[dict],
+                 own_backward: bool) -> list[torch.Tensor]:
     check_no_dropout(executor.causal_lm)
     if not micro_batches:
         return []

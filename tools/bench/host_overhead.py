@@ -16,7 +16,9 @@ round by round so that a drifting machine drifts for all of them:
 * ``poros``: every block streamed from the host store, recompute ``all``;
 * ``poros-kept``: streamed, ``recompute="none"`` (every block keeps its activations), micro-major;
 * ``poros-layer-major`` / ``poros-kept-layer-major``: streamed, ``forward_backward`` over ``--accumulation``
-  micro-batches (the schedule ``prepare_trainer`` runs with accumulation), recompute ``all`` / ``none``.
+  micro-batches (the schedule ``prepare_trainer`` runs with accumulation), recompute ``all`` / ``none``;
+* ``poros-kept-layer-major-collecting``: the kept layer-major arm with ``pause_gc=False`` (the collector runs
+  inside the step, as it did before ``pause_gc``).
 
 Median seconds per micro-batch (forward + backward; a layer-major step's time over its micro-batches) per
 arm, its ratio to ``resident`` and ``resident-plain``, the host milliseconds per block call (one block's
@@ -50,11 +52,12 @@ from tools.bench.provenance import environment
 from tools.bench.shapes import model_config
 
 ARMS = ("resident", "resident-plain", "poros-resident", "poros", "poros-kept", "poros-layer-major",
-        "poros-kept-layer-major")
-#: arm -> (resident blocks: "all" or 0, recompute, layer-major)
-POROS_ARMS = {"poros-resident": ("all", "all", False), "poros": (0, "all", False),
-              "poros-kept": (0, "none", False), "poros-layer-major": (0, "all", True),
-              "poros-kept-layer-major": (0, "none", True)}
+        "poros-kept-layer-major", "poros-kept-layer-major-collecting")
+#: arm -> (resident blocks: "all" or 0, recompute, layer-major, pause_gc)
+POROS_ARMS = {"poros-resident": ("all", "all", False, True), "poros": (0, "all", False, True),
+              "poros-kept": (0, "none", False, True), "poros-layer-major": (0, "all", True, True),
+              "poros-kept-layer-major": (0, "none", True, True),
+              "poros-kept-layer-major-collecting": (0, "none", True, False)}
 #: the kept bookkeeping's parts (``KeptBlock`` methods) the breakdown times
 KEPT_PARTS = ("_pack", "_unpack", "detach_contexts", "bind_contexts")
 #: whose code a profiled function is, by the first fragment of its file name found (else "torch and other")
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for arm in arms:
             with _arm(peft_model, arm, args.layers) as call:
-                count = args.accumulation if POROS_ARMS.get(arm, (0, 0, False))[2] else 1
+                count = args.accumulation if POROS_ARMS.get(arm, (0, 0, False, True))[2] else 1
                 for _ in range(args.steps):
                     with collector.counting(arm, count):
                         times[arm].append(_timed(call, batches[:count]) / count)
@@ -140,9 +143,9 @@ class _arm:
             base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if self.arm in ("resident", "resident-plain"):
             return lambda batches: [self.peft_model(**b, use_cache=False).loss.backward() for b in batches]
-        resident, recompute, layer_major = POROS_ARMS[self.arm]
+        resident, recompute, layer_major, pause_gc = POROS_ARMS[self.arm]
         self.handle = poros.prepare(self.peft_model, resident_blocks=self.layers if resident == "all" else resident,
-                                    recompute=recompute)
+                                    recompute=recompute, pause_gc=pause_gc)
         if layer_major:
             return lambda batches: self.handle.forward_backward(batches)
         return lambda batches: [self.handle(**b, use_cache=False).loss.backward() for b in batches]
