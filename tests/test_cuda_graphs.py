@@ -4,6 +4,8 @@ their parity is the H200 gate's (``tools/gpu_run.sh gate:cuda-graphs``, docs/par
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,7 +163,8 @@ def test_the_report_counts_what_ran_eagerly():
 
 def test_the_planner_counts_the_graphs_memory(checkpoints):
     """prepare(vram_budget=..., cuda_graphs=True) plans with the graphs' pool and static buffers held
-    beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes)."""
+    beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes): per slot and block
+    structure a forward and a backward graph, and the static LoRA buffers once (all graphs share them)."""
     from poros.plan.footprint import footprint_of_model, plan_for_model
     from poros.stream.placement import graph_reserve_bytes
     from poros.plan.budget import Workload
@@ -180,6 +183,106 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     assert reserve > footprint.recompute_bytes > 0
     assert graphed.context_bytes == plain.context_bytes + reserve
     assert graphed.needed_bytes >= plain.needed_bytes
+    # the shared LoRA buffers: one block's (every block's LoRA has the same tensors here), not the model's
+    assert footprint.block_structures == 1
+    assert footprint.lora_statics_bytes == max(sum(p.numel() * p.element_size() for p in layer.parameters()
+                                                   if p.requires_grad) for layer in layers)
+    assert footprint.lora_statics_bytes < footprint.lora_parameter_bytes
+    boundary, lora = footprint.boundary_bytes, footprint.lora_statics_bytes
+    # one more block structure: per slot a forward graph (hidden in, out) and a backward graph (hidden and
+    # output gradient in, hidden gradient and LoRA gradients out) more, and no more static LoRA buffers
+    two = dataclasses.replace(footprint, block_structures=2)
+    assert graph_reserve_bytes(two, 2) - reserve == 2 * (2 * boundary + 3 * boundary + lora)
+    # the static LoRA buffers once, plus each backward graph's LoRA gradients (2 slots, and block 0's)
+    more = dataclasses.replace(footprint, lora_statics_bytes=lora + 1024)
+    assert graph_reserve_bytes(more, 2) - reserve == (1 + 2 + 1) * 1024
+
+
+@pytest.mark.parametrize(("name", "structures"), [("qwen3", 1), ("gemma3", 2), ("qwen3_5", 2), ("gemma4-moe", 3)])
+def test_the_planner_counts_the_block_structures_the_graphs_key(checkpoints, name, structures):
+    """The planner's count of block structures (graph_keys.block_structures, a loaded model's and a meta
+    skeleton's alike) is the number of structures the graph keys tell apart: Gemma 4's layer that stores its
+    kind's K/V for later layers is a third (two layer kinds, three structures)."""
+    from poros.config import PorosConfig
+    from poros.plan.budget import Workload
+    from poros.plan.footprint import footprint_of_model
+    from poros.plan.run_plan import plan_run
+
+    streamed = prepared(checkpoints[name])
+    layers = streamed.executor.layers
+    keyed = {BlockGraphs(streamed.store, layers)._structure_of(i) for i in range(len(layers))}
+    footprint = footprint_of_model(streamed.get_base_model(), list(layers), [], Workload(1, 16),
+                                   device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    skeleton = plan_run(PorosConfig(model=str(checkpoints[name]), lora_rank=4, device="cpu"))
+    assert len(keyed) == footprint.block_structures == skeleton.block_structures == structures
+
+
+def test_every_graph_reads_one_shared_set_of_static_lora_buffers(tmp_path):
+    """Qwen3.5 MoE (Gated DeltaNet and gated-attention blocks: two structures) with LoRA on its NF4 experts,
+    its blocks captured and replayed with the CPU recorder of tests/test_gemma4_graphs.py (bitwise the resident
+    run: tests/test_moe.py): every graph's static LoRA tensors are buffers of the one BlockGraphs.statics, shared
+    across phases, slots and structures, and that set holds what the planner prices (lora_statics_bytes, from
+    the loaded model and from the config alone)."""
+    from poros.config import PorosConfig
+    from poros.plan.budget import Workload
+    from poros.plan.footprint import footprint_of_model
+    from poros.plan.run_plan import plan_run
+    from test_gemma4_graphs import ReplayedOnCPU
+    from test_layer_major import layer_major_steps, with_item_counts
+    from test_moe import FIXED, load
+    from test_parity import make_batch
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", "default", seed=5, num_layers=4)
+    streamed = poros.prepare(load(path, {**FIXED, "seed": 5}, "nf4+lora"))
+    block_graphs = streamed.executor.graphs = ReplayedOnCPU(streamed.store, streamed.executor.layers)
+    layer_major_steps(streamed, [with_item_counts([make_batch(5 + m, 2, 14, "left") for m in range(2)])])
+    captured = {key: graph for key, graph in block_graphs.graphs.items() if graph is not None}
+    assert block_graphs.report.failures == [] and len(captured) == block_graphs.report.captured >= 4
+    assert len({key[2] for key in captured}) == 2  # both block structures captured
+    shared = {id(b): b for held in block_graphs.statics.buffers.values() for b in held}
+    for graph in captured.values():  # a graph's tensors: shared buffers, none twice
+        ids = [id(t) for t in graph.params]
+        assert set(ids) <= shared.keys() and len(set(ids)) == len(ids)
+    read = {id(t) for graph in captured.values() for t in graph.params}
+    assert read == shared.keys() and len(read) < sum(len(graph.params) for graph in captured.values())
+    expert_lora = [p for p in streamed.executor.layers[0].parameters() if p.requires_grad]
+    assert expert_lora and all(".experts." in n for n, p in streamed.executor.layers[0].named_parameters()
+                               if p.requires_grad)  # the Gated DeltaNet blocks: LoRA on the experts only
+    footprint = footprint_of_model(streamed.get_base_model(), list(streamed.executor.layers), [], Workload(1, 16),
+                                   device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    config = PorosConfig(model=str(path), lora_rank=FIXED["lora_rank"], target_modules=["q_proj", "v_proj"],
+                         device="cpu")
+    assert block_graphs.statics.nbytes == footprint.lora_statics_bytes == plan_run(config).lora_statics_bytes
+    assert footprint.block_structures == 2
+
+
+def test_the_static_lora_buffers_are_found_by_signature_and_occurrence():
+    """ParameterStatics: the k-th tensor of a (shape, strides, dtype, device) in a block gets that signature's
+    k-th buffer, in every block; another signature another buffer; the buffers hold the last block's values;
+    the planner's rule (placement.shared_statics_bytes) prices what they hold."""
+    from poros.stream.graph_capture import ParameterStatics
+    from poros.stream.placement import shared_statics_bytes
+
+    def parameters(*tensors):
+        return [torch.nn.Parameter(t) for t in tensors]
+
+    statics = ParameterStatics()
+    first = parameters(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 4))
+    a = statics.for_block(first)
+    assert len({id(b) for b in a}) == 3 and all(torch.equal(b, p) for b, p in zip(a, first))
+    second = parameters(torch.randn(8, 4), torch.randn(4, 8), torch.randn(4, 8, dtype=torch.bfloat16),
+                        torch.randn(8, 4).t())
+    b = statics.for_block(second)
+    assert b[0] is a[2] and b[1] is a[0]  # the first (8, 4) and the first (4, 8): one buffer each
+    assert all(x is not y for x in b[2:] for y in a) and b[2] is not b[3]  # another dtype, other strides
+    assert b[3].stride() == second[3].stride() and b[2].dtype == torch.bfloat16
+    assert all(torch.equal(x, p) for x, p in zip(b, second))  # the running block's values
+    assert statics.for_block(first) == a  # the same block again: the same buffers, its values back in
+    assert torch.equal(a[0], first[0]) and len([t for held in statics.buffers.values() for t in held]) == 5
+    sizes = [[(ParameterStatics.signature(p), p.numel() * p.element_size()) for p in block]
+             for block in (first, second)]
+    assert statics.nbytes == shared_statics_bytes(sizes) == 4 * (3 * 32 + 32) + 2 * 32
+    assert shared_statics_bytes([]) == 0
 
 
 def test_past_the_graph_limit_new_shapes_run_eagerly(checkpoints):

@@ -28,6 +28,9 @@ import torch
 from torch import nn
 
 from poros.plan.entry import cuda_graphs_on, device_context_bytes
+from poros.stream.graph_capture import ParameterStatics
+from poros.stream.graph_keys import block_structures
+from poros.stream.placement import shared_statics_bytes
 from poros.stream.options import StreamOptions
 from poros.plan.budget import (
     CUDA_WORKSPACE_BYTES,
@@ -73,13 +76,16 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
     Block bytes are the block store's (exact; computed from the modules unless ``block_bytes``
     gives them, as after packing); the frozen tensors outside the blocks at their allocated size,
     ``host_tables``' among them as the embedding tables that may live on the host; the LoRA bytes
-    are the trainable parameters'.
+    are the trainable parameters', and the CUDA graphs' shared LoRA buffers the blocks' (by
+    ``graph_capture.ParameterStatics``' rule); the block structures those the graphs key apart.
     """
     in_blocks = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
     outside = {id(t): t for t in [*causal_lm.parameters(), *causal_lm.buffers()]
                if id(t) not in in_blocks and not t.requires_grad}
     tables = {id(t) for table in host_tables for t in [*table.parameters(), *table.buffers()]}
     shapes, value_bytes, attention = model_shapes(causal_lm, layers, compute_dtype)
+    trainable = [[(ParameterStatics.signature(p), p.numel() * p.element_size()) for p in layer.parameters()
+                  if p.requires_grad] for layer in layers]
     base = Footprint(
         block_bytes=tuple(packed_block_bytes(layers) if block_bytes is None else block_bytes),
         device_non_block_bytes=sum(t.numel() * t.element_size() for k, t in outside.items() if k not in tables),
@@ -88,6 +94,8 @@ def footprint_of_model(causal_lm: nn.Module, layers: list[nn.Module], host_table
         boundary_bytes=0, recompute_bytes=0, head_bytes=0,
         workspace_bytes=CUDA_WORKSPACE_BYTES if device.type == "cuda" else 0,
         attention_sms=attention_sms(device, deterministic_now()),
+        block_structures=block_structures(layers),
+        lora_statics_bytes=shared_statics_bytes(trainable),
     )
     return with_activations(base, shapes, workload, value_bytes=value_bytes, attn_implementation=attention,
                             mlp_chunks=mlp_chunks)

@@ -57,6 +57,10 @@ class Footprint:
         loss_chunks, mlp_chunks: the chunk counts the activations are estimated for.
         attention_sms: the SM count the flash backward's deterministic dQ accumulator is split by (0: not
             split; :func:`poros.plan.footprint.attention_sms`), a fact of the device and the run's mode.
+        block_structures: how many block structures CUDA graphs key apart (``graph_keys.block_structures``:
+            modules and their plain attributes; Qwen3.5's linear- and full-attention layers: 2).
+        lora_statics_bytes: the static LoRA buffers every CUDA graph shares (the largest block's LoRA, per
+            tensor signature: ``placement.shared_statics_bytes``); 0: unknown (the average block's LoRA).
     """
 
     block_bytes: tuple[int, ...]
@@ -74,6 +78,8 @@ class Footprint:
     attention_sms: int = 0
     kept_bytes: int = 0  # one block's kept activations, per micro-batch (ActivationParts.kept)
     held_weight_bytes: int = 0  # one block's dequantized 4-bit weights, held by dequantize_once for a block phase
+    block_structures: int = 1  # CUDA graphs key each apart (placement.graph_reserve_bytes)
+    lora_statics_bytes: int = 0  # the CUDA graphs' shared static LoRA buffers (placement.shared_statics_bytes)
 
     @property
     def num_blocks(self) -> int:

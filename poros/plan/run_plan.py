@@ -11,6 +11,7 @@ text tower, the part Poros trains.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -41,7 +42,9 @@ from poros.plan.budget import (
 )
 from poros.plan.checkpoint_config import config_source, load_text_config, locate_checkpoint_config
 from poros.plan.step_time import parse_block_ms
-from poros.plan.experts import expert_lora_parameters, expert_sizes, largest_fused_experts
+from poros.stream.graph_keys import block_structures
+from poros.plan.experts import (expert_lora_parameters, expert_sizes, largest_fused_experts, lora_shapes,
+                                lora_statics_bytes)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class Plan:
     packed: bool = False  # packing: true (rows of several examples: a seq x seq mask, no flash kernel)
     prequantized: bool = False  # a bnb-4bit checkpoint: its blocks stream from its own shards (the mapped tier)
     fused_loss: bool = False  # kernels: liger: the head is Liger's fused linear cross-entropy (no loss_chunks)
+    block_structures: int = 1  # how many block structures CUDA graphs key apart (graph_keys.block_structures)
+    lora_statics_bytes: int = 0  # the CUDA graphs' shared static LoRA buffers (placement.shared_statics_bytes)
 
     @property
     def largest_block_bytes(self) -> int:
@@ -201,7 +206,8 @@ class Plan:
             boundary_bytes=self.batch_size * self.seq_len * self.hidden_size * self.activation_bytes_per_value,
             recompute_bytes=self.recompute_bytes, head_bytes=self.logits_bytes,
             workspace_bytes=CUDA_WORKSPACE_BYTES if self.device.startswith("cuda") else 0,
-            attention_sms=self.attention_sms,
+            attention_sms=self.attention_sms, block_structures=self.block_structures,
+            lora_statics_bytes=self.lora_statics_bytes,
         )
 
 
@@ -263,8 +269,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
     tables = sum(t.weight.numel() * t.weight.element_size() for t in host_embedding_tables(model, descriptor))
 
     targets = lora_targets(model, config.target_modules)
-    lora_parameters = sum(config.lora_rank * (m.in_features + m.out_features)
-                          + (m.out_features if config.use_dora else 0) for m in targets.values())
+    lora_parameters = sum(math.prod(shape) for m in targets.values() for shape in lora_shapes(m, config))
     expert_lora = expert_lora_parameters(blocks, config)
     lora_parameters += expert_lora
     if experts_line:
@@ -303,6 +308,8 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
         packed=config.packing, prequantized=prequantized is not None, fused_loss=config.kernels == "liger",
+        block_structures=block_structures(blocks),
+        lora_statics_bytes=lora_statics_bytes(blocks, targets, config),
     ), text_config
 
 

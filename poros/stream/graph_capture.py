@@ -1,8 +1,10 @@
 """What a captured block phase holds (``graphs.py``): its static buffers (:class:`Graph`: the arguments,
 the LoRA values, the outputs, the further inputs; :meth:`Graph.load` copies a running block's values in,
 :meth:`Graph.write_back` puts what it wrote into the live carried mappings), and the pieces a capture is
-built from: static copies (:func:`static_copy`), the trainable parameters pointed at their static buffers
-while the graph records (:func:`pointed_at`), a carried mapping of the capture's own
+built from: static copies (:func:`static_copy`), the static LoRA buffers every graph shares
+(:class:`ParameterStatics`; why sharing them is sound: ``graphs.py``'s docstring), the trainable parameters
+pointed at their static buffers while the graph records (:func:`pointed_at`), a carried mapping of the
+capture's own
 (:func:`own_mappings`, :func:`read_tensors`, :func:`written_entries`), and gradients laid out as
 autograd's accumulator lays them out (:func:`as_grad_of`).
 """
@@ -10,6 +12,7 @@ autograd's accumulator lays them out (:func:`as_grad_of`).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +31,7 @@ class Graph:
 
     replay: Callable[[], None]  # reruns the captured kernels on the static buffers
     statics: list[Any]  # per argument leaf: its static tensor, the plain value, or the capture's own carried mapping
-    params: list[torch.Tensor]  # static LoRA values
+    params: list[torch.Tensor]  # static LoRA values: buffers of the graphs' shared ParameterStatics
     outputs: list[torch.Tensor | None]
     # further static inputs, copied in with ``load``'s ``extra``: the output gradient, the read entries'
     # tensors, the gradients later readers sent to the written entries
@@ -65,6 +68,46 @@ class Graph:
         """Put a copy of each entry the replay wrote into the live mapping (``leaves``' own), as the block would."""
         for position, key, spec, first, count in self.writes:
             leaves[position][key] = pytree.tree_unflatten([t.clone() for t in self.outputs[first:first + count]], spec)
+
+
+class ParameterStatics:
+    """The static buffers of the blocks' trainable (LoRA) tensors, one set shared by every captured graph.
+
+    A buffer is found by the parameter's signature (shape, strides, dtype, device) and its occurrence among
+    the block's parameters of that signature: the k-th parameter of a signature in every block reads the
+    signature's k-th buffer, made on first need. Two parameters of one block never share a buffer; blocks of
+    different structures share every buffer their signatures have in common. What it holds at most is the
+    block with the most parameters of each signature, not a copy per graph.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    @staticmethod
+    def signature(parameter: torch.Tensor) -> tuple:
+        return tuple(parameter.shape), parameter.stride(), parameter.dtype, parameter.device
+
+    def for_block(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers of ``parameters`` (a block's, in order), holding their values now."""
+        seen: Counter = Counter()
+        buffers = []
+        for parameter in parameters:
+            key = self.signature(parameter)
+            held = self.buffers.setdefault(key, [])
+            if seen[key] == len(held):
+                held.append(torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype,
+                                                device=parameter.device))
+            buffers.append(held[seen[key]])
+            seen[key] += 1
+        if buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(buffers, [p.detach() for p in parameters])
+        return buffers
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the shared buffers hold."""
+        return sum(b.untyped_storage().nbytes() for held in self.buffers.values() for b in held)
 
 
 def read_tensors(leaves: list[Any], carried: dict[int, CarriedAccess]) -> list[torch.Tensor]:
@@ -159,5 +202,5 @@ def pointed_at(parameters: list[nn.Parameter], statics: list[torch.Tensor]):
             parameter.data = original
 
 
-__all__ = ["Graph", "as_grad_of", "clone", "numbered", "own_mappings", "pointed_at", "read_tensors", "static_copy",
-           "written_entries"]
+__all__ = ["Graph", "ParameterStatics", "as_grad_of", "clone", "numbered", "own_mappings", "pointed_at", "read_tensors",
+           "static_copy", "written_entries"]

@@ -1,7 +1,8 @@
 """What a block phase's CUDA graph is keyed by, and what keeps a block from being captured (``graphs.py``).
 
 A key holds plain values only: :func:`plain_key` turns a block's plain attributes (numbers, strings, and
-dicts / lists of them such as PEFT's per-adapter ``scaling``) into one, :func:`signature` an argument
+dicts / lists of them such as PEFT's per-adapter ``scaling``) into one, :func:`module_structure` its modules
+(:func:`block_structures` counts the structures of a model's blocks, for the planner), :func:`signature` an argument
 (a tensor's shape, strides, dtype, device and ``requires_grad``; a plain value by value),
 :func:`carried_signature` the carried mappings a block reads and writes, :func:`hashable_autocast` the
 autocast state. What makes a block run eagerly instead: a carried mapping the descriptor does not
@@ -11,9 +12,10 @@ describe or an entry no earlier block wrote (:func:`carried_reason`), arguments 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from poros.stream.carried import CarriedAccess
@@ -37,6 +39,22 @@ def plain_key(value: Any) -> Any:
             return (type(value).__name__, tuple(sorted(items, key=str) if isinstance(value, (set, frozenset))
                                                 else items))
     return NOT_PLAIN
+
+
+def module_structure(modules: Iterable[tuple[str, nn.Module]]) -> tuple:
+    """The key's part for the code a block runs: each of its modules' name, type and plain attributes (but
+    the layer index and the training mode, keyed apart). ``modules``: the block's ``named_modules()``."""
+    return tuple((name, type(m).__qualname__, tuple(sorted(
+        (k, plain_key(v)) for k, v in vars(m).items()
+        if k not in ("layer_idx", "training") and plain_key(v) is not NOT_PLAIN)))
+        for name, m in modules)
+
+
+def block_structures(layers: Iterable[nn.Module]) -> int:
+    """How many block structures ``layers`` hold (:func:`module_structure`): CUDA graphs key each apart (Qwen3.5's
+    linear- and full-attention layers are two; Gemma 4's layers that store or read shared K/V more). What the
+    planner counts the graphs by (``placement.graph_reserve_bytes``); a meta skeleton's layers count as loaded ones."""
+    return len({module_structure(layer.named_modules()) for layer in layers})
 
 
 def carried_reason(index: int, mapping: Any, access: CarriedAccess, device: torch.device) -> str | None:
@@ -107,5 +125,5 @@ def global_hooks() -> bool:
                 or module._global_backward_hooks or module._global_backward_pre_hooks)
 
 
-__all__ = ["NOT_PLAIN", "PLAIN", "autocast_on", "carried_reason", "carried_signature", "dense", "global_hooks",
-           "hashable_autocast", "non_overlapping", "plain_key", "signature"]
+__all__ = ["NOT_PLAIN", "PLAIN", "autocast_on", "block_structures", "carried_reason", "carried_signature", "dense",
+           "global_hooks", "hashable_autocast", "module_structure", "non_overlapping", "plain_key", "signature"]

@@ -8,8 +8,9 @@ cost of queueing ~500 kernels per block disappears.
 ::
 
     eager, first time a key is seen ─▶ capture on a side stream (one shared memory pool)
-    every later time:  copy the block's arguments and LoRA tensors into the graph's static
-                       buffers ─▶ replay on the compute stream ─▶ clone the outputs
+    every later time:  copy the block's arguments and LoRA tensors into the static buffers
+                       (the LoRA's one set for all graphs) ─▶ replay on the compute stream
+                       ─▶ clone the outputs
 
 * **Keys.** ``forward`` / ``backward`` × where the block's frozen bytes are bound (its device slot,
   or its own buffer when resident) × the block's structure (module types and plain attributes —
@@ -30,8 +31,24 @@ cost of queueing ~500 kernels per block disappears.
   the legacy default stream (poros.stream.compute_stream; docs/results-h200-log.md, the eighth session).
 * **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
   capture points the block's trainable parameters at static buffers (``.data``), each replay
-  copies the running block's values in. Backward returns their gradients from static buffers; the
-  executor's accumulation (``p.grad`` set, then ``add_``) is the one autograd's accumulator does.
+  copies the running block's values in. Those buffers are **one set shared by every graph**
+  (:class:`~poros.stream.graph_capture.ParameterStatics`, :attr:`BlockGraphs.statics`): the k-th
+  parameter of a given (shape, strides, dtype, device) in a block reads that signature's k-th buffer,
+  in every graph of every block structure, so they hold the largest block's LoRA (per signature)
+  once, not a copy per graph (an MoE block's expert LoRA is large, and a family of two layer kinds
+  keys twice the graphs). Why that is sound: every use of the buffers is queued on the one compute
+  stream, per replay in this order — the copy of the running block's values in (:meth:`Graph.load`),
+  the replay that reads them, the reads of its outputs (cloned, or added into ``.grad``) — and the
+  next replay's copy in is queued after all of it, so no copy overwrites values a replay has yet to
+  read. No graph writes them (its outputs, gradients included, are allocated in the graphs' pool
+  while it records; the shared buffers outside the pool, before any capture uses them), and none
+  reads them outside its replay: a capture fills them with its block's values first, and its eager
+  warm-up on the side stream waits for that copy while the compute stream waits for the warm-up.
+  Two parameters of one block never share a buffer (a block's values must all be there at once).
+  Micro-major's replays (:data:`MICRO_MAJOR_SWITCH`) run inside the autograd engine on the stream
+  their forward ran on, the compute stream, one at a time. Backward returns the gradients from
+  static buffers of its own graph; the executor's accumulation (``p.grad`` set, then ``add_``) is
+  the one autograd's accumulator does, queued right after the replay.
 * **The copy stream stays outside**: the store's events order the replay after the block's copy,
   exactly as they order eager compute.
 * **Layer-major only**: graphs replay the phases :meth:`StreamingExecutor.forward_backward` drives
@@ -83,10 +100,10 @@ from torch import nn
 
 from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.dropout import dropout_p
-from poros.stream.graph_capture import (Graph, as_grad_of, clone, numbered, own_mappings, pointed_at, read_tensors,
-                                        static_copy, written_entries)
-from poros.stream.graph_keys import (NOT_PLAIN, PLAIN, autocast_on, carried_reason, carried_signature, global_hooks,
-                                     hashable_autocast, non_overlapping, plain_key, signature)
+from poros.stream.graph_capture import (Graph, ParameterStatics, as_grad_of, clone, numbered, own_mappings, pointed_at,
+                                        read_tensors, static_copy, written_entries)
+from poros.stream.graph_keys import (PLAIN, autocast_on, carried_reason, carried_signature, global_hooks,
+                                     hashable_autocast, module_structure, non_overlapping, signature)
 from poros.stream.options import check_cuda_graphs as check  # the setting's one check, as graphs.check
 from poros.stream.replay import CastCacheWatch, autocast_state, outside_autocast, replayed_autocast, uncached
 
@@ -140,6 +157,7 @@ class BlockGraphs:
                  max_graphs: int = MAX_GRAPHS) -> None:
         self.store, self.layers, self.unsafe, self.warmup, self.max_graphs = store, layers, unsafe, warmup, max_graphs
         self.pool = None  # the graphs' one memory pool, made at the first capture
+        self.statics = ParameterStatics()  # the static LoRA buffers, one set every graph reads (module docstring)
         self.graphs: dict[tuple, Graph | None] = {}
         self.seen: Counter = Counter()
         self.report = GraphReport()
@@ -286,7 +304,7 @@ class BlockGraphs:
         where = ("resident", index) if block.resident else ("slot", block.slot)
         adapters = tuple((m._disable_adapters, str(m.active_adapters), len(m.merged_adapters))
                          for m in self._adapter_layers(index))
-        parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(index))  # the static LoRA copies
+        parameters = tuple((tuple(p.shape), p.dtype) for p in self._parameters(index))  # the static LoRA buffers
         arguments = tuple(("carried", type(leaf).__qualname__) if position in (carried or {}) else signature(leaf)
                           for position, leaf in enumerate(leaves))
         return (phase, where, self._structure_of(index), arguments, layer.training, adapters, parameters, extra)
@@ -297,10 +315,7 @@ class BlockGraphs:
         stream (a per-block tensor outside the store makes the block's key its own)."""
         if index not in self._structure:
             layer, record = self.layers[index], self.store.blocks[index]
-            modules = tuple((name, type(m).__qualname__, tuple(sorted(
-                (k, plain_key(v)) for k, v in vars(m).items()
-                if k not in ("layer_idx", "training") and plain_key(v) is not NOT_PLAIN)))
-                for name, m in self._modules_of(index))
+            modules = module_structure(self._modules_of(index))
             layout = tuple((e.name, e.kind, e.offset, e.dtype, e.shape, e.stride) for e in record.entries)
             streamed = {id(e.owner) for e in record.entries}
             outside = tuple(t.data_ptr() for _, m in self._modules_of(index)
@@ -418,7 +433,7 @@ class BlockGraphs:
                          carried: dict[int, CarriedAccess], autocast: Any = None) -> Graph:
         statics = [static_copy(leaf) for leaf in leaves]
         reads = own_mappings(statics, leaves, carried)
-        params = [p.detach().clone() for p in self._parameters(index)]
+        params = self.statics.for_block(self._parameters(index))  # the shared buffers, this block's values in
         writes: list[tuple[int, Any, Any, int, int]] = []
 
         def body(block: int) -> list:
@@ -442,7 +457,7 @@ class BlockGraphs:
         for position in grad_at:
             statics[position].requires_grad_(True)
         reads = own_mappings(statics, leaves, carried)  # requiring grad where the recompute's entries do
-        params = [p.detach().clone() for p in self._parameters(index)]
+        params = self.statics.for_block(self._parameters(index))  # the shared buffers, this block's values in
         static_grad = static_copy(grad_output)
         position_of = {access.kwarg: position for position, access in carried.items()}
         sent = [(position_of[name], key, [None if g is None else static_copy(g) for g in grads])

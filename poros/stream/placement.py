@@ -1,11 +1,14 @@
 """Where the parts of a streamed model live besides the block ring: which embedding tables may be
 looked up on the host (:func:`host_embedding_tables`), whether they are by default
 (:func:`embeddings_on_host`), where layer-major keeps its boundary states
-(:func:`check_boundary_states`), and what CUDA graphs hold beside the peak (:func:`graph_reserve_bytes`). The one home of these rules: ``prepare``, the planner's footprint,
+(:func:`check_boundary_states`), and what CUDA graphs hold beside the peak (:func:`graph_reserve_bytes`, their
+shared LoRA buffers :func:`shared_statics_bytes`). The one home of these rules: ``prepare``, the planner's footprint,
 the dry-run plan and ``poros plan`` ask here. Torch-free at import."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from poros.descriptor import ArchitectureDescriptor, resolve_path
@@ -57,15 +60,37 @@ def host_embedding_tables(model: Any, descriptor: ArchitectureDescriptor) -> lis
 
 
 def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
-    """Device memory ``cuda_graphs`` holds beside the allocated peak — an estimate, counted by the
-    planner like the CUDA context: the graphs' shared pool (one block's recompute-and-backward working
-    set; the forward's fits inside it) and, per graph (forward and backward for each slot, and block
-    0's backward, whose input needs no gradient), static inputs and outputs (the boundary states in and
-    out and the output gradient) and the block's LoRA values and gradients. ``footprint`` is a
+    """Device memory ``cuda_graphs`` holds beside the allocated peak — an estimate, priced from the
+    footprint's widths and counted by the planner like the CUDA context:
+
+    * the graphs' shared pool: one block's recompute-and-backward working set (the forward's fits inside it);
+    * the static LoRA buffers, one set every graph shares (``graph_capture.ParameterStatics``), once:
+      ``footprint.lora_statics_bytes`` (:func:`shared_statics_bytes`; 0, unknown: the average block's LoRA);
+    * per forward graph its static boundary states in and out; per backward graph the boundary state in,
+      the output gradient in, the hidden gradient out and the LoRA gradients it returns (static outputs of
+      its own, counted as large as the shared LoRA buffers).
+
+    The graphs: per phase one for each device slot and block structure (``footprint.block_structures``:
+    blocks of different modules or attributes key graphs apart), and one more backward, block 0's
+    (its input needs no gradient). Not counted: resident blocks' graphs (each keys its own) and graphs
+    of more argument shapes (batches padded to several lengths). ``footprint`` is a
     ``poros.plan.budget.Footprint``; activations per micro-batch."""
-    lora_per_block = footprint.lora_parameter_bytes // max(len(footprint.block_bytes), 1)
-    graphs = 2 * max(num_slots, 1) + 1
-    return footprint.recompute_bytes + graphs * (3 * footprint.boundary_bytes + 2 * lora_per_block)
+    lora = footprint.lora_statics_bytes or footprint.lora_parameter_bytes // max(len(footprint.block_bytes), 1)
+    keyed = max(num_slots, 1) * max(footprint.block_structures, 1)
+    forward, backward = keyed, keyed + 1
+    boundary = footprint.boundary_bytes
+    return footprint.recompute_bytes + lora + forward * 2 * boundary + backward * (3 * boundary + lora)
+
+
+def shared_statics_bytes(blocks: Iterable[Iterable[tuple[Hashable, int]]]) -> int:
+    """Bytes of the static LoRA buffers all CUDA graphs share, by ``graph_capture.ParameterStatics``' rule:
+    per tensor signature as many buffers as the block with the most tensors of that signature has. ``blocks``:
+    each block's trainable tensors as ``(signature, bytes)`` (shape, strides and dtype; one device)."""
+    most: Counter = Counter()
+    for tensors in blocks:
+        for entry, count in Counter(tensors).items():
+            most[entry] = max(most[entry], count)
+    return sum(size * count for (_, size), count in most.items())
 
 def warn_states_stay(boundary_states: str, kept_inputs: int) -> None:
     """Say once that a forward with grad outside a layer-major step keeps its block inputs on the device although
@@ -80,4 +105,4 @@ def warn_states_stay(boundary_states: str, kept_inputs: int) -> None:
 
 
 __all__ = ["warn_states_stay", "BOUNDARY_STATES", "check_boundary_states", "embeddings_on_host", "graph_reserve_bytes",
-           "host_embedding_tables"]
+           "host_embedding_tables", "shared_statics_bytes"]
