@@ -29,7 +29,7 @@ CHANGED = dict(
     max_grad_norm=None, seed=7, logging_steps=1, save_steps=25, save_total_limit=2, output_dir="runs/a",
     resume_from="auto", overwrite=True, device="cuda:1", num_slots=3, deterministic=False, require="bitwise",
     attn_implementation="eager", embeddings_on_host=False, vram_budget="7GiB", stream_schedule="micro-major",
-    optimizer_states="host", lora_placement="device", loss_chunks=4, mlp_chunks=4, recompute="none", dequantize_once=True, kernels="liger", cuda_graphs="auto",
+    optimizer_states="host", lora_placement="device", loss_chunks=4, mlp_chunks=4, recompute="none", dequantize_once=True, kernels="liger", cuda_graphs="auto", pause_gc=False,
     pad_to_multiple_of=64,
     host_tier="disk", host_budget="24GiB", read_ahead=4, cache_dir="/data/poros-cache", no_cache=True,
     boundary_every=8,
