@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from tools.bench.kernel_profile import breakdown, busy_ms, category
+from tools.bench.kernel_profile import breakdown, busy_ms, category, gaps
 from tools.bench.sweep import strip
 from tools.bench.throughput import add_machine_numbers, block_linear_parameters, flops_per_token
 
@@ -52,6 +52,11 @@ def test_kernel_categories_and_idle():
     assert busy_ms([(0, 2), (1, 3), (5, 6)]) == 4
     result = breakdown([("ampere_sgemm", 0.0, 1.0), ("nvjet", 1.0, 3.0), ("Memcpy HtoD", 5.0, 6.0)])
     assert result["idle_ms"] == 2 and result["category_ms"]["gemm"] == 2
+    # the idle intervals: one of 2 ms between nvjet and the copy, one of 0.05 ms, none inside the overlap
+    found = gaps([("a", 0.0, 1.0), ("b", 0.5, 3.0), ("c", 5.0, 6.0), ("d", 6.05, 7.0), ("e", 6.5, 6.6)])
+    assert [(g["ms"], g["after"], g["before"]) for g in found["largest"]] == [(2.0, "b", "c"), (0.05, "c", "d")]
+    assert found["largest"][0]["offset_ms"] == 3.0
+    assert [(b["count"], b["ms"]) for b in found["by_length"]] == [(0, 0), (1, 0.05), (0, 0), (1, 2.0), (0, 0)]
 
 
 def test_the_sweep_drops_the_flags_it_sets():

@@ -7,7 +7,8 @@ attention kernels (flash / memory-efficient / cuDNN SDPA); fp32 GEMMs (``sgemm``
 fp32 LoRA matmuls run there, the bf16 base's GEMMs do not) as LoRA; every other GEMM (cuBLAS/CUTLASS/nvjet);
 AdamW's fused and foreach kernels (and gradient clipping's) as optimizer; host-to-device copies (Poros' block
 fetches, on their own stream, under the compute) as h2d; other copies (memcpy, memset, dtype casts, ``copy_``);
-the rest elementwise/norm. ``idle`` is the step's span less the union of every kernel and copy interval.
+the rest elementwise/norm. ``idle`` is the step's span less the union of every kernel and copy interval; ``gaps``
+splits it by the length of each idle interval and names the longest ones' neighbouring kernels.
 """
 
 from __future__ import annotations
@@ -43,6 +44,36 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+#: idle gaps by length, upper bounds in ms: many short gaps are a host that launches kernels one by one just
+#: behind the GPU; a few long ones are the host stopped (a sync, a garbage-collector pass, Python work between calls)
+GAP_BOUNDS_MS = (0.01, 0.1, 1.0, 10.0, float("inf"))
+
+
+def gaps(events: list[tuple[str, float, float]], largest: int = 10) -> dict[str, Any]:
+    """The step's idle intervals (no kernel or copy on any stream): counted and summed by length
+    (:data:`GAP_BOUNDS_MS`), and the ``largest`` of them with their offset in the step and the kernels on either
+    side (what the GPU finished before it waited, and what the host queued next)."""
+    ordered = sorted(events, key=lambda event: event[1])
+    begin = ordered[0][1]
+    found: list[tuple[float, float, str, str]] = []  # (length, offset, before, after)
+    end, last = ordered[0][2], ordered[0][0]
+    for name, start, stop in ordered[1:]:
+        if start > end:
+            found.append((start - end, end - begin, last, name))
+        if stop > end:
+            end, last = stop, name
+    buckets = []
+    low = 0.0
+    for high in GAP_BOUNDS_MS:
+        inside = [length for length, *_ in found if low < length <= high]
+        buckets.append({"up_to_ms": None if high == float("inf") else high, "count": len(inside),
+                        "ms": round(sum(inside), 3)})
+        low = high
+    return {"by_length": buckets,
+            "largest": [{"offset_ms": round(offset, 3), "ms": round(length, 3), "after": before[:80], "before": after[:80]}
+                        for length, offset, before, after in sorted(found, reverse=True)[:largest]]}
+
+
 def category(kernel: str) -> str:
     return next(name for name, pattern in _COMPILED if pattern.search(kernel))
 
@@ -64,7 +95,7 @@ def breakdown(events: list[tuple[str, float, float]]) -> dict[str, Any]:
     begin, finish = min(s for _, s, _ in events), max(e for _, _, e in events)
     busy = busy_ms([(s, e) for _, s, e in events])
     return {"span_ms": round(finish - begin, 3), "busy_ms": round(busy, 3), "idle_ms": round(finish - begin - busy, 3),
-            "category_ms": {k: round(v, 3) for k, v in by.items()}, "category_calls": calls,
+            "category_ms": {k: round(v, 3) for k, v in by.items()}, "category_calls": calls, "gaps": gaps(events),
             "top_kernels": [{"name": n[:100], "category": k, "calls": c, "ms": round(ms, 3)}
                             for n, (k, c, ms) in sorted(top.items(), key=lambda kv: -kv[1][2])[:25]]}
 
@@ -96,4 +127,4 @@ class KernelProfile(TrainerCallback):
         self._profiler = None
 
 
-__all__ = ["CATEGORIES", "KernelProfile", "breakdown", "busy_ms", "category"]
+__all__ = ["CATEGORIES", "GAP_BOUNDS_MS", "KernelProfile", "breakdown", "busy_ms", "category", "gaps"]
