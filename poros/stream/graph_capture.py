@@ -1,12 +1,12 @@
 """What a captured block phase holds (``graphs.py``): its static buffers (:class:`Graph`: the arguments,
 the LoRA values, the outputs, the further inputs; :meth:`Graph.load` copies a running block's values in,
 :meth:`Graph.write_back` puts what it wrote into the live carried mappings), and the pieces a capture is
-built from: static copies (:func:`static_copy`), the static LoRA buffers every graph shares
-(:class:`ParameterStatics`; why sharing them is sound: ``graphs.py``'s docstring), the trainable parameters
-pointed at their static buffers while the graph records (:func:`pointed_at`), a carried mapping of the
-capture's own
-(:func:`own_mappings`, :func:`read_tensors`, :func:`written_entries`), and gradients laid out as
-autograd's accumulator lays them out (:func:`as_grad_of`).
+built from: static copies (:func:`static_copy`), the static LoRA buffers and LoRA gradient buffers every
+graph shares (:class:`ParameterStatics`, autograd's gradients copied into the latter: :func:`copied_into`; why
+sharing them is sound: ``graphs.py``'s docstring), the trainable parameters pointed at their static buffers
+while the graph records (:func:`pointed_at`), a carried mapping of the capture's own (:func:`own_mappings`,
+:func:`read_tensors`, :func:`written_entries`), and gradients laid out as autograd's accumulator lays them
+out (:func:`as_grad_of`).
 """
 
 from __future__ import annotations
@@ -78,6 +78,10 @@ class ParameterStatics:
     signature's k-th buffer, made on first need. Two parameters of one block never share a buffer; blocks of
     different structures share every buffer their signatures have in common. What it holds at most is the
     block with the most parameters of each signature, not a copy per graph.
+
+    :attr:`BlockGraphs.statics` holds the values the graphs read (:meth:`for_block`),
+    :attr:`BlockGraphs.gradients` the LoRA gradients every backward graph returns (:meth:`buffers_of`; a
+    capture copies autograd's gradients into them: :func:`copied_into`).
     """
 
     def __init__(self) -> None:
@@ -87,8 +91,8 @@ class ParameterStatics:
     def signature(parameter: torch.Tensor) -> tuple:
         return tuple(parameter.shape), parameter.stride(), parameter.dtype, parameter.device
 
-    def for_block(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The buffers of ``parameters`` (a block's, in order), holding their values now."""
+    def buffers_of(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers of ``parameters`` (a block's, in order), values as they are."""
         seen: Counter = Counter()
         buffers = []
         for parameter in parameters:
@@ -99,6 +103,11 @@ class ParameterStatics:
                                                 device=parameter.device))
             buffers.append(held[seen[key]])
             seen[key] += 1
+        return buffers
+
+    def for_block(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers of ``parameters`` (a block's, in order), holding their values now."""
+        buffers = self.buffers_of(parameters)
         if buffers:
             with torch.no_grad():
                 torch._foreach_copy_(buffers, [p.detach() for p in parameters])
@@ -177,6 +186,20 @@ def as_grad_of(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor | 
     return grad.clone(memory_format=torch.contiguous_format)
 
 
+def copied_into(grads: list[torch.Tensor | None], buffers: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Each gradient copied into its (shared, static) buffer, which stands in for it; None stays None. Inside a
+    capture the copies are kernels of the graph, and autograd's own gradients its temporaries."""
+    shared = []
+    with torch.no_grad():
+        for grad, buffer in zip(grads, buffers, strict=True):
+            if grad is not None and (grad.shape != buffer.shape or grad.dtype != buffer.dtype):
+                raise StreamingError(f"a LoRA gradient of shape {tuple(grad.shape)} and {grad.dtype} does not "
+                                     f"fit its parameter's {tuple(buffer.shape)} and {buffer.dtype}; the block "
+                                     "runs eagerly")
+            shared.append(None if grad is None else buffer.copy_(grad))
+    return shared
+
+
 def static_copy(leaf: Any) -> Any:
     """A buffer of ``leaf``'s shape, strides and dtype holding its values (plain values as they are)."""
     if not isinstance(leaf, torch.Tensor):
@@ -202,5 +225,5 @@ def pointed_at(parameters: list[nn.Parameter], statics: list[torch.Tensor]):
             parameter.data = original
 
 
-__all__ = ["Graph", "ParameterStatics", "as_grad_of", "clone", "numbered", "own_mappings", "pointed_at", "read_tensors",
-           "static_copy", "written_entries"]
+__all__ = ["Graph", "ParameterStatics", "as_grad_of", "clone", "copied_into", "numbered", "own_mappings",
+           "pointed_at", "read_tensors", "static_copy", "written_entries"]

@@ -10,7 +10,7 @@ cost of queueing ~500 kernels per block disappears.
     eager, first time a key is seen ─▶ capture on a side stream (one shared memory pool)
     every later time:  copy the block's arguments and LoRA tensors into the static buffers
                        (the LoRA's one set for all graphs) ─▶ replay on the compute stream
-                       ─▶ clone the outputs
+                       ─▶ clone the outputs (the LoRA gradients: one set for all backward graphs)
 
 * **Keys.** ``forward`` / ``backward`` × where the block's frozen bytes are bound (its device slot,
   or its own buffer when resident) × the block's structure (module types and plain attributes —
@@ -40,15 +40,31 @@ cost of queueing ~500 kernels per block disappears.
   stream, per replay in this order — the copy of the running block's values in (:meth:`Graph.load`),
   the replay that reads them, the reads of its outputs (cloned, or added into ``.grad``) — and the
   next replay's copy in is queued after all of it, so no copy overwrites values a replay has yet to
-  read. No graph writes them (its outputs, gradients included, are allocated in the graphs' pool
-  while it records; the shared buffers outside the pool, before any capture uses them), and none
-  reads them outside its replay: a capture fills them with its block's values first, and its eager
-  warm-up on the side stream waits for that copy while the compute stream waits for the warm-up.
-  Two parameters of one block never share a buffer (a block's values must all be there at once).
-  Micro-major's replays (:data:`MICRO_MAJOR_SWITCH`) run inside the autograd engine on the stream
-  their forward ran on, the compute stream, one at a time. Backward returns the gradients from
-  static buffers of its own graph; the executor's accumulation (``p.grad`` set, then ``add_``) is
-  the one autograd's accumulator does, queued right after the replay.
+  read. No graph writes them (its outputs are allocated in the graphs' pool while it records, or
+  are the shared gradient buffers below; the shared buffers are made outside the pool, before any
+  capture uses them), and none reads them outside its replay: a capture fills them with its block's
+  values first, and its eager warm-up on the side stream waits for that copy while the compute
+  stream waits for the warm-up. Two parameters of one block never share a buffer (a block's values
+  must all be there at once). Micro-major's replays (:data:`MICRO_MAJOR_SWITCH`) run inside the
+  autograd engine on the stream their forward ran on, the compute stream, one at a time.
+* **LoRA gradients** are shared the same way: a second set (:attr:`BlockGraphs.gradients`, the same
+  rule by signature and occurrence). Inside the capture, a backward graph copies autograd's gradient
+  of each LoRA tensor into that tensor's shared gradient buffer (one copy kernel per tensor, recorded
+  with the rest; :func:`~poros.stream.graph_capture.copied_into`) and returns the buffer; autograd's
+  own gradients are temporaries of the capture, freed at its end, so later captures reuse their
+  bytes in the pool (each backward graph held a gradient copy of its own before). A copy changes no
+  value; an unused tensor's gradient stays None. Why that is sound: a replay writes the buffers, and
+  :meth:`BlockGraphs.backward` reads them on the same compute stream right after it, before it
+  returns, into tensors of the run's own — layer-major's first micro-batch into a new ``.grad``
+  (``empty_like(p).copy_``, never the buffer itself), later ones added into it (``add_``),
+  micro-major's cloned before the autograd engine accumulates them — so no ``.grad`` and no returned
+  gradient is a shared buffer, and the next replay (the next block's, or the next micro-batch's) is
+  queued after every read. No graph reads the buffers, and the autocast warm-up's eager run, which
+  writes them on the side stream, waits for the compute stream's reads and is waited for before the
+  next replay. The hidden-state, argument and carried-entry gradients stay each graph's own outputs
+  (boundary-sized; copied out the same way, by :func:`~poros.stream.graph_capture.as_grad_of`).
+  Checked on the CPU (tests/test_cuda_graphs.py's stand-in that reruns the captured bodies); the
+  H200's graphs gate has yet to run it.
 * **The copy stream stays outside**: the store's events order the replay after the block's copy,
   exactly as they order eager compute.
 * **Layer-major only**: graphs replay the phases :meth:`StreamingExecutor.forward_backward` drives
@@ -100,8 +116,8 @@ from torch import nn
 
 from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.dropout import dropout_p
-from poros.stream.graph_capture import (Graph, ParameterStatics, as_grad_of, clone, numbered, own_mappings, pointed_at,
-                                        read_tensors, static_copy, written_entries)
+from poros.stream.graph_capture import (Graph, ParameterStatics, as_grad_of, clone, copied_into, numbered, own_mappings,
+                                        pointed_at, read_tensors, static_copy, written_entries)
 from poros.stream.graph_keys import (PLAIN, autocast_on, carried_reason, carried_signature, global_hooks,
                                      hashable_autocast, module_structure, non_overlapping, signature)
 from poros.stream.options import check_cuda_graphs as check  # the setting's one check, as graphs.check
@@ -158,6 +174,7 @@ class BlockGraphs:
         self.store, self.layers, self.unsafe, self.warmup, self.max_graphs = store, layers, unsafe, warmup, max_graphs
         self.pool = None  # the graphs' one memory pool, made at the first capture
         self.statics = ParameterStatics()  # the static LoRA buffers, one set every graph reads (module docstring)
+        self.gradients = ParameterStatics()  # the LoRA gradients, one set every backward graph returns
         self.graphs: dict[tuple, Graph | None] = {}
         self.seen: Counter = Counter()
         self.report = GraphReport()
@@ -245,15 +262,15 @@ class BlockGraphs:
         inputs = [as_grad_of(g, leaves[p]) for g, p in zip(outputs[1:1 + len(grad_at)], grad_at)]
         read_outputs = iter(outputs[1 + len(grad_at):])
         read_grads = {id(t): as_grad_of(next(read_outputs), t) for t in reads if t.requires_grad}
-        grads = outputs[1 + len(grad_at) + len(read_grads):]
+        grads = outputs[1 + len(grad_at) + len(read_grads):]  # the shared gradient buffers: read before returning
         if not accumulate:
             return hidden_grad, inputs, [clone(g) for g in grads], read_grads
         with torch.no_grad():
             for parameter, grad in zip(parameters, grads):
                 if grad is None:
                     continue
-                if parameter.grad is None:  # autograd's accumulator: take the first, add in place after
-                    parameter.grad = torch.empty_like(parameter).copy_(grad)
+                if parameter.grad is None:  # autograd's accumulator: take the first (a copy: never the
+                    parameter.grad = torch.empty_like(parameter).copy_(grad)  # shared buffer), add after
                 else:
                     parameter.grad.add_(grad)
         return hidden_grad, inputs, [], read_grads
@@ -458,6 +475,7 @@ class BlockGraphs:
             statics[position].requires_grad_(True)
         reads = own_mappings(statics, leaves, carried)  # requiring grad where the recompute's entries do
         params = self.statics.for_block(self._parameters(index))  # the shared buffers, this block's values in
+        shared_grads = self.gradients.buffers_of(self._parameters(index))  # made outside the pool, before it records
         static_grad = static_copy(grad_output)
         position_of = {access.kwarg: position for position, access in carried.items()}
         sent = [(position_of[name], key, [None if g is None else static_copy(g) for g in grads])
@@ -476,6 +494,9 @@ class BlockGraphs:
                 with outside_autocast(self.store.device):  # as the eager layer-major backward
                     grads = list(torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live],
                                                      allow_unused=True))
+            # the LoRA gradients returned from the shared buffers; autograd's are the capture's temporaries
+            first = len(grads) - len(parameters)
+            grads[first:] = copied_into(grads[first:], shared_grads)
             if not hidden_needs_grad:
                 grads.insert(0, None)
             return grads
