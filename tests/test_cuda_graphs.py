@@ -164,7 +164,8 @@ def test_the_report_counts_what_ran_eagerly():
 def test_the_planner_counts_the_graphs_memory(checkpoints):
     """prepare(vram_budget=..., cuda_graphs=True) plans with the graphs' pool and static buffers held
     beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes): per slot and block
-    structure a forward and a backward graph, and the static LoRA buffers once (all graphs share them)."""
+    structure a forward and a backward graph, and the static LoRA buffers and LoRA gradient buffers once each (all
+    graphs share them), with autograd's gradients of one block in the pool (each backward capture's temporaries)."""
     from poros.plan.footprint import footprint_of_model, plan_for_model
     from poros.stream.placement import graph_reserve_bytes
     from poros.plan.budget import Workload
@@ -190,12 +191,16 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     assert footprint.lora_statics_bytes < footprint.lora_parameter_bytes
     boundary, lora = footprint.boundary_bytes, footprint.lora_statics_bytes
     # one more block structure: per slot a forward graph (hidden in, out) and a backward graph (hidden and
-    # output gradient in, hidden gradient and LoRA gradients out) more, and no more static LoRA buffers
+    # output gradient in, hidden gradient out) more, and no more LoRA or LoRA gradient buffers (shared)
     two = dataclasses.replace(footprint, block_structures=2)
-    assert graph_reserve_bytes(two, 2) - reserve == 2 * (2 * boundary + 3 * boundary + lora)
-    # the static LoRA buffers once, plus each backward graph's LoRA gradients (2 slots, and block 0's)
+    assert graph_reserve_bytes(two, 2) - reserve == 2 * (2 * boundary + 3 * boundary)
+    # the LoRA buffers, the LoRA gradient buffers and autograd's gradients in the pool: each once, not per graph
     more = dataclasses.replace(footprint, lora_statics_bytes=lora + 1024)
-    assert graph_reserve_bytes(more, 2) - reserve == (1 + 2 + 1) * 1024
+    assert graph_reserve_bytes(more, 2) - reserve == 3 * 1024
+    wide = dataclasses.replace(footprint, block_structures=3)  # 4 slots x 3 structures: 13 backward graphs
+    assert graph_reserve_bytes(dataclasses.replace(wide, lora_statics_bytes=lora + 1024), 4) \
+        - graph_reserve_bytes(wide, 4) == 3 * 1024
+    assert reserve == footprint.recompute_bytes + 3 * lora + 2 * 2 * boundary + 3 * 3 * boundary
 
 
 @pytest.mark.parametrize(("name", "structures"), [("qwen3", 1), ("gemma3", 2), ("qwen3_5", 2), ("gemma4-moe", 3)])

@@ -2,8 +2,8 @@
 looked up on the host (:func:`host_embedding_tables`), whether they are by default
 (:func:`embeddings_on_host`), where layer-major keeps its boundary states
 (:func:`check_boundary_states`), and what CUDA graphs hold beside the peak (:func:`graph_reserve_bytes`, their
-shared LoRA buffers :func:`shared_statics_bytes`). The one home of these rules: ``prepare``, the planner's footprint,
-the dry-run plan and ``poros plan`` ask here. Torch-free at import."""
+shared LoRA and LoRA gradient buffers :func:`shared_statics_bytes`). The one home of these rules: ``prepare``, the
+planner's footprint, the dry-run plan and ``poros plan`` ask here. Torch-free at import."""
 
 from __future__ import annotations
 
@@ -63,12 +63,14 @@ def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
     """Device memory ``cuda_graphs`` holds beside the allocated peak — an estimate, priced from the
     footprint's widths and counted by the planner like the CUDA context:
 
-    * the graphs' shared pool: one block's recompute-and-backward working set (the forward's fits inside it);
+    * the graphs' shared pool: one block's recompute-and-backward working set (the forward's fits inside it)
+      and that block's LoRA gradients as autograd makes them (temporaries of each backward capture, copied
+      into the shared gradient buffers and freed at its end: every capture reuses the same bytes);
     * the static LoRA buffers, one set every graph shares (``graph_capture.ParameterStatics``), once:
       ``footprint.lora_statics_bytes`` (:func:`shared_statics_bytes`; 0, unknown: the average block's LoRA);
+      and the LoRA gradient buffers every backward graph returns, one shared set by the same rule, as large;
     * per forward graph its static boundary states in and out; per backward graph the boundary state in,
-      the output gradient in, the hidden gradient out and the LoRA gradients it returns (static outputs of
-      its own, counted as large as the shared LoRA buffers).
+      the output gradient in and the hidden gradient out.
 
     The graphs: per phase one for each device slot and block structure (``footprint.block_structures``:
     blocks of different modules or attributes key graphs apart), and one more backward, block 0's
@@ -79,7 +81,7 @@ def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
     keyed = max(num_slots, 1) * max(footprint.block_structures, 1)
     forward, backward = keyed, keyed + 1
     boundary = footprint.boundary_bytes
-    return footprint.recompute_bytes + lora + forward * 2 * boundary + backward * (3 * boundary + lora)
+    return footprint.recompute_bytes + 3 * lora + forward * 2 * boundary + backward * 3 * boundary
 
 
 def shared_statics_bytes(blocks: Iterable[Iterable[tuple[Hashable, int]]]) -> int:
