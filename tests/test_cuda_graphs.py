@@ -259,6 +259,82 @@ def test_every_graph_reads_one_shared_set_of_static_lora_buffers(tmp_path):
                          device="cpu")
     assert block_graphs.statics.nbytes == footprint.lora_statics_bytes == plan_run(config).lora_statics_bytes
     assert footprint.block_structures == 2
+    # the LoRA gradients every backward graph returns (its last outputs, one per LoRA tensor): buffers of the one
+    # BlockGraphs.gradients, none twice in a graph, shared across slots and structures, none a LoRA value buffer
+    gradients = {id(b) for held in block_graphs.gradients.buffers.values() for b in held}
+    backward = [graph for key, graph in captured.items() if key[0] == "backward"]
+    returned = [[id(t) for t in graph.outputs[len(graph.outputs) - len(graph.params):]] for graph in backward]
+    assert len(backward) >= 2 and all(set(ids) <= gradients and len(set(ids)) == len(ids) for ids in returned)
+    assert {i for ids in returned for i in ids} == gradients and not gradients & shared.keys()
+    assert len(gradients) < sum(len(ids) for ids in returned)
+    assert block_graphs.gradients.nbytes == block_graphs.statics.nbytes  # the planner counts them as large
+
+
+class _GradsAfterBackward:
+    """Mixed into the CPU recorder: each block's ``.grad`` (a copy) right after its backward phase."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, warmup=0, **kwargs)  # every phase captured at its first call, replayed after
+        self.after: dict[int, list] = {}
+
+    def backward(self, index, *args, **kwargs):
+        result = super().backward(index, *args, **kwargs)
+        self.after[index] = [None if p.grad is None else p.grad.clone() for p in self._parameters(index)]
+        return result
+
+
+def test_no_grad_is_a_shared_gradient_buffer_that_later_replays_overwrite(checkpoints):
+    """Every backward graph returns its LoRA gradients in the one shared set of buffers (BlockGraphs.gradients):
+    the next block's replay overwrites them, so a ``.grad`` must be a copy. With the CPU recorder (it reruns the
+    captured body at each replay, writing the shared buffers as a replay would), layer-major, 2 micro-batches:
+    each block's ``.grad`` right after its own backward replays is what it is at the end of the step, after every
+    lower block's replays wrote the same buffers, and no ``.grad`` shares memory with a buffer."""
+    from test_gemma4_graphs import ReplayedOnCPU
+    from test_layer_major import with_item_counts
+    from test_parity import make_batch
+
+    class Recorded(_GradsAfterBackward, ReplayedOnCPU):
+        pass
+
+    streamed = prepared(checkpoints["qwen3"])
+    block_graphs = streamed.executor.graphs = Recorded(streamed.store, streamed.executor.layers)
+    streamed.forward_backward(with_item_counts([make_batch(m, 2, 12, "none") for m in range(2)]))
+    report = block_graphs.report
+    assert report.failures == [] and not report.eager and report.replays == 2 * 2 * len(streamed.executor.layers)
+    after = block_graphs.after
+    assert len(after) == len(streamed.executor.layers) >= 2
+    assert not all(torch.equal(a, b) for a, b in zip(after[0], after[1]))  # the blocks' gradients differ
+    buffers = {b.untyped_storage().data_ptr() for held in block_graphs.gradients.buffers.values() for b in held}
+    for index, grads in after.items():
+        parameters = block_graphs._parameters(index)
+        assert all(torch.equal(p.grad, g) for p, g in zip(parameters, grads, strict=True)), index
+        assert not {p.grad.untyped_storage().data_ptr() for p in parameters} & buffers
+
+
+def test_micro_major_replays_hand_the_engine_copies_of_the_shared_gradients(checkpoints, monkeypatch):
+    """Micro-major's replays (POROS_CUDA_GRAPHS_MICRO_MAJOR=1) return the LoRA gradients to the autograd
+    engine, which accumulates them after the block's node returns, past later blocks' replays: they are clones
+    of the shared buffers. With the CPU recorder, ``loss.backward()``: every ``.grad`` is the eager streamed
+    run's, bitwise, and none shares memory with a buffer."""
+    from test_gemma4_graphs import ReplayedOnCPU
+    from test_parity import make_batch
+
+    monkeypatch.setenv(graphs.MICRO_MAJOR_SWITCH, "1")
+    batch = make_batch(3, 2, 12, "none")
+    eager = prepared(checkpoints["qwen3"])
+    eager(**batch).loss.backward()
+    streamed = prepared(checkpoints["qwen3"])
+    block_graphs = streamed.executor.graphs = ReplayedOnCPU(streamed.store, streamed.executor.layers, warmup=0)
+    streamed(**batch).loss.backward()
+    layers, report = len(streamed.executor.layers), block_graphs.report
+    # every backward phase replayed; the forwards, which record the parameters' use order with hooks, ran eagerly
+    assert {key[0] for key, graph in block_graphs.graphs.items() if graph is not None} == {"backward"}
+    assert report.failures == [] and report.replays == layers and dict(report.eager) == {"module hooks": layers}
+    buffers = {b.untyped_storage().data_ptr() for held in block_graphs.gradients.buffers.values() for b in held}
+    assert buffers
+    for (name, p), q in zip(streamed.named_parameters(), eager.parameters(), strict=True):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad) and p.grad.untyped_storage().data_ptr() not in buffers, name
 
 
 def test_the_static_lora_buffers_are_found_by_signature_and_occurrence():
