@@ -29,42 +29,31 @@ cost of queueing ~500 kernels per block disappears.
   steps``), matching a resident run in the same region. With the switch at ``0``, blocks under autocast
   with the cache on run eagerly (``autocast cache``). Captures hold on the H200 when the step runs off
   the legacy default stream (poros.stream.compute_stream; docs/results-h200-log.md, the eighth session).
-* **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the
-  capture points the block's trainable parameters at static buffers (``.data``), each replay
-  copies the running block's values in. Those buffers are **one set shared by every graph**
-  (:class:`~poros.stream.graph_capture.ParameterStatics`, :attr:`BlockGraphs.statics`): the k-th
-  parameter of a given (shape, strides, dtype, device) in a block reads that signature's k-th buffer,
-  in every graph of every block structure, so they hold the largest block's LoRA (per signature)
-  once, not a copy per graph (an MoE block's expert LoRA is large, and a family of two layer kinds
-  keys twice the graphs). Why that is sound: every use of the buffers is queued on the one compute
-  stream, per replay in this order — the copy of the running block's values in (:meth:`Graph.load`),
-  the replay that reads them, the reads of its outputs (cloned, or added into ``.grad``) — and the
-  next replay's copy in is queued after all of it, so no copy overwrites values a replay has yet to
-  read. No graph writes them (its outputs are allocated in the graphs' pool while it records, or
-  are the shared gradient buffers below; the shared buffers are made outside the pool, before any
-  capture uses them), and none reads them outside its replay: a capture fills them with its block's
-  values first, and its eager warm-up on the side stream waits for that copy while the compute
-  stream waits for the warm-up. Two parameters of one block never share a buffer (a block's values
-  must all be there at once). Micro-major's replays (:data:`MICRO_MAJOR_SWITCH`) run inside the
-  autograd engine on the stream their forward ran on, the compute stream, one at a time.
-* **LoRA gradients** are shared the same way: a second set (:attr:`BlockGraphs.gradients`, the same
-  rule by signature and occurrence). Inside the capture, a backward graph copies autograd's gradient
-  of each LoRA tensor into that tensor's shared gradient buffer (one copy kernel per tensor, recorded
-  with the rest; :func:`~poros.stream.graph_capture.copied_into`) and returns the buffer; autograd's
-  own gradients are temporaries of the capture, freed at its end, so later captures reuse their
-  bytes in the pool (each backward graph held a gradient copy of its own before). A copy changes no
-  value; an unused tensor's gradient stays None. Why that is sound: a replay writes the buffers, and
-  :meth:`BlockGraphs.backward` reads them on the same compute stream right after it, before it
-  returns, into tensors of the run's own — layer-major's first micro-batch into a new ``.grad``
-  (``empty_like(p).copy_``, never the buffer itself), later ones added into it (``add_``),
-  micro-major's cloned before the autograd engine accumulates them — so no ``.grad`` and no returned
-  gradient is a shared buffer, and the next replay (the next block's, or the next micro-batch's) is
-  queued after every read. No graph reads the buffers, and the autocast warm-up's eager run, which
-  writes them on the side stream, waits for the compute stream's reads and is waited for before the
-  next replay. The hidden-state, argument and carried-entry gradients stay each graph's own outputs
-  (boundary-sized; copied out the same way, by :func:`~poros.stream.graph_capture.as_grad_of`).
-  Checked on the CPU (tests/test_cuda_graphs.py's stand-in that reruns the captured bodies); the
-  H200's graphs gate has yet to run it.
+* **LoRA tensors** are the one per-block state the graph reads that does not live in the slot: the capture
+  points the block's trainable parameters at static buffers (``.data``), each replay copies the running
+  block's values in. Those buffers are **one set shared by every graph**
+  (:class:`~poros.stream.graph_capture.ParameterStatics`, :attr:`BlockGraphs.statics`): the k-th parameter of
+  a given (shape, strides, dtype, device) in a block reads that signature's k-th buffer, in every graph of
+  every block structure, so they hold the largest block's LoRA (per signature) once, not a copy per graph (an
+  MoE block's expert LoRA is large; two layer kinds key twice the graphs). Why that is sound: every use of the
+  buffers is queued on the one compute stream, per replay in this order — the copy of the running block's
+  values in (:meth:`Graph.load`), the replay that reads them, the reads of its outputs (cloned, or added into
+  ``.grad``) — and the next replay's copy in is queued after all of it, so no copy overwrites values a replay
+  has yet to read. No graph writes them (the shared buffers are made outside the pool, before any capture),
+  and none reads them outside its replay: a capture fills them with its block's values first, and its eager
+  warm-up on the side stream waits for that copy while the compute stream waits for the warm-up. Two
+  parameters of one block never share a buffer (a block's values must all be there at once). Micro-major's
+  replays (:data:`MICRO_MAJOR_SWITCH`) run in the autograd engine on the compute stream, one at a time.
+* **LoRA gradients** are shared the same way (:attr:`BlockGraphs.gradients`, a second set by the same rule):
+  inside the capture a backward graph copies autograd's gradient of each LoRA tensor into its shared buffer (a
+  copy kernel per tensor: same bits; an unused tensor's stays None) and returns the buffer, so autograd's own
+  are the capture's temporaries, their pool bytes reused by later captures. Sound because
+  :meth:`BlockGraphs.backward` reads the buffers on the compute stream right after the replay, before it
+  returns, into tensors of the run's own — a new ``.grad`` (``empty_like(p).copy_``) or an ``add_`` into it in
+  layer-major, clones for the autograd engine in micro-major — so no ``.grad`` or returned gradient is a
+  buffer, and the next replay is queued after every read; no graph reads them, and the autocast warm-up that
+  writes them waits for the compute stream and is waited for. Hidden, argument and carried-entry gradients
+  stay each graph's own (boundary-sized). Checked on the CPU only.
 * **The copy stream stays outside**: the store's events order the replay after the block's copy,
   exactly as they order eager compute.
 * **Layer-major only**: graphs replay the phases :meth:`StreamingExecutor.forward_backward` drives
@@ -79,20 +68,18 @@ cost of queueing ~500 kernels per block disappears.
   each replay. In backward the read entries' gradients are outputs and the gradients later readers sent
   to a written entry are inputs; the executor sums them as in eager mode. A block that neither reads nor
   writes gets an empty mapping. A capture whose block touches an entry it was not declared to fails.
-* **Fallback, per call, named**: a carried mapping the descriptor does not describe, or an entry a
-  block reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry),
-  an active dropout (its RNG draws; ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on
-  the trainable parameters,
-  autocast with its cast cache on (:data:`AUTOCAST_SWITCH` ``0``, or in a region that outlived a
-  step: see above), Python hooks on
-  the block's modules (a replay runs no Python), arguments that are not tensors or plain values, or
-  whose elements overlap (an expanded view: a static copy cannot hold it), and a family's
-  ``graph_unsafe`` features (e.g. MoE routing through transformers' eager experts loop, which syncs
-  with the host; its ``grouped_mm`` is captured) run eagerly; a capture that fails
-  (a host sync inside third-party code) marks its key eager for the run. Past :data:`MAX_GRAPHS`
-  keys (batches padded to many lengths: each length is new keys), new keys run eagerly — pad to a
-  few lengths (``pad_to_multiple_of``) to replay them. :attr:`BlockGraphs.report` counts replays,
-  captures and every eager run by reason (``poros doctor`` / the run summary).
+* **Fallback, per call, named**: a carried mapping the descriptor does not describe, or an entry a block
+  reads that no earlier block wrote (``carried state: ...``, naming the layer and the entry), an active
+  dropout (its RNG draws; ``nn.Dropout`` or an attention's ``attention_dropout``), hooks on the
+  trainable parameters, autocast with its cast cache on (:data:`AUTOCAST_SWITCH` ``0``, or in a region
+  that outlived a step: see above), Python hooks on the block's modules (a replay runs no Python),
+  arguments that are not tensors or plain values, or whose elements overlap (an expanded view: a static
+  copy cannot hold it), and a family's ``graph_unsafe`` features (e.g. MoE routing through transformers'
+  eager experts loop, which syncs with the host; its ``grouped_mm`` is captured) run eagerly; a capture
+  that fails (a host sync inside third-party code) marks its key eager for the run. Past
+  :data:`MAX_GRAPHS` keys (batches padded to many lengths: each length is new keys), new keys run
+  eagerly — pad to a few lengths (``pad_to_multiple_of``) to replay them. :attr:`BlockGraphs.report`
+  counts replays, captures and every eager run by reason (``poros doctor`` / the run summary).
 
 CUDA only: ``poros.plan.entry.cuda_graphs_on`` says whether ``cuda_graphs`` applies to a device (the
 one rule of ``"auto"``); on CPU the executor has no ``BlockGraphs`` and runs as before.
@@ -494,8 +481,7 @@ class BlockGraphs:
                 with outside_autocast(self.store.device):  # as the eager layer-major backward
                     grads = list(torch.autograd.grad([r for r, _ in live], targets, [g for _, g in live],
                                                      allow_unused=True))
-            # the LoRA gradients returned from the shared buffers; autograd's are the capture's temporaries
-            first = len(grads) - len(parameters)
+            first = len(grads) - len(parameters)  # the LoRA gradients, returned in the shared buffers
             grads[first:] = copied_into(grads[first:], shared_grads)
             if not hidden_needs_grad:
                 grads.insert(0, None)
