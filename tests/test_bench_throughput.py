@@ -62,3 +62,18 @@ def test_kernel_categories_and_idle():
 def test_the_sweep_drops_the_flags_it_sets():
     assert strip(["--model", "x", "--seq", "512", "--grad-accum=4", "--json", "a.json", "--cuda-graphs"],
                  ("--seq", "--grad-accum", "--json")) == ["--model", "x", "--cuda-graphs"]
+
+
+def test_the_step_clock_counts_the_allocator_per_timed_step():
+    """``StepClock.allocator``: the caching allocator's counters from the last warm-up step's end to the last step's,
+    per timed step (cudaMalloc / cudaFree / retries in the loop stall the host); None without CUDA counters."""
+    from tools.bench.trainer_common import ALLOCATOR_COUNTERS, StepClock
+
+    clock = StepClock("cpu")
+    assert clock.allocator(warmup=1) is None
+    counts = [{key: 0 for key in ALLOCATOR_COUNTERS} for _ in range(4)]  # the start, then three steps
+    counts[2]["num_alloc_retries"], counts[3]["num_alloc_retries"] = 1, 5
+    counts[3]["num_device_alloc"] = 6
+    clock._counters = counts
+    per_step = clock.allocator(warmup=1)
+    assert per_step["num_alloc_retries"] == 2.5 and per_step["num_device_alloc"] == 3.0

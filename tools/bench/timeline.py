@@ -20,15 +20,13 @@ from typing import Any
 
 import torch
 
+from tools.bench.trainer_common import ALLOCATOR_COUNTERS
+
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's work (CUDA); nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free",
-                      "allocation.all.allocated", "segment.all.allocated")
 
 
 def allocator_delta(before: dict[str, Any], device: torch.device, steps: int) -> dict[str, float]:

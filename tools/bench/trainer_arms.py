@@ -136,6 +136,7 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
         result.status, result.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.extra.update(clock.memory())
+    result.extra["allocator_per_step"] = clock.allocator(setup.warmup)
     if profiler is not None:
         result.extra["kernel_profile"] = profiler.result
     if getattr(peft_model, "_require_grads_hook", None) is not None:

@@ -137,6 +137,12 @@ def logged_grad_norms(trainer) -> list[float]:
     return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
 
 
+#: the CUDA caching allocator's counters a step is judged by: retries and device allocations / frees are
+#: ``cudaMalloc`` / ``cudaFree`` inside the loop, which make the host wait for the device
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+                      "allocation.all.allocated", "segment.all.allocated")
+
+
 class StepClock(TrainerCallback):
     """Wall time of each optimizer step, the device synchronised before each clock read.
 
@@ -151,6 +157,7 @@ class StepClock(TrainerCallback):
         self.step_times: list[float] = []
         self.allocated_before: int | None = None
         self._last: float | None = None
+        self._counters: list[dict[str, int]] = []  # the allocator's counters at the start and after each step
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -163,11 +170,25 @@ class StepClock(TrainerCallback):
             torch.cuda.reset_peak_memory_stats(self.device)
             self.allocated_before = torch.cuda.memory_allocated(self.device)
         self._last = self._now()
+        self._count()
 
     def on_step_end(self, args, state, control, **kwargs):
         now = self._now()
         self.step_times.append(now - self._last)
         self._last = now
+        self._count()
+
+    def _count(self) -> None:
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            self._counters.append({key: stats.get(key, 0) for key in ALLOCATOR_COUNTERS})
+
+    def allocator(self, warmup: int) -> dict[str, float] | None:
+        """Per timed step (the steps after ``warmup``): the allocator's :data:`ALLOCATOR_COUNTERS` (None on the CPU)."""
+        if len(self._counters) <= warmup + 1:
+            return None
+        first, last, steps = self._counters[warmup], self._counters[-1], len(self._counters) - 1 - warmup
+        return {key: round((last[key] - first[key]) / steps, 2) for key in ALLOCATOR_COUNTERS}
 
     def memory(self) -> dict[str, float | None]:
         """Peak allocated / reserved since ``on_train_begin`` and the allocated bytes then, in GB (None on the CPU)."""

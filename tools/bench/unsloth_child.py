@@ -89,6 +89,7 @@ def train(spec: dict[str, Any], out: dict[str, Any]) -> None:
     finally:
         out["step_times_s"] = [round(t, 6) for t in clock.step_times]
         out.update(clock.memory())
+        out["allocator_per_step"] = clock.allocator(setup.warmup)
     out["losses"] = logged_losses(trainer)
     out["grad_norms"] = logged_grad_norms(trainer)
     out["status"] = "ok"
