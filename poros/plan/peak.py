@@ -60,7 +60,8 @@ class Footprint:
         block_structures: how many block structures CUDA graphs key apart (``graph_keys.block_structures``:
             modules and their plain attributes; Qwen3.5's linear- and full-attention layers: 2).
         lora_statics_bytes: the static LoRA buffers every CUDA graph shares (the largest block's LoRA, per
-            tensor signature: ``placement.shared_statics_bytes``); 0: unknown (the average block's LoRA).
+            tensor signature: ``placement.shared_statics_bytes``; the shared LoRA gradient buffers are as large);
+            0: unknown (the average block's LoRA).
     """
 
     block_bytes: tuple[int, ...]
