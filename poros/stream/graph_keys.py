@@ -51,8 +51,8 @@ def module_structure(modules: Iterable[tuple[str, nn.Module]]) -> tuple:
 
 
 def block_structures(layers: Iterable[nn.Module]) -> int:
-    """How many block structures ``layers`` hold (:func:`module_structure`): CUDA graphs key each apart (Qwen3.5's
-    linear- and full-attention layers are two; Gemma 4's layers that store or read shared K/V more). What the
+    """How many block structures ``layers`` hold (:func:`module_structure`): CUDA graphs key each apart (a model mixing
+    linear- and full-attention layers has two; layers that store or read shared K/V add more). What the
     planner counts the graphs by (``placement.graph_reserve_bytes``); a meta skeleton's layers count as loaded ones."""
     return len({module_structure(layer.named_modules()) for layer in layers})
 
