@@ -58,7 +58,7 @@ class Footprint:
         attention_sms: the SM count the flash backward's deterministic dQ accumulator is split by (0: not
             split; :func:`poros.plan.footprint.attention_sms`), a fact of the device and the run's mode.
         block_structures: how many block structures CUDA graphs key apart (``graph_keys.block_structures``:
-            modules and their plain attributes; Qwen3.5's linear- and full-attention layers: 2).
+            modules and their plain attributes; a model mixing linear- and full-attention layers: 2).
         lora_statics_bytes: the static LoRA buffers every CUDA graph shares (the largest block's LoRA, per
             tensor signature: ``placement.shared_statics_bytes``; the shared LoRA gradient buffers are as large);
             0: unknown (the average block's LoRA).

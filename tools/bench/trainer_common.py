@@ -169,14 +169,15 @@ class StepClock(TrainerCallback):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.allocated_before = torch.cuda.memory_allocated(self.device)
-        self._last = self._now()
-        self._count()
+        self._now()
+        self._count()  # before the clock starts: reading the counters is no step's work
+        self._last = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         now = self._now()
         self.step_times.append(now - self._last)
-        self._last = now
-        self._count()
+        self._count()  # between the clock reads, so no step pays for it (it queues no device work)
+        self._last = time.perf_counter()
 
     def _count(self) -> None:
         if self.device.type == "cuda":
