@@ -270,6 +270,34 @@ def test_every_graph_reads_one_shared_set_of_static_lora_buffers(tmp_path):
     assert block_graphs.gradients.nbytes == block_graphs.statics.nbytes  # the planner counts them as large
 
 
+def test_unpatch_lets_go_of_every_graph_and_its_buffers_before_the_weights_come_back(checkpoints):
+    """``PorosModel.unpatch`` drops the graphs, their shared LoRA buffers and their pool before the frozen weights
+    return to the device (an H100 run of the 122B-A10B shape ran out of memory restoring its resident arm beside
+    6 GiB the graphs' pool still held): nothing of them stays referenced, and the model trains as before."""
+    import gc
+    import weakref
+
+    from test_gemma4_graphs import ReplayedOnCPU
+    from test_layer_major import layer_major_steps, with_item_counts
+    from test_parity import make_batch
+
+    streamed = prepared(checkpoints["qwen3"])
+    block_graphs = streamed.executor.graphs = ReplayedOnCPU(streamed.store, streamed.executor.layers)
+    layer_major_steps(streamed, [with_item_counts([make_batch(5 + m, 2, 14, "left") for m in range(2)])])
+    held = [weakref.ref(b) for buffers in (block_graphs.statics.buffers, block_graphs.gradients.buffers)
+            for group in buffers.values() for b in group]
+    held += [weakref.ref(t) for graph in block_graphs.graphs.values() if graph is not None for t in graph.outputs
+             if isinstance(t, torch.Tensor)]
+    assert held and block_graphs.report.captured > 0
+    model = streamed.unpatch()
+    gc.collect()
+    assert block_graphs.graphs == {} and block_graphs.pool is None
+    assert [r for r in held if r() is not None] == []
+    batch = make_batch(1, 2, 14, "left")
+    loss = model(**batch).loss
+    assert torch.isfinite(loss)
+
+
 class _GradsAfterBackward:
     """Mixed into the CPU recorder: each block's ``.grad`` (a copy) right after its backward phase."""
 

@@ -192,6 +192,8 @@ class PorosModel:
     def unpatch(self) -> nn.Module:
         """Every frozen tensor back in its module (on the compute device), the model's own class back; returns it."""
         self.executor.uninstall()
+        if self.executor.graphs is not None:  # the graphs' pool and buffers first: the model's bytes need the room
+            self.executor.graphs.release()
         self.causal_lm.__dict__.pop("_poros_handle", None)
         if self.lora_placement is not None:
             self.lora_placement.restore()

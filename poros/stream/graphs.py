@@ -84,9 +84,9 @@ cost of queueing ~500 kernels per block disappears.
 CUDA only: ``poros.plan.entry.cuda_graphs_on`` says whether ``cuda_graphs`` applies to a device (the
 one rule of ``"auto"``); on CPU the executor has no ``BlockGraphs`` and runs as before.
 
-This module replays (:class:`BlockGraphs`: when to capture, when to run eagerly and why, the report);
-the keys and what keeps a block from capture are :mod:`poros.stream.graph_keys`'s, what a capture holds
-and how it is built :mod:`poros.stream.graph_capture`'s.
+This module replays (:class:`BlockGraphs`: when to capture, when to run eagerly and why); the keys and what
+keeps a block from capture are :mod:`poros.stream.graph_keys`'s, what a capture holds and how it is built
+:mod:`poros.stream.graph_capture`'s, the report :mod:`poros.stream.graph_report`'s.
 """
 
 from __future__ import annotations
@@ -95,7 +95,6 @@ import contextlib
 import os
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -107,6 +106,7 @@ from poros.stream.graph_capture import (Graph, ParameterStatics, as_grad_of, clo
                                         pointed_at, read_tensors, static_copy, written_entries)
 from poros.stream.graph_keys import (PLAIN, autocast_on, carried_reason, carried_signature, global_hooks,
                                      hashable_autocast, module_structure, non_overlapping, signature)
+from poros.stream.graph_report import GraphReport, eager_reason  # re-exported: graphs.eager_reason
 from poros.stream.options import check_cuda_graphs as check  # the setting's one check, as graphs.check
 from poros.stream.replay import CastCacheWatch, autocast_state, outside_autocast, replayed_autocast, uncached
 
@@ -123,25 +123,6 @@ AUTOCAST_SWITCH = "POROS_CUDA_GRAPHS_AUTOCAST"
 #: the environment variable that lets micro-major's block phases (inside the autograd engine) replay
 #: too (``1``): a probe for the H200 (its micro-major captures: docs/results-h200-log.md), off by default
 MICRO_MAJOR_SWITCH = "POROS_CUDA_GRAPHS_MICRO_MAJOR"
-
-
-@dataclass
-class GraphReport:
-    """What the graphed path did: captures, replays, eager runs by reason, failed captures."""
-
-    captured: int = 0
-    replays: int = 0
-    eager: Counter = field(default_factory=Counter)
-    failures: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"captured": self.captured, "replays": self.replays, "eager": dict(self.eager),
-                "failures": list(self.failures)}
-
-    def summary(self) -> str:
-        eager = ", ".join(f"{n} {reason}" for reason, n in self.eager.most_common()) or "none"
-        text = f"cuda graphs: {self.captured} captured, {self.replays} replays; eager runs: {eager}"
-        return text + (f"; {len(self.failures)} capture(s) failed: {self.failures[0]}" if self.failures else "")
 
 
 class BlockGraphs:
@@ -187,6 +168,14 @@ class BlockGraphs:
         since the previous one (its cast cache then holds casts of weights an optimizer step may have
         changed since: the eager path reuses them, a capture would not; such blocks run eagerly)."""
         self._stale_casts = self.autocast_capture and self._cache_watch.persisted()
+
+    def release(self) -> None:
+        """Drop every graph, the shared LoRA buffers and the pool (``PorosModel.unpatch``): what the graphs held on
+        the device goes back to the caching allocator, which frees a released pool's segments when it needs the
+        room (or at ``torch.cuda.empty_cache``). Later calls capture afresh."""
+        self.graphs.clear()
+        self.seen.clear()
+        self.statics, self.gradients, self.pool = ParameterStatics(), ParameterStatics(), None
 
     # -- the two phases -------------------------------------------------------------------------
     def forward(self, index: int, leaves: list[Any], unflatten: Callable,
@@ -490,11 +479,6 @@ class BlockGraphs:
         replay, outputs = self._record(index, body, autocast)  # the recompute's state: warm-up too
         inputs = [static_grad, *reads, *(g for _, _, grads in sent for g in grads if g is not None)]
         return Graph(replay, statics, params, outputs, inputs=inputs)
-
-def eager_reason(router: bool, held: bool) -> str:
-    """Why a block phase runs eagerly under CUDA graphs (``BlockGraphs.report.eager``): its router logits, its
-    held weights (``dequantize_once``), else micro-major (its backward inside the autograd engine)."""
-    return "router logits" if router else "dequantize once" if held else "micro-major"
 
 
 __all__ = ["eager_reason", "AUTOCAST_SWITCH", "MAX_GRAPHS", "MICRO_MAJOR_SWITCH", "WARMUP", "BlockGraphs", "GraphReport", "check"]

@@ -381,7 +381,10 @@ class BlockStore:
     # -- undo ------------------------------------------------------------------------------
     def restore(self) -> None:
         """Put every frozen tensor back as an ordinary tensor on ``device``, remove the guards, and let
-        go of the host buffers, resident buffers and slots (a store kept after this holds no memory)."""
+        go of the host buffers, resident buffers and slots (a store kept after this holds no memory). The slots go
+        first: a slot's bytes return as soon as the blocks bound to it are rebound, not after the whole model."""
+        self.slots = []
+        self.slot_owner = [None] * self.num_slots
         for block in self.blocks:
             self._restore_quant_states(block)
             source = block.buffer if block.resident else whole(self.host_tier.acquire(block.index))
@@ -392,8 +395,6 @@ class BlockStore:
             block.slot = None
             block.buffer = None
         self.host_tier.close()
-        self.slots = []
-        self.slot_owner = [None] * self.num_slots
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
