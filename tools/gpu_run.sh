@@ -158,6 +158,8 @@ main() {
     kind=${step%%:*}
     rest=${step#"$kind"}; rest=${rest#:}
     file=$(printf '%s' "$step" | tr -c 'A-Za-z0-9._-' '-')
+    # a file name is at most 255 bytes: a longer step keeps its first 200 characters and a hash of the whole
+    if [ ${#file} -gt 200 ]; then file="${file:0:200}-$(printf '%s' "$step" | sha1sum | cut -c1-10)"; fi
     case $kind in
       gate)
         mapfile -t extra < <(options "$rest")
