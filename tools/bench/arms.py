@@ -38,7 +38,8 @@ import torch
 from poros.devices import resolve_device
 from poros.doctor.probe import measure_link
 from tools.bench import snapshots
-from tools.bench.timeline import CopyTimeline, allocator_delta, profile_step, sync_check, synchronize
+from tools.bench.timeline import (CopyTimeline, allocator_delta, private_pool_bytes, profile_step, sync_check,
+                                 synchronize)
 
 #: the unit of every ``*_gb`` and ``*_gb_per_s`` field of a report
 GB = 1e9
@@ -186,6 +187,8 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
     if device.type == "cuda":
         result.extra["peak_allocated_gb"] = round(torch.cuda.max_memory_allocated(device) / GB, 4)
         result.extra["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved(device) / GB, 4)
+        pools = private_pool_bytes(device)  # the CUDA graphs' pools, still held (the graphs live until unpatch)
+        result.extra["graph_pool_gb"] = {key: round(value / GB, 4) for key, value in pools.items()}
         if vram_limit_gb is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
     if result.status == "ok":

@@ -8,6 +8,7 @@ step, and the caching allocator's device calls per step.
   and how far the GPU trailed the host at each wait.
 * :func:`sync_check` -- one step under CUDA sync debugging: which lines made the host wait.
 * :func:`allocator_delta` -- ``cudaMalloc`` / ``cudaFree`` / retries per timed step.
+* :func:`private_pool_bytes` -- what the CUDA graphs' private pools hold, beside the allocator's own pool.
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ def allocator_delta(before: dict[str, Any], device: torch.device, steps: int) ->
     allocations/frees mean cudaMalloc/cudaFree in the loop, which synchronise the host)."""
     after = torch.cuda.memory_stats(device)
     return {key: round((after.get(key, 0) - before.get(key, 0)) / max(steps, 1), 2) for key in ALLOCATOR_COUNTERS}
+
+
+def private_pool_bytes(device: torch.device) -> dict[str, int]:
+    """The caching allocator's segments in private pools (CUDA graphs'), reserved and in use, in bytes, from
+    ``torch.cuda.memory_snapshot``: what ``cuda_graphs`` holds apart from the pool every eager op allocates from, so
+    the planner's graph reserve (``poros.stream.placement.graph_reserve_bytes``) can be set against it."""
+    reserved = allocated = 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device") != index or tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0):
+            continue
+        reserved += segment.get("total_size", 0)
+        allocated += segment.get("allocated_size", 0)
+    return {"reserved": reserved, "allocated": allocated}
 
 
 def sync_check(step, device: torch.device, top: int = 8) -> dict[str, Any]:
