@@ -18,6 +18,8 @@ and the graph reasons.
 
 from __future__ import annotations
 
+import math
+
 import json
 import pathlib
 import subprocess
@@ -447,6 +449,55 @@ def test_replayed_grouped_nf4_blocks_train_bitwise_resident(family, variant, exp
     report = streamed.executor.graphs.report
     assert report.failures == [] and set(report.eager) == {"warm-up"}, (report.failures, report.eager)
     assert report.replays > 0 and report.replays + report.eager["warm-up"] == 2 * 2 * 3 * len(streamed.executor.layers)
+
+
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_captured_grouped_experts_dequantize_into_the_graphs_held_scratch(family, variant, monkeypatch, tmp_path):
+    """Inside a capture the grouped forward's whole dequantized fused tensor goes to the graphs' one held scratch
+    (poros.stream.capture_scratch), not the pool: the CPU recorder, told every capture is one, runs each capture and
+    each replay with the scratch active; every dequantize then writes the same buffer, the largest fused tensor's
+    size, and training stays bitwise the resident run. unpatch lets go of it."""
+    from poros.loading import experts_grouped
+    from poros.stream import capture_scratch
+    from test_gemma4_graphs import ReplayedOnCPU
+
+    class WithScratch(ReplayedOnCPU):
+        def _record(self, index, body, autocast=None):
+            def held(block):
+                with capture_scratch.active(self.scratch):
+                    return body(block)
+            return super()._record(index, held, autocast)
+
+    monkeypatch.setattr(capture_scratch, "capturing", lambda device: True)
+    written = []
+    real = experts_grouped.dequantize_nf4
+
+    def counted(*args, **kwargs):
+        written.append(kwargs.get("out"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experts_grouped, "dequantize_nf4", counted)
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5, num_layers=4)
+    plan = [with_item_counts([make_batch(5 + 10 * s + m, 2, 14, "left") for m in range(3)]) for s in range(2)]
+    setup = {**FIXED, "seed": 5}
+    reference = load(path, setup, "nf4+lora")
+    ref_losses, ref_opt = resident_steps(reference, plan)
+    model = load(path, setup, "nf4+lora")
+    streamed = poros.prepare(model)
+    graphs = streamed.executor.graphs = WithScratch(streamed.store, streamed.executor.layers)
+    written.clear()
+    poros_losses, poros_opt = layer_major_steps(streamed, plan)
+    assert_bitwise(reference, model, ref_losses, poros_losses, ref_opt, poros_opt)
+    assert graphs.report.replays > 0 and set(graphs.report.eager) == {"warm-up"}
+    (buffers,) = graphs.scratch.buffers.values()  # one device, one dtype
+    largest = max(m.num_experts * math.prod(shape) for layer in streamed.executor.layers for m in layer.modules()
+                  for shape, _, _ in getattr(m, "poros_nf4", {}).values())
+    assert [b.numel() for b in buffers] == [largest]  # the first capture dequantizes the largest fused tensor
+    into = [out for out in written if out is not None]
+    assert into and {out.data_ptr() for out in into} == {buffers[0].data_ptr()}
+    assert None in written  # the eager warm-ups allocate as before
+    streamed.unpatch()
+    assert graphs.scratch.buffers == {}
 
 
 def test_grouped_nf4_experts_are_graph_eligible_and_the_loop_names_why_it_is_not(tmp_path):

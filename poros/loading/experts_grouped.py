@@ -16,7 +16,8 @@ end are the blockwise NF4 of the concatenation (tests/test_moe.py checks the byt
 dequantize expert by expert and stack (still no host sync). :class:`GroupedDequantizedLinear` dequantizes
 in forward and again in backward: only the packed bytes, the scales, the code and the int32 offsets are
 saved, never the ``[E, rows, cols]`` bf16 weight (grad flows to the input only; the experts are frozen).
-The transient is that weight, ``E * rows * cols`` values of the compute dtype, while the matmul runs.
+The transient is that weight, ``E * rows * cols`` values of the compute dtype, while the matmul runs; inside a
+CUDA graph capture it is written to the graphs' held scratch instead (:mod:`poros.stream.capture_scratch`).
 
 :func:`dequantize_nf4` (one tensor from its codes and scales) is shared with the loop.
 """
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from poros.stream.capture_scratch import scratch
 
 #: the name of the grouped NF4 experts forward in transformers' ``ExpertsInterface``
 GROUPED_EXPERTS_IMPLEMENTATION = "poros_nf4_grouped"
@@ -44,7 +47,7 @@ def grouped_mm_works(device: torch.device | str) -> bool:
 
 
 def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: tuple[int, ...],
-                dtype: torch.dtype, blocksize: int) -> torch.Tensor:
+                dtype: torch.dtype, blocksize: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``shape`` tensor from its NF4 codes and block scales. The codes are handed to bitsandbytes as rows of one
     block each (then reshaped): its CPU kernel (0.50) reads a row's scales as if blocks started at each row, which
     is wrong for a ``[H, I]`` matrix with ``I < blocksize`` (e.g. a tiny ``down_proj``); the CUDA kernel is flat."""
@@ -56,7 +59,11 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tenso
     rows_of_blocks = (numel // blocksize, blocksize) if numel % blocksize == 0 else tuple(shape)
     state = bnb_functional.QuantState(absmax=absmax, shape=torch.Size(rows_of_blocks), code=code, blocksize=blocksize,
                                       quant_type="nf4", dtype=dtype)
-    return bnb_functional.dequantize_4bit(packed.reshape(-1, 1), state).view(shape)
+    if out is not None and packed.device.type == "cuda":  # the same kernel, writing where it is told (a capture's
+        # held scratch, poros.stream.capture_scratch); bitsandbytes has no such variant on the CPU, which copies
+        return bnb_functional.dequantize_4bit(packed.reshape(-1, 1), state, out=out.view(rows_of_blocks)).view(shape)
+    result = bnb_functional.dequantize_4bit(packed.reshape(-1, 1), state).view(shape)
+    return result if out is None else out.copy_(result)
 
 
 #: values one bitsandbytes dequantize call covers at most: its CUDA kernel counts them in an ``int``
@@ -74,10 +81,12 @@ def dequantize_all(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tenso
         return torch.stack([dequantize_nf4(packed[e], absmax[e], code, shape, dtype, blocksize)
                             for e in range(experts)])
     per_call = max(1, MAX_VALUES_PER_CALL // (rows * cols))
+    held = scratch((experts, rows, cols), dtype, packed.device)  # inside a CUDA graph capture: its held buffer
     runs = [dequantize_nf4(packed[first:first + per_call].reshape(-1), absmax[first:first + per_call].reshape(-1), code,
-                           (min(per_call, experts - first), rows, cols), dtype, blocksize)
+                           (min(per_call, experts - first), rows, cols), dtype, blocksize,
+                           out=None if held is None else held[first:first + per_call])
             for first in range(0, experts, per_call)]
-    return runs[0] if len(runs) == 1 else torch.cat(runs)
+    return held if held is not None else runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

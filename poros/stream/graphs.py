@@ -100,6 +100,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from poros.stream import capture_scratch
 from poros.stream.carried import CarriedAccess, recompute_roots
 from poros.stream.dropout import dropout_p
 from poros.stream.graph_capture import (Graph, ParameterStatics, as_grad_of, clone, copied_into, numbered, own_mappings,
@@ -143,6 +144,7 @@ class BlockGraphs:
         self.pool = None  # the graphs' one memory pool, made at the first capture
         self.statics = ParameterStatics()  # the static LoRA buffers, one set every graph reads (module docstring)
         self.gradients = ParameterStatics()  # the LoRA gradients, one set every backward graph returns
+        self.scratch = capture_scratch.CaptureScratch()  # what captures write their large transients to
         self.graphs: dict[tuple, Graph | None] = {}
         self.seen: Counter = Counter()
         self.report = GraphReport()
@@ -170,12 +172,13 @@ class BlockGraphs:
         self._stale_casts = self.autocast_capture and self._cache_watch.persisted()
 
     def release(self) -> None:
-        """Drop every graph, the shared LoRA buffers and the pool (``PorosModel.unpatch``): what the graphs held on
+        """Drop every graph, the shared LoRA buffers, the capture scratch and the pool (``PorosModel.unpatch``): what the graphs held on
         the device goes back to the caching allocator, which frees a released pool's segments when it needs the
         room (or at ``torch.cuda.empty_cache``). Later calls capture afresh."""
         self.graphs.clear()
         self.seen.clear()
         self.statics, self.gradients, self.pool = ParameterStatics(), ParameterStatics(), None
+        self.scratch = capture_scratch.CaptureScratch()
 
     # -- the two phases -------------------------------------------------------------------------
     def forward(self, index: int, leaves: list[Any], unflatten: Callable,
@@ -396,7 +399,8 @@ class BlockGraphs:
                 body(index)
             stream.wait_stream(side)
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"), \
+                    capture_scratch.active(self.scratch):  # large transients to one held buffer, not the pool
                 outputs = body(index)
         except Exception:
             # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"
