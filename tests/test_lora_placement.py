@@ -404,6 +404,31 @@ def test_bench_runs_the_poros_arm_with_the_lora_tensors_on_the_host(tmp_path, ch
     assert "(bitwise, 28 LoRA tensors, 84 AdamW state tensors)" in done.stdout
 
 
+def test_bench_arms_after_the_poros_arm_compute_the_loss_in_its_chunks(tmp_path, child_env):
+    """A chunked loss sums in another order than HF's, so it is bitwise only against a run with the same chunks: the
+    bench's resident arm computes its loss in the chunks the Poros arm ran with (given, or raised by a budget plan;
+    with a budget the Poros arm runs first). On the H100 a 6 GB plan raised them to 2 and the unchunked resident arm
+    differed from the first micro-batch's loss on (docs/results-h200-log.md, 2026-12-07)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    report_path = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "tools.bench", "--model", "tiny", "--steps", "2", "--warmup", "1", "--arms",
+               "resident,poros", "--grad-accum", "2", "--schedule", "layer-major", "--deterministic", "--device",
+               "cpu", "--loss-chunks", "3", "--vram-budget", "1GiB", "--json", str(report_path)]
+    done = subprocess.run(command, cwd=pathlib.Path(__file__).resolve().parents[1],
+                          env=child_env(POROS_COMMIT="test", OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    arms = report["arms"]
+    assert arms["poros"]["loss_chunks"] == arms["resident"]["loss_chunks"] == 3
+    assert list(arms) == ["poros", "resident"]  # with a budget the Poros arm ran first
+    assert report["comparison"]["bitwise"] is True
+
+
 def test_the_trainer_feeds_the_store_device_not_the_adapters_home(qwen3):
     """With the adapters at home on the host, the first trainable parameter is a host tensor: the trainer's
     inputs must still go to the device the blocks compute on (on the H200 they went to the host, and the

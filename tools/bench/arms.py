@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from poros.devices import resolve_device
+from poros.stream.chunked_loss import use_chunked_loss
 from poros.doctor.probe import measure_link
 from tools.bench import snapshots
 from tools.bench.timeline import (CopyTimeline, allocator_delta, private_pool_bytes, profile_step, sync_check,
@@ -253,13 +254,20 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
     # Capped arms first, on an allocator no earlier arm has fragmented: a live tensor left inside a
     # big segment of an uncapped arm keeps that segment reserved, and the cap counts reserved bytes
     # (seen at 72B under an 8 GB cap: docs/results-h200.md).
-    order = sorted((a for a in ARMS if a in arms), key=lambda a: limit(a) is None)
+    # With a budget, then the Poros arm first: its plan may raise the loss chunks, and the arms after it compute the
+    # loss in as many chunks (a chunked loss sums in another order: bitwise only against the same chunks).
+    order = sorted((a for a in ARMS if a in arms),
+                   key=lambda a: (limit(a) is None, vram_budget is not None and a != "poros"))
+    chunks_after = loss_chunks
     for name in order:
         restore(named, initial)
         if name in ("resident", "control"):
+            chunked = use_chunked_loss(peft_model, chunks_after)  # 1: HF's own loss, nothing installed
             results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
                                     vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile,
                                     autocast=autocast)
+            results[name].extra["loss_chunks"] = chunks_after
+            chunked.remove()
             continue
         results[name], handle = run_poros_arm(
             peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit(name),
@@ -272,6 +280,7 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
             mlp_chunks=mlp_chunks, boundary_states=boundary_states if name == "poros" else None,
             host_budget=host_budget if name == "poros" else None)
         results[name].name = name
+        chunks_after = results[name].extra.get("loss_chunks") or loss_chunks  # what prepare applied
         if handle is not None and name != order[-1]:
             handle.unpatch()  # the next arm runs the model as it was
             if mlp_chunks > 1:  # unpatch took the tiling away with the rest: the next arm tiles the same
