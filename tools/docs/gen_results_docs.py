@@ -20,6 +20,8 @@ from tools.docs import docgen, results_speed, speed_plot  # write or --check
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results-h200.md"
 RESULTS = sorted(ROOT.glob("registry/results/h200-*"))
+#: runs on another card (the GPU tool lends an H100 at times): their own table, never mixed with the H200's
+OTHER_CARDS = sorted(d for d in ROOT.glob("registry/results/*-20*") if d.is_dir() and not d.name.startswith(("h200-", "cpu-")))
 
 
 def _load(path: Path) -> dict:
@@ -283,6 +285,44 @@ def render_trainer() -> str:
     return docgen.rows_or_pending(rows)
 
 
+def _reference_step(arms: dict) -> float | None:
+    """The step the other arms of one report are set against: the resident arm's (TRL's, HF's or the bench's own)."""
+    for name in ("trl-resident", "hf-resident", "resident"):
+        if (arms.get(name) or {}).get("status") == "ok":
+            return arms[name].get("median_step_s")
+    return None
+
+
+def render_other_cards() -> str:
+    """Every bench arm of the runs on another card (``OTHER_CARDS``), with the card, the cap where it applied to the
+    arm, MFU against the dense rate measured in that run (dense shapes), and the step against the same report's
+    resident arm and Unsloth's."""
+    rows = ["| card | shape | layers | seq | accum | det. | cap GB | arm | status | peak GB | reserved GB | step s "
+            "| tokens/s | MFU | vs resident | vs Unsloth | parity | JSON |", "|" + "---|" * 18]
+    for path, report in bench_reports(OTHER_CARDS):
+        config, arms = report["config"], report["arms"]
+        reference, unsloth = _reference_step(arms), (arms.get("unsloth") or {}).get("median_step_s")
+        capped = config.get("capped_arms")
+        for name, arm in arms.items():
+            # MFU's FLOPs count dense linears (docs/benchmarking.md): none for an MoE run
+            step, mfu = arm.get("median_step_s"), None if config.get("experts_implementation") else arm.get("mfu")
+            flow, cap = name.split("-")[0], config.get("vram_limit_gb") if capped is None or name in capped else None
+            accum = config.get("grad_accum", 1) if "-" in name or name == "unsloth" else docgen.accum_label(config)
+            parity = (_parity(report.get("comparison")) if name == "poros" else
+                      _parity((report.get("trainer") or {}).get(flow)) if name.endswith("-poros") else "-")
+            rows.append(
+                f"| {report['environment']['platform']} | {config['model']} | "
+                f"{arm.get('layers') or config['model_info']['num_hidden_layers']} | {config['seq']} | "
+                f"{accum} | {'on' if config['deterministic'] else 'off'} | "
+                f"{cap or '-'} | {docgen.arm_label(name, arm)} | {arm.get('status')} | "
+                f"{_gb(arm.get('peak_allocated_gb'))} | {_gb(arm.get('peak_reserved_gb'))} | {_s(step)} | "
+                f"{arm.get('tokens_per_s') or '-'} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+                f"{_x(step / reference) if step and reference else '-'} | "
+                f"{_x(step / unsloth) if step and unsloth and name != 'unsloth' else '-'} | {parity} | "
+                f"[{path.name}](../{path.relative_to(ROOT)}) |")
+    return docgen.rows_or_pending(rows)
+
+
 def render_gate() -> str:
     rows = ["| variant | family | shape | label | max diff loss / LoRA / AdamW | JSON |", "|---|---|---|---|---|---|"]
     for directory in RESULTS:
@@ -307,6 +347,7 @@ BLOCKS = {
     "curve": render_curve,
     "timeline": render_timeline,
     "trainer": render_trainer,
+    "other-cards": render_other_cards,
     **results_speed.blocks(bench_reports, ROOT),
     "speed-plot": lambda: speed_plot.render_block(results_speed.sweep_points(bench_reports()), PAGE),
 }
