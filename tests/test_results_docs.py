@@ -264,3 +264,17 @@ def test_no_page_types_a_measured_number_outside_a_generated_block():
     assert not offenders, ("measured figures typed outside a generated block (render them from registry/results "
                            "in a tools/docs/gen_*.py block, or say the idea and point at the table):\n"
                            + "\n".join(offenders))
+
+
+def test_runs_on_another_card_are_tabled_apart_from_the_h200s():
+    """A bench report under ``registry/results/h100-*`` (the GPU tool lends an H100 at times) is a row of the
+    other-cards table, named with its card, and never a row of the H200 tables."""
+    from tools.docs import gen_results_docs as gen
+
+    others = [path for path, _ in gen.bench_reports(gen.OTHER_CARDS)]
+    assert others and all(not p.parent.name.startswith(("h200-", "cpu-")) for p in others)
+    table = gen.render_other_cards()
+    h200 = gen.render_bench(capped=False) + gen.render_bench(capped=True) + gen.render_trainer()
+    for path, report in gen.bench_reports(gen.OTHER_CARDS):
+        assert path.name in table and path.name not in h200
+        assert f"| {report['environment']['platform']} | {report['config']['model']} |" in table
