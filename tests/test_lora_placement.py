@@ -408,7 +408,8 @@ def test_bench_arms_after_the_poros_arm_compute_the_loss_in_its_chunks(tmp_path,
     """A chunked loss sums in another order than HF's, so it is bitwise only against a run with the same chunks: the
     bench's resident arm computes its loss in the chunks the Poros arm ran with (given, or raised by a budget plan;
     with a budget the Poros arm runs first). On the H100 a 6 GB plan raised them to 2 and the unchunked resident arm
-    differed from the first micro-batch's loss on (docs/results-h200-log.md, 2026-12-07)."""
+    differed from the first micro-batch's loss on (docs/results-h200-log.md, 2026-12-07). And the resident arm runs
+    HF's gradient checkpointing, as the model was built, though the Poros arm before it turned it off."""
     import json
     import pathlib
     import subprocess
@@ -426,6 +427,7 @@ def test_bench_arms_after_the_poros_arm_compute_the_loss_in_its_chunks(tmp_path,
     arms = report["arms"]
     assert arms["poros"]["loss_chunks"] == arms["resident"]["loss_chunks"] == 3
     assert list(arms) == ["poros", "resident"]  # with a budget the Poros arm ran first
+    assert arms["resident"]["gradient_checkpointing"] is True  # HF's, back on after the Poros arm turned it off
     assert report["comparison"]["bitwise"] is True
 
 

@@ -17,7 +17,8 @@ dequantize expert by expert and stack (still no host sync). :class:`GroupedDequa
 in forward and again in backward: only the packed bytes, the scales, the code and the int32 offsets are
 saved, never the ``[E, rows, cols]`` bf16 weight (grad flows to the input only; the experts are frozen).
 The transient is that weight, ``E * rows * cols`` values of the compute dtype, while the matmul runs; inside a
-CUDA graph capture it is written to the graphs' held scratch instead (:mod:`poros.stream.capture_scratch`).
+CUDA graph capture it is written to one buffer the graphs hold instead of a fresh allocation from their pool
+(:mod:`poros.stream.capture_scratch`).
 
 :func:`dequantize_nf4` (one tensor from its codes and scales) is shared with the loop.
 """

@@ -8,12 +8,17 @@ small allocations split a freed transient's segment, so the next capture asked f
 
 :class:`CaptureScratch` (one per ``graphs.BlockGraphs``, which makes it :func:`active` around each capture) holds
 one buffer per device and dtype instead, the largest any capture asked for (a larger request adds a buffer; the
-smaller stays, since captured kernels write to it), and :func:`scratch` gives the capture a view of it. Sound
-because every captured writer (a dequantize) and reader (its grouped matmul) of the buffer is queued on the one
-compute stream the replays run on, each reader before the next writer, as in the eager order; and the same kernel
-writes the same bits whether its output is new or held. Outside a capture, or with no scratch active,
-:func:`scratch` gives None and the caller allocates as before (the caching allocator then lends those bytes to the
-head's working set). The graphs' ``release`` drops their scratch with them. Torch is imported on first use.
+smaller stays, since captured kernels write to it), and :func:`scratch` gives the capture a view of it. The buffer
+is itself allocated in the pool, once, at the first capture that asks, and held: no capture allocates and frees
+such a transient there again, so no later small allocation can split it. Sound because every captured writer (a
+dequantize) and reader (its grouped matmul) of the buffer is queued on the one compute stream the replays run on,
+each reader right after its writer and before the next writer, as in the eager order; the buffer carries nothing
+from one replay to the next, no graph output or saved tensor is a view of it, and the same kernel writes the same
+bits whether its output is new or held. Outside a capture, or with no scratch active, :func:`scratch` gives None
+and the caller allocates as before (the caching allocator then lends those bytes to the head's working set; a
+block that runs eagerly past the warm-up allocates its own transient beside the held buffer). The active scratch
+is per process, not per thread (a captured backward's nodes run on autograd's device thread): Poros captures from
+one thread at a time. The graphs' ``release`` drops their scratch with them. Torch is imported on first use.
 """
 
 from __future__ import annotations

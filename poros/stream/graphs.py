@@ -400,7 +400,7 @@ class BlockGraphs:
             stream.wait_stream(side)
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"), \
-                    capture_scratch.active(self.scratch):  # large transients to one held buffer, not the pool
+                    capture_scratch.active(self.scratch):  # large transients to one held buffer, allocated once
                 outputs = body(index)
         except Exception:
             # A capture CUDA invalidated ends without its epilogue: the generator would stay "capturing"

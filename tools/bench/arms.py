@@ -50,6 +50,11 @@ GB = 1e9
 ARMS = ("resident", "control", "poros-device", "poros")
 
 
+def checkpointing_on(model) -> bool:
+    """Whether HF's gradient checkpointing is on (transformers 5.x names it activation checkpointing)."""
+    return bool(getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing", False))
+
+
 def free_memory(device: torch.device) -> None:
     """On CUDA: collect cycles (bitsandbytes' Params4bit <-> Linear4bit hold each other, so a dropped
     model stays allocated until ``gc.collect()``), then give cached blocks back. Nothing is measured
@@ -259,28 +264,40 @@ def compare_runs(peft_model, batches: list[dict], *, arms=("resident", "poros"),
     order = sorted((a for a in ARMS if a in arms),
                    key=lambda a: (limit(a) is None, vram_budget is not None and a != "poros"))
     chunks_after = loss_chunks
+    # a Poros arm turns HF's gradient checkpointing off (its own recompute replaces it) and unpatch gives back the
+    # flags it found: a resident arm after it turns it on again, as the model was built (models.add_lora)
+    base = peft_model.get_base_model()
+    checkpointing = checkpointing_on(base)
     for name in order:
         restore(named, initial)
         if name in ("resident", "control"):
-            chunked = use_chunked_loss(peft_model, chunks_after)  # 1: HF's own loss, nothing installed
-            results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
-                                    vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile,
-                                    autocast=autocast)
+            if checkpointing and not checkpointing_on(base):
+                base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            chunked = use_chunked_loss(peft_model, chunks_after) if chunks_after > 1 else None
+            try:
+                results[name] = run_arm(name, peft_model, named, batches, device=device, warmup=warmup, lr=lr,
+                                        vram_limit_gb=limit(name), grad_accum=grad_accum, profile=profile,
+                                        autocast=autocast)
+            finally:
+                if chunked is not None:
+                    chunked.remove()
             results[name].extra["loss_chunks"] = chunks_after
-            chunked.remove()
+            results[name].extra["gradient_checkpointing"] = checkpointing_on(base)
             continue
         results[name], handle = run_poros_arm(
             peft_model, batches, device=device, warmup=warmup, lr=lr, vram_limit_gb=limit(name),
             num_slots=num_slots, grad_accum=grad_accum, schedule=schedule, profile=profile,
             vram_budget=vram_budget if name == "poros" else None, compute=compute,
             link_bytes_per_s=link_bytes_per_s, timeline=timeline,
-            optimizer_states=optimizer_states if name == "poros" else "device", loss_chunks=loss_chunks,
+            optimizer_states=optimizer_states if name == "poros" else "device",
+            loss_chunks=loss_chunks if name == "poros" else chunks_after,
             cuda_graphs=cuda_graphs and name == "poros",
             lora_placement=lora_placement if name == "poros" else "device", autocast=autocast,
             mlp_chunks=mlp_chunks, boundary_states=boundary_states if name == "poros" else None,
             host_budget=host_budget if name == "poros" else None)
         results[name].name = name
-        chunks_after = results[name].extra.get("loss_chunks") or loss_chunks  # what prepare applied
+        if name == "poros":  # what its prepare applied (a budget plan may raise it): the later arms' chunks
+            chunks_after = results[name].extra.get("loss_chunks") or loss_chunks
         if handle is not None and name != order[-1]:
             handle.unpatch()  # the next arm runs the model as it was
             if mlp_chunks > 1:  # unpatch took the tiling away with the rest: the next arm tiles the same
