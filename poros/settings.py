@@ -361,11 +361,14 @@ STREAMING: tuple[Setting, ...] = (
         "cuda_graphs", bool | str, False,
         "Replay each streamed block's forward and recompute+backward from a CUDA graph captured once per device "
         "slot and block kind: the eager kernels, bit for bit, without their host cost. true, false or 'auto' "
-        "(on on CUDA); off on CPU. Blocks that cannot be captured run eagerly, and the summary says why.",
+        "(on on CUDA, off where a vram_budget has no room for the graphs' memory); off on CPU. Blocks that cannot "
+        "be captured run eagerly, and the summary says why.",
         "``True`` / ``\"auto\"``: on CUDA, replay each block phase from a captured CUDA graph "
         "(``poros.stream.graphs``; bitwise the eager kernels, without their host cost); blocks that cannot be "
         "captured run eagerly and ``PorosModel.executor.graphs.report`` says why. Off on CPU whatever the "
-        "setting (``poros.plan.cuda_graphs_on`` decides). Default ``False``.",
+        "setting (``poros.plan.cuda_graphs_on`` decides); under a ``vram_budget``, ``\"auto\"`` is off where the "
+        "plan fits only without the graphs' pool and buffers, and the plan says so "
+        "(``poros.plan.entry.graphs_decided``). Default ``False``.",
         lambda value: None if value is True or value is False or value == "auto" else (
             "true, false or 'auto' (graphs on when the device is CUDA)", "e.g. cuda_graphs: true"),
         example="true"),

@@ -203,6 +203,40 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     assert reserve == footprint.recompute_bytes + 3 * lora + 2 * 2 * boundary + 3 * 3 * boundary
 
 
+def test_auto_turns_the_graphs_off_where_their_memory_does_not_fit_the_budget(capsys, monkeypatch):
+    """``cuda_graphs: auto`` under a budget: on where the plan with the graphs' pool and buffers fits, off (and the
+    plan says so) where only the plan without them does; ``true`` then refuses and names ``auto`` and ``false``.
+    Before, auto refused a budget the run fits without graphs (a 35B-A3B at 5 GB)."""
+    import json
+
+    from poros.cli.main import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cuda = ["--device", "cuda", "--block-ms", "10,20", "--link-gb-per-s", "25", "--grad-accum", "4",
+            "--stream-schedule", "layer-major", "--seq-len", "512", "--json"]
+
+    def planned(budget: str, graphs: str) -> tuple[int, dict | None, str]:
+        status = main(["plan", "--model", "Qwen/Qwen2.5-7B", "--vram-budget", budget, "--cuda-graphs", graphs, *cuda])
+        out, err = capsys.readouterr()
+        return status, (json.loads(out) if status == 0 else None), err
+
+    def minimum(graphs: str) -> int:
+        status, _, err = planned("1GB", graphs)  # below any minimum: the refusal names the run's
+        assert status != 0
+        return int(float(err.split("needs at least ")[1].split(" GB")[0]) * 1e9)
+
+    without, with_graphs = minimum("false"), minimum("true")
+    assert with_graphs > without
+    between = f"{(without + with_graphs) // 2}"
+    status, report, err = planned(between, "auto")
+    assert status == 0, err
+    assert any(note.startswith("cuda_graphs: auto -> off") for note in report["plan"]["notes"])
+    status, _, err = planned(between, "true")
+    assert status != 0 and "cuda_graphs: auto" in err and "cuda_graphs: false" in err
+    status, report, err = planned(f"{with_graphs + 10**9}", "auto")  # room for them: on, no such note
+    assert status == 0 and not any("cuda_graphs" in note for note in report["plan"]["notes"])
+
+
 @pytest.mark.parametrize(("name", "structures"), [("qwen3", 1), ("gemma3", 2), ("qwen3_5", 2), ("gemma4-moe", 3)])
 def test_the_planner_counts_the_block_structures_the_graphs_key(checkpoints, name, structures):
     """The planner's count of block structures (graph_keys.block_structures, a loaded model's and a meta

@@ -26,7 +26,7 @@ from poros.distributed import DDP_IGNORE_ATTRIBUTE, host_parameter_names, world
 from poros.errors import AlreadyPreparedError, ConfigError, DeviceError
 from poros.dropin import banner
 from poros.dropin.kernels import kernel_report
-from poros.plan.entry import cuda_graphs_on
+from poros.plan.entry import cuda_graphs_on, graphs_decided
 from poros.stream import graphs
 from poros.stream.compute_stream import step_stream
 from poros.stream.chunked_loss import use_chunked_loss
@@ -294,9 +294,9 @@ def prepare(model: nn.Module, *, options: StreamOptions | None = None, **keyword
     if options.workload is not None and Workload.of(options.workload).fused_loss != fused:
         options = options.replace(workload=dataclasses.replace(Workload.of(options.workload), fused_loss=fused))
     device = compute_device(causal_lm)  # poros.from_pretrained's mark
-    graphs_on = cuda_graphs_on(options.cuda_graphs, device)  # cuda_graphs="auto" decided once, by the planner
-    options, budget_plan, resident, num_slots = _plan(causal_lm, descriptor, layers, device, detection, options,
-                                                      graphs_on)
+    # cuda_graphs="auto" decided once: on CUDA, unless a budget plan has no room for the graphs' memory
+    options, budget_plan, resident, num_slots, graphs_on = _plan(causal_lm, descriptor, layers, device, detection,
+                                                                 options)
     return _stream(model, causal_lm, descriptor, layers, device, {"detection": detection, "budget_plan": budget_plan,
                                                                    "kernel_report": kernels},
                    options, resident, num_slots, graphs_on)
@@ -317,11 +317,12 @@ def _options_of(options: Any, keywords: dict[str, Any]) -> StreamOptions:
 
 
 def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list[nn.Module], device: torch.device,
-          detection: Detection, options: StreamOptions, graphs_on: bool):
-    """``(options, budget plan, resident block indices, slots)``: what is decided before anything moves --
-    the embedding tables' place, and with a ``vram_budget`` the planner's slots, resident blocks, boundary
-    states, AdamW state and LoRA placement (an explicit ``boundary_states`` stands). The options come back
-    with those choices filled in."""
+          detection: Detection, options: StreamOptions):
+    """``(options, budget plan, resident block indices, slots, CUDA graphs on)``: what is decided before anything
+    moves -- the embedding tables' place, whether graphs run (``cuda_graphs_on``; with a budget
+    ``graphs_decided``: ``"auto"`` is off where their memory does not fit), and with a ``vram_budget`` the
+    planner's slots, resident blocks, boundary states, AdamW state and LoRA placement (an explicit
+    ``boundary_states`` stands). The options come back with those choices filled in."""
     on_host = choose_embeddings_on_host(options.embeddings_on_host, device)
     budget_plan = None
     if options.vram_budget is not None:  # the planner decides slots and resident blocks (nothing moves yet)
@@ -331,13 +332,15 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
         asked = options.replace(embeddings_on_host=on_host,
                                 lora_placement="device" if options.lora_placement == "auto" and data_parallel
                                 else options.lora_placement)
-        budget_plan = plan_for_model(causal_lm, layers, host_embedding_tables(causal_lm, descriptor), asked,
-                                     device=device, compute_dtype=getattr(torch, detection.compute_dtype, torch.float32),
-                                     cuda_graphs=graphs_on)
+        tables = host_embedding_tables(causal_lm, descriptor)
+        budget_plan, graphs_on = graphs_decided(options.cuda_graphs, device, lambda graphs: plan_for_model(
+            causal_lm, layers, tables, asked, device=device,
+            compute_dtype=getattr(torch, detection.compute_dtype, torch.float32), cuda_graphs=graphs))
         logger.info(budget_plan.summary())
         resident, num_slots = budget_plan.resident_blocks, max(budget_plan.num_slots, 1)
         on_host, lora = budget_plan.embeddings_on_host, budget_plan.lora_placement
     else:
+        graphs_on = cuda_graphs_on(options.cuda_graphs, device)
         resident, num_slots = options.resident_indices(len(layers)), options.num_slots
         lora = "host" if options.lora_placement == "host" else "device"  # "auto" without a budget: the device
     if lora == "host" and world().size > 1:
@@ -353,7 +356,7 @@ def _plan(causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list
         # the chunk counts the budget needs (never fewer than asked: plan_budget only raises them)
         loss_chunks=budget_plan.loss_chunks if budget_plan else options.loss_chunks,
         mlp_chunks=budget_plan.mlp_chunks if budget_plan else options.mlp_chunks)
-    return decided, budget_plan, resident, num_slots
+    return decided, budget_plan, resident, num_slots, graphs_on
 
 
 def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDescriptor, layers: list[nn.Module],

@@ -3,7 +3,8 @@ or from ``prepare``'s keywords (:func:`workload_of`; nothing outside ``poros.pla
 :class:`~poros.stream.options.Workload`), the budget plan of a configuration (:func:`plan_config`:
 ``poros plan`` and ``poros doctor --model`` ask it, so the two never disagree), and the decisions of
 the device a run's settings leave open: whether CUDA graphs run (:func:`cuda_graphs_on`, the one rule of
-``cuda_graphs="auto"``) and what the device holds outside the allocated peak (:func:`device_context_bytes`).
+``cuda_graphs="auto"``; under a budget :func:`graphs_decided`, which turns ``"auto"`` off where the graphs' memory
+does not fit) and what the device holds outside the allocated peak (:func:`device_context_bytes`).
 
 ``prepare`` plans a loaded model through :func:`poros.plan.footprint.plan_for_model` with the same
 rules; ``PorosTrainer`` through ``prepare``. Torch-free.
@@ -11,8 +12,10 @@ rules; ``PorosTrainer`` through ``prepare``. Torch-free.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
+from poros.errors import ConfigError
 from poros.plan.budget import CUDA_CONTEXT_BYTES, BudgetPlan, ComputeTimes, Footprint, plan_budget
 from poros.settings import SETTINGS
 from poros.stream.options import StreamOptions, Workload, step_of
@@ -51,6 +54,33 @@ def cuda_graphs_on(value: Any, device: Any) -> bool:
     return value is not False and str(getattr(device, "type", device)).startswith("cuda")
 
 
+def graphs_decided(setting: Any, device: Any, plan: Callable[[bool], BudgetPlan]) -> tuple[BudgetPlan, bool]:
+    """The budget plan and whether CUDA graphs run: ``plan(graphs)`` plans with or without the graphs' pool and
+    static buffers (``placement.graph_reserve_bytes``). ``cuda_graphs="auto"`` keeps them where the plan with them
+    fits the budget and turns them off where only the plan without them does (the plan's notes say so); ``True``
+    keeps them, and its error names ``auto`` / ``false`` where those would fit.
+
+    Raises:
+        ConfigError: the budget fits no plan (or, with ``True``, not the plan with graphs).
+    """
+    if not cuda_graphs_on(setting, device):
+        return plan(False), False
+    try:
+        return plan(True), True
+    except ConfigError as error:
+        try:
+            without = plan(False)
+        except ConfigError:
+            raise error from None
+        if setting is True:
+            raise ConfigError(f"{error} Without CUDA graphs it fits (their pool and static buffers are what does "
+                              "not): cuda_graphs: auto turns them off where they do not fit, or cuda_graphs: false.") \
+                from None
+    note = ("cuda_graphs: auto -> off: the graphs' pool and static buffers do not fit the budget beside the run "
+            "(set a larger vram_budget to replay the blocks from graphs)")
+    return dataclasses.replace(without, notes=(*without.notes, note)), False
+
+
 def device_context_bytes(footprint: Footprint, device: Any, *, cuda_graphs: bool, num_slots: int) -> int:
     """Device memory a plan counts outside the allocated peak: the CUDA context on a CUDA ``device`` (a
     ``torch.device`` or its string) and, with ``cuda_graphs`` (on for this run: :func:`cuda_graphs_on`), the
@@ -75,11 +105,14 @@ def plan_config(config: Any, footprint: Footprint, *, vram_budget: Any, device: 
         ConfigError: an invalid option, or a budget below the run's minimum.
     """
     options = StreamOptions.from_config(config, schedule=schedule, vram_budget=vram_budget, **changes)
-    context = device_context_bytes(footprint, device, cuda_graphs=cuda_graphs_on(config.cuda_graphs, device),
-                                   num_slots=options.num_slots)
-    plan = plan_budget(footprint, options.budget_workload(), options, compute=compute,
-                       link_bytes_per_s=link_bytes_per_s, context_bytes=context, footprint_for=footprint_for)
+
+    def planned(graphs: bool) -> BudgetPlan:
+        context = device_context_bytes(footprint, device, cuda_graphs=graphs, num_slots=options.num_slots)
+        return plan_budget(footprint, options.budget_workload(), options, compute=compute,
+                           link_bytes_per_s=link_bytes_per_s, context_bytes=context, footprint_for=footprint_for)
+
+    plan, _ = graphs_decided(config.cuda_graphs, device, planned)
     return options, plan
 
 
-__all__ = ["cuda_graphs_on", "device_context_bytes", "plan_config", "workload_of"]
+__all__ = ["cuda_graphs_on", "device_context_bytes", "graphs_decided", "plan_config", "workload_of"]
