@@ -307,7 +307,9 @@ def render_other_cards() -> str:
             # MFU's FLOPs count dense linears (docs/benchmarking.md): none for an MoE run
             step, mfu = arm.get("median_step_s"), None if config.get("experts_implementation") else arm.get("mfu")
             flow, cap = name.split("-")[0], config.get("vram_limit_gb") if capped is None or name in capped else None
-            accum = config.get("grad_accum", 1) if "-" in name or name == "unsloth" else docgen.accum_label(config)
+            applied = {key: arm[key] for key in ("loss_chunks", "boundary_states") if arm.get(key)}  # what ran
+            accum = config.get("grad_accum", 1) if "-" in name or name == "unsloth" else \
+                docgen.accum_label({**config, **applied})
             parity = (_parity(report.get("comparison")) if name == "poros" else
                       _parity((report.get("trainer") or {}).get(flow)) if name.endswith("-poros") else "-")
             rows.append(
