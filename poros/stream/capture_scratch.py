@@ -2,8 +2,8 @@
 
 The grouped NF4 experts forward (``poros.loading.experts_grouped``) dequantizes a whole fused expert tensor
 ``[E, rows, cols]`` per call: 1.0 GiB at the 35B-A3B MoE shape, 3.0 GiB at the 122B-A10B. Captured
-(``cuda_graphs``), each such transient comes from the graphs' shared pool: on the H100 (docs/results-h200-log.md, 2026-12-07) the
-pools held 2.10 and 6.09 GiB, twice the tensor, and both capped runs ran out of memory (likely the pool's later
+(``cuda_graphs``), each such transient comes from the graphs' shared pool: on the H100 (docs/results-h200-log.md,
+2026-12-07) the pools held 2.10 and 6.09 GiB, twice the tensor, and both capped runs ran out of memory (likely the pool's later
 small allocations split a freed transient's segment, so the next capture asked for a fresh one).
 
 :class:`CaptureScratch` (one per ``graphs.BlockGraphs``, which makes it :func:`active` around each capture) holds
@@ -45,10 +45,6 @@ class CaptureScratch:
         if not held or held[-1].numel() < numel:
             held.append(torch.empty(numel, dtype=dtype, device=device))
         return held[-1][:numel].view(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for buffers in self.buffers.values() for b in buffers)
 
 
 @contextlib.contextmanager

@@ -172,9 +172,9 @@ class BlockGraphs:
         self._stale_casts = self.autocast_capture and self._cache_watch.persisted()
 
     def release(self) -> None:
-        """Drop every graph, the shared LoRA buffers, the capture scratch and the pool (``PorosModel.unpatch``): what the graphs held on
-        the device goes back to the caching allocator, which frees a released pool's segments when it needs the
-        room (or at ``torch.cuda.empty_cache``). Later calls capture afresh."""
+        """Drop every graph, the shared LoRA buffers, the capture scratch and the pool (``PorosModel.unpatch``):
+        what the graphs held on the device goes back to the caching allocator, which frees a released pool's
+        segments when it needs the room (or at ``torch.cuda.empty_cache``). Later calls capture afresh."""
         self.graphs.clear()
         self.seen.clear()
         self.statics, self.gradients, self.pool = ParameterStatics(), ParameterStatics(), None

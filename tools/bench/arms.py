@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from poros.devices import resolve_device
-from poros.stream.chunked_loss import use_chunked_loss
 from poros.doctor.probe import measure_link
+from poros.stream.chunked_loss import use_chunked_loss
 from tools.bench import snapshots
 from tools.bench.timeline import (CopyTimeline, allocator_delta, private_pool_bytes, profile_step, sync_check,
                                  synchronize)
@@ -52,7 +52,8 @@ ARMS = ("resident", "control", "poros-device", "poros")
 
 def checkpointing_on(model) -> bool:
     """Whether HF's gradient checkpointing is on (transformers 5.x names it activation checkpointing)."""
-    return bool(getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing", False))
+    return bool(getattr(model, "is_activation_checkpointing", None)
+                or getattr(model, "is_gradient_checkpointing", False))
 
 
 def free_memory(device: torch.device) -> None:

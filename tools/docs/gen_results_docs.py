@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results-h200.md"
 RESULTS = sorted(ROOT.glob("registry/results/h200-*"))
 #: runs on another card (the GPU tool lends an H100 at times): their own table, never mixed with the H200's
-OTHER_CARDS = sorted(d for d in ROOT.glob("registry/results/*-20*") if d.is_dir() and not d.name.startswith(("h200-", "cpu-")))
+OTHER_CARDS = sorted(d for d in ROOT.glob("registry/results/*-20*")
+                     if d.is_dir() and not d.name.startswith(("h200-", "cpu-")))
 
 
 def _load(path: Path) -> dict:
