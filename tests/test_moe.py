@@ -455,20 +455,27 @@ def test_replayed_grouped_nf4_blocks_train_bitwise_resident(family, variant, exp
 def test_captured_grouped_experts_dequantize_into_the_graphs_held_scratch(family, variant, monkeypatch, tmp_path):
     """Inside a capture the grouped forward's whole dequantized fused tensor goes to the graphs' one held scratch
     (poros.stream.capture_scratch), not the pool: the CPU recorder, told every capture is one, runs each capture and
-    each replay with the scratch active; every dequantize then writes the same buffer, the largest fused tensor's
-    size, and training stays bitwise the resident run. unpatch lets go of it."""
+    each replay with the scratch active, and the layer-major step lends it to its eager warm-ups; every dequantize
+    then writes the same buffer, the largest fused tensor's size, and training stays bitwise the resident run.
+    unpatch lets go of it."""
     from poros.loading import experts_grouped
     from poros.stream import capture_scratch
     from test_gemma4_graphs import ReplayedOnCPU
 
+    inside = []  # a capture (or its replay) runs
+
     class WithScratch(ReplayedOnCPU):
         def _record(self, index, body, autocast=None):
             def held(block):
-                with capture_scratch.active(self.scratch):
-                    return body(block)
+                inside.append(block)
+                try:
+                    with capture_scratch.active(self.scratch):
+                        return body(block)
+                finally:
+                    inside.pop()
             return super()._record(index, held, autocast)
 
-    monkeypatch.setattr(capture_scratch, "capturing", lambda device: True)
+    monkeypatch.setattr(capture_scratch, "capturing", lambda device: bool(inside))
     written = []
     real = experts_grouped.dequantize_nf4
 
@@ -495,7 +502,7 @@ def test_captured_grouped_experts_dequantize_into_the_graphs_held_scratch(family
     assert [b.numel() for b in buffers] == [largest]  # the first capture dequantizes the largest fused tensor
     into = [out for out in written if out is not None]
     assert into and {out.data_ptr() for out in into} == {buffers[0].data_ptr()}
-    assert None in written  # the eager warm-ups allocate as before
+    assert None not in written  # the eager warm-ups write there too: no transient beside the held buffer
     streamed.unpatch()
     assert graphs.scratch.buffers == {}
 

@@ -9,14 +9,17 @@ small allocations split a freed transient's segment, so the next capture asked f
 :class:`CaptureScratch` (one per ``graphs.BlockGraphs``, which makes it :func:`active` around each capture) holds
 one buffer per device and dtype instead, the largest any capture asked for (a larger request adds a buffer; the
 smaller stays, since captured kernels write to it), and :func:`scratch` gives the capture a view of it. The buffer
-is itself allocated in the pool, once, at the first capture that asks, and held: no capture allocates and frees
-such a transient there again, so no later small allocation can split it. Sound because every captured writer (a
+is allocated once, by the first capture or eager run that asks, and held: no capture allocates and frees such a
+transient in the pool again, so no later small allocation can split it. A layer-major step lends the scratch to its
+eager block runs too (``active(held, eager=True)``: the warm-ups before each capture, and blocks that run eagerly):
+on the H100 the 35B-A3B's eager warm-up of its second block structure allocated its own 1.0 GiB transient beside
+the pool's, which is the 1.6 GB the planner's peak missed there. Sound because every captured writer (a
 dequantize) and reader (its grouped matmul) of the buffer is queued on the one compute stream the replays run on,
 each reader right after its writer and before the next writer, as in the eager order; the buffer carries nothing
 from one replay to the next, no graph output or saved tensor is a view of it, and the same kernel writes the same
-bits whether its output is new or held. Outside a capture, or with no scratch active, :func:`scratch` gives None
-and the caller allocates as before (the caching allocator then lends those bytes to the head's working set; a
-block that runs eagerly past the warm-up allocates its own transient beside the held buffer). The active scratch
+bits whether its output is new or held; an eager run lent the buffer queues its writes and reads on that stream
+too. Outside a capture and a lending step, or with no scratch active, :func:`scratch` gives None and the caller
+allocates as before (the caching allocator then lends those bytes to the head's working set). The active scratch
 is per process, not per thread (a captured backward's nodes run on autograd's device thread): Poros captures from
 one thread at a time. The graphs' ``release`` drops their scratch with them. Torch is imported on first use.
 """
@@ -27,8 +30,8 @@ import contextlib
 import math
 from typing import Any
 
-#: the scratch of the capture running now (``active``), innermost last
-_ACTIVE: list["CaptureScratch"] = []
+#: the scratch of the capture (or lending step) running now (``active``) and whether eager runs use it, innermost last
+_ACTIVE: list[tuple["CaptureScratch", bool]] = []
 
 
 class CaptureScratch:
@@ -48,9 +51,13 @@ class CaptureScratch:
 
 
 @contextlib.contextmanager
-def active(held: CaptureScratch):
-    """``held`` is what :func:`scratch` gives from inside this block (a capture)."""
-    _ACTIVE.append(held)
+def active(held: CaptureScratch | None, *, eager: bool = False):
+    """``held`` is what :func:`scratch` gives from inside this block: to captures, and with ``eager`` to every run
+    (a layer-major step of blocks under CUDA graphs lends it to its eager ones). ``held`` None: nothing changes."""
+    if held is None:
+        yield None
+        return
+    _ACTIVE.append((held, eager))
     try:
         yield held
     finally:
@@ -65,11 +72,12 @@ def capturing(device: Any) -> bool:
 
 
 def scratch(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
-    """A ``shape`` view of the active scratch's buffer of ``device`` and ``dtype`` while a capture runs there, else
-    None (the caller allocates)."""
-    if not _ACTIVE or not capturing(device):
+    """A ``shape`` view of the active scratch's buffer of ``device`` and ``dtype`` while a capture runs there (or
+    in a lending step), else None (the caller allocates)."""
+    if not _ACTIVE:
         return None
-    return _ACTIVE[-1].view(shape, dtype, device)
+    held, eager = _ACTIVE[-1]
+    return held.view(shape, dtype, device) if eager or capturing(device) else None
 
 
 __all__ = ["CaptureScratch", "active", "capturing", "scratch"]

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from poros.errors import StreamingError
-from poros.stream import gc_pause
+from poros.stream import capture_scratch, gc_pause
 from poros.stream.dropout import check_no_dropout
 from poros.stream.replay import autocast_state, outside_autocast, replayed_autocast
 from poros.stream.segments import recompute_inputs, segment_start, segment_top
@@ -57,7 +57,8 @@ def forward_backward(executor: Any, model_call: Callable[..., Any], micro_batche
         StreamingError: a dropout with p > 0 is active (its random draws would come in another
             order than in ordinary accumulation; use the micro-major schedule).
     """
-    with gc_pause.paused(executor.options.pause_gc):
+    lent = None if executor.graphs is None else executor.graphs.scratch  # eager blocks' transients too
+    with gc_pause.paused(executor.options.pause_gc), capture_scratch.active(lent, eager=True):
         return _paused_step(executor, model_call, micro_batches, own_backward)
 
 
