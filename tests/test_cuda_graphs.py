@@ -162,12 +162,15 @@ def test_the_report_counts_what_ran_eagerly():
 
 
 def test_the_planner_counts_the_graphs_memory(checkpoints):
-    """prepare(vram_budget=..., cuda_graphs=True) plans with the graphs' pool and static buffers held
-    beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes): per slot and block
-    structure a forward and a backward graph, and the static LoRA buffers and LoRA gradient buffers once each (all
-    graphs share them), with autograd's gradients of one block in the pool (each backward capture's temporaries)."""
+    """prepare(vram_budget=..., cuda_graphs=True) plans with the graphs' memory: the pool's capture transients held
+    beside the peak, like the CUDA context (an estimate: placement.graph_reserve_bytes: one block's working set and
+    autograd's LoRA gradients of one block), and what the graphs keep allocated counted in the peak
+    (placement.graph_statics_bytes): per slot and block structure a forward and a backward graph's static boundary
+    states, the static LoRA buffers and LoRA gradient buffers once each (all graphs share them), and the capture
+    scratch of the fused NF4 experts (none here)."""
     from poros.plan.footprint import footprint_of_model, plan_for_model
-    from poros.stream.placement import graph_reserve_bytes
+    from poros.plan.peak import predict_peak
+    from poros.stream.placement import graph_reserve_bytes, graph_statics_bytes
     from poros.plan.budget import Workload
 
     model = load_qlora(checkpoints["qwen3"], lora_rank=4, lora_alpha=8)
@@ -180,10 +183,13 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     plain = plan_for_model(causal, layers, [], options, **where)
     graphed = plan_for_model(causal, layers, [], options.replace(cuda_graphs=True), cuda_graphs=True, **where)
     footprint = footprint_of_model(causal, layers, [], options.workload, **where)
-    reserve = graph_reserve_bytes(footprint, 2)
-    assert reserve > footprint.recompute_bytes > 0
+    reserve, statics = graph_reserve_bytes(footprint, 2), graph_statics_bytes(footprint, 2)
+    assert reserve > footprint.recompute_bytes > 0 and footprint.expert_scratch_bytes == 0
+    assert footprint.captured_recompute_bytes == footprint.recompute_bytes  # no fused experts
     assert graphed.context_bytes == plain.context_bytes + reserve
-    assert graphed.needed_bytes >= plain.needed_bytes
+    assert graphed.needed_bytes > plain.needed_bytes
+    on = dataclasses.replace(footprint, cuda_graphs=True)
+    assert predict_peak(on, options.workload).total == predict_peak(footprint, options.workload).total + statics
     # the shared LoRA buffers: one block's (every block's LoRA has the same tensors here), not the model's
     assert footprint.block_structures == 1
     assert footprint.lora_statics_bytes == max(sum(p.numel() * p.element_size() for p in layer.parameters()
@@ -193,14 +199,19 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     # one more block structure: per slot a forward graph (hidden in, out) and a backward graph (hidden and
     # output gradient in, hidden gradient out) more, and no more LoRA or LoRA gradient buffers (shared)
     two = dataclasses.replace(footprint, block_structures=2)
-    assert graph_reserve_bytes(two, 2) - reserve == 2 * (2 * boundary + 3 * boundary)
-    # the LoRA buffers, the LoRA gradient buffers and autograd's gradients in the pool: each once, not per graph
+    assert graph_statics_bytes(two, 2) - statics == 2 * (2 * boundary + 3 * boundary)
+    assert graph_reserve_bytes(two, 2) == reserve
+    # the LoRA buffers and the LoRA gradient buffers allocated, autograd's gradients in the pool: each once
     more = dataclasses.replace(footprint, lora_statics_bytes=lora + 1024)
-    assert graph_reserve_bytes(more, 2) - reserve == 3 * 1024
+    assert graph_statics_bytes(more, 2) - statics == 2 * 1024 and graph_reserve_bytes(more, 2) - reserve == 1024
     wide = dataclasses.replace(footprint, block_structures=3)  # 4 slots x 3 structures: 13 backward graphs
-    assert graph_reserve_bytes(dataclasses.replace(wide, lora_statics_bytes=lora + 1024), 4) \
-        - graph_reserve_bytes(wide, 4) == 3 * 1024
-    assert reserve == footprint.recompute_bytes + 3 * lora + 2 * 2 * boundary + 3 * 3 * boundary
+    assert graph_statics_bytes(dataclasses.replace(wide, lora_statics_bytes=lora + 1024), 4) \
+        - graph_statics_bytes(wide, 4) == 2 * 1024
+    assert reserve == footprint.recompute_bytes + lora
+    assert statics == 2 * lora + 2 * 2 * boundary + 3 * 3 * boundary
+    # fused NF4 experts: the graphs hold the largest dequantized whole, and a capture's transient is the rest
+    experts = dataclasses.replace(footprint, expert_scratch_bytes=10 ** 6, captured_recompute_bytes=1000)
+    assert graph_statics_bytes(experts, 2) == statics + 10 ** 6 and graph_reserve_bytes(experts, 2) == 1000 + lora
 
 
 def test_auto_turns_the_graphs_off_where_their_memory_does_not_fit_the_budget(capsys, monkeypatch):

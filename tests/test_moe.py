@@ -507,6 +507,38 @@ def test_captured_grouped_experts_dequantize_into_the_graphs_held_scratch(family
     assert graphs.scratch.buffers == {}
 
 
+@pytest.mark.parametrize(("family", "variant"), MOE, ids=IDS)
+def test_the_planner_counts_the_held_expert_scratch_as_the_graphs_and_not_in_a_captures_transient(family, variant,
+                                                                                                   tmp_path):
+    """With CUDA graphs the largest fused NF4 expert tensor, dequantized, lives in the graphs' capture scratch for
+    the whole run: the predicted peak counts it as persistent (the H100's 8-layer 35B-A3B at a 6 GB cap peaked
+    0.9 GB over the plan at the head and loss, which ignored it), and a capture's working set holds the largest
+    linear's dequantized weight instead."""
+    import dataclasses
+
+    from poros.plan.footprint import footprint_of_model
+    from poros.plan.peak import predict_peak
+    from poros.stream.options import Workload
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=5, num_layers=2)
+    model = load(path, {**FIXED, "seed": 5}, "nf4+lora")
+    causal = model.get_base_model()
+    layers = list(causal.model.layers)
+    workload = Workload(2, 14, grad_accum=3, schedule="layer-major")
+    footprint = footprint_of_model(causal, layers, [], workload, device=torch.device("cpu"),
+                                   compute_dtype=torch.bfloat16)
+    largest = max(m.num_experts * math.prod(shape) for layer in layers for m in layer.modules()
+                  for shape, _, _ in getattr(m, "poros_nf4", {}).values())
+    assert footprint.expert_scratch_bytes == 2 * largest  # bf16
+    assert footprint.captured_recompute_bytes <= footprint.recompute_bytes
+    plain = predict_peak(footprint, workload)
+    graphed = predict_peak(dataclasses.replace(footprint, cuda_graphs=True), workload)
+    held = dict(graphed.persistent)
+    (name,) = [name for name in held if name.startswith("CUDA graphs")]
+    assert "expert scratch" in name and held[name] >= footprint.expert_scratch_bytes
+    assert graphed.total > plain.total
+
+
 def test_grouped_nf4_experts_are_graph_eligible_and_the_loop_names_why_it_is_not(tmp_path):
     """The dequantize-per-routed-expert loop syncs with the host: the families' graph_unsafe names it; the
     grouped NF4 forward (the default where grouped_mm computes) is captured like transformers' grouped_mm."""

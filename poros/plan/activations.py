@@ -274,6 +274,7 @@ class ActivationParts:
     tiled_buffers: int = 0  # tiled (mlp_chunks > 1): a tiled node's whole input gradient and the block's output
     post_attention_norm: int = 0  # the part of norms the post-attention norm keeps, freed before attention's backward
     fused_loss: bool = False  # the head is Liger's fused linear cross-entropy (fused_loss_bytes)
+    dequantized_linear: int = 0  # the largest 4-bit linear alone: captured, the fused experts go to the scratch
 
     @property
     def recompute(self) -> int:
@@ -284,9 +285,17 @@ class ActivationParts:
         saved tensors are freed).
         Tiled, the norms and the LoRA input copies are the per-token nodes' compute-dtype inputs and outputs
         and one chunk's fp32 copies, and a tiled node's input gradient and the block's output count beside."""
+        return self._recompute(self.dequantized_weight)
+
+    @property
+    def captured_recompute(self) -> int:
+        """:attr:`recompute` under CUDA graphs: the fused NF4 experts are dequantized into the graphs' held scratch
+        (``poros.stream.capture_scratch``, counted beside the peak), so the transient is the largest linear's."""
+        return self._recompute(min(self.dequantized_weight, self.dequantized_linear or self.dequantized_weight))
+
+    def _recompute(self, dequantized: int) -> int:
         return (self.norms + self.lora_inputs + self.projections + self.attention.bytes + self.tiled_buffers
-                + max(self.norm_backward, self.mlp + self.dequantized_weight,
-                      self.attention.backward - self.post_attention_norm))
+                + max(self.norm_backward, self.mlp + dequantized, self.attention.backward - self.post_attention_norm))
 
     @property
     def head(self) -> int:
@@ -358,6 +367,7 @@ def activation_parts(shapes: BlockShapes, *, batch_size: int, seq_len: int, valu
                                         attn_implementation=attn_implementation, sms=attention_sms, packed=packed),
         mlp=mlp_tokens * mlp_per_token,
         dequantized_weight=max(shapes.largest_linear, shapes.dequantized_experts) * value_bytes,
+        dequantized_linear=shapes.largest_linear * value_bytes,
         logits=head_logits, loss=loss, softcap=softcap, loss_chunks=loss_chunks, mlp_chunks=mlp_chunks,
         fused_loss=fused_loss, **per_token_parts(tokens, mlp_tokens, hidden, value_bytes, lora * shapes.lora_attention_inputs, mlp_chunks))
 

@@ -28,6 +28,9 @@ from pathlib import Path
 #: re-runs of those shapes (h200-2026-12-02-s9) are the calibration
 MLP_ONLY_TILING = ("h200-2026-11-", "h200-2026-12-01", "h200-2026-12-02-s8")
 
+#: the day the CUDA graphs' capture scratch (``poros.stream.capture_scratch``) began holding the fused NF4 experts
+CAPTURE_SCRATCH_SINCE = "2026-12-07"
+
 #: the H200's streaming multiprocessors (``torch.cuda.get_device_properties(0).multi_processor_count``)
 H200_SMS = 132
 
@@ -103,6 +106,11 @@ def predicted_peak(record: dict) -> int:
     boundary = chosen.get("boundary_states") or setup.get("boundary_states") or "device"
     lora_placement = chosen.get("lora_placement") or setup.get("lora_placement") or "device"
     footprint = dataclasses.replace(plan, attention_sms=H200_SMS if setup.get("deterministic") else 0).footprint()
+    # the graphs' live buffers where its blocks were captured; before the capture scratch the fused experts were a
+    # capture's transient in the pool like any other
+    footprint = dataclasses.replace(footprint, cuda_graphs=bool((measured.get("cuda_graphs") or {}).get("captured")),
+                                    **({} if record["environment"]["date"] >= CAPTURE_SCRATCH_SINCE else
+                                       {"expert_scratch_bytes": 0, "captured_recompute_bytes": 0}))
     return planner.predict_peak(footprint, workload, resident=measured.get("resident_blocks", ()),
                                 num_slots=measured.get("num_slots", setup["num_slots"]),
                                 boundary_on_host=boundary in ("host", "disk"),

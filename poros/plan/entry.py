@@ -108,8 +108,12 @@ def plan_config(config: Any, footprint: Footprint, *, vram_budget: Any, device: 
 
     def planned(graphs: bool) -> BudgetPlan:
         context = device_context_bytes(footprint, device, cuda_graphs=graphs, num_slots=options.num_slots)
-        return plan_budget(footprint, options.budget_workload(), options, compute=compute,
-                           link_bytes_per_s=link_bytes_per_s, context_bytes=context, footprint_for=footprint_for)
+        chunked = None if footprint_for is None else (
+            lambda loss_chunks, mlp_chunks: dataclasses.replace(footprint_for(loss_chunks, mlp_chunks),
+                                                                cuda_graphs=graphs))
+        return plan_budget(dataclasses.replace(footprint, cuda_graphs=graphs), options.budget_workload(), options,
+                           compute=compute, link_bytes_per_s=link_bytes_per_s, context_bytes=context,
+                           footprint_for=chunked)
 
     plan, _ = graphs_decided(config.cuda_graphs, device, planned)
     return options, plan

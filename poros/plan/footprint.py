@@ -133,6 +133,8 @@ def with_activations(footprint: Footprint, shapes: BlockShapes, workload: Worklo
     return dataclasses.replace(footprint, boundary_bytes=parts.boundary, recompute_bytes=parts.recompute,
                                head_bytes=parts.head, kept_bytes=parts.kept, parts=parts.named(),
                                held_weight_bytes=shapes.dequantized_block * value_bytes,
+                               expert_scratch_bytes=shapes.dequantized_experts * value_bytes,
+                               captured_recompute_bytes=parts.captured_recompute,
                                attention=f"{parts.attention.kernel} ({parts.attention.reason})",
                                loss_chunks=parts.loss_chunks, mlp_chunks=mlp_chunks)
 
@@ -162,6 +164,7 @@ def predict_prepared(model: Any, workload: Workload, *, compute: ComputeTimes | 
                                    mlp_chunks=model.executor.options.mlp_chunks)
     resident = store.resident_blocks
     slots = max(store.num_slots, 1)
+    footprint = dataclasses.replace(footprint, cuda_graphs=model.executor.graphs is not None)
     peak = predict_peak(footprint, workload, resident=resident, num_slots=slots,
                         embeddings_on_host=bool(model.host_tables),
                         boundary_on_host=model.executor.boundary_states in ("host", "disk"),
@@ -199,6 +202,7 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
     footprint = footprint_of_model(causal_lm, layers, host_tables, workload, device=device,
                                    compute_dtype=compute_dtype, mlp_chunks=options.mlp_chunks)
     graphs_on = cuda_graphs_on(options.cuda_graphs, device) if cuda_graphs is None else cuda_graphs
+    footprint = dataclasses.replace(footprint, cuda_graphs=graphs_on)  # the chunked ones inherit it
     context = device_context_bytes(footprint, device, cuda_graphs=graphs_on, num_slots=options.num_slots)
     shapes, value_bytes, attention = model_shapes(causal_lm, layers, compute_dtype)
     return plan_budget(footprint, workload, options, context_bytes=context,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from poros.stream import optimizer_states as adamw_states
+from poros.stream.placement import graph_statics_bytes
 from poros.stream.options import Workload
 from poros.spellings import format_gb
 
@@ -62,6 +63,12 @@ class Footprint:
         lora_statics_bytes: the static LoRA buffers every CUDA graph shares (the largest block's LoRA, per
             tensor signature: ``placement.shared_statics_bytes``; the shared LoRA gradient buffers are as large);
             0: unknown (the average block's LoRA).
+        expert_scratch_bytes: the largest fused NF4 expert tensor dequantized to the compute dtype: what CUDA
+            graphs' capture scratch holds for the whole run (``poros.stream.capture_scratch``); 0: none.
+        captured_recompute_bytes: ``recompute_bytes`` with that tensor in the scratch (the largest linear's
+            dequantized weight instead); 0: as ``recompute_bytes``.
+        cuda_graphs: the run captures its blocks: :func:`predict_peak` counts the graphs' live buffers
+            (``placement.graph_statics_bytes``) and the scratch as persistent.
     """
 
     block_bytes: tuple[int, ...]
@@ -81,6 +88,9 @@ class Footprint:
     held_weight_bytes: int = 0  # one block's dequantized 4-bit weights, held by dequantize_once for a block phase
     block_structures: int = 1  # CUDA graphs key each apart (placement.graph_reserve_bytes)
     lora_statics_bytes: int = 0  # the CUDA graphs' shared static LoRA buffers (placement.shared_statics_bytes)
+    expert_scratch_bytes: int = 0  # the largest fused NF4 expert tensor, dequantized (capture_scratch holds it)
+    captured_recompute_bytes: int = 0  # recompute_bytes with the fused experts in the scratch (0: the same)
+    cuda_graphs: bool = False  # the run captures its blocks (predict_peak counts the graphs' live buffers)
 
     @property
     def num_blocks(self) -> int:
@@ -153,6 +163,12 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         *lora_persistent,
         ("library workspaces", footprint.workspace_bytes),
     ]
+    recompute = footprint.recompute_bytes
+    if footprint.cuda_graphs:  # what the graphs keep allocated; a capture's transients are the pool's, reserved
+        persistent.append(("CUDA graphs: shared LoRA values and gradients, static boundary states"
+                           + (", the held expert scratch" if footprint.expert_scratch_bytes else ""),
+                           graph_statics_bytes(footprint, slots)))
+        recompute = footprint.captured_recompute_bytes or recompute
     micro, every = workload.grad_accum, workload.boundary_every
     blocks = kept_states(footprint.num_blocks, every)  # the boundary states kept: L, or L / k rounded up
     segment = every - 1  # boundary_every > 1: a segment's recomputed inputs, alive at its top block's backward
@@ -165,7 +181,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
                      "M gradients)" + (f", the segment's {segment} x M recomputed ones" if segment else ""),
                      (4 + segment) * micro * boundary),
                     ("LoRA gradients", staying + block_grads),
-                    ("one block's recompute working set", footprint.recompute_bytes)]
+                    ("one block's recompute working set", recompute)]
     elif workload.schedule == "layer-major":
         turn = [("boundary states (M x L) + outputs and their gradients", micro * (blocks + 2) * boundary),
                 ("head and loss working set", footprint.head_bytes)]
@@ -173,7 +189,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
                         f" + the segment's {segment} x M recomputed ones" if segment else ""),
                      micro * (blocks + 1 + segment) * boundary),
                     ("LoRA gradients", staying + block_grads),
-                    ("one block's recompute working set", footprint.recompute_bytes)]
+                    ("one block's recompute working set", recompute)]
     else:
         accumulated = lora if micro > 1 else 0  # gradients of the earlier micro-batches
         turn = [("boundary states (L)", blocks * boundary), ("head and loss working set", footprint.head_bytes),
@@ -181,7 +197,7 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
         first_block = (blocks + segment) * boundary + max(accumulated, lora // max(footprint.num_blocks, 1))
         last_block = 2 * boundary + lora
         backward = [("boundary states and LoRA gradients still held", max(first_block, last_block)),
-                    ("one block's recompute working set", footprint.recompute_bytes)]
+                    ("one block's recompute working set", recompute)]
     if dequantize_once and workload.schedule == "layer-major":
         backward.append(("held dequantized weights (dequantize_once: one block's 4-bit linears)",
                          footprint.held_weight_bytes))

@@ -60,28 +60,40 @@ def host_embedding_tables(model: Any, descriptor: ArchitectureDescriptor) -> lis
 
 
 def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
-    """Device memory ``cuda_graphs`` holds beside the allocated peak — an estimate, priced from the
-    footprint's widths and counted by the planner like the CUDA context:
+    """Device memory ``cuda_graphs`` reserves beside the allocated peak: the graphs' shared pool, where each capture
+    allocates and frees one block's recompute-and-backward working set (the forward's fits inside it; the fused
+    NF4 experts in the held scratch instead, ``footprint.captured_recompute_bytes``) and that block's LoRA gradients
+    as autograd makes them (temporaries, copied into the shared gradient buffers at the capture's end). Every
+    capture reuses the same bytes, which stay reserved in the pool, out of the reach of the eager allocator: an
+    estimate, counted by the planner like the CUDA context. What the graphs keep allocated the peak counts
+    (:func:`graph_statics_bytes`). ``footprint`` is a ``poros.plan.budget.Footprint``; ``num_slots`` unused (the
+    statics carry the per-graph parts)."""
+    del num_slots
+    return (footprint.captured_recompute_bytes or footprint.recompute_bytes) + _statics_lora(footprint)
 
-    * the graphs' shared pool: one block's recompute-and-backward working set (the forward's fits inside it)
-      and that block's LoRA gradients as autograd makes them (temporaries of each backward capture, copied
-      into the shared gradient buffers and freed at its end: every capture reuses the same bytes);
-    * the static LoRA buffers, one set every graph shares (``graph_capture.ParameterStatics``), once:
-      ``footprint.lora_statics_bytes`` (:func:`shared_statics_bytes`; 0, unknown: the average block's LoRA);
-      and the LoRA gradient buffers every backward graph returns, one shared set by the same rule, as large;
-    * per forward graph its static boundary states in and out; per backward graph the boundary state in,
-      the output gradient in and the hidden gradient out.
+
+def graph_statics_bytes(footprint: Any, num_slots: int) -> int:
+    """Device memory CUDA graphs keep allocated for the whole run (``poros.plan.peak.predict_peak`` counts it as
+    persistent where ``footprint.cuda_graphs``): the static LoRA buffers, one set every graph shares
+    (``graph_capture.ParameterStatics``): ``footprint.lora_statics_bytes`` (:func:`shared_statics_bytes`; 0,
+    unknown: the average block's LoRA); the LoRA gradient buffers every backward graph returns, one shared set as
+    large; per forward graph its static boundary states in and out; per backward graph the boundary state in, the
+    output gradient in and the hidden gradient out; and the capture scratch, the largest fused NF4 expert tensor
+    dequantized (``footprint.expert_scratch_bytes``, ``poros.stream.capture_scratch``).
 
     The graphs: per phase one for each device slot and block structure (``footprint.block_structures``:
     blocks of different modules or attributes key graphs apart), and one more backward, block 0's
     (its input needs no gradient). Not counted: resident blocks' graphs (each keys its own) and graphs
-    of more argument shapes (batches padded to several lengths). ``footprint`` is a
-    ``poros.plan.budget.Footprint``; activations per micro-batch."""
-    lora = footprint.lora_statics_bytes or footprint.lora_parameter_bytes // max(len(footprint.block_bytes), 1)
+    of more argument shapes (batches padded to several lengths). Activations per micro-batch."""
     keyed = max(num_slots, 1) * max(footprint.block_structures, 1)
     forward, backward = keyed, keyed + 1
     boundary = footprint.boundary_bytes
-    return footprint.recompute_bytes + 3 * lora + forward * 2 * boundary + backward * 3 * boundary
+    return (2 * _statics_lora(footprint) + forward * 2 * boundary + backward * 3 * boundary
+            + footprint.expert_scratch_bytes)
+
+
+def _statics_lora(footprint: Any) -> int:
+    return footprint.lora_statics_bytes or footprint.lora_parameter_bytes // max(len(footprint.block_bytes), 1)
 
 
 def shared_statics_bytes(blocks: Iterable[Iterable[tuple[Hashable, int]]]) -> int:
