@@ -218,6 +218,7 @@ class _NoReplay:
     fails the test; eager phases are counted by reason, as its report does."""
 
     micro_major = False
+    scratch = None  # no capture scratch to lend the step's eager runs
 
     def __init__(self) -> None:
         self.eager: Counter = Counter()
