@@ -174,3 +174,29 @@ def test_auto_without_a_plan_counts_a_block_by_its_measured_bytes_once_measured(
     assert choice.blocks(hidden, 1) == frozenset(range(3))
     choice.allotted_bytes = 3 * estimate
     assert choice.blocks(hidden, 2) == frozenset()
+
+
+def test_auto_without_a_plan_keeps_within_an_emulated_card(monkeypatch):
+    """Without a plan, auto sizes the kept blocks from the device's free memory; under
+    ``torch.cuda.set_per_process_memory_fraction`` (how the bench and users emulate a small card) the allocator stops
+    at that fraction, whatever ``mem_get_info`` says is free (a 24 GB cap on a 141 GB card would otherwise keep
+    blocks for the whole card)."""
+    import types
+
+    from poros.stream.recompute_choice import FREE_MARGIN, FREE_MARGIN_BYTES, RecomputeChoice
+
+    gib = 1 << 30
+    parts = types.SimpleNamespace(boundary=0, recompute=0, head=0)
+    executor = types.SimpleNamespace(layers=[], causal_lm=torch.nn.Linear(1, 1, bias=False), dequantize=None)
+    for p in executor.causal_lm.parameters():
+        p.requires_grad_(False)
+    choice = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)
+    hidden = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2048, 8), dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (130 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 8 * gib)
+    margin = lambda total: int(FREE_MARGIN * total) + FREE_MARGIN_BYTES  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    assert choice.free_beside_step(hidden, 4) == 130 * gib + 2 * gib - margin(140 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.25)  # 35 GiB of 140
+    assert choice.free_beside_step(hidden, 4) == (35 - 10) * gib + 2 * gib - margin(35 * gib)

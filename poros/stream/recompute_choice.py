@@ -100,7 +100,12 @@ class RecomputeChoice:
         if device.type != "cuda":
             return 0
         free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        if fraction < 1:  # set_per_process_memory_fraction (a smaller card emulated): the allocator stops there
+            total = int(fraction * total)
+            free = max(0, min(free, total - reserved))
+        cached = reserved - torch.cuda.memory_allocated(device)
         parts = self._activation_parts(hidden)
         blocks = len(self.executor.layers)
         lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
