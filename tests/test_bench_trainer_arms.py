@@ -221,6 +221,20 @@ def test_the_poros_trainer_arms_take_the_bench_budget_and_resident_blocks():
     assert plain.prepare_options() == {"cuda_graphs": False, "resident_blocks": 1}
 
 
+def test_the_trainer_arms_take_the_bench_cap_on_the_arms_it_names():
+    """``--vram-limit`` with ``--cap-arms`` caps those Trainer arms as it caps the step arms (the issue's 24 GB row:
+    before, the Trainer arms ignored the cap)."""
+    from tools.bench import harness as bench
+
+    args = bench.parse_args(["--model", "tiny", "--device", "cpu", "--arms", "trl-resident,trl-poros",
+                             "--vram-limit", "24", "--cap-arms", "trl-poros"])
+    setup = bench.trainer_setup(args, torch.device("cpu"))
+    assert (setup.cap_of("trl-poros"), setup.cap_of("trl-resident")) == (24, None)
+    everyone = bench.trainer_setup(bench.parse_args(["--model", "tiny", "--device", "cpu", "--vram-limit", "24"]),
+                                   torch.device("cpu"))
+    assert everyone.cap_of("trl-resident") == everyone.cap_of("unsloth") == 24
+
+
 def test_a_poros_trainer_arm_keeps_the_blocks_it_is_asked_to_keep(tmp_path):
     from tools.bench.models import add_lora, build_model, make_batches
     from tools.bench.shapes import model_config

@@ -207,7 +207,9 @@ def trainer_setup(args, device) -> TrainerSetup:
                         batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed, cuda_graphs=args.cuda_graphs,
                         vram_budget=args.vram_budget, resident_blocks=args.resident_blocks, recompute=args.recompute,
                         dequantize_once={"true": True, "false": False}.get(args.dequantize_once, args.dequantize_once),
-                        profile=args.profile, liger=args.liger, output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
+                        profile=args.profile, liger=args.liger, vram_limit_gb=args.vram_limit,
+                        capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
+                        output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 
 def trainer_arms_report(args, peft_model, batches, setup: TrainerSetup, arms: dict) -> dict:

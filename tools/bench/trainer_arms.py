@@ -104,6 +104,11 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     result, handle, trainer = ArmResult(name), None, None
     clock = StepClock(setup.device)
     profiler = KernelProfile(setup.warmup, setup.device) if setup.profile and setup.warmup else None
+    cap = setup.cap_of(name) if setup.device.startswith("cuda") else None
+    if cap is not None:  # a smaller card, emulated for this arm's whole run (prepare_trainer's decisions too)
+        device = torch.device(setup.device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total), device)
     try:
         trainer = _trainer(flow, peft_model, rows, setup, clock, tokenizer if tokenizer is not None
                            else bundled_tokenizer())
@@ -136,6 +141,9 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
         result.status, result.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     result.extra.update(clock.memory())
+    if cap is not None:
+        result.extra["vram_limit_gb"] = cap
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(setup.device))
     result.extra["allocator_per_step"] = clock.allocator(setup.warmup)
     if profiler is not None:
         result.extra["kernel_profile"] = profiler.result

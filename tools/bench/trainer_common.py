@@ -54,6 +54,9 @@ class TrainerSetup:
             or None.
         liger: every Trainer arm (``trl-*``, ``hf-*``, resident and one-line alike) trains with
             ``use_liger_kernel=True`` (:func:`liger_arguments`); the Unsloth child never reads it.
+        vram_limit_gb: the arms of ``capped_arms`` (None: every Trainer arm) train with the process capped at
+            this many GB (``torch.cuda.set_per_process_memory_fraction``, as the step arms' ``--vram-limit``).
+        capped_arms: see ``vram_limit_gb``.
     """
 
     device: str
@@ -72,6 +75,12 @@ class TrainerSetup:
     vram_budget: str | None = None
     resident_blocks: int | None = None
     liger: bool = False
+    vram_limit_gb: float | None = None
+    capped_arms: tuple[str, ...] | None = None
+
+    def cap_of(self, arm: str) -> float | None:
+        """The GB cap arm ``arm`` trains under, or None."""
+        return self.vram_limit_gb if self.capped_arms is None or arm in self.capped_arms else None
 
     def prepare_options(self) -> dict[str, Any]:
         """The keywords a ``-poros`` arm passes to ``poros.prepare_trainer`` (to ``poros.prepare``): with a
