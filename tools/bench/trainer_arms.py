@@ -105,10 +105,6 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
     clock = StepClock(setup.device)
     profiler = KernelProfile(setup.warmup, setup.device) if setup.profile and setup.warmup else None
     cap = setup.cap_of(name) if setup.device.startswith("cuda") else None
-    if cap is not None:  # a smaller card, emulated for this arm's whole run (prepare_trainer's decisions too)
-        device = torch.device(setup.device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total), device)
     try:
         trainer = _trainer(flow, peft_model, rows, setup, clock, tokenizer if tokenizer is not None
                            else bundled_tokenizer())
@@ -117,6 +113,10 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         if line == "poros":
             handle = poros.prepare_trainer(trainer, **setup.prepare_options())  # the one line
             handle.store.stats.reset()
+        if cap is not None:  # a smaller card, emulated from training on (after the one line has streamed the
+            device = torch.device(setup.device)  # blocks off the card: what the first step decides sees the cap)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total), device)
         trainer.train()
         result.losses = [torch.tensor(loss, dtype=torch.float64) for loss in logged_losses(trainer)]
         result.step_times = clock.step_times
