@@ -232,7 +232,7 @@ def test_the_trainer_arms_take_the_bench_cap_on_the_arms_it_names():
     assert (setup.cap_of("trl-poros"), setup.cap_of("trl-resident")) == (24, None)
     everyone = bench.trainer_setup(bench.parse_args(["--model", "tiny", "--device", "cpu", "--vram-limit", "24"]),
                                    torch.device("cpu"))
-    assert everyone.cap_of("trl-resident") == everyone.cap_of("unsloth") == 24
+    assert everyone.cap_of("trl-resident") == everyone.cap_of("hf-poros") == 24
 
 
 def test_a_poros_trainer_arm_keeps_the_blocks_it_is_asked_to_keep(tmp_path):

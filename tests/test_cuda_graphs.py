@@ -188,6 +188,10 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     assert footprint.captured_recompute_bytes == footprint.recompute_bytes  # no fused experts
     assert graphed.context_bytes == plain.context_bytes + reserve
     assert graphed.needed_bytes > plain.needed_bytes
+    # the footprint the budget priced knows the graphs are on, and its peak holds what they keep allocated
+    assert graphed.footprint.cuda_graphs and not plain.footprint.cuda_graphs
+    assert [n for n, _ in graphed.peak.persistent if n.startswith("CUDA graphs")]
+    assert not [n for n, _ in plain.peak.persistent if n.startswith("CUDA graphs")]
     on = dataclasses.replace(footprint, cuda_graphs=True)
     assert predict_peak(on, options.workload).total == predict_peak(footprint, options.workload).total + statics
     # the shared LoRA buffers: one block's (every block's LoRA has the same tensors here), not the model's

@@ -537,6 +537,26 @@ def test_the_planner_counts_the_held_expert_scratch_as_the_graphs_and_not_in_a_c
     (name,) = [name for name in held if name.startswith("CUDA graphs")]
     assert "expert scratch" in name and held[name] >= footprint.expert_scratch_bytes
     assert graphed.total > plain.total
+    # micro-major lends no scratch (its captures are off by default, its warm-ups allocate afresh): none counted
+    micro = Workload(2, 14, grad_accum=3, schedule="micro-major")
+    held = dict(predict_peak(dataclasses.replace(footprint, cuda_graphs=True), micro).persistent)
+    (name,) = [name for name in held if name.startswith("CUDA graphs")]
+    from poros.stream.placement import graph_statics_bytes
+
+    without = dataclasses.replace(footprint, expert_scratch_bytes=0)
+    assert "expert scratch" not in name and held[name] == graph_statics_bytes(without, 2)
+    # poros plan's budget path: the footprint it prices, the chunked re-pricings too, carry the graphs
+    from poros.config import PorosConfig
+    from poros.plan.entry import plan_config
+    from poros.plan.footprint import chunked_footprints, model_shapes
+
+    shapes, value_bytes, attention = model_shapes(causal, layers, torch.bfloat16)
+    config = PorosConfig(model=str(path), device="cuda", seq_len=14, batch_size=2, grad_accum=3,
+                         stream_schedule="layer-major", cuda_graphs=True)
+    _, budget = plan_config(config, footprint, vram_budget="80GB", device="cuda", footprint_for=chunked_footprints(
+        footprint, shapes, workload, value_bytes=value_bytes, attn_implementation=attention))
+    assert budget.footprint.cuda_graphs
+    assert [n for n, _ in budget.peak.persistent if "expert scratch" in n]
 
 
 def test_grouped_nf4_experts_are_graph_eligible_and_the_loop_names_why_it_is_not(tmp_path):

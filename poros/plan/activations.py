@@ -274,7 +274,7 @@ class ActivationParts:
     tiled_buffers: int = 0  # tiled (mlp_chunks > 1): a tiled node's whole input gradient and the block's output
     post_attention_norm: int = 0  # the part of norms the post-attention norm keeps, freed before attention's backward
     fused_loss: bool = False  # the head is Liger's fused linear cross-entropy (fused_loss_bytes)
-    dequantized_linear: int = 0  # the largest 4-bit linear alone: captured, the fused experts go to the scratch
+    dequantized_linear: int = 0  # the largest 4-bit linear alone (0: none): captured, the fused experts go to the scratch
 
     @property
     def recompute(self) -> int:
@@ -291,7 +291,7 @@ class ActivationParts:
     def captured_recompute(self) -> int:
         """:attr:`recompute` under CUDA graphs: the fused NF4 experts are dequantized into the graphs' held scratch
         (``poros.stream.capture_scratch``, counted beside the peak), so the transient is the largest linear's."""
-        return self._recompute(min(self.dequantized_weight, self.dequantized_linear or self.dequantized_weight))
+        return self._recompute(min(self.dequantized_weight, self.dequantized_linear))
 
     def _recompute(self, dequantized: int) -> int:
         return (self.norms + self.lora_inputs + self.projections + self.attention.bytes + self.tiled_buffers

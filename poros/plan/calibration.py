@@ -28,8 +28,17 @@ from pathlib import Path
 #: re-runs of those shapes (h200-2026-12-02-s9) are the calibration
 MLP_ONLY_TILING = ("h200-2026-11-", "h200-2026-12-01", "h200-2026-12-02-s8")
 
-#: the day the CUDA graphs' capture scratch (``poros.stream.capture_scratch``) began holding the fused NF4 experts
+#: the day the CUDA graphs' capture scratch (``poros.stream.capture_scratch``, b4e0353) began holding the fused NF4
+#: experts, and the commits of that day's records made before it
 CAPTURE_SCRATCH_SINCE = "2026-12-07"
+BEFORE_CAPTURE_SCRATCH = ("325a997", "67a94df")
+
+
+def holds_scratch(record: dict) -> bool:
+    """Whether a record's run held the fused NF4 experts in the graphs' capture scratch (else a capture's transient)."""
+    environment = record.get("environment") or {}
+    date, commit = environment.get("date") or "", environment.get("commit") or ""
+    return date >= CAPTURE_SCRATCH_SINCE and not commit.startswith(BEFORE_CAPTURE_SCRATCH)
 
 #: the H200's streaming multiprocessors (``torch.cuda.get_device_properties(0).multi_processor_count``)
 H200_SMS = 132
@@ -109,7 +118,7 @@ def predicted_peak(record: dict) -> int:
     # the graphs' live buffers where its blocks were captured; before the capture scratch the fused experts were a
     # capture's transient in the pool like any other
     footprint = dataclasses.replace(footprint, cuda_graphs=bool((measured.get("cuda_graphs") or {}).get("captured")),
-                                    **({} if record["environment"]["date"] >= CAPTURE_SCRATCH_SINCE else
+                                    **({} if holds_scratch(record) else
                                        {"expert_scratch_bytes": 0, "captured_recompute_bytes": 0}))
     return planner.predict_peak(footprint, workload, resident=measured.get("resident_blocks", ()),
                                 num_slots=measured.get("num_slots", setup["num_slots"]),

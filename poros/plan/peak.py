@@ -11,6 +11,7 @@ allocator's slack. The budget plan (:mod:`poros.plan.budget`) is built on it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -165,10 +166,12 @@ def predict_peak(footprint: Footprint, workload: Workload, *, resident: Iterable
     ]
     recompute = footprint.recompute_bytes
     if footprint.cuda_graphs:  # what the graphs keep allocated; a capture's transients are the pool's, reserved
+        # the expert scratch: a layer-major step's (its eager runs borrow it too); micro-major allocates afresh
+        scratch = workload.schedule == "layer-major" and footprint.expert_scratch_bytes > 0
+        graphs = footprint if scratch else dataclasses.replace(footprint, expert_scratch_bytes=0)
         persistent.append(("CUDA graphs: shared LoRA values and gradients, static boundary states"
-                           + (", the held expert scratch" if footprint.expert_scratch_bytes else ""),
-                           graph_statics_bytes(footprint, slots)))
-        recompute = footprint.captured_recompute_bytes or recompute
+                           + (", the held expert scratch" if scratch else ""), graph_statics_bytes(graphs, slots)))
+        recompute = (footprint.captured_recompute_bytes or recompute) if scratch else recompute
     micro, every = workload.grad_accum, workload.boundary_every
     blocks = kept_states(footprint.num_blocks, every)  # the boundary states kept: L, or L / k rounded up
     segment = every - 1  # boundary_every > 1: a segment's recomputed inputs, alive at its top block's backward

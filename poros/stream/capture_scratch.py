@@ -18,7 +18,8 @@ dequantize) and reader (its grouped matmul) of the buffer is queued on the one c
 each reader right after its writer and before the next writer, as in the eager order; the buffer carries nothing
 from one replay to the next, no graph output or saved tensor is a view of it, and the same kernel writes the same
 bits whether its output is new or held; an eager run lent the buffer queues its writes and reads on that stream
-too. Outside a capture and a lending step, or with no scratch active, :func:`scratch` gives None and the caller
+too (the one eager run on another stream, the warm-up on the capture's side stream under autocast, waits for the
+compute stream and is waited for by it). Outside a capture and a lending step, or with no scratch active, :func:`scratch` gives None and the caller
 allocates as before (the caching allocator then lends those bytes to the head's working set). The active scratch
 is per process, not per thread (a captured backward's nodes run on autograd's device thread): Poros captures from
 one thread at a time. The graphs' ``release`` drops their scratch with them. Torch is imported on first use.

@@ -140,10 +140,12 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         result.status, result.error = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the next arm still runs
         result.status, result.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        if cap is not None:  # the whole card again for the next arm, however this one ended
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.device(setup.device))
     result.extra.update(clock.memory())
     if cap is not None:
         result.extra["vram_limit_gb"] = cap
-        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(setup.device))
     result.extra["allocator_per_step"] = clock.allocator(setup.warmup)
     if profiler is not None:
         result.extra["kernel_profile"] = profiler.result
