@@ -139,6 +139,24 @@ def test_the_store_defaults_to_the_pinned_tier(checkpoint):
     store.restore()
 
 
+def test_the_pinned_tier_holds_every_block_in_one_arena_at_its_packed_size(checkpoint):
+    """One host arena for all blocks, each at a 4 KiB-aligned offset (page-locked by registering it on CUDA), not one
+    allocation of torch's pinned allocator per block, which rounds each up to a power of two: a 1.39 GB block of
+    the 122B-A10B takes 2 GiB there. The host bytes are the packed bytes plus at most the alignment per block; closing
+    the tier lets the arena go."""
+    _, layers = decoder_layers(checkpoint)
+    store = BlockStore(layers, "cpu")
+    tier = store.host_tier
+    arena = tier.arena
+    storage = arena.raw.untyped_storage().data_ptr()
+    assert all(tier.host_buffer(b.index).untyped_storage().data_ptr() == storage for b in store.blocks)
+    sizes = [b.nbytes for b in store.blocks]
+    assert sum(sizes) <= arena.raw.numel() <= sum(sizes) + (len(sizes) + 1) * tiers.FILE_ALIGN
+    assert [tier.host_buffer(b.index).numel() for b in store.blocks] == sizes
+    store.restore()
+    assert tier.arena is None
+
+
 # -- one decision: prepare and poros plan -----------------------------------------------------------
 
 RUN_OPTIONS = {  # PorosConfig fields -> poros plan arguments
