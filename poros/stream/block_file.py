@@ -225,16 +225,17 @@ class HostArena:
     """One host buffer holding several blocks (each at a 4 KiB-aligned offset), page-locked on CUDA by
     registering it: torch's pinned allocator rounds every allocation up to a power of two (512 MiB for a
     0.46 GB 72B block, 2 GiB for a 1.4 GB ring), which a host budget cannot afford. Where the device
-    refuses the registration, torch's pinned allocator it is."""
+    refuses the registration, torch's pinned allocator it is (with ``fallback_pinned=False`` the arena stays
+    pageable and unregistered: the caller pins its own way)."""
 
-    def __init__(self, sizes: dict[int, int], pin: bool) -> None:
+    def __init__(self, sizes: dict[int, int], pin: bool, *, fallback_pinned: bool = True) -> None:
         total = sum(padded(n) for n in sizes.values())
         self.registered = False
         raw = torch.empty(total + FILE_ALIGN, dtype=torch.uint8)
         if pin and total:
             cudart = torch.cuda.cudart()
             self.registered = int(cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)) == 0
-            if not self.registered:
+            if not self.registered and fallback_pinned:
                 raw = torch.empty(total + FILE_ALIGN, dtype=torch.uint8, pin_memory=True)
         self.raw = raw
         start, self.views = -raw.data_ptr() % FILE_ALIGN, {}

@@ -113,9 +113,14 @@ class PinnedTier:
 
     def attach(self, layouts: dict[int, Layout], device: torch.device) -> None:
         pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
-        self.arena = HostArena({index: nbytes for index, (_, _, nbytes) in layouts.items()}, pin)
+        self.arena = HostArena({index: nbytes for index, (_, _, nbytes) in layouts.items()}, pin,
+                               fallback_pinned=False)
+        if pin and not self.arena.registered:  # the device refused: torch's pinned allocator, block by block
+            self.arena.release()
+            self.arena = None
         for index, (entries, tensors, nbytes) in layouts.items():
-            buffer = self.arena.views[index]
+            buffer = (self.arena.views[index] if self.arena is not None
+                      else torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
             for entry, tensor in zip(entries, tensors):
                 entry_view(buffer, entry).copy_(tensor)
             self.buffers[index] = buffer
