@@ -557,6 +557,11 @@ def test_the_planner_counts_the_held_expert_scratch_as_the_graphs_and_not_in_a_c
         footprint, shapes, workload, value_bytes=value_bytes, attn_implementation=attention))
     assert budget.footprint.cuda_graphs
     assert [n for n, _ in budget.peak.persistent if "expert scratch" in n]
+    # the memory plan without a budget (poros train --dry-run's predicted peak) counts them as well
+    from poros.plan.run_plan import plan_run
+
+    assert plan_run(config).footprint().cuda_graphs
+    assert not plan_run(dataclasses.replace(config, cuda_graphs=False)).footprint().cuda_graphs
 
 
 def test_grouped_nf4_experts_are_graph_eligible_and_the_loop_names_why_it_is_not(tmp_path):

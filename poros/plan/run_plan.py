@@ -22,7 +22,7 @@ from poros.descriptor import resolve_path
 from poros.devices import resolve_device
 from poros.errors import ConfigError, HostMemoryError, PorosError
 from poros.plan import host_tiers
-from poros.plan.entry import plan_config, workload_of
+from poros.plan.entry import cuda_graphs_on, plan_config, workload_of
 from poros.loading.prequantized import read_prequantized
 from poros.plan.activations import BlockShapes, activation_bytes, attention_sms
 from poros.plan.block_bytes import block_bytes, meta_skeleton, quantized_linears, tensor_bytes
@@ -129,6 +129,7 @@ class Plan:
     mlp_chunks: int = 1
     experts: str | None = None  # MoE models: experts per block, their bf16 and NF4 bytes (None: no experts)
     attention_sms: int = 0  # the flash backward's deterministic dQ split (poros.plan.footprint.attention_sms)
+    cuda_graphs: bool = False  # the run captures its blocks (cuda_graphs_on: the peak counts the graphs' buffers)
     packed: bool = False  # packing: true (rows of several examples: a seq x seq mask, no flash kernel)
     prequantized: bool = False  # a bnb-4bit checkpoint: its blocks stream from its own shards (the mapped tier)
     fused_loss: bool = False  # kernels: liger: the head is Liger's fused linear cross-entropy (no loss_chunks)
@@ -199,6 +200,7 @@ class Plan:
 
     def _base_footprint(self) -> Footprint:
         return Footprint(
+            cuda_graphs=self.cuda_graphs,
             block_bytes=self.block_bytes,
             device_non_block_bytes=self.non_block_bytes - self.embedding_table_bytes,
             host_embedding_bytes=self.embedding_table_bytes,
@@ -307,6 +309,7 @@ def _memory_plan(config: Any) -> tuple[Plan, Any]:
         stream_schedule=config.stream_schedule, num_slots=config.num_slots, device=device, activation_bytes_per_value=value_bytes,
         recompute_bytes=recompute, logits_bytes=head, shapes=shapes, attn_implementation=config.attn_implementation,
         loss_chunks=config.loss_chunks, mlp_chunks=config.mlp_chunks, experts=experts_line, attention_sms=sms,
+        cuda_graphs=cuda_graphs_on(config.cuda_graphs, device),
         packed=config.packing, prequantized=prequantized is not None, fused_loss=config.kernels == "liger",
         block_structures=block_structures(blocks),
         lora_statics_bytes=lora_statics_bytes(blocks, targets, config),
