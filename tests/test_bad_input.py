@@ -728,7 +728,7 @@ def test_concurrent_run_into_the_same_output_dir_fails_at_once_and_the_first_sur
         first.send_signal(signal.SIGINT)
         stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 130, stderr[-3000:]
-    assert "Traceback" not in stdout + stderr and "resume with" in stdout
+    assert "Traceback" not in stdout + stderr and "resume with" in stdout, (stdout + stderr)[-4000:]
     for notice in ("Failed to load CPU gemm_4bit_forward", "is_gradient_checkpointing"):  # quiet by default
         assert notice not in stdout + stderr
     assert not (out / ".poros.lock").exists()
