@@ -1,11 +1,12 @@
-"""Which host tier holds the streamed blocks, for a host RAM budget; and how fast the disk reads.
+"""Which host tier holds the streamed blocks, for a host RAM budget; what host RAM a run needs, by part
+(:func:`host_ram_parts`); and how fast the disk reads.
 
 Torch-free: ``poros plan`` and ``poros doctor`` call it without loading anything. :func:`plan_host_tier`
 is the one decision ``prepare`` and ``poros plan`` both take, from the blocks' bytes and the run's
 options. The names are :data:`~poros.config.HOST_TIERS`; the tiers themselves are in
 ``poros/stream/tiers.py``; ``docs/cache-and-host-memory.md`` says when to use which.
 
-* ``pinned`` -- one pinned buffer per streamed block: the whole NF4 base in page-locked RAM.
+* ``pinned`` -- every streamed block in one page-locked host arena: the whole NF4 base in page-locked RAM.
   The default when the budget holds it and the blocks are not an NF4 block cache entry's (``--no-cache``).
 * ``mapped`` -- the NF4 block cache file mapped and registered for DMA: the OS page cache holds it,
   shared by every process of the node (data parallel ranks). Needs the same RAM as ``pinned`` once
@@ -277,5 +278,31 @@ def measure_disk_read(directory: str | os.PathLike, size: int = DISK_PROBE_BYTES
             "path": str(directory)}
 
 
-__all__ = ["DEFAULT_READ_AHEAD", "HOST_RAM_ENV", "HOST_TIERS", "PROCESS_HOST_BYTES", "HostPlan", "MachineRam",
+def host_ram_parts(budget_plan: Any, host: HostPlan, footprint: Any) -> tuple[tuple[str, int], ...]:
+    """The host RAM one rank's run needs, by part: the host tier's blocks, the host embedding tables, layer-major's
+    boundary states (pinned on the host; on disk only the one in flight, twice: written and read), AdamW's state
+    and the LoRA tensors when the plan keeps them there. ``poros plan`` prints them and their sum. ``budget_plan`` a
+    ``poros.plan.budget_plan.BudgetPlan``, ``footprint`` its ``Footprint``."""
+    from poros.plan.peak import kept_states
+
+    micro = budget_plan.workload.grad_accum if budget_plan.workload.schedule == "layer-major" else 1
+    one_state = footprint.boundary_bytes
+    streamed = footprint.num_blocks - len(budget_plan.resident_blocks)
+    lora_streamed = footprint.lora_parameter_bytes // max(footprint.num_blocks, 1) * streamed
+    off_device = kept_states(footprint.num_blocks, budget_plan.boundary_every) - 1  # block 0's: the prelude's
+    boundary = {"host": (f"boundary states, pinned ({micro} x {off_device} off the device)",
+                         micro * off_device * one_state),
+                "disk": ("boundary states: one in flight each way (the rest on disk)", 2 * one_state)}
+    return tuple(part for part in (
+        (f"blocks ({host.tier} tier)", host.host_bytes),
+        ("embedding tables", footprint.host_embedding_bytes if budget_plan.embeddings_on_host else 0),
+        boundary.get(budget_plan.boundary_states, ("boundary states", 0)),
+        ("AdamW state (exp_avg, exp_avg_sq)", 2 * footprint.lora_parameter_bytes
+         if budget_plan.optimizer_states == "host" else 0),
+        ("LoRA parameters and gradients of the streamed blocks", 2 * lora_streamed
+         if budget_plan.lora_placement == "host" else 0),
+    ) if part[1])
+
+
+__all__ = ["DEFAULT_READ_AHEAD", "host_ram_parts", "HOST_RAM_ENV", "HOST_TIERS", "PROCESS_HOST_BYTES", "HostPlan", "MachineRam",
            "choose_host_tier", "machine_host_ram", "measure_disk_read", "node_host_ram", "plan_host_tier"]

@@ -37,7 +37,6 @@ from poros.plan.budget import (
     ComputeTimes,
     Footprint,
     Workload,
-    kept_states,
     peak_upper_bound,
 )
 from poros.plan.checkpoint_config import config_source, load_text_config, locate_checkpoint_config
@@ -341,7 +340,7 @@ def _budget_report(config: Any, options: PlanOptions, plan: Plan, text_config: A
                                          prequantized=plan.prequantized)
         node = host_tiers.node_host_ram(footprint, host, on_host, shared_tables=cached)
         return BudgetReport(budget_plan, host, node, compute, link_source, ranks, per_rank_batch, config.host_tier,
-                            tuple(notices), host_ram=host_ram_parts(budget_plan, host, footprint))
+                            tuple(notices), host_ram=host_tiers.host_ram_parts(budget_plan, host, footprint))
 
     machine = options.machine_ram if options.machine_ram is not None else host_tiers.machine_host_ram()
     return fit_machine(report, config.host_budget, machine)
@@ -438,29 +437,6 @@ def _plan_words(report: BudgetReport) -> str:
 
 def _parts_words(report: BudgetReport) -> str:
     return ", ".join(f"{name} {format_gb(n)}" for name, n in report.host_ram)
-
-
-def host_ram_parts(budget_plan: BudgetPlan, host: host_tiers.HostPlan, footprint: Footprint) -> tuple[tuple[str, int], ...]:
-    """The host RAM one rank's run needs, by part: the host tier's blocks, the host embedding tables, layer-major's
-    boundary states (pinned on the host; on disk only the one in flight, twice: written and read), AdamW's state
-    and the LoRA tensors when the plan keeps them there. ``poros plan`` prints them and their sum."""
-    micro = budget_plan.workload.grad_accum if budget_plan.workload.schedule == "layer-major" else 1
-    one_state = footprint.boundary_bytes
-    streamed = footprint.num_blocks - len(budget_plan.resident_blocks)
-    lora_streamed = footprint.lora_parameter_bytes // max(footprint.num_blocks, 1) * streamed
-    off_device = kept_states(footprint.num_blocks, budget_plan.boundary_every) - 1  # block 0's: the prelude's
-    boundary = {"host": (f"boundary states, pinned ({micro} x {off_device} off the device)",
-                         micro * off_device * one_state),
-                "disk": ("boundary states: one in flight each way (the rest on disk)", 2 * one_state)}
-    return tuple(part for part in (
-        (f"blocks ({host.tier} tier)", host.host_bytes),
-        ("embedding tables", footprint.host_embedding_bytes if budget_plan.embeddings_on_host else 0),
-        boundary.get(budget_plan.boundary_states, ("boundary states", 0)),
-        ("AdamW state (exp_avg, exp_avg_sq)", 2 * footprint.lora_parameter_bytes
-         if budget_plan.optimizer_states == "host" else 0),
-        ("LoRA parameters and gradients of the streamed blocks", 2 * lora_streamed
-         if budget_plan.lora_placement == "host" else 0),
-    ) if part[1])
 
 
 def _times(config: Any, options: PlanOptions, plan: Plan, text_config: Any, workload: Workload,

@@ -303,7 +303,7 @@ def long_context_host_fit(plan, card_gib: int) -> str:
     from poros.errors import ConfigError
     from poros.plan import budget as planner
     from poros.plan import host_tiers
-    from poros.plan.run_plan import host_ram_parts
+    from poros.plan.host_tiers import host_ram_parts
     from poros.stream.options import StreamOptions
 
     host_gib = HOST_BUDGET_GIB[card_gib]
@@ -411,7 +411,7 @@ def _long_context_bench_cell(found: tuple[Path, dict]) -> str:
 
 def render_long_context() -> str:
     from poros.plan import host_tiers
-    from poros.plan.run_plan import host_ram_parts
+    from poros.plan.host_tiers import host_ram_parts
 
     rows = ["| shape | seq | card | fits | loss_chunks | mlp_chunks | boundary states (all) | peak allocated GB "
             "(phase) | largest parts GB | host RAM GB | with a host budget (boundary_every auto): states, host RAM "
