@@ -56,6 +56,13 @@ def checkpointing_on(model) -> bool:
                 or getattr(model, "is_gradient_checkpointing", False))
 
 
+def cap_process(device: torch.device, gb: float | None) -> None:
+    """Cap this process at ``gb`` GB of ``device`` (a smaller card, emulated: ``set_per_process_memory_fraction``);
+    None: the whole card again."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if gb is None else min(1.0, gb * GB / total), device)
+
+
 def free_memory(device: torch.device) -> None:
     """On CUDA: collect cycles (bitsandbytes' Params4bit <-> Linear4bit hold each other, so a dropped
     model stays allocated until ``gc.collect()``), then give cached blocks back. Nothing is measured
@@ -133,8 +140,7 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
     free_memory(device)
     if device.type == "cuda":
         if vram_limit_gb is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, vram_limit_gb * GB / total), device)
+            cap_process(device, vram_limit_gb)
         torch.cuda.reset_peak_memory_stats(device)
         result.extra["allocated_before_gb"] = round(torch.cuda.memory_allocated(device) / GB, 4)
     steps = _steps(batches, grad_accum)
@@ -197,7 +203,7 @@ def run_arm(name: str, call, named_params, batches: list[dict], *, device: torch
         pools = private_pool_bytes(device)  # the CUDA graphs' pools, still held (the graphs live until unpatch)
         result.extra["graph_pool_gb"] = {key: round(value / GB, 4) for key, value in pools.items()}
         if vram_limit_gb is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            cap_process(device, None)
     if result.status == "ok":
         result.adapter = snapshot(named_params)
         result.optimizer = optimizer_snapshot(optimizer, named_params)

@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8")
     parser.add_argument("--vram-limit", type=float, metavar="GB",
                         help="cap the process (set_per_process_memory_fraction) during each arm's steps")
-    parser.add_argument("--cap-arms", help="comma list of the arms --vram-limit caps (default: every arm), e.g. "
+    parser.add_argument("--cap-arms", type=lambda value: tuple(value.split(",")), help="comma list of the arms --vram-limit caps (default: every arm), e.g. "
                                            "poros: the reference runs uncapped for the parity check")
     parser.add_argument("--loss-chunks", type=int, default=1, metavar="N",
                         help="both arms compute the loss over N token chunks (poros.stream.chunked_loss; bitwise "
@@ -208,7 +208,7 @@ def trainer_setup(args, device) -> TrainerSetup:
                         vram_budget=args.vram_budget, resident_blocks=args.resident_blocks, recompute=args.recompute,
                         dequantize_once={"true": True, "false": False}.get(args.dequantize_once, args.dequantize_once),
                         profile=args.profile, liger=args.liger, vram_limit_gb=args.vram_limit,
-                        capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
+                        capped_arms=args.cap_arms,
                         output_dir=os.path.join(tempfile.gettempdir(), f"poros-bench-trainer-{os.getpid()}"))
 
 
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
                            vram_limit_gb=args.vram_limit, num_slots=args.slots, grad_accum=args.grad_accum,
                            schedule=args.schedule, profile=args.profile, vram_budget=args.vram_budget, compute=compute,
                            timeline=args.timeline, optimizer_states=args.optimizer_states,
-                           capped_arms=tuple(args.cap_arms.split(",")) if args.cap_arms else None,
+                           capped_arms=args.cap_arms,
                            loss_chunks=args.loss_chunks, cuda_graphs=args.cuda_graphs, lora_placement=args.lora_placement,
                            mlp_chunks=args.mlp_chunks, boundary_states=args.boundary_states,
                            host_budget=args.host_budget, link_bytes_per_s=link * GB if link else None)
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "arms": args.arms, "deterministic": args.deterministic,
             "vram_limit_gb": args.vram_limit, "vram_budget": args.vram_budget, "num_slots": args.slots,
             "resident_blocks": args.resident_blocks,
-            "capped_arms": args.cap_arms.split(",") if args.cap_arms else None,
+            "capped_arms": list(args.cap_arms) if args.cap_arms else None,
             "optimizer_states": args.optimizer_states, "loss_chunks": args.loss_chunks, "cuda_graphs": args.cuda_graphs,
             "lora_placement": args.lora_placement,
             "mlp_chunks": args.mlp_chunks, "boundary_states": args.boundary_states, "host_budget": args.host_budget,

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tools.bench.kernel_profile import KernelProfile
-from tools.bench.arms import ArmResult, free_memory, optimizer_snapshot, parity, snapshot, trainable
+from tools.bench.arms import ArmResult, cap_process, free_memory, optimizer_snapshot, parity, snapshot, trainable
 from tools.bench.trainer_common import (StepClock, TrainerSetup, liger_arguments, logged_grad_norms, logged_losses,
                                         sft_config_arguments, sft_dataset, throughput, training_arguments)
 
@@ -114,9 +114,7 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
             handle = poros.prepare_trainer(trainer, **setup.prepare_options())  # the one line
             handle.store.stats.reset()
         if cap is not None:  # a smaller card, emulated from training on (after the one line has streamed the
-            device = torch.device(setup.device)  # blocks off the card: what the first step decides sees the cap)
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total), device)
+            cap_process(torch.device(setup.device), cap)  # blocks off the card: the first step's decisions see it)
         trainer.train()
         result.losses = [torch.tensor(loss, dtype=torch.float64) for loss in logged_losses(trainer)]
         result.step_times = clock.step_times
@@ -142,7 +140,7 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         result.status, result.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     finally:
         if cap is not None:  # the whole card again for the next arm, however this one ended
-            torch.cuda.set_per_process_memory_fraction(1.0, torch.device(setup.device))
+            cap_process(torch.device(setup.device), None)
     result.extra.update(clock.memory())
     if cap is not None:
         result.extra["vram_limit_gb"] = cap
