@@ -183,7 +183,7 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     plain = plan_for_model(causal, layers, [], options, **where)
     graphed = plan_for_model(causal, layers, [], options.replace(cuda_graphs=True), cuda_graphs=True, **where)
     footprint = footprint_of_model(causal, layers, [], options.workload, **where)
-    reserve, statics = graph_reserve_bytes(footprint, 2), graph_statics_bytes(footprint, 2)
+    reserve, statics = graph_reserve_bytes(footprint), graph_statics_bytes(footprint, 2)
     assert reserve > footprint.recompute_bytes > 0 and footprint.expert_scratch_bytes == 0
     assert footprint.captured_recompute_bytes == footprint.recompute_bytes  # no fused experts
     assert graphed.context_bytes == plain.context_bytes + reserve
@@ -204,10 +204,10 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     # output gradient in, hidden gradient out) more, and no more LoRA or LoRA gradient buffers (shared)
     two = dataclasses.replace(footprint, block_structures=2)
     assert graph_statics_bytes(two, 2) - statics == 2 * (2 * boundary + 3 * boundary)
-    assert graph_reserve_bytes(two, 2) == reserve
+    assert graph_reserve_bytes(two) == reserve
     # the LoRA buffers and the LoRA gradient buffers allocated, autograd's gradients in the pool: each once
     more = dataclasses.replace(footprint, lora_statics_bytes=lora + 1024)
-    assert graph_statics_bytes(more, 2) - statics == 2 * 1024 and graph_reserve_bytes(more, 2) - reserve == 1024
+    assert graph_statics_bytes(more, 2) - statics == 2 * 1024 and graph_reserve_bytes(more) - reserve == 1024
     wide = dataclasses.replace(footprint, block_structures=3)  # 4 slots x 3 structures: 13 backward graphs
     assert graph_statics_bytes(dataclasses.replace(wide, lora_statics_bytes=lora + 1024), 4) \
         - graph_statics_bytes(wide, 4) == 2 * 1024
@@ -215,7 +215,7 @@ def test_the_planner_counts_the_graphs_memory(checkpoints):
     assert statics == 2 * lora + 2 * 2 * boundary + 3 * 3 * boundary
     # fused NF4 experts: the graphs hold the largest dequantized whole, and a capture's transient is the rest
     experts = dataclasses.replace(footprint, expert_scratch_bytes=10 ** 6, captured_recompute_bytes=1000)
-    assert graph_statics_bytes(experts, 2) == statics + 10 ** 6 and graph_reserve_bytes(experts, 2) == 1000 + lora
+    assert graph_statics_bytes(experts, 2) == statics + 10 ** 6 and graph_reserve_bytes(experts) == 1000 + lora
 
 
 def test_auto_turns_the_graphs_off_where_their_memory_does_not_fit_the_budget(capsys, monkeypatch):

@@ -81,13 +81,13 @@ def graphs_decided(setting: Any, device: Any, plan: Callable[[bool], BudgetPlan]
     return dataclasses.replace(without, notes=(*without.notes, note)), False
 
 
-def device_context_bytes(footprint: Footprint, device: Any, *, cuda_graphs: bool, num_slots: int) -> int:
+def device_context_bytes(footprint: Footprint, device: Any, *, cuda_graphs: bool) -> int:
     """Device memory a plan counts outside the allocated peak: the CUDA context on a CUDA ``device`` (a
     ``torch.device`` or its string) and, with ``cuda_graphs`` (on for this run: :func:`cuda_graphs_on`), the
     graphs' pool and static buffers (``placement.graph_reserve_bytes``). What ``prepare(vram_budget=...)``
     and ``poros plan`` both reserve."""
     context = CUDA_CONTEXT_BYTES if str(getattr(device, "type", device)).startswith("cuda") else 0
-    return context + (graph_reserve_bytes(footprint, num_slots) if cuda_graphs else 0)
+    return context + (graph_reserve_bytes(footprint) if cuda_graphs else 0)
 
 
 def plan_config(config: Any, footprint: Footprint, *, vram_budget: Any, device: Any, schedule: str | None = None,
@@ -107,7 +107,7 @@ def plan_config(config: Any, footprint: Footprint, *, vram_budget: Any, device: 
     options = StreamOptions.from_config(config, schedule=schedule, vram_budget=vram_budget, **changes)
 
     def planned(graphs: bool) -> BudgetPlan:
-        context = device_context_bytes(footprint, device, cuda_graphs=graphs, num_slots=options.num_slots)
+        context = device_context_bytes(footprint, device, cuda_graphs=graphs)
         chunked = None if footprint_for is None else (
             lambda loss_chunks, mlp_chunks: dataclasses.replace(footprint_for(loss_chunks, mlp_chunks),
                                                                 cuda_graphs=graphs))

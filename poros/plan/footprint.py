@@ -203,7 +203,7 @@ def plan_for_model(causal_lm: nn.Module, layers: list[nn.Module], host_tables: l
                                    compute_dtype=compute_dtype, mlp_chunks=options.mlp_chunks)
     graphs_on = cuda_graphs_on(options.cuda_graphs, device) if cuda_graphs is None else cuda_graphs
     footprint = dataclasses.replace(footprint, cuda_graphs=graphs_on)  # the chunked ones inherit it
-    context = device_context_bytes(footprint, device, cuda_graphs=graphs_on, num_slots=options.num_slots)
+    context = device_context_bytes(footprint, device, cuda_graphs=graphs_on)
     shapes, value_bytes, attention = model_shapes(causal_lm, layers, compute_dtype)
     return plan_budget(footprint, workload, options, context_bytes=context,
                        footprint_for=chunked_footprints(footprint, shapes, workload, value_bytes=value_bytes,

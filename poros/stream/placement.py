@@ -59,16 +59,15 @@ def host_embedding_tables(model: Any, descriptor: ArchitectureDescriptor) -> lis
     return tables
 
 
-def graph_reserve_bytes(footprint: Any, num_slots: int) -> int:
+def graph_reserve_bytes(footprint: Any) -> int:
     """Device memory ``cuda_graphs`` reserves beside the allocated peak: the graphs' shared pool, where each capture
     allocates and frees one block's recompute-and-backward working set (the forward's fits inside it; the fused
     NF4 experts in the held scratch instead, ``footprint.captured_recompute_bytes``) and that block's LoRA gradients
     as autograd makes them (temporaries, copied into the shared gradient buffers at the capture's end). Every
     capture reuses the same bytes, which stay reserved in the pool, out of the reach of the eager allocator: an
     estimate, counted by the planner like the CUDA context. What the graphs keep allocated the peak counts
-    (:func:`graph_statics_bytes`). ``footprint`` is a ``poros.plan.budget.Footprint``; ``num_slots`` unused (the
-    statics carry the per-graph parts)."""
-    del num_slots
+    (:func:`graph_statics_bytes`, which carries the per-graph parts). ``footprint``: a
+    ``poros.plan.budget.Footprint``."""
     return (footprint.captured_recompute_bytes or footprint.recompute_bytes) + _statics_lora(footprint)
 
 
