@@ -42,6 +42,7 @@ from torch.optim.adam import adam
 
 from poros.errors import ConfigError
 from poros.stream.optimizer_states import DEFAULT_CHUNK_BYTES
+from poros.stream.pinned_slab import PinnedSlab
 
 
 class HostAdamW(torch.optim.AdamW):
@@ -72,6 +73,7 @@ class HostAdamW(torch.optim.AdamW):
         self.pin_memory = pin_memory
         self.placement = placement
         self._copy_streams: dict[torch.device, Any] = {}  # one side stream per CUDA device
+        self._slabs: dict[bool, PinnedSlab] = {}  # pinned or not -> where the host state is carved from
 
     # -- construction from what HF Trainer builds ---------------------------------------------------
     @classmethod
@@ -117,8 +119,12 @@ class HostAdamW(torch.optim.AdamW):
         return self.placement.device if self._travels(param) else param.device
 
     def _host_copy(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """An empty host tensor shaped like ``value`` (pinned when the parameter is on CUDA)."""
-        return torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=self._pin(param))
+        """An empty host tensor shaped like ``value`` (pinned when the parameter is on CUDA), at its own size:
+        carved from a :class:`~poros.stream.pinned_slab.PinnedSlab`, not rounded up to a power of two."""
+        pin = self._pin(param)
+        if pin not in self._slabs:
+            self._slabs[pin] = PinnedSlab(pin)
+        return self._slabs[pin].empty(value.shape, value.dtype)
 
     def _copy_stream(self, device: torch.device):
         if device.type != "cuda":

@@ -2,7 +2,7 @@
 
 ::
 
-    host (pinned)                               device
+    host (pinned slab)                          device
      block i: LoRA A/B (+ .grad) ──on fetch(i)──▶ device copies, bound to the parameters
                                   ◀─on release(i)─ .grad copied back (the parameters did not change)
      optimizer step: HostAdamW brings parameter + gradient + AdamW state of a chunk in, steps, writes
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from poros.errors import ConfigError
+from poros.stream.pinned_slab import PinnedSlab
 
 
 class LoraPlacement:
@@ -54,6 +55,7 @@ class LoraPlacement:
     def __init__(self, store: Any, *, pin_memory: bool | None = None) -> None:
         self.store, self.device = store, store.device
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self.slab = PinnedSlab(self.pin_memory)  # the host tensors at their own size (no power-of-two rounding)
         #: block index -> its trainable parameters (streamed blocks only)
         self.parameters: dict[int, list[nn.Parameter]] = {}
         self.host: dict[int, torch.Tensor] = {}  # id(parameter) -> its host tensor
@@ -82,8 +84,7 @@ class LoraPlacement:
         return self.host[id(parameter)]
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
-        return host.copy_(tensor)
+        return self.slab.empty(tensor.shape, tensor.dtype).copy_(tensor)
 
     @staticmethod
     def bind(parameter: nn.Parameter, data: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -116,7 +117,7 @@ class LoraPlacement:
             if grad is not None:
                 host_grad = self.host_grad.get(id(parameter))
                 if host_grad is None or host_grad.shape != grad.shape or host_grad.dtype != grad.dtype:
-                    host_grad = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=self.pin_memory)
+                    host_grad = self.slab.empty(grad.shape, grad.dtype)
                     self.host_grad[id(parameter)] = host_grad
                 if host_grad.data_ptr() != grad.data_ptr():
                     host_grad.copy_(grad, non_blocking=True)

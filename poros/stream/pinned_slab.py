@@ -1,0 +1,103 @@
+"""``PinnedSlab``: many host tensors carved out of a few large page-locked buffers, at their own size.
+
+::
+
+    torch.empty(..., pin_memory=True)       50.3 MB tensor -> a 64 MiB block (torch rounds up to a power of two)
+    PinnedSlab(pin=True).empty(...)          50.3 MB tensor -> 50.3 MB of a registered chunk (512 B aligned)
+
+Notable features:
+
+* **Why.** torch's caching host allocator rounds every pinned allocation up to a power of two. The
+  host-side AdamW state (:class:`~poros.stream.host_optimizer.HostAdamW`) and the host LoRA tensors of
+  ``lora_placement="host"`` (:class:`~poros.stream.lora_placement.LoraPlacement`) are many tensors of
+  awkward sizes: a 122B-A10B expert LoRA factor of 50.3 MB takes 64 MiB, about 6 GiB over the plan's
+  host RAM at that size, on a host that has none to spare. Carved from chunks registered with
+  ``cudaHostRegister`` (as the pinned block tier's :class:`~poros.stream.block_file.HostArena` is),
+  each tensor takes its own bytes, 512-byte aligned.
+* **Each tensor is a storage of its own** (``torch.frombuffer`` over a disjoint slice of its chunk), so
+  ``torch.save``, safetensors and PEFT's savers see separate tensors, never one shared storage, and a
+  saved optimizer holds only its own bytes.
+* **Chunks grow as they are used**: 16 MiB, then as large as all the chunks so far, at most
+  ``chunk_bytes`` (1 GiB), or one tensor's size when that is larger. A tiny model pins 16 MiB.
+* **Freed with its last tensor.** The slab keeps only the chunk it carves from; a chunk is unregistered
+  and freed when its last tensor is (a finalizer on the chunk, run before its pages go).
+* **Where the device refuses to register** (or ``pin=False``: CPU runs, tests), the chunk stays
+  pageable; with ``pin=True`` the tensors then come from torch's pinned allocator one by one, as before.
+
+May import: torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+ALIGN = 512  # bytes: every tensor starts at a multiple (any element size, DMA-friendly)
+FIRST_CHUNK = 16 << 20
+CHUNK_BYTES = 1 << 30
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _unregister(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+class PinnedSlab:
+    """Host tensors at their own size from a few large (page-locked when ``pin``) chunks.
+
+    Args:
+        pin: register the chunks with CUDA (page-locked, for asynchronous copies).
+        chunk_bytes: the largest chunk (a larger tensor gets a chunk of its own size).
+
+    Attributes:
+        reserved: bytes of every chunk made so far. ``used``: bytes handed out (aligned).
+        registered: False once the device refused a registration (the pinned allocator serves the rest).
+    """
+
+    def __init__(self, pin: bool, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.pin, self.chunk_bytes = bool(pin), int(chunk_bytes)
+        self.registered = self.pin
+        self.reserved = self.used = 0
+        self._chunk = None  # the numpy view of the chunk being carved (its tensors keep it alive)
+        self._offset = 0
+
+    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized contiguous host tensor of ``shape`` and ``dtype``, carved from a chunk."""
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self.pin and not self.registered:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        if self._chunk is None or self._offset + nbytes > len(self._chunk):
+            self._open(nbytes)
+            if self.pin and not self.registered:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+        piece = self._chunk[self._offset: self._offset + nbytes]
+        self._offset += _aligned(nbytes)
+        self.used += _aligned(nbytes)
+        return torch.frombuffer(piece, dtype=dtype).view(shape)
+
+    def _open(self, nbytes: int) -> None:
+        size = _aligned(max(nbytes, min(self.chunk_bytes, max(FIRST_CHUNK, self.reserved))))
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8)
+        start = -raw.data_ptr() % ALIGN
+        whole = raw.numpy()  # every slice of it has it as base: it lives as long as a tensor carved from it
+        chunk = whole[start: start + size]
+        if self.pin:
+            pointer = raw.data_ptr()
+            if int(torch.cuda.cudart().cudaHostRegister(pointer, raw.numel(), 0)) != 0:
+                self.registered, self._chunk = False, None
+                return
+            weakref.finalize(whole, _unregister, pointer)
+        self._chunk, self._offset = chunk, 0
+        self.reserved += size
+
+
+__all__ = ["ALIGN", "CHUNK_BYTES", "FIRST_CHUNK", "PinnedSlab"]
