@@ -95,7 +95,7 @@ class PinnedSlab:
             if int(torch.cuda.cudart().cudaHostRegister(pointer, raw.numel(), 0)) != 0:
                 self.registered, self._chunk = False, None
                 return
-            weakref.finalize(whole, _unregister, pointer)
+            weakref.finalize(whole, _unregister, pointer).atexit = False  # at exit the process lets all go
         self._chunk, self._offset = chunk, 0
         self.reserved += size
 
