@@ -251,6 +251,40 @@ def test_accumulation_fetches_each_block_twice_per_optimizer_step(family, varian
     assert fetches["micro-major"] == [2 * steps * micro] * (blocks - 1) + [steps * micro]
 
 
+def test_the_flops_count_walks_the_model_once_per_window_and_counts_the_same(tmp_path, monkeypatch):
+    """HF Trainer adds ``floating_point_ops`` after every micro-batch, each a walk of every module and parameter
+    (``num_parameters``) while the device sits idle; under ``prepare_trainer`` a window walks once, and
+    ``total_flos`` (in the logs and ``trainer_state.json``) is the plain run's."""
+    from transformers.modeling_utils import ModuleUtilsMixin
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    steps, micro = 2, 4
+    flow = dict(train_rows=rows(steps * micro, 29), gradient_accumulation_steps=micro, max_steps=steps,
+                save_strategy="steps", save_steps=steps)
+    walks = []
+    hf_count = ModuleUtilsMixin.num_parameters
+
+    def counting(self, only_trainable=False, exclude_embeddings=False):
+        walks.append(exclude_embeddings)
+        return hf_count(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+
+    def count_from_here(trainer):
+        walks.clear()
+        monkeypatch.setattr(ModuleUtilsMixin, "num_parameters", counting)
+
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", line=count_from_here, **flow)
+    plain_walks = list(walks)
+    monkeypatch.setattr(ModuleUtilsMixin, "num_parameters", hf_count)
+    streamed = run_trainer(load(checkpoint), tmp_path / "poros",
+                           line=lambda trainer: (poros.prepare_trainer(trainer), count_from_here(trainer)), **flow)
+    assert _windows(streamed) == steps
+    assert plain_walks.count(True) == steps * micro  # one walk per micro-batch: the Trainer's own
+    assert walks.count(True) == steps  # one a window
+    assert_same_outcome(plain, streamed)
+    assert plain["trainer"].state.total_flos == streamed["trainer"].state.total_flos > 0
+    assert_same_trainer_state(tmp_path / "plain" / f"checkpoint-{steps}", tmp_path / "poros" / f"checkpoint-{steps}")
+
+
 @pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b")], ids=["qwen3", "gemma4"])
 def test_accumulation_save_and_resume_is_bitwise(family, variant, tmp_path):
     """``gradient_accumulation_steps=2`` over 5 micro-batches an epoch (the third window one micro-batch), bf16,

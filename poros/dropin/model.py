@@ -24,7 +24,7 @@ from poros.descriptor import ArchitectureDescriptor, resolve_path
 from poros.devices import compute_device, same_device
 from poros.distributed import DDP_IGNORE_ATTRIBUTE, host_parameter_names, world
 from poros.errors import AlreadyPreparedError, ConfigError, DeviceError
-from poros.dropin import banner
+from poros.dropin import banner, parameter_counts
 from poros.dropin.kernels import kernel_report
 from poros.plan.entry import cuda_graphs_on, graphs_decided
 from poros.stream import graphs
@@ -85,7 +85,7 @@ class PorosModel:
 
     _POROS_FIELDS = ("causal_lm", "descriptor", "store", "executor", "host_tables", "detection", "budget_plan",
                      "host_plan", "lora_placement", "stream_options", "_restore_flags", "_poros_class",
-                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp", "_streamed_counts", "kernel_report")
+                     "_ddp_ignored", "_chunked_loss", "_tiled_mlp", "_streamed_counts", "_count_memo", "kernel_report")
 
     def forward_backward(self, micro_batches: list[dict], *, sync_gradients: bool | None = None,
                          train_step: Any = None) -> list[torch.Tensor]:
@@ -175,11 +175,8 @@ class PorosModel:
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """HF's ``num_parameters``, the streamed blocks' frozen tensors counted (their modules hold empty
         placeholders while evicted): the HF ``Trainer`` reckons ``total_flos`` (saved in
-        ``trainer_state.json``) from it, so the plain run's count."""
-        owner = self.causal_lm
-        method = (self._poros_class if owner is self else type(owner)).num_parameters
-        counted = method(owner, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
-        return counted + (0 if only_trainable else self._streamed_counts[bool(exclude_embeddings)])
+        ``trainer_state.json``) from it, so the plain run's count (:mod:`poros.dropin.parameter_counts`)."""
+        return parameter_counts.count(self, only_trainable, exclude_embeddings)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -234,7 +231,7 @@ def _streamed_class(cls: type) -> type:
 def _become_streamed(model: nn.Module, fields: dict[str, Any]) -> PorosModel:
     """Switch ``model`` (in place) to its streamed class and attach the Poros fields (plain attributes:
     none of them is registered as a submodule, so ``state_dict``/``parameters`` do not change)."""
-    fields = {**fields, "_poros_class": type(model)}
+    fields = {**fields, "_poros_class": type(model), "_count_memo": None}
     for name, value in fields.items():
         object.__setattr__(model, name, value)
     model.__class__ = _streamed_class(type(model))
@@ -380,7 +377,7 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         # The executor recomputes each block itself; HF's own checkpointing inside would do it twice.
         if hasattr(layer, "gradient_checkpointing"):
             layer.gradient_checkpointing = False
-    counts = _parameter_counts(causal_lm)
+    counts = parameter_counts.parameter_counts(causal_lm)
     host_plan, tier = _host_tier(causal_lm, layers, resident, options)
     options = options.replace(host_tier=host_plan.tier, read_ahead=host_plan.read_ahead or options.read_ahead)
     blocks_on_device = any(p.device.type == "cuda" and not p.requires_grad for layer in layers
@@ -424,16 +421,10 @@ def _stream(model: nn.Module, causal_lm: nn.Module, descriptor: ArchitectureDesc
         "host_tables": host_tables, "host_plan": host_plan, "lora_placement": placement, "stream_options": options,
         "_restore_flags": restore_flags, "_ddp_ignored": ddp_ignored, "_chunked_loss": chunked_loss,
         "_tiled_mlp": tiled_mlp,
-        "_streamed_counts": tuple(a - b for a, b in zip(counts, _parameter_counts(causal_lm)))})
+        "_streamed_counts": tuple(a - b for a, b in zip(counts, parameter_counts.parameter_counts(causal_lm)))})
     object.__setattr__(causal_lm, "_poros_handle", prepared)
     banner.announce(prepared)  # one stderr line: Poros took effect
     return prepared
-
-
-def _parameter_counts(causal_lm: nn.Module) -> tuple[int, int]:
-    """HF's ``num_parameters()`` with and without the embeddings (0, 0 for a model without the method)."""
-    count = getattr(causal_lm, "num_parameters", None)
-    return (count(), count(exclude_embeddings=True)) if callable(count) else (0, 0)
 
 
 def _share_host_tables(causal_lm: nn.Module, host_tables: list[HostEmbedding]) -> None:

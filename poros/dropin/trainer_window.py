@@ -4,8 +4,8 @@ optimizer step instead of once per micro-batch, the Trainer's own code computing
 
 How the Trainer is driven (transformers 5.x ``_inner_training_loop``): it takes a window's micro-batches
 with ``get_batch_samples`` (one list, with ``num_items_in_batch`` counted over all of them), then calls
-``training_step(model, inputs, num_items_in_batch)`` once per micro-batch. :func:`install` wraps both on the
-trainer instance:
+``training_step(model, inputs, num_items_in_batch)`` once per micro-batch, and after each adds
+``floating_point_ops(inputs)`` to its flops count. :func:`install` wraps the three on the trainer instance:
 
 * ``get_batch_samples``: the Trainer's own, its window noted.
 * ``training_step``: its first call of a window runs the whole window through ``forward_backward``, each
@@ -13,6 +13,9 @@ trainer instance:
   TRL's metrics, the loss scaling for accumulation, ``accelerator.backward``); it returns micro-batch 0's
   loss, and the window's later calls return their micro-batches' losses, already computed. Gradients, losses,
   metrics and every saved file are the plain run's bits (``docs/prepare.md``).
+* ``floating_point_ops``: the Trainer's own, with the model's ``num_parameters`` walked once per window
+  (:mod:`poros.dropin.parameter_counts`; the walk is done while the device finishes the window): the same
+  ``total_flos``, without a ~20 ms walk of idle device time after every micro-batch.
 
 ``forward_backward`` calls the step twice per micro-batch (the first call stops at the trunk, where HF built
 the layers' context), so the step must do nothing before its model call that a second call would repeat.
@@ -27,11 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
 
+from poros.dropin import parameter_counts
 from poros.stream.compute_stream import step_stream
 from poros.stream.dropout import dropout_modules, dropout_p
 
@@ -117,6 +121,7 @@ class _Window:
     num_items: Any
     losses: list | None = None
     next: int = 0
+    counts: dict = field(default_factory=dict)  # the model's num_parameters answers, one walk for the window
 
 
 class WindowDriver:
@@ -127,15 +132,27 @@ class WindowDriver:
         self.trainer = trainer
         self.get_batch_samples = trainer.get_batch_samples  # the trainer's own, bound
         self.training_step = trainer.training_step
+        self.floating_point_ops = trainer.floating_point_ops
         self.window: _Window | None = None
+        self.counted: _Window | None = None  # the window whose micro-batches the Trainer's flops count is for
         self.reason: str | None = None
         self.decided = False
         self.windows_run = 0  # windows run layer-major
 
     def batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = self.get_batch_samples(epoch_iterator, num_batches, device)
-        self.window = _Window(list(batches), num_items)
+        self.window = self.counted = _Window(list(batches), num_items)
         return batches, num_items
+
+    def flops(self, inputs):
+        """The trainer's ``floating_point_ops``: for a micro-batch of the current window, with the model's
+        ``num_parameters`` answered from one walk per window (``poros.dropin.parameter_counts``: the same count,
+        without the idle device time of a walk after every micro-batch)."""
+        window, model = self.counted, self.trainer.model
+        if window is None or not any(inputs is batch for batch in window.batches) or "_count_memo" not in vars(model):
+            return self.floating_point_ops(inputs)
+        with parameter_counts.memoized(model, window.counts):
+            return self.floating_point_ops(inputs)
 
     def step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         """The trainer's ``training_step``: the window's first call runs the window; a call that is not the
@@ -179,8 +196,13 @@ class WindowDriver:
             return self.training_step(model, inputs, window.num_items)
 
         self.windows_run += 1
-        return self.trainer.model.forward_backward([{"inputs": batch} for batch in window.batches],
-                                                   sync_gradients=False, train_step=micro_step)
+        model = self.trainer.model
+        losses = model.forward_backward([{"inputs": batch} for batch in window.batches], sync_gradients=False,
+                                        train_step=micro_step)
+        if "_count_memo" in vars(model):  # the Trainer's flops count asks this next; walk while the device works
+            with parameter_counts.memoized(model, window.counts):
+                model.num_parameters(exclude_embeddings=True)
+        return losses
 
 
 def install(trainer: Any) -> WindowDriver | None:
@@ -190,12 +212,14 @@ def install(trainer: Any) -> WindowDriver | None:
     driver = getattr(trainer, "_poros_window", None)
     if isinstance(driver, WindowDriver):
         return driver
-    if not all(callable(getattr(trainer, name, None)) for name in ("get_batch_samples", "training_step")):
+    if not all(callable(getattr(trainer, name, None))
+               for name in ("get_batch_samples", "training_step", "floating_point_ops")):
         return None
     driver = WindowDriver(trainer)
     trainer._poros_window = driver
     trainer.get_batch_samples = driver.batch_samples
     trainer.training_step = driver.step
+    trainer.floating_point_ops = driver.flops
     return driver
 
 
