@@ -105,3 +105,41 @@ def test_host_adamw_and_the_host_lora_tensors_come_from_slabs(qwen3):
               if isinstance(value, torch.Tensor) and optimizer._on_device(optimizer.param_groups[0], key)]
     assert states
     carved(states, optimizer._slabs[False])
+
+
+def test_the_owner_s_total_caps_the_chunks_and_a_large_tensor_leaves_the_open_chunk_open():
+    """A registered chunk is locked RAM whether used or not: with ``expected`` no chunk outgrows what is still
+    to come; a tensor larger than a chunk gets its own, and the next small tensor goes on in the open chunk."""
+    sizes = [3000, 5000, 700, 12_000]
+    expected = sum(4 * n + ALIGN for n in sizes)
+    slab = PinnedSlab(False, expected=expected)
+    tensors = [slab.empty((n,), torch.float32) for n in sizes]
+    assert slab.reserved <= -(-expected // ALIGN) * ALIGN  # not the 16 MiB a first chunk takes without it
+    assert slab.used == sum(-(-4 * n // ALIGN) * ALIGN for n in sizes)
+    small = PinnedSlab(False, chunk_bytes=64 << 10)
+    first = small.empty((1000,), torch.float32)
+    large = small.empty((64 << 10,), torch.float32)  # 256 KiB, over the 64 KiB chunk
+    after = small.empty((10,), torch.float32)
+    assert after.data_ptr() == first.data_ptr() + -(-4000 // ALIGN) * ALIGN  # carved on from the open chunk
+    assert large.untyped_storage().nbytes() == 4 * (64 << 10) and len(tensors) == 4
+
+
+def test_a_refused_registration_does_not_linger_as_cuda_s_last_error(monkeypatch):
+    """torch checks CUDA's last error after every kernel launch, so a refused ``cudaHostRegister`` left there would
+    fail the next, unrelated kernel instead of letting the caller fall back. The CUDA runtime is not on a CPU
+    machine: a stand-in for ``torch.cuda.cudart()`` refuses, and the reset is recorded."""
+    from poros.stream import host_register
+
+    class Runtime:
+        def __init__(self, error):
+            self.error = error
+
+        def cudaHostRegister(self, pointer, nbytes, flags):  # noqa: N802 (CUDA's name)
+            return self.error
+
+    resets = []
+    monkeypatch.setattr(host_register, "_last_error", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime(1))  # cudaErrorInvalidValue
+    assert host_register.register(4096, 4096) == 1 and resets == [1]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime(0))
+    assert host_register.register(4096, 4096) == 0 and resets == [1]  # nothing to reset

@@ -206,9 +206,9 @@ class WindowDriver:
 
 
 def install(trainer: Any) -> WindowDriver | None:
-    """Wrap ``trainer.get_batch_samples`` and ``trainer.training_step`` (on the instance) with a
-    :class:`WindowDriver`; once per trainer (a second call returns the first driver). None, and nothing
-    changed, for an object without those two methods (not a transformers 5 ``Trainer``)."""
+    """Wrap ``trainer.get_batch_samples``, ``trainer.training_step`` and ``trainer.floating_point_ops`` (on the
+    instance) with a :class:`WindowDriver`; once per trainer (a second call returns the first driver). None, and
+    nothing changed, for an object without those three methods (not a transformers 5 ``Trainer``)."""
     driver = getattr(trainer, "_poros_window", None)
     if isinstance(driver, WindowDriver):
         return driver

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from poros.errors import StreamingError
+from poros.stream import host_register
 from poros.stream.packing import Layout, entry_view
 
 FILE_ALIGN = 4096  # every block starts on a 4 KiB boundary of the file (O_DIRECT, page mapping)
@@ -210,9 +211,8 @@ def register_for_dma(mapping: torch.Tensor, *, copy_if_refused: bool = False) ->
     """``cudaHostRegister`` the shared read-only mapping read-only (page-locked for DMA, still the page
     cache's pages, so other processes share them). Where the device refuses, say so: copies then run
     from pageable memory (the same bytes, slower), or from pinned copies with ``copy_if_refused``."""
-    cudart = torch.cuda.cudart()
-    error = cudart.cudaHostRegister(mapping.data_ptr(), mapping.numel(), CUDA_HOST_REGISTER_READ_ONLY)
-    if int(error) == 0:
+    error = host_register.register(mapping.data_ptr(), mapping.numel(), CUDA_HOST_REGISTER_READ_ONLY)
+    if error == 0:
         return True
     warnings.warn(f"poros: the device refused to register the mapped block file read-only ({error}); " + (
         "the blocks are copied into pinned memory instead, as the pinned tier does (same bytes; each process of "
@@ -233,8 +233,7 @@ class HostArena:
         self.registered = False
         raw = torch.empty(total + FILE_ALIGN, dtype=torch.uint8)
         if pin and total:
-            cudart = torch.cuda.cudart()
-            self.registered = int(cudart.cudaHostRegister(raw.data_ptr(), raw.numel(), 0)) == 0
+            self.registered = host_register.register(raw.data_ptr(), raw.numel()) == 0
             if not self.registered and fallback_pinned:
                 raw = torch.empty(total + FILE_ALIGN, dtype=torch.uint8, pin_memory=True)
         self.raw = raw
@@ -245,7 +244,7 @@ class HostArena:
 
     def release(self) -> None:
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+            host_register.unregister(self.raw.data_ptr())
             self.registered = False
         self.views, self.raw = {}, None
 

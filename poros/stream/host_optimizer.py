@@ -42,7 +42,7 @@ from torch.optim.adam import adam
 
 from poros.errors import ConfigError
 from poros.stream.optimizer_states import DEFAULT_CHUNK_BYTES
-from poros.stream.pinned_slab import PinnedSlab
+from poros.stream.pinned_slab import ALIGN, PinnedSlab
 
 
 class HostAdamW(torch.optim.AdamW):
@@ -122,8 +122,10 @@ class HostAdamW(torch.optim.AdamW):
         """An empty host tensor shaped like ``value`` (pinned when the parameter is on CUDA), at its own size:
         carved from a :class:`~poros.stream.pinned_slab.PinnedSlab`, not rounded up to a power of two."""
         pin = self._pin(param)
-        if pin not in self._slabs:
-            self._slabs[pin] = PinnedSlab(pin)
+        if pin not in self._slabs:  # sized for exp_avg, exp_avg_sq (max_exp_avg_sq) of each parameter pinned alike
+            expected = sum((3 if group["amsgrad"] else 2) * (p.numel() * p.element_size() + ALIGN)
+                           for group in self.param_groups for p in group["params"] if self._pin(p) == pin)
+            self._slabs[pin] = PinnedSlab(pin, expected=expected)
         return self._slabs[pin].empty(value.shape, value.dtype)
 
     def _copy_stream(self, device: torch.device):
@@ -273,8 +275,8 @@ class HostAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's AdamW ``load_state_dict``, with the state cast to each parameter's dtype in host memory."""
         saved_state = state_dict["state"]
+        self.wait_for_write_back()  # no copy may still write the host state this drops
         super().load_state_dict({**state_dict, "state": {}})  # validates and loads the groups
-        self.wait_for_write_back()
         saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
         groups = {id(param): group for group in self.param_groups for param in group["params"]}
         params = [param for group in self.param_groups for param in group["params"]]

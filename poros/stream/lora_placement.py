@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from poros.errors import ConfigError
-from poros.stream.pinned_slab import PinnedSlab
+from poros.stream.pinned_slab import ALIGN, PinnedSlab
 
 
 class LoraPlacement:
@@ -55,7 +55,6 @@ class LoraPlacement:
     def __init__(self, store: Any, *, pin_memory: bool | None = None) -> None:
         self.store, self.device = store, store.device
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else pin_memory
-        self.slab = PinnedSlab(self.pin_memory)  # the host tensors at their own size (no power-of-two rounding)
         #: block index -> its trainable parameters (streamed blocks only)
         self.parameters: dict[int, list[nn.Parameter]] = {}
         self.host: dict[int, torch.Tensor] = {}  # id(parameter) -> its host tensor
@@ -64,10 +63,12 @@ class LoraPlacement:
         self.accumulating = False  # inside PorosModel.forward_backward (see check_forward)
         self.stats = {"in": 0, "grads_out": 0}
         for record in store.blocks:
-            if record.resident:
-                continue
-            parameters = [p for p in record.module.parameters() if p.requires_grad]
-            self.parameters[record.index] = parameters
+            if not record.resident:
+                self.parameters[record.index] = [p for p in record.module.parameters() if p.requires_grad]
+        # the host tensors at their own size (no power-of-two rounding): each parameter's value and gradient
+        self.slab = PinnedSlab(self.pin_memory, expected=sum(2 * (p.numel() * p.element_size() + ALIGN)
+                                                              for ps in self.parameters.values() for p in ps))
+        for parameters in self.parameters.values():
             for parameter in parameters:
                 self.host[id(parameter)] = self._to_host(parameter.data)
                 self.bind(parameter, self.host[id(parameter)],

@@ -18,13 +18,18 @@ Notable features:
   ``torch.save``, safetensors and PEFT's savers see separate tensors, never one shared storage, and a
   saved optimizer holds only its own bytes.
 * **Chunks grow as they are used**: 16 MiB, then as large as all the chunks so far, at most
-  ``chunk_bytes`` (1 GiB), or one tensor's size when that is larger. A tiny model pins 16 MiB.
+  ``chunk_bytes`` (1 GiB), and no larger than what the owner said it will still ask (``expected``: HostAdamW
+  and the LoRA placement know their totals), so a registered tail left unused stays small. A tensor larger
+  than a chunk gets a chunk of its own, and the chunk being carved stays open. A tiny model pins 16 MiB.
 * **Freed with its last tensor.** The slab keeps only the chunk it carves from; a chunk is unregistered
-  and freed when its last tensor is (a finalizer on the chunk, run before its pages go).
+  (once the device has finished its copies: :func:`poros.stream.host_register.unregister`) and freed when its
+  last tensor is (a finalizer on the chunk, run before its pages go).
 * **Where the device refuses to register** (or ``pin=False``: CPU runs, tests), the chunk stays
   pageable; with ``pin=True`` the tensors then come from torch's pinned allocator one by one, as before.
+  The refusal does not linger as CUDA's last error (:mod:`poros.stream.host_register`).
+* **One thread.** The owners carve from the thread that runs the step; the slab takes no lock.
 
-May import: torch and the standard library.
+May import: torch, the standard library and :mod:`poros.stream.host_register`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from poros.stream import host_register
 
 ALIGN = 512  # bytes: every tensor starts at a multiple (any element size, DMA-friendly)
 FIRST_CHUNK = 16 << 20
@@ -42,24 +49,21 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _unregister(pointer: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
-
-
 class PinnedSlab:
     """Host tensors at their own size from a few large (page-locked when ``pin``) chunks.
 
     Args:
         pin: register the chunks with CUDA (page-locked, for asynchronous copies).
         chunk_bytes: the largest chunk (a larger tensor gets a chunk of its own size).
+        expected: the bytes the owner will ask in all, if it knows (a chunk is then no larger than the rest).
 
     Attributes:
         reserved: bytes of every chunk made so far. ``used``: bytes handed out (aligned).
         registered: False once the device refused a registration (the pinned allocator serves the rest).
     """
 
-    def __init__(self, pin: bool, *, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.pin, self.chunk_bytes = bool(pin), int(chunk_bytes)
+    def __init__(self, pin: bool, *, chunk_bytes: int = CHUNK_BYTES, expected: int | None = None) -> None:
+        self.pin, self.chunk_bytes, self.expected = bool(pin), int(chunk_bytes), expected
         self.registered = self.pin
         self.reserved = self.used = 0
         self._chunk = None  # the numpy view of the chunk being carved (its tensors keep it alive)
@@ -76,28 +80,43 @@ class PinnedSlab:
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
         if self._chunk is None or self._offset + nbytes > len(self._chunk):
-            self._open(nbytes)
-            if self.pin and not self.registered:
-                return torch.empty(shape, dtype=dtype, pin_memory=True)
-        piece = self._chunk[self._offset: self._offset + nbytes]
+            if nbytes > self.chunk_bytes:  # a chunk of its own; the open chunk stays open
+                chunk = self._make(_aligned(nbytes))
+                return self._carve(chunk, 0, nbytes, shape, dtype)
+            chunk = self._make(self._next_size(nbytes))
+            if chunk is not None:
+                self._chunk, self._offset = chunk, 0
+        if self.pin and not self.registered:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        tensor = self._carve(self._chunk, self._offset, nbytes, shape, dtype)
         self._offset += _aligned(nbytes)
-        self.used += _aligned(nbytes)
-        return torch.frombuffer(piece, dtype=dtype).view(shape)
+        return tensor
 
-    def _open(self, nbytes: int) -> None:
-        size = _aligned(max(nbytes, min(self.chunk_bytes, max(FIRST_CHUNK, self.reserved))))
+    def _next_size(self, nbytes: int) -> int:
+        size = min(self.chunk_bytes, max(FIRST_CHUNK, self.reserved))
+        if self.expected is not None and self.expected - self.used > 0:
+            size = min(size, self.expected - self.used)
+        return _aligned(max(nbytes, size))
+
+    def _carve(self, chunk, offset: int, nbytes: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        if chunk is None:  # the device refused the chunk's registration
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        self.used += _aligned(nbytes)
+        return torch.frombuffer(chunk[offset: offset + nbytes], dtype=dtype).view(shape)
+
+    def _make(self, size: int):
+        """A new chunk of ``size`` bytes (registered when ``pin``), or None when the device refused it."""
         raw = torch.empty(size + ALIGN, dtype=torch.uint8)
         start = -raw.data_ptr() % ALIGN
         whole = raw.numpy()  # every slice of it has it as base: it lives as long as a tensor carved from it
-        chunk = whole[start: start + size]
         if self.pin:
             pointer = raw.data_ptr()
-            if int(torch.cuda.cudart().cudaHostRegister(pointer, raw.numel(), 0)) != 0:
-                self.registered, self._chunk = False, None
-                return
-            weakref.finalize(whole, _unregister, pointer).atexit = False  # at exit the process lets all go
-        self._chunk, self._offset = chunk, 0
+            if host_register.register(pointer, raw.numel()) != 0:
+                self.registered = False
+                return None
+            weakref.finalize(whole, host_register.unregister, pointer).atexit = False  # at exit the process lets all go
         self.reserved += size
+        return whole[start: start + size]
 
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "FIRST_CHUNK", "PinnedSlab"]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from poros.stream import host_register
 from poros.stream.packing import Entry, Layout
 from poros.stream.block_file import HostArena, KeptBlocks, register_for_dma
 from poros.stream.private_pages import drop_pages, private_mappings
@@ -236,7 +237,7 @@ class ShardMappedTier(KeptBlocks):
 
     def close(self) -> None:
         for mapping in self.registered:
-            torch.cuda.cudart().cudaHostUnregister(mapping.data_ptr())
+            host_register.unregister(mapping.data_ptr())
         self.registered = []
         if self.copies is not None:
             self.copies.release()

@@ -56,6 +56,7 @@ from poros.stream.block_file import (  # re-exported: the tiers' file, as before
     source_for,
     write_block_file,
 )
+from poros.stream import host_register
 from poros.stream.disk_tier import DiskTier
 from poros.stream.packing import Layout, entry_view
 
@@ -202,7 +203,7 @@ class MappedTier(KeptBlocks):
 
     def close(self) -> None:
         if self.registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.registered.data_ptr())
+            host_register.unregister(self.registered.data_ptr())
             self.registered = None
         if self.copies is not None:
             self.copies.release()
