@@ -138,7 +138,7 @@ def test_a_refused_registration_does_not_linger_as_cuda_s_last_error(monkeypatch
             return self.error
 
     resets = []
-    monkeypatch.setattr(host_register, "_last_error", lambda: resets.append(1))
+    monkeypatch.setattr(host_register, "_last_error", [lambda: resets.append(1)])
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime(1))  # cudaErrorInvalidValue
     assert host_register.register(4096, 4096) == 1 and resets == [1]
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime(0))

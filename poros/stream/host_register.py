@@ -5,8 +5,8 @@ host LoRA tensors).
 * **A refusal is cleared.** A refused ``cudaHostRegister`` leaves its error as the thread's last CUDA error, and
   torch checks that error after every kernel launch: the next, unrelated kernel would raise it (often as "out of
   memory"), so the callers' fallbacks (torch's pinned allocator, pageable copies) would never run.
-  ``torch.cuda.cudart()`` has no ``cudaGetLastError``, so :func:`register` calls the one of the CUDA runtime this
-  process loaded (found in ``/proc/self/maps``) to reset it; where none is found it warns that the next CUDA
+  ``torch.cuda.cudart()`` has no ``cudaGetLastError``, so :func:`register` calls the one of each CUDA runtime this
+  process mapped (found in ``/proc/self/maps``) to reset it; where none is found it warns that the next CUDA
   call may report the refusal.
 * **Unregistering waits for the device** (:func:`unregister`): a copy still running into or out of the memory
   must finish before its pages go back (torch's own pinned allocator records an event per copy for the same
@@ -23,23 +23,32 @@ from typing import Any
 
 import torch
 
-_last_error: Any = None  # the CUDA runtime's cudaGetLastError (False: looked for, not found)
+_last_error: list[Any] | None = None  # cudaGetLastError of each CUDA runtime loaded (None: not looked for yet)
+
+
+def _runtimes() -> list[Any]:
+    """``cudaGetLastError`` of every CUDA runtime this process mapped (torch's, and another a library brought)."""
+    found = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    except OSError:
+        return found
+    for path in paths:
+        try:
+            found.append(ctypes.CDLL(path).cudaGetLastError)
+        except (OSError, AttributeError):
+            continue
+    return found
 
 
 def _clear_last_error() -> None:
     global _last_error
     if _last_error is None:
-        _last_error = False
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
-            if paths:
-                _last_error = ctypes.CDLL(paths[0]).cudaGetLastError
-        except (OSError, AttributeError):
-            _last_error = False
-    if _last_error:
-        _last_error()
-    else:
+        _last_error = _runtimes()
+    for get_last_error in _last_error:
+        get_last_error()
+    if not _last_error:
         warnings.warn("poros: cudaHostRegister was refused and the CUDA runtime's last error could not be reset "
                       "(no libcudart in this process's maps); the next CUDA call may report that refusal.",
                       stacklevel=3)
