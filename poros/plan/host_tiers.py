@@ -304,5 +304,6 @@ def host_ram_parts(budget_plan: Any, host: HostPlan, footprint: Any) -> tuple[tu
     ) if part[1])
 
 
-__all__ = ["DEFAULT_READ_AHEAD", "host_ram_parts", "HOST_RAM_ENV", "HOST_TIERS", "PROCESS_HOST_BYTES", "HostPlan", "MachineRam",
-           "choose_host_tier", "machine_host_ram", "measure_disk_read", "node_host_ram", "plan_host_tier"]
+__all__ = ["DEFAULT_READ_AHEAD", "HOST_RAM_ENV", "HOST_TIERS", "PROCESS_HOST_BYTES", "HostPlan", "MachineRam",
+           "choose_host_tier", "host_ram_parts", "machine_host_ram", "measure_disk_read", "node_host_ram",
+           "plan_host_tier"]

@@ -34,6 +34,7 @@ May import: torch, the standard library and :mod:`poros.stream.host_register`.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -71,23 +72,15 @@ class PinnedSlab:
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous host tensor of ``shape`` and ``dtype``, carved from a chunk."""
-        numel = 1
-        for size in shape:
-            numel *= int(size)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if self.pin and not self.registered:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        nbytes = math.prod(shape) * dtype.itemsize
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
-        if self._chunk is None or self._offset + nbytes > len(self._chunk):
-            if nbytes > self.chunk_bytes:  # a chunk of its own; the open chunk stays open
-                chunk = self._make(_aligned(nbytes))
-                return self._carve(chunk, 0, nbytes, shape, dtype)
-            chunk = self._make(self._next_size(nbytes))
-            if chunk is not None:
-                self._chunk, self._offset = chunk, 0
-        if self.pin and not self.registered:
+        if self.pin and not self.registered:  # the device refused a chunk: torch's pinned allocator from then on
             return torch.empty(shape, dtype=dtype, pin_memory=True)
+        if nbytes > self.chunk_bytes:  # a chunk of its own; the open chunk stays open
+            return self._carve(self._make(_aligned(nbytes)), 0, nbytes, shape, dtype)
+        if self._chunk is None or self._offset + nbytes > len(self._chunk):
+            self._chunk, self._offset = self._make(self._next_size(nbytes)), 0
         tensor = self._carve(self._chunk, self._offset, nbytes, shape, dtype)
         self._offset += _aligned(nbytes)
         return tensor

@@ -394,9 +394,7 @@ class BlockStore:
                 self.host_tier.copied(block.index, None)
             block.slot = None
             block.buffer = None
-        if self.device.type == "cuda":  # no copy may still read a host buffer the tier unregisters (its arena)
-            torch.cuda.synchronize(self.device)
-        self.host_tier.close()
+        self.host_tier.close()  # (unregistering a buffer waits for the device's copies: host_register.unregister)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

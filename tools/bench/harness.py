@@ -102,8 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8")
     parser.add_argument("--vram-limit", type=float, metavar="GB",
                         help="cap the process (set_per_process_memory_fraction) during each arm's steps")
-    parser.add_argument("--cap-arms", type=lambda value: tuple(value.split(",")), help="comma list of the arms --vram-limit caps (default: every arm), e.g. "
-                                           "poros: the reference runs uncapped for the parity check")
+    parser.add_argument("--cap-arms", type=lambda value: tuple(value.split(",")),
+                        help="comma list of the arms --vram-limit caps (default: every arm), e.g. poros: the "
+                             "reference runs uncapped for the parity check")
     parser.add_argument("--loss-chunks", type=int, default=1, metavar="N",
                         help="both arms compute the loss over N token chunks (poros.stream.chunked_loss; bitwise "
                              "between the arms, numerically HF's default loss); 1: HF's loss")
