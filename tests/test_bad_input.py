@@ -712,8 +712,11 @@ def test_concurrent_run_into_the_same_output_dir_fails_at_once_and_the_first_sur
          "--output-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=child_env(POROS_LOAD_PLUGINS="", OMP_NUM_THREADS="1"))
     try:
-        for _ in range(1200):  # wait for the first run to start training (it has its lock by then)
-            if (out / "metrics.jsonl").exists() or first.poll() is not None:
+        metrics = out / "metrics.jsonl"
+        for _ in range(1200):  # wait for the first run's first logged step: it holds its lock, and its stop handler
+            # is in place (the file exists, empty, from before the training loop, when a SIGINT still means "nothing
+            # to resume": the race that made this test fail now and then)
+            if (metrics.exists() and metrics.stat().st_size > 0) or first.poll() is not None:
                 break
             time.sleep(0.1)
         assert first.poll() is None, first.communicate()[1][-3000:]
