@@ -285,6 +285,38 @@ def test_the_flops_count_walks_the_model_once_per_window_and_counts_the_same(tmp
     assert_same_trainer_state(tmp_path / "plain" / f"checkpoint-{steps}", tmp_path / "poros" / f"checkpoint-{steps}")
 
 
+def test_the_step_sets_training_mode_once_per_window_and_stays_bitwise(tmp_path, monkeypatch):
+    """HF Trainer's ``training_step`` begins with ``model.train()``, a walk of every module; a layer-major window
+    calls the step twice per micro-batch with the device idle, so under ``prepare_trainer`` a window walks once
+    (``poros.dropin.train_mode``). An evaluation after every window puts the model in eval mode: the next
+    window's first call must walk again. (An active dropout runs windows micro-major, so none is drawn here.)"""
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    steps, micro = 2, 4
+    flow = dict(train_rows=rows(steps * micro, 29), eval_rows=rows(2, 29, seed=100), gradient_accumulation_steps=micro,
+                max_steps=steps, eval_strategy="steps", eval_steps=1, save_strategy="no")
+    walks: list[tuple[int, bool]] = []
+    module_train = torch.nn.Module.train
+
+    def counting(self, mode=True):
+        walks.append((id(self), bool(mode)))
+        return module_train(self, mode)
+
+    monkeypatch.setattr(torch.nn.Module, "train", counting)
+    arms = {}
+    for arm, line in (("plain", None), ("poros", poros.prepare_trainer)):
+        walks.clear()
+        arms[arm] = run_trainer(load(checkpoint), tmp_path / arm, line=line, **flow)
+        leaf = next(m for name, m in arms[arm]["trainer"].model.named_modules() if name.endswith("lora_A.default"))
+        arms[arm]["walks"] = [mode for key, mode in walks if key == id(leaf)]
+    assert _windows(arms["poros"]) == steps
+    # every micro-batch's step sets training mode, each evaluation eval mode (and the Trainer's end of training)
+    assert arms["plain"]["walks"].count(True) >= steps * micro
+    assert arms["poros"]["walks"].count(True) == arms["plain"]["walks"].count(True) - steps * (micro - 1)
+    assert arms["poros"]["walks"].count(False) == arms["plain"]["walks"].count(False) >= steps
+    assert not arms["poros"]["trainer"].model.__dict__.get("train")  # the window's stand-in is gone after it
+    assert_same_outcome(arms["plain"], arms["poros"])
+
+
 @pytest.mark.parametrize(("family", "variant"), [("qwen3", "default"), ("gemma4", "e2b")], ids=["qwen3", "gemma4"])
 def test_accumulation_save_and_resume_is_bitwise(family, variant, tmp_path):
     """``gradient_accumulation_steps=2`` over 5 micro-batches an epoch (the third window one micro-batch), bf16,

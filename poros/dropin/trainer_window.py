@@ -12,7 +12,8 @@ with ``get_batch_samples`` (one list, with ``num_items_in_batch`` counted over a
   micro-batch's step being the trainer's own ``training_step`` (``_prepare_inputs``, ``compute_loss`` with
   TRL's metrics, the loss scaling for accumulation, ``accelerator.backward``); it returns micro-batch 0's
   loss, and the window's later calls return their micro-batches' losses, already computed. Gradients, losses,
-  metrics and every saved file are the plain run's bits (``docs/prepare.md``).
+  metrics and every saved file are the plain run's bits (``docs/prepare.md``). The step's ``model.train()``
+  walks the module tree once a window (:mod:`poros.dropin.train_mode`), not twice a micro-batch.
 * ``floating_point_ops``: the Trainer's own, with the model's ``num_parameters`` walked once per window
   (:mod:`poros.dropin.parameter_counts`; the walk is done while the device finishes the window): the same
   ``total_flos``, without a ~20 ms walk of idle device time after every micro-batch.
@@ -36,6 +37,7 @@ from typing import Any
 import transformers
 
 from poros.dropin import parameter_counts
+from poros.dropin.train_mode import once_per_window
 from poros.stream.compute_stream import step_stream
 from poros.stream.dropout import dropout_modules, dropout_p
 
@@ -164,7 +166,7 @@ class WindowDriver:
             with self._step_stream():  # micro-major: the Trainer's own step, off the legacy stream with graphs
                 return self.training_step(model, inputs, num_items_in_batch, *args, **kwargs)
         if window.next == 0:
-            window.losses = self._run(model, window)
+            window.losses = self._run(window)
         loss = window.losses[window.next]
         window.next += 1
         if window.next == len(window.batches):
@@ -191,14 +193,16 @@ class WindowDriver:
                                "micro-batch and direction), not layer-major: %s", self.reason)
         return self.reason is None
 
-    def _run(self, model, window: _Window) -> list:
+    def _run(self, window: _Window) -> list:
+        model = self.trainer.model  # what each micro-batch's step is given, and what runs the window
+
         def micro_step(inputs):
             return self.training_step(model, inputs, window.num_items)
 
         self.windows_run += 1
-        model = self.trainer.model
-        losses = model.forward_backward([{"inputs": batch} for batch in window.batches], sync_gradients=False,
-                                        train_step=micro_step)
+        with once_per_window(model):  # the step's ``model.train()``: one walk a window, not two a micro-batch
+            losses = model.forward_backward([{"inputs": batch} for batch in window.batches], sync_gradients=False,
+                                            train_step=micro_step)
         if "_count_memo" in vars(model):  # the Trainer's flops count asks this next; walk while the device works
             with parameter_counts.memoized(model, window.counts):
                 model.num_parameters(exclude_embeddings=True)

@@ -1,0 +1,51 @@
+"""``model.train()`` once per accumulation window, for the window driver (:mod:`poros.dropin.trainer_window`).
+
+HF ``Trainer.training_step`` begins with ``model.train()``: ``nn.Module.train`` sets ``training`` on every module
+of the tree (about 6,000 at 64 decoder layers with LoRA on seven projections, 15 to 25 ms of Python). The plain
+run pays it once per micro-batch while the device still computes the one before, so it costs nothing there. A
+layer-major window calls the step twice per micro-batch -- its trunk calls, one after another, before the first
+block runs, and its head calls between the forward and the backward -- with no device work queued behind the
+host: a traced 32B step at 2048 tokens and accumulation 4 showed a 24 ms idle gap before each trunk call.
+
+Inside one window nothing but those calls sets a mode (the Trainer calls no callback between a window's
+micro-batches: the driver runs them all inside its first ``training_step``), so every call after the first,
+asking the same mode, finds the tree already in it. :func:`once_per_window` lets the first call of each mode walk
+and answers the rest without walking: every module's ``training`` is what the plain run's calls would leave.
+
+May import: the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def once_per_window(model: Any) -> Iterator[None]:
+    """While inside, ``model.train(mode)`` walks the module tree only when ``mode`` is not what the last walk
+    inside set; outside, ``model.train`` is what it was (the class's, or an instance attribute of the caller's)."""
+    own = vars(model).get("train", _MISSING)
+    walk = model.train
+    walked: list[bool] = []
+
+    def train(mode: bool = True):
+        if not walked or walked[-1] != bool(mode):
+            walk(mode)
+            walked.append(bool(mode))
+        return model
+
+    object.__setattr__(model, "train", train)
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            object.__delattr__(model, "train")
+        else:
+            object.__setattr__(model, "train", own)
+
+
+__all__ = ["once_per_window"]
