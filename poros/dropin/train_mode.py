@@ -11,8 +11,11 @@ Inside one window nothing but those calls sets a mode (the Trainer calls no call
 micro-batches: the driver runs them all inside its first ``training_step``), so every call after the first,
 asking the same mode, finds the tree already in it. :func:`once_per_window` lets the first call of each mode walk
 and answers the rest without walking: every module's ``training`` is what the plain run's calls would leave.
+That holds for the ``train`` methods that only set modes (``nn.Module``'s, and transformers' ``PreTrainedModel``
+one, which also notes its kernels' mode): a tree with any other override (a module whose ``train`` does more
+per call) is walked at every call, as in the plain run.
 
-May import: the core.
+May import: torch, transformers (optional) and the core.
 """
 
 from __future__ import annotations
@@ -24,6 +27,26 @@ from typing import Any
 _MISSING = object()
 
 
+def _mode_only_methods() -> tuple:
+    """The ``train`` implementations known to do nothing a second call with the same mode would change."""
+    from torch import nn
+
+    known = [nn.Module.train]
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+
+        known.append(PreTrainedModel.train)
+    except ImportError:  # transformers is optional here
+        pass
+    return tuple(known)
+
+
+def only_sets_modes(model: Any) -> bool:
+    """Whether every module of ``model``'s tree has a ``train`` from :func:`_mode_only_methods`."""
+    known = _mode_only_methods()
+    return all(type(module).train in known and "train" not in vars(module) for module in model.modules())
+
+
 @contextlib.contextmanager
 def once_per_window(model: Any) -> Iterator[None]:
     """While inside, ``model.train(mode)`` walks the module tree only when ``mode`` is not what the last walk
@@ -31,9 +54,10 @@ def once_per_window(model: Any) -> Iterator[None]:
     own = vars(model).get("train", _MISSING)
     walk = model.train
     walked: list[bool] = []
+    skippable = own is _MISSING and only_sets_modes(model)  # one pass over the tree, before the stand-in is set
 
     def train(mode: bool = True):
-        if not walked or walked[-1] != bool(mode):
+        if not skippable or not walked or walked[-1] != bool(mode):
             walk(mode)
             walked.append(bool(mode))
         return model
@@ -48,4 +72,4 @@ def once_per_window(model: Any) -> Iterator[None]:
             object.__setattr__(model, "train", own)
 
 
-__all__ = ["once_per_window"]
+__all__ = ["once_per_window", "only_sets_modes"]
