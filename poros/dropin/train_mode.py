@@ -13,7 +13,8 @@ asking the same mode, finds the tree already in it. :func:`once_per_window` lets
 and answers the rest without walking: every module's ``training`` is what the plain run's calls would leave.
 That holds for the ``train`` methods that only set modes (``nn.Module``'s, and transformers' ``PreTrainedModel``
 one, which also notes its kernels' mode): a tree with any other override (a module whose ``train`` does more
-per call) is walked at every call, as in the plain run.
+per call, e.g. PEFT's DoRA layer, which clears its weight-norm cache at every ``train(True)``) is walked at every
+call, as in the plain run.
 
 May import: torch, transformers (optional) and the core.
 """
