@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import poros
 from poros.stream.host_optimizer import HostAdamW
-from poros.stream.pinned_slab import ALIGN, FIRST_CHUNK, PinnedSlab
+from poros.stream.pinned_slab import ALIGN, FIRST_CHUNK, PinnedSlab, expected_bytes
 from poros.testing import load_qlora
 from test_lora_placement import placed_run, qwen3, steps_of  # noqa: F401 (qwen3: the fixture)
 
@@ -115,7 +115,7 @@ def test_the_owner_s_total_caps_the_chunks_and_a_large_tensor_leaves_the_open_ch
     slab = PinnedSlab(False, expected=expected)
     tensors = [slab.empty((n,), torch.float32) for n in sizes]
     assert slab.reserved <= -(-expected // ALIGN) * ALIGN  # not the 16 MiB a first chunk takes without it
-    assert slab.used == sum(-(-4 * n // ALIGN) * ALIGN for n in sizes)
+    assert slab.used == sum(-(-4 * n // ALIGN) * ALIGN for n in sizes) == expected_bytes(tensors)  # the owners' sum
     small = PinnedSlab(False, chunk_bytes=64 << 10)
     first = small.empty((1000,), torch.float32)
     large = small.empty((64 << 10,), torch.float32)  # 256 KiB, over the 64 KiB chunk

@@ -54,13 +54,14 @@ def once_per_window(model: Any) -> Iterator[None]:
     inside set; outside, ``model.train`` is what it was (the class's, or an instance attribute of the caller's)."""
     own = vars(model).get("train", _MISSING)
     walk = model.train
-    walked: list[bool] = []
     skippable = own is _MISSING and only_sets_modes(model)  # one pass over the tree, before the stand-in is set
+    last: bool | None = None  # the mode the last walk inside set
 
     def train(mode: bool = True):
-        if not skippable or not walked or walked[-1] != bool(mode):
+        nonlocal last
+        if not skippable or last is not bool(mode):
             walk(mode)
-            walked.append(bool(mode))
+            last = bool(mode)
         return model
 
     object.__setattr__(model, "train", train)

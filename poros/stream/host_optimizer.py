@@ -42,7 +42,7 @@ from torch.optim.adam import adam
 
 from poros.errors import ConfigError
 from poros.stream.optimizer_states import DEFAULT_CHUNK_BYTES
-from poros.stream.pinned_slab import ALIGN, PinnedSlab
+from poros.stream.pinned_slab import PinnedSlab, expected_bytes
 
 
 class HostAdamW(torch.optim.AdamW):
@@ -123,8 +123,8 @@ class HostAdamW(torch.optim.AdamW):
         carved from a :class:`~poros.stream.pinned_slab.PinnedSlab`, not rounded up to a power of two."""
         pin = self._pin(param)
         if pin not in self._slabs:  # sized for exp_avg, exp_avg_sq (max_exp_avg_sq) of each parameter pinned alike
-            expected = sum((3 if group["amsgrad"] else 2) * (p.numel() * p.element_size() + ALIGN)
-                           for group in self.param_groups for p in group["params"] if self._pin(p) == pin)
+            expected = sum(expected_bytes([p for p in group["params"] if self._pin(p) == pin],
+                                          3 if group["amsgrad"] else 2) for group in self.param_groups)
             self._slabs[pin] = PinnedSlab(pin, expected=expected)
         return self._slabs[pin].empty(value.shape, value.dtype)
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from poros.errors import ConfigError
-from poros.stream.pinned_slab import ALIGN, PinnedSlab
+from poros.stream.pinned_slab import PinnedSlab, expected_bytes
 
 
 class LoraPlacement:
@@ -66,8 +66,8 @@ class LoraPlacement:
             if not record.resident:
                 self.parameters[record.index] = [p for p in record.module.parameters() if p.requires_grad]
         # the host tensors at their own size (no power-of-two rounding): each parameter's value and gradient
-        self.slab = PinnedSlab(self.pin_memory, expected=sum(2 * (p.numel() * p.element_size() + ALIGN)
-                                                              for ps in self.parameters.values() for p in ps))
+        self.slab = PinnedSlab(self.pin_memory, expected=expected_bytes(
+            [p for ps in self.parameters.values() for p in ps], copies=2))
         for parameters in self.parameters.values():
             for parameter in parameters:
                 self.host[id(parameter)] = self._to_host(parameter.data)

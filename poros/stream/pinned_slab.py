@@ -50,6 +50,12 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def expected_bytes(tensors, copies: int = 1) -> int:
+    """What a slab will hand out for ``copies`` host tensors shaped like each of ``tensors``: an owner's
+    ``expected`` (each tensor aligned as :meth:`PinnedSlab.empty` carves it)."""
+    return sum(copies * _aligned(t.numel() * t.element_size()) for t in tensors)
+
+
 class PinnedSlab:
     """Host tensors at their own size from a few large (page-locked when ``pin``) chunks.
 
@@ -112,4 +118,4 @@ class PinnedSlab:
         return whole[start: start + size]
 
 
-__all__ = ["ALIGN", "CHUNK_BYTES", "FIRST_CHUNK", "PinnedSlab"]
+__all__ = ["ALIGN", "CHUNK_BYTES", "FIRST_CHUNK", "PinnedSlab", "expected_bytes"]
