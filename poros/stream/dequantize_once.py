@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from poros.stream.recompute_choice import GRAPHS_MIN_TOKENS
+from poros.stream.recompute_tail import RecomputeTail
 
 
 class _HeldMatMul4Bit(torch.autograd.Function):
@@ -51,7 +52,7 @@ class _HeldMatMul4Bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, A, B, out, bias, quant_state, held):  # noqa: N803 (bitsandbytes' names)
-        output = held.product(A, B, quant_state, bias)
+        output = held.forward_product(A, B, quant_state, bias)
         ctx.state, ctx.held = quant_state, held
         ctx.dtype_A, ctx.dtype_B, ctx.dtype_bias = A.dtype, B.dtype, None if bias is None else bias.dtype
         ctx.tensors = (None, B) if any(ctx.needs_input_grad[:2]) else (None, None)
@@ -84,6 +85,10 @@ class DequantizeOnce:
         self._states: set[int] = set()  # ids of the held block's QuantStates
         self._original = None  # bitsandbytes.matmul_4bit while a phase runs
         self._free: bool | None = None  # without a plan: decided at the first step
+        #: a recompute's product no one reads (``poros.stream.recompute_tail``): its QuantState, and the count
+        self.skipping: Any = None
+        self.skipped = 0
+        self.tail = RecomputeTail(self)  # which recomputes skip which product
 
     # -- the decision ----------------------------------------------------------------------------
     def decide(self, hidden: torch.Tensor, micro_batches: int) -> bool:
@@ -150,6 +155,14 @@ class DequantizeOnce:
         if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
             return _HeldMatMul4Bit.apply(A, B, None, bias, quant_state, self)
         return self.product(A, B, quant_state, bias)
+
+    def forward_product(self, A, B, quant_state, bias):  # noqa: N803
+        """:meth:`product`, or for the product :attr:`skipping` names (once) an uninitialized output of its shape:
+        a recompute's last product, whose output no saved tensor reads (``poros.stream.recompute_tail``)."""
+        if quant_state is not self.skipping:
+            return self.product(A, B, quant_state, bias)
+        self.skipping, self.skipped = None, self.skipped + 1
+        return A.new_empty((*A.shape[:-1], quant_state.shape[0]))
 
     def product(self, A, B, quant_state, bias):  # noqa: N803
         """``torch.ops.bitsandbytes.gemm_4bit`` on ``A``'s device, its dequantization held."""

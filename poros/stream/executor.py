@@ -187,7 +187,6 @@ class StreamingExecutor:
     def forward(self, *args, **kwargs):
         """The causal LM's own forward (HF code), around the streamed trunk."""
         return self.causal_lm(*args, **kwargs)
-
     __call__ = forward
 
     # -- the streamed trunk ----------------------------------------------------------------------
@@ -406,7 +405,8 @@ class StreamingExecutor:
             with torch.enable_grad(), restored_rng(step.rng_states.get(index), hidden.device), \
                     replayed_autocast(step.autocast_states.get(index), hidden.device):
                 args, kwargs = call.build(leaf_hidden, leaf_inputs, mappings)
-                with self.routers.recording(self.layers[index], step.router) as logits:
+                with self.routers.recording(self.layers[index], step.router) as logits, \
+                        self.dequantize.tail.recompute(index, not mappings and not step.router):
                     output = self.layers[index](*args, **kwargs)
         written = [(mappings[name][key], sent) for name, key, sent in written_grads]
         live = recompute_roots(output, grad_output, written + ([(logits, router_grads)] if router_grads else []))
