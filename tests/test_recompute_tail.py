@@ -2,7 +2,7 @@
 block's weights, a recomputed pre-norm block skips its ``down_proj`` product (found by a probe of its first
 recompute, not declared) and the Trainer under ``prepare_trainer`` still gives the plain Trainer's bits, on every
 family, bf16 on and off; a block whose last product's output a saved tensor reads (Gemma 3's post-feedforward norm)
-recomputes whole."""
+recomputes whole, and a block holding a router (Qwen3.5 MoE) is never probed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import poros
+from poros.stream import recompute_tail
 from poros.testing import save_tiny_checkpoint
 from conformance_flows import FAMILY_IDS, FAMILY_VARIANTS, assert_same_outcome, load, rows, run_trainer
 
@@ -97,3 +98,22 @@ def test_a_block_whose_last_output_is_saved_recomputes_whole(tmp_path):
     dequantize = run["trainer"].model.executor.dequantize
     assert dequantize.tail.targets and set(dequantize.tail.targets.values()) == {None}
     assert dequantize.skipped == 0
+
+
+def test_a_routed_block_is_not_probed(monkeypatch, tmp_path):
+    """Qwen3.5 MoE: which experts run depends on the tokens, so one recompute's order of products says nothing
+    of the next one's; its blocks hold a router, are never probed and recompute whole, with the plain bits."""
+    probes = []
+
+    class Counted(recompute_tail._Probe):
+        def __init__(self):
+            super().__init__()
+            probes.append(self)
+    monkeypatch.setattr(recompute_tail, "_Probe", Counted)
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5_moe", seed=7, num_layers=2)
+    plain = run_trainer(load(checkpoint), tmp_path / "plain", bf16=True, **FLOW)
+    run = run_trainer(load(checkpoint), tmp_path / "poros", bf16=True, **FLOW,
+                      line=lambda trainer: poros.prepare_trainer(trainer, **HELD_RECOMPUTED))
+    assert_same_outcome(plain, run)
+    dequantize = run["trainer"].model.executor.dequantize
+    assert dequantize.tail.targets == {0: None, 1: None} and dequantize.skipped == 0 and not probes

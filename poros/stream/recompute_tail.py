@@ -14,9 +14,11 @@ the block and no tensor saved after it is derived from its output: its output's 
 any saved tensor, and no saved tensor shares its storage. Gemma's post-feedforward norm saves its input and a MoE
 block's routing weights multiply the experts' outputs: such blocks fail the probe and recompute whole.
 
-Where: the held path of ``dequantize_once`` (:class:`~poros.stream.dequantize_once.DequantizeOnce`, whose autograd
-Function is Poros's own and skips the product), a block recomputed eagerly (a replayed graph recomputes whole),
-with no carried mapping and no router logits. Imports torch only.
+The probe holds for later calls because a dense block runs the same products in the same order every time; a block
+with a router (its experts' products depend on the tokens) is never probed and recomputes whole. Where: the held path
+of ``dequantize_once`` (:class:`~poros.stream.dequantize_once.DequantizeOnce`, whose autograd Function is Poros's own
+and skips the product), a block recomputed eagerly (a replayed graph recomputes whole), with no carried mapping.
+Imports torch only.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class RecomputeTail:
         if not eligible or self.dequantize.held is None:
             yield
             return
+        if index not in self.targets and self._routed(index):
+            self.targets[index] = None  # its products depend on the routing: the probe's order may not hold
         if index not in self.targets:
             probe = _Probe()
             with probe.recording():
@@ -53,6 +57,12 @@ class RecomputeTail:
             yield
         finally:
             self.dequantize.skipping = None
+
+    def _routed(self, index: int) -> bool:
+        """Whether block ``index`` holds a router (the module class transformers records router logits from)."""
+        executor = self.dequantize.executor
+        router = executor.routers.target
+        return router is not None and any(isinstance(m, router) for m in executor.layers[index].modules())
 
 
 class _Probe:
