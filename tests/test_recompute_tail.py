@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import bitsandbytes as bnb
 import pytest
 import torch
 
@@ -33,34 +34,45 @@ def _recomputes(executor) -> Counter:
     return counts
 
 
+#: how the recomputes run: layer-major with the weights held; layer-major through bitsandbytes' ``MatMul4Bit``;
+#: micro-major (LoRA dropout on: the drop-in leaves every micro-batch to the Trainer), through ``MatMul4Bit``
+MODES = {"held": (dict(dequantize_once=True), 0.0), "bitsandbytes": (dict(dequantize_once=False), 0.0),
+         "micro-major": (dict(dequantize_once=False), 0.1)}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("family", "variant"), FAMILY_VARIANTS, ids=FAMILY_IDS)
-def test_recompute_tail_keeps_the_plain_bits(family, variant, bf16, tmp_path):
-    """Accumulation 4 layer-major, two steps, every block recomputed with its weights held: the plain Trainer's
-    losses, grad_norm, LoRA and AdamW tensors; each probed block skipped its product in every recompute after
-    the first."""
+def test_recompute_tail_keeps_the_plain_bits(family, variant, bf16, mode, tmp_path):
+    """Accumulation 4, two steps, every block recomputed: the plain Trainer's losses, grad_norm, LoRA and AdamW
+    tensors; each probed block skipped its product in every recompute after the first."""
+    options, dropout = MODES[mode]
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", family, variant, seed=7)
-    plain = run_trainer(load(checkpoint), tmp_path / "plain", bf16=bf16, **FLOW)
+    plain = run_trainer(load(checkpoint, dropout=dropout), tmp_path / "plain", bf16=bf16, **FLOW)
     recomputes: list[Counter] = []
-    run = run_trainer(load(checkpoint), tmp_path / "poros", bf16=bf16, **FLOW, line=lambda trainer: recomputes.append(
-        _recomputes(poros.prepare_trainer(trainer, **HELD_RECOMPUTED).executor)))
+    run = run_trainer(load(checkpoint, dropout=dropout), tmp_path / "poros", bf16=bf16, **FLOW,
+                      line=lambda trainer: recomputes.append(_recomputes(poros.prepare_trainer(
+                          trainer, recompute="all", **options).executor)))
     assert_same_outcome(plain, run)
-    dequantize = run["trainer"].model.executor.dequantize
-    skipping = [index for index, state in dequantize.tail.targets.items() if state is not None]
-    assert dequantize.skipped == sum(recomputes[0][index] - 1 for index in skipping)
-    assert dequantize.skipping is None
+    tail = run["trainer"].model.executor.dequantize.tail
+    skipping = [index for index, state in tail.targets.items() if state is not None]
+    assert tail.skipped == sum(recomputes[0][index] - 1 for index in skipping)
+    assert run["trainer"].model.executor.dequantize.skipping is None
+    assert bnb.matmul_4bit is bnb.autograd._functions.matmul_4bit  # bitsandbytes' own function given back
 
 
-def test_a_pre_norm_block_recomputes_without_its_down_projection(tmp_path):
-    """Qwen3, three blocks: the probe finds each block's ``mlp.down_proj``; its base product runs 4 times a step in
-    the forward phase and, in the backward phase, only in the first (probed) recompute of each block -- 15 then 12
-    products where holding alone runs 24 a step -- and the bits are the plain Trainer's."""
+@pytest.mark.parametrize("held", [True, False], ids=["held", "bitsandbytes"])
+def test_a_pre_norm_block_recomputes_without_its_down_projection(held, tmp_path):
+    """Qwen3, three blocks, layer-major: the probe finds each block's ``mlp.down_proj``; its base product runs 4
+    times a step in the forward phase and, in the backward phase, only in the first (probed) recompute of each
+    block -- 15 then 12 products where a whole recompute runs 24 a step -- with its weights held or not, and the
+    bits are the plain Trainer's."""
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7, num_hidden_layers=3, intermediate_size=96)
     plain = run_trainer(load(checkpoint), tmp_path / "plain", bf16=True, **FLOW)
     products: list[int] = []
 
     def line(trainer):
-        executor = poros.prepare_trainer(trainer, **HELD_RECOMPUTED).executor
+        executor = poros.prepare_trainer(trainer, recompute="all", dequantize_once=held).executor
         window = executor.forward_backward
 
         def counted(*args, **kwargs):
@@ -81,7 +93,7 @@ def test_a_pre_norm_block_recomputes_without_its_down_projection(tmp_path):
     assert_same_outcome(plain, run)
     executor = run["trainer"].model.executor
     assert products == [4 * 3 + 3, 4 * 3]
-    assert executor.dequantize.skipped == 3 * 7
+    assert executor.dequantize.tail.skipped == 3 * 7
     for index, layer in enumerate(executor.layers):
         assert executor.dequantize.tail.targets[index] is layer.mlp.down_proj.base_layer.weight.quant_state
 
@@ -97,7 +109,7 @@ def test_a_block_whose_last_output_is_saved_recomputes_whole(tmp_path):
     assert_same_outcome(plain, run)
     dequantize = run["trainer"].model.executor.dequantize
     assert dequantize.tail.targets and set(dequantize.tail.targets.values()) == {None}
-    assert dequantize.skipped == 0
+    assert dequantize.tail.skipped == 0
 
 
 def test_a_routed_block_is_not_probed(monkeypatch, tmp_path):
@@ -116,4 +128,4 @@ def test_a_routed_block_is_not_probed(monkeypatch, tmp_path):
                       line=lambda trainer: poros.prepare_trainer(trainer, **HELD_RECOMPUTED))
     assert_same_outcome(plain, run)
     dequantize = run["trainer"].model.executor.dequantize
-    assert dequantize.tail.targets == {0: None, 1: None} and dequantize.skipped == 0 and not probes
+    assert dequantize.tail.targets == {0: None, 1: None} and dequantize.tail.skipped == 0 and not probes

@@ -85,10 +85,9 @@ class DequantizeOnce:
         self._states: set[int] = set()  # ids of the held block's QuantStates
         self._original = None  # bitsandbytes.matmul_4bit while a phase runs
         self._free: bool | None = None  # without a plan: decided at the first step
-        #: a recompute's product no one reads (``poros.stream.recompute_tail``): its QuantState, and the count
+        #: a recompute's product no one reads (``poros.stream.recompute_tail``): its QuantState, while one runs
         self.skipping: Any = None
-        self.skipped = 0
-        self.tail = RecomputeTail(self)  # which recomputes skip which product
+        self.tail = RecomputeTail(self)  # which recomputes skip which product (held or not)
 
     # -- the decision ----------------------------------------------------------------------------
     def decide(self, hidden: torch.Tensor, micro_batches: int) -> bool:
@@ -161,7 +160,8 @@ class DequantizeOnce:
         a recompute's last product, whose output no saved tensor reads (``poros.stream.recompute_tail``)."""
         if quant_state is not self.skipping:
             return self.product(A, B, quant_state, bias)
-        self.skipping, self.skipped = None, self.skipped + 1
+        self.skipping = None
+        self.tail.skipped += 1
         return A.new_empty((*A.shape[:-1], quant_state.shape[0]))
 
     def product(self, A, B, quant_state, bias):  # noqa: N803

@@ -11,14 +11,16 @@ Whether a block's last product is such a product is found, not declared. The fir
 whole under a probe that records bitsandbytes' 4-bit products in call order and every tensor autograd saves
 (``saved_tensors_hooks``). The last product is skipped in later recomputes when it was its weight's only product in
 the block and no tensor saved after it is derived from its output: its output's autograd node is not an ancestor of
-any saved tensor, and no saved tensor shares its storage. Gemma's post-feedforward norm saves its input and a MoE
-block's routing weights multiply the experts' outputs: such blocks fail the probe and recompute whole.
+any saved tensor, and no saved tensor shares its storage. A norm of the MLP's output (a post-feedforward norm) saves
+it: such blocks fail the probe and recompute whole.
 
 The probe holds for later calls because a dense block runs the same products in the same order every time; a block
-with a router (its experts' products depend on the tokens) is never probed and recomputes whole. Where: the held path
-of ``dequantize_once`` (:class:`~poros.stream.dequantize_once.DequantizeOnce`, whose autograd Function is Poros's own
-and skips the product), a block recomputed eagerly (a replayed graph recomputes whole), with no carried mapping.
-Imports torch only.
+with a router (its experts' products depend on the tokens) is never probed and recomputes whole. The skip applies to
+a block recomputed eagerly (a replayed graph recomputes whole) with no carried mapping, in either schedule: in a held
+phase of ``dequantize_once`` :class:`~poros.stream.dequantize_once.DequantizeOnce`'s own autograd Function leaves the
+product out; otherwise bitsandbytes' ``matmul_4bit`` is stood in for during the recompute and the product becomes
+:class:`_SkippedMatMul4Bit`, bitsandbytes' ``MatMul4Bit`` context and backward without the product. Imports torch
+(and bitsandbytes, when a recompute runs) only.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ class RecomputeTail:
     def __init__(self, dequantize: Any) -> None:
         self.dequantize = dequantize
         self.targets: dict[int, Any] = {}
+        self.skipped = 0  # products left out so far (reports, tests)
 
     @contextlib.contextmanager
     def recompute(self, index: int, eligible: bool):
         """Around the forward of block ``index``'s eager recompute (``eligible``: no carried mapping, no router
-        logits): the first one is probed, later ones skip the probed product. A no-op outside a held phase."""
-        if not eligible or self.dequantize.held is None:
+        logits): the first one is probed, later ones skip the probed product."""
+        if not eligible:
             yield
             return
         if index not in self.targets and self._routed(index):
@@ -52,11 +55,39 @@ class RecomputeTail:
                 yield
             self.targets[index] = probe.target()
             return
-        self.dequantize.skipping = self.targets[index]
+        target = self.targets[index]
+        if target is None:
+            yield
+        elif self.dequantize.held is not None:  # a held phase: DequantizeOnce's own Function skips it
+            self.dequantize.skipping = target
+            try:
+                yield
+            finally:
+                self.dequantize.skipping = None
+        else:
+            with self._skipping(target):
+                yield
+
+    @contextlib.contextmanager
+    def _skipping(self, target: Any):
+        """bitsandbytes' ``matmul_4bit`` with ``target``'s product (once) left out: :class:`_SkippedMatMul4Bit`,
+        where bitsandbytes would take ``MatMul4Bit``; every other call unchanged."""
+        import bitsandbytes
+
+        original, pending = bitsandbytes.matmul_4bit, [target]
+
+        def matmul_4bit(A, B, quant_state, out=None, bias=None):  # noqa: N803 (bitsandbytes' names)
+            if pending and quant_state is target and _takes_matmul4bit(A, quant_state, out, bias):
+                pending.clear()
+                self.skipped += 1
+                return _SkippedMatMul4Bit.apply(A, B.view(-1, 1), None, bias, quant_state)
+            return original(A, B, quant_state, out=out, bias=bias)
+
+        bitsandbytes.matmul_4bit = matmul_4bit
         try:
             yield
         finally:
-            self.dequantize.skipping = None
+            bitsandbytes.matmul_4bit = original
 
     def _routed(self, index: int) -> bool:
         """Whether block ``index`` holds a router (the module class transformers records router logits from)."""
@@ -108,6 +139,36 @@ class _Probe:
         if any(tensor.untyped_storage().data_ptr() == storage or _reaches(tensor.grad_fn, node) for tensor in after):
             return None
         return state
+
+
+class _SkippedMatMul4Bit(torch.autograd.Function):
+    """bitsandbytes' ``MatMul4Bit`` (0.50.2) without its product: the same context, an uninitialized output of
+    the product's shape, and ``MatMul4Bit``'s own backward."""
+
+    @staticmethod
+    def forward(ctx, A, B, out, bias, quant_state):  # noqa: N803 (bitsandbytes' names)
+        ctx.is_empty, ctx.state = False, quant_state
+        ctx.dtype_A, ctx.dtype_B, ctx.dtype_bias = A.dtype, B.dtype, None if bias is None else bias.dtype
+        ctx.tensors = (None, B) if any(ctx.needs_input_grad[:2]) else (None, None)
+        return A.new_empty((*A.shape[:-1], quant_state.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from bitsandbytes.autograd._functions import MatMul4Bit
+
+        return MatMul4Bit.backward(ctx, grad_output)
+
+
+def _takes_matmul4bit(A: torch.Tensor, quant_state: Any, out: Any, bias: Any) -> bool:  # noqa: N803
+    """Whether bitsandbytes' ``matmul_4bit`` would compute this call with ``MatMul4Bit`` (and no ``out``)."""
+    shape = getattr(quant_state, "shape", ())
+    if out is not None or A.numel() == 0 or len(shape) != 2 or getattr(quant_state, "packing_format_for_cpu", False):
+        return False
+    if A.shape[-1] == shape[0] and A.shape[-1] != shape[1]:  # [K, N] weights: bitsandbytes' deprecated branch
+        return False
+    if quant_state.nested and quant_state.state2.blocksize != 256:
+        return False  # bitsandbytes raises NotImplementedError; let it
+    return torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
 
 
 def _reaches(start: Any, node: Any) -> bool:

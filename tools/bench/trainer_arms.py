@@ -130,7 +130,7 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
                                  "kept_activation_blocks": len(handle.executor.recompute.last),
                                  "dequantize_once": handle.executor.dequantize.last,
                                  # recomputes' unread last products skipped (poros.stream.recompute_tail), all steps
-                                 "recompute_tail_skips": handle.executor.dequantize.skipped,
+                                 "recompute_tail_skips": handle.executor.dequantize.tail.skipped,
                                  "budget_plan": None if handle.budget_plan is None else handle.budget_plan.to_dict(),
                                  "block_fetches_per_step": round(fetches / len(handle.store.blocks)
                                                                  / max(1, len(clock.step_times)), 3),
