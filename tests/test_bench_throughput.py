@@ -77,3 +77,34 @@ def test_the_step_clock_counts_the_allocator_per_timed_step():
     clock._counters = counts
     per_step = clock.allocator(warmup=1)
     assert per_step["num_alloc_retries"] == 2.5 and per_step["num_device_alloc"] == 3.0
+
+
+def test_hardware_flops_leave_out_the_products_a_recompute_skipped():
+    """A Poros arm's ``skipped_flops`` (a timed step's products its recomputes left out) come off its hardware
+    FLOPs, not its model FLOPs; an arm without them is priced as before."""
+    config, seq = _config(), 32
+    n, attention = block_linear_parameters(config), 2 * 3 * seq * 4 * 16
+    skipped = 2 * 2 * seq * 64 * 160  # two down_proj-shaped products over a 32-token micro-batch
+    arms = {"trl-poros": {"median_step_s": 1.0, "tokens_per_step": 64, "kept_activation_blocks": 0,
+                          "skipped_flops": skipped},
+            "trl-poros-before": {"median_step_s": 1.0, "tokens_per_step": 64, "kept_activation_blocks": 0}}
+    add_machine_numbers(arms, config, seq, dense_tflops=None)
+    whole = (6 * n + 4 * attention) * 64
+    assert arms["trl-poros-before"]["hardware_tflops"] == round(whole / 1e12, 1)
+    assert arms["trl-poros"]["hardware_tflops"] == round((whole - skipped) / 1e12, 1)
+    assert arms["trl-poros"]["model_tflops"] == arms["trl-poros-before"]["model_tflops"]
+
+
+def test_the_step_clock_reads_counters_per_timed_step():
+    """``StepClock.readings``: each is read at the start and after every step, and ``per_timed_step`` is its
+    growth per step after the warm-up (the first step's probes are not a timed step's skips)."""
+    from tools.bench.trainer_common import StepClock
+
+    clock, count = StepClock("cpu"), [0]
+    clock.readings["skips"] = lambda: count[0]
+    clock.on_train_begin(None, None, None)
+    for grown in (3, 7, 7):  # the warm-up step skipped 3 (after its probes), each timed step 7
+        count[0] += grown
+        clock.on_step_end(None, None, None)
+    assert clock.per_timed_step("skips", warmup=1) == 7.0
+    assert clock.per_timed_step("absent", warmup=1) is None

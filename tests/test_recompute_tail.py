@@ -94,6 +94,7 @@ def test_a_pre_norm_block_recomputes_without_its_down_projection(held, tmp_path)
     executor = run["trainer"].model.executor
     assert products == [4 * 3 + 3, 4 * 3]
     assert executor.dequantize.tail.skipped == 3 * 7
+    assert executor.dequantize.tail.skipped_flops == 3 * 7 * 2 * (2 * 29) * 96 * 64  # rows x K x N, 2 FLOPs each
     for index, layer in enumerate(executor.layers):
         assert executor.dequantize.tail.targets[index] is layer.mlp.down_proj.base_layer.weight.quant_state
 

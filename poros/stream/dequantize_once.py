@@ -161,7 +161,7 @@ class DequantizeOnce:
         if quant_state is not self.skipping:
             return self.product(A, B, quant_state, bias)
         self.skipping = None
-        self.tail.skipped += 1
+        self.tail.note(A, quant_state)
         return A.new_empty((*A.shape[:-1], quant_state.shape[0]))
 
     def product(self, A, B, quant_state, bias):  # noqa: N803

@@ -38,7 +38,8 @@ class RecomputeTail:
     def __init__(self, dequantize: Any) -> None:
         self.dequantize = dequantize
         self.targets: dict[int, Any] = {}
-        self.skipped = 0  # products left out so far (reports, tests)
+        self.skipped = 0  # products left out so far, and their FLOPs (reports, tests)
+        self.skipped_flops = 0
 
     @contextlib.contextmanager
     def recompute(self, index: int, eligible: bool):
@@ -79,7 +80,7 @@ class RecomputeTail:
         def matmul_4bit(A, B, quant_state, out=None, bias=None):  # noqa: N803 (bitsandbytes' names)
             if pending and quant_state is target and _takes_matmul4bit(A, quant_state, out, bias):
                 pending.clear()
-                self.skipped += 1
+                self.note(A, quant_state)
                 return _SkippedMatMul4Bit.apply(A, B.view(-1, 1), None, bias, quant_state)
             return original(A, B, quant_state, out=out, bias=bias)
 
@@ -88,6 +89,11 @@ class RecomputeTail:
             yield
         finally:
             bitsandbytes.matmul_4bit = original
+
+    def note(self, A: torch.Tensor, quant_state: Any) -> None:  # noqa: N803
+        """One product of ``A`` by ``quant_state``'s ``[N, K]`` weight left out: ``2 x rows x K x N`` FLOPs."""
+        self.skipped += 1
+        self.skipped_flops += 2 * A.numel() * quant_state.shape[0]
 
     def _routed(self, index: int) -> bool:
         """Whether block ``index`` holds a router (the module class transformers records router logits from)."""

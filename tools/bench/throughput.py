@@ -9,7 +9,9 @@ same run measured (docs/benchmarking.md, "FLOPs and MFU", writes the formulas ou
   ``2 x S/2 x H_q x d`` per token and layer, ``S/2`` the average causal context), its backward twice that. LoRA's
   own FLOPs (rank << hidden) are left out.
 * **hardware FLOPs per token** = model + the recomputed forwards, ``(2 N + A)`` times the fraction of blocks
-  recomputed (1 for HF's and Unsloth's gradient checkpointing; Poros: ``(L - kept) / L``).
+  recomputed (1 for HF's and Unsloth's gradient checkpointing; Poros: ``(L - kept) / L``), less the FLOPs of
+  the products a Poros recompute leaves out (``skipped_flops`` a timed step, counted as they are skipped:
+  ``poros.stream.recompute_tail``).
 * **MFU** = model FLOP/s / the dense bf16 rate: the best of several ``8192 x 8192 x 8192`` bf16 matmuls timed at the
   start of the run (``2 x 8192^3`` FLOPs each).
 """
@@ -91,6 +93,7 @@ def add_machine_numbers(arms: dict[str, dict], config: Any, seq: int, dense_tflo
         depth = summary.get("layers") or layers  # Unsloth at a truncated depth is priced at its own
         shaped = _with_layers(config, depth)
         model, hardware = flops_per_token(shaped, seq, recomputed_fraction(name, summary, depth))
+        hardware -= (summary.get("skipped_flops") or 0) / tokens
         summary["model_tflops"] = round(model * tokens / step / 1e12, 1)
         summary["hardware_tflops"] = round(hardware * tokens / step / 1e12, 1)
         summary["mfu"] = round(summary["model_tflops"] / dense_tflops, 4) if dense_tflops else None

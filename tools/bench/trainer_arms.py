@@ -113,6 +113,8 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
         if line == "poros":
             handle = poros.prepare_trainer(trainer, **setup.prepare_options())  # the one line
             handle.store.stats.reset()
+            tail = handle.executor.dequantize.tail
+            clock.readings.update(recompute_tail_skips=lambda: tail.skipped, skipped_flops=lambda: tail.skipped_flops)
         if cap is not None:  # a smaller card, emulated from training on (after the one line has streamed the
             cap_process(torch.device(setup.device), cap)  # blocks off the card: the first step's decisions see it)
         trainer.train()
@@ -129,8 +131,9 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
                                  "recompute": handle.stream_options.recompute,
                                  "kept_activation_blocks": len(handle.executor.recompute.last),
                                  "dequantize_once": handle.executor.dequantize.last,
-                                 # recomputes' unread last products skipped (poros.stream.recompute_tail), all steps
-                                 "recompute_tail_skips": handle.executor.dequantize.tail.skipped,
+                                 # recomputes' unread last products skipped (poros.stream.recompute_tail), a timed step
+                                 "recompute_tail_skips": clock.per_timed_step("recompute_tail_skips", setup.warmup),
+                                 "skipped_flops": clock.per_timed_step("skipped_flops", setup.warmup),
                                  "budget_plan": None if handle.budget_plan is None else handle.budget_plan.to_dict(),
                                  "block_fetches_per_step": round(fetches / len(handle.store.blocks)
                                                                  / max(1, len(clock.step_times)), 3),

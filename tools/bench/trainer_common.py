@@ -167,6 +167,9 @@ class StepClock(TrainerCallback):
         self.allocated_before: int | None = None
         self._last: float | None = None
         self._counters: list[dict[str, int]] = []  # the allocator's counters at the start and after each step
+        #: more counters read with the allocator's (name -> a reading), e.g. the recomputes' skipped products
+        self.readings: dict[str, Any] = {}
+        self._read: list[dict[str, int]] = []
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -189,6 +192,7 @@ class StepClock(TrainerCallback):
         self._last = time.perf_counter()
 
     def _count(self) -> None:
+        self._read.append({name: read() for name, read in self.readings.items()})
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             self._counters.append({key: stats.get(key, 0) for key in ALLOCATOR_COUNTERS})
@@ -199,6 +203,13 @@ class StepClock(TrainerCallback):
             return None
         first, last, steps = self._counters[warmup], self._counters[-1], len(self._counters) - 1 - warmup
         return {key: round((last[key] - first[key]) / steps, 2) for key in ALLOCATOR_COUNTERS}
+
+    def per_timed_step(self, name: str, warmup: int) -> float | None:
+        """Reading ``name``'s growth per timed step (the steps after ``warmup``), or None without one."""
+        if len(self._read) <= warmup + 1 or name not in self._read[warmup]:
+            return None
+        steps = len(self._read) - 1 - warmup
+        return round((self._read[-1][name] - self._read[warmup][name]) / steps, 2)
 
     def memory(self) -> dict[str, float | None]:
         """Peak allocated / reserved since ``on_train_begin`` and the allocated bytes then, in GB (None on the CPU)."""
