@@ -187,8 +187,9 @@ def test_dequantize_once_trains_the_plain_bits(family, variant, bf16, tmp_path):
 def test_once_per_block_phase_against_once_a_call(tmp_path):
     """One step of accumulation 4, three blocks, the last kept (auto under a budget): with ``false`` each 4-bit
     weight is dequantized once a call -- 4 times in its forward phase, 8 in a recomputed block's backward phase
-    (recompute and input gradient; block 0's q, k and v, whose input needs none, 4), 4 in the kept block's; with
-    ``true`` once per phase, and the same bits."""
+    (recompute and input gradient; block 0's q, k and v, whose input needs none, 4; ``down_proj`` 5, its product
+    left out of every recompute after the first), 4 in the kept block's; with ``true`` once per phase, and the
+    same bits."""
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7, num_hidden_layers=3)
     results, phases = {}, {}
     for once in (False, True):
@@ -207,9 +208,11 @@ def test_once_per_block_phase_against_once_a_call(tmp_path):
     assert linears == 7  # q, k, v, o, gate, up, down
     assert phases[False] == {(0, "forward"): [4] * linears, (1, "forward"): [4] * linears,
                              (2, "forward"): [4] * linears, (2, "backward"): [4] * linears,
-                             (1, "backward"): [8] * linears,
+                             # down_proj: 4 input gradients, and its product only in the first (probed)
+                             # recompute (poros.stream.recompute_tail)
+                             (1, "backward"): [5] + [8] * (linears - 1),
                              # block 0's input needs no gradient: q, k and v's neither (recompute only)
-                             (0, "backward"): [4] * 3 + [8] * 4}
+                             (0, "backward"): [4] * 3 + [5] + [8] * 3}
     assert phases[True] == {where: [1] * linears for where in phases[False]}
 
 

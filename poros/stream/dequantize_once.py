@@ -38,6 +38,7 @@ activations get what remains); on a CPU without a plan, off.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -82,7 +83,8 @@ class DequantizeOnce:
         self.last = False  # the last layer-major step's decision (reports, tests)
         self.reason = ""  # why the last decision was off, in words
         self.held: dict[tuple, torch.Tensor] | None = None  # the block phase's copies (None: no phase)
-        self._states: set[int] = set()  # ids of the held block's QuantStates
+        self._states: frozenset[int] = frozenset()  # ids of the held block's QuantStates
+        self._block_states: dict[int, frozenset[int]] = {}  # block index -> its QuantStates' ids, found once
         self._original = None  # bitsandbytes.matmul_4bit while a phase runs
         self._free: bool | None = None  # without a plan: decided at the first step
         #: a recompute's product no one reads (``poros.stream.recompute_tail``): its QuantState, while one runs
@@ -136,15 +138,17 @@ class DequantizeOnce:
             return
         import bitsandbytes
 
-        self._states = {id(p.quant_state) for p in self.executor.layers[index].parameters()
-                        if getattr(p, "quant_state", None) is not None}
+        if index not in self._block_states:  # the same QuantState objects across fetches (the store restores them)
+            self._block_states[index] = frozenset(id(p.quant_state) for p in self.executor.layers[index].parameters()
+                                                  if getattr(p, "quant_state", None) is not None)
+        self._states = self._block_states[index]
         self.held, self._original = {}, bitsandbytes.matmul_4bit
         bitsandbytes.matmul_4bit = self.matmul_4bit
         try:
             yield
         finally:
             bitsandbytes.matmul_4bit = self._original
-            self.held, self._states = None, set()
+            self.held, self._states = None, frozenset()
 
     def matmul_4bit(self, A, B, quant_state, out=None, bias=None):  # noqa: N803
         """``bitsandbytes.matmul_4bit`` while a phase runs: the held block's products with its held weights."""
@@ -205,8 +209,10 @@ def _follows(A: torch.Tensor, quant_state: Any) -> bool:  # noqa: N803
     return key is not None and not torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::gemm_4bit", key)
 
 
+@functools.cache
 def _cuda_ops() -> Any:
-    """bitsandbytes' CUDA backend module with the dispatch this module follows, or None."""
+    """bitsandbytes' CUDA backend module with the dispatch this module follows, or None (found once: every
+    4-bit product of a held phase asks)."""
     try:
         from bitsandbytes.backends.cuda import ops
     except ImportError:
