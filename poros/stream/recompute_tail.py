@@ -123,7 +123,9 @@ class _Probe:
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             self.saved.append((len(self.products), tensor))
-            return tensor
+            # what autograd keeps: the same storage without the graph (a saved output kept with its grad_fn would
+            # make a reference cycle, its tensors freed only by the cyclic collector)
+            return tensor.detach()
 
         bitsandbytes.matmul_4bit = matmul_4bit
         try:
@@ -134,14 +136,14 @@ class _Probe:
 
     def target(self) -> Any:
         """The last product's ``QuantState`` when no saved tensor reads its output, else None."""
-        if not self.products:
+        products, saved, self.products, self.saved = self.products, self.saved, [], []
+        if not products:
             return None
-        state, output = self.products[-1]
-        if sum(s is state for s, _ in self.products) != 1 or output.grad_fn is None:
+        state, output = products[-1]
+        if sum(s is state for s, _ in products) != 1 or output.grad_fn is None:
             return None
         node, storage = output.grad_fn, output.untyped_storage().data_ptr()
-        after = [tensor for count, tensor in self.saved if count == len(self.products)]
-        self.products, self.saved = [], []
+        after = [tensor for count, tensor in saved if count == len(products)]
         if any(tensor.untyped_storage().data_ptr() == storage or _reaches(tensor.grad_fn, node) for tensor in after):
             return None
         return state
