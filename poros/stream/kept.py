@@ -8,7 +8,9 @@ then read the other block's bytes in backward. Two kinds of references hold them
 * tensors saved with ``save_for_backward`` (a norm's weight in ``weight * x``, a bias): while a kept forward
   runs, :meth:`KeptBlock.saving` installs ``saved_tensors_hooks`` that pack every saved tensor lying in the
   block's device bytes as a :class:`SlotRef` (its byte offset in the block, dtype, shape, stride), and unpack
-  it as a view of the bytes the block has *when its backward runs*;
+  it as a view of the bytes the block has *when its backward runs* (any other saved tensor is packed detached:
+  packed with its own ``grad_fn``, a saved output would be a cycle through autograd's C++ node that Python's
+  collector cannot see, alive for good where the backward never runs that node);
 * tensors a custom ``autograd.Function`` keeps as attributes of its context (bitsandbytes' ``MatMul4Bit``
   keeps its packed weight as ``ctx.tensors = (None, B)``, out of the hooks' sight): after the forward,
   :meth:`KeptBlock.detach_contexts` walks the block's graph and replaces each such tensor by a
@@ -122,7 +124,9 @@ class KeptBlock:
         if pointer not in self._seen:
             self._seen.add(pointer)
             self.saved_bytes += storage.nbytes()
-        return tensor
+        # the same storage without the graph: a saved output packed with its own grad_fn is a cycle through
+        # autograd's C++ node that Python's collector cannot see (a node backward never runs would keep it alive)
+        return tensor.detach()
 
     def _unpack(self, value: Any) -> torch.Tensor:
         return _view(value, self._buffer()) if isinstance(value, SlotRef) else value
