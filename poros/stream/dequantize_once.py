@@ -165,7 +165,8 @@ class DequantizeOnce:
         if quant_state is not self.skipping:
             return self.product(A, B, quant_state, bias)
         self.skipping = None
-        return self.tail.leave_out(A, quant_state)
+        self.tail.note(A, quant_state)
+        return A.new_empty((*A.shape[:-1], quant_state.shape[0]))
 
     def product(self, A, B, quant_state, bias):  # noqa: N803
         """``torch.ops.bitsandbytes.gemm_4bit`` on ``A``'s device, its dequantization held."""
@@ -193,22 +194,15 @@ class DequantizeOnce:
         return held[key]
 
 
-def gemm_4bit_branch(A: torch.Tensor, quant_state: Any) -> bool:  # noqa: N803
-    """Whether bitsandbytes' ``matmul_4bit`` computes ``A`` by ``quant_state``'s weight through ``gemm_4bit`` /
-    ``MatMul4Bit`` (not an empty input, ``[K, N]`` weights, the CPU inference packing, or a nested blocksize it
-    refuses); also what ``poros.stream.recompute_tail`` leaves out a product by."""
+def _follows(A: torch.Tensor, quant_state: Any) -> bool:  # noqa: N803
+    """Whether ``matmul_4bit`` would take the path this module follows for ``A`` (else bitsandbytes runs it)."""
     shape = getattr(quant_state, "shape", ())
     if A.numel() == 0 or len(shape) != 2 or getattr(quant_state, "packing_format_for_cpu", False):
         return False
     if A.shape[-1] == shape[0] and A.shape[-1] != shape[1]:  # [K, N] weights: bitsandbytes' deprecated branch
         return False
-    return not (quant_state.nested and quant_state.state2.blocksize != 256)  # bitsandbytes raises there; let it
-
-
-def _follows(A: torch.Tensor, quant_state: Any) -> bool:  # noqa: N803
-    """Whether ``matmul_4bit`` would take the path this module follows for ``A`` (else bitsandbytes runs it)."""
-    if not gemm_4bit_branch(A, quant_state):
-        return False
+    if quant_state.nested and quant_state.state2.blocksize != 256:
+        return False  # bitsandbytes raises NotImplementedError; let it
     if A.device.type == "cuda":
         return _cuda_ops() is not None
     key = {"cpu": "CPU"}.get(A.device.type)  # the default kernel where the device registers none
@@ -277,4 +271,4 @@ def _block_held_bytes(layer: torch.nn.Module) -> int:
     return total
 
 
-__all__ = ["DequantizeOnce", "gemm_4bit_branch"]
+__all__ = ["DequantizeOnce"]
