@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from poros.stream.recompute_choice import GRAPHS_MIN_TOKENS
+from poros.stream.gemm_4bit_branch import takes_gemm_4bit
 from poros.stream.recompute_tail import RecomputeTail
 
 
@@ -165,8 +166,7 @@ class DequantizeOnce:
         if quant_state is not self.skipping:
             return self.product(A, B, quant_state, bias)
         self.skipping = None
-        self.tail.note(A, quant_state)
-        return A.new_empty((*A.shape[:-1], quant_state.shape[0]))
+        return self.tail.leave_out(A, quant_state)
 
     def product(self, A, B, quant_state, bias):  # noqa: N803
         """``torch.ops.bitsandbytes.gemm_4bit`` on ``A``'s device, its dequantization held."""
@@ -196,13 +196,8 @@ class DequantizeOnce:
 
 def _follows(A: torch.Tensor, quant_state: Any) -> bool:  # noqa: N803
     """Whether ``matmul_4bit`` would take the path this module follows for ``A`` (else bitsandbytes runs it)."""
-    shape = getattr(quant_state, "shape", ())
-    if A.numel() == 0 or len(shape) != 2 or getattr(quant_state, "packing_format_for_cpu", False):
+    if not takes_gemm_4bit(A, quant_state):
         return False
-    if A.shape[-1] == shape[0] and A.shape[-1] != shape[1]:  # [K, N] weights: bitsandbytes' deprecated branch
-        return False
-    if quant_state.nested and quant_state.state2.blocksize != 256:
-        return False  # bitsandbytes raises NotImplementedError; let it
     if A.device.type == "cuda":
         return _cuda_ops() is not None
     key = {"cpu": "CPU"}.get(A.device.type)  # the default kernel where the device registers none

@@ -19,8 +19,9 @@ with a router (its experts' products depend on the tokens) is never probed and r
 a block recomputed eagerly (a replayed graph recomputes whole) with no carried mapping, in either schedule: in a held
 phase of ``dequantize_once`` :class:`~poros.stream.dequantize_once.DequantizeOnce`'s own autograd Function leaves the
 product out; otherwise bitsandbytes' ``matmul_4bit`` is stood in for during the recompute and the product becomes
-:class:`_SkippedMatMul4Bit`, bitsandbytes' ``MatMul4Bit`` context and backward without the product. Imports torch
-(and bitsandbytes, when a recompute runs) only.
+:class:`_SkippedMatMul4Bit`, bitsandbytes' ``MatMul4Bit`` context and backward without the product. Which calls
+take that branch is :mod:`poros.stream.gemm_4bit_branch`'s. Imports torch, that module, and bitsandbytes when a
+recompute runs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import contextlib
 from typing import Any
 
 import torch
+
+from poros.stream.gemm_4bit_branch import takes_gemm_4bit, unread_output
 
 
 class RecomputeTail:
@@ -80,7 +83,7 @@ class RecomputeTail:
         def matmul_4bit(A, B, quant_state, out=None, bias=None):  # noqa: N803 (bitsandbytes' names)
             if pending and quant_state is target and _takes_matmul4bit(A, quant_state, out, bias):
                 pending.clear()
-                self.note(A, quant_state)
+                self._count(A, quant_state)
                 return _SkippedMatMul4Bit.apply(A, B.view(-1, 1), None, bias, quant_state)
             return original(A, B, quant_state, out=out, bias=bias)
 
@@ -90,10 +93,15 @@ class RecomputeTail:
         finally:
             bitsandbytes.matmul_4bit = original
 
-    def note(self, A: torch.Tensor, quant_state: Any) -> None:  # noqa: N803
-        """One product of ``A`` by ``quant_state``'s ``[N, K]`` weight left out: ``2 x rows x K x N`` FLOPs."""
+    def leave_out(self, A: torch.Tensor, quant_state: Any) -> torch.Tensor:  # noqa: N803
+        """The product of ``A`` by ``quant_state``'s ``[N, K]`` weight, left out: counted, and an uninitialized
+        output of its shape in its place."""
+        self._count(A, quant_state)
+        return unread_output(A, quant_state)
+
+    def _count(self, A: torch.Tensor, quant_state: Any) -> None:  # noqa: N803
         self.skipped += 1
-        self.skipped_flops += 2 * A.numel() * quant_state.shape[0]
+        self.skipped_flops += 2 * A.numel() * quant_state.shape[0]  # 2 x rows x K x N
 
     def _routed(self, index: int) -> bool:
         """Whether block ``index`` holds a router (the module class transformers records router logits from)."""
@@ -158,7 +166,7 @@ class _SkippedMatMul4Bit(torch.autograd.Function):
         ctx.is_empty, ctx.state = False, quant_state
         ctx.dtype_A, ctx.dtype_B, ctx.dtype_bias = A.dtype, B.dtype, None if bias is None else bias.dtype
         ctx.tensors = (None, B) if any(ctx.needs_input_grad[:2]) else (None, None)
-        return A.new_empty((*A.shape[:-1], quant_state.shape[0]))
+        return unread_output(A, quant_state)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -169,14 +177,8 @@ class _SkippedMatMul4Bit(torch.autograd.Function):
 
 def _takes_matmul4bit(A: torch.Tensor, quant_state: Any, out: Any, bias: Any) -> bool:  # noqa: N803
     """Whether bitsandbytes' ``matmul_4bit`` would compute this call with ``MatMul4Bit`` (and no ``out``)."""
-    shape = getattr(quant_state, "shape", ())
-    if out is not None or A.numel() == 0 or len(shape) != 2 or getattr(quant_state, "packing_format_for_cpu", False):
-        return False
-    if A.shape[-1] == shape[0] and A.shape[-1] != shape[1]:  # [K, N] weights: bitsandbytes' deprecated branch
-        return False
-    if quant_state.nested and quant_state.state2.blocksize != 256:
-        return False  # bitsandbytes raises NotImplementedError; let it
-    return torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
+    return (out is None and takes_gemm_4bit(A, quant_state) and torch.is_grad_enabled()
+            and (A.requires_grad or (bias is not None and bias.requires_grad)))
 
 
 def _reaches(start: Any, node: Any) -> bool:
