@@ -285,6 +285,34 @@ def test_the_flops_count_walks_the_model_once_per_window_and_counts_the_same(tmp
     assert_same_trainer_state(tmp_path / "plain" / f"checkpoint-{steps}", tmp_path / "poros" / f"checkpoint-{steps}")
 
 
+@pytest.mark.parametrize("line", ["plain", "prepare_trainer", "PorosCallback"])
+def test_del_trainer_frees_the_trainer_and_its_optimizer_state(line, tmp_path):
+    """As in a plain run, dropping the last reference to the trainer frees it and its optimizer state at once:
+    the line adds no reference cycle (one waits for Python's collector, and the device memory with it)."""
+    import gc
+    import weakref
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=7)
+    flow = dict(train_rows=rows(8, 29), gradient_accumulation_steps=2, max_steps=2)
+    lines = {"plain": None, "prepare_trainer": poros.prepare_trainer, "PorosCallback": None}
+    callbacks = [poros.PorosCallback()] if line == "PorosCallback" else None
+    run = run_trainer(load(checkpoint), tmp_path / line, line=lines[line], callbacks=callbacks, **flow)
+    if line != "plain":
+        assert _windows(run) == 2
+    trainer = weakref.ref(run["trainer"])
+    state = [weakref.ref(t) for values in run["trainer"].optimizer.state.values() for t in values.values()
+             if isinstance(t, torch.Tensor)]
+    assert state
+    gc.collect()
+    gc.disable()  # only reference counts from here
+    try:
+        del run
+        assert trainer() is None
+        assert all(tensor() is None for tensor in state)
+    finally:
+        gc.enable()
+
+
 def test_the_step_sets_training_mode_once_per_window_and_stays_bitwise(tmp_path, monkeypatch):
     """HF Trainer's ``training_step`` begins with ``model.train()``, a walk of every module; a layer-major window
     calls the step twice per micro-batch with the device idle, so under ``prepare_trainer`` a window walks once

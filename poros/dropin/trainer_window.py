@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +68,10 @@ def _set_on_instance(trainer: Any, name: str) -> bool:
     """Whether ``trainer.name`` is a function set on the instance (the driver's own wrappers see through to
     what they wrap)."""
     value = vars(trainer).get(name)
+    if isinstance(getattr(value, "__self__", None), WindowDriver):
+        value = getattr(value.__self__, name).on_instance
     if value is None:
         return False
-    if isinstance(getattr(value, "__self__", None), WindowDriver):
-        value = getattr(value.__self__, name)
     return getattr(value, "__func__", None) is not getattr(type(trainer), name, None)
 
 
@@ -131,15 +132,22 @@ class WindowDriver:
     (None until the first window of several micro-batches, then decided once)."""
 
     def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.get_batch_samples = trainer.get_batch_samples  # the trainer's own, bound
-        self.training_step = trainer.training_step
-        self.floating_point_ops = trainer.floating_point_ops
+        # The trainer holds this driver's bound methods; the driver holds the trainer weakly and calls its own
+        # methods through it, so that, as without the line, ``del trainer`` frees the trainer and its optimizer
+        # state at once (a cycle would wait for Python's collector, the device memory with it).
+        self._trainer = weakref.ref(trainer)
+        self.get_batch_samples = _Own(trainer, "get_batch_samples")
+        self.training_step = _Own(trainer, "training_step")
+        self.floating_point_ops = _Own(trainer, "floating_point_ops")
         self.window: _Window | None = None
         self.counted: _Window | None = None  # the window whose micro-batches the Trainer's flops count is for
         self.reason: str | None = None
         self.decided = False
         self.windows_run = 0  # windows run layer-major
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
 
     def batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = self.get_batch_samples(epoch_iterator, num_batches, device)
@@ -207,6 +215,21 @@ class WindowDriver:
             with parameter_counts.memoized(model, window.counts):
                 model.num_parameters(exclude_embeddings=True)
         return losses
+
+
+class _Own:
+    """A trainer's own ``name`` method, as it was before :func:`install`, called on the trainer through a weak
+    reference: a function set on the instance (kept as it is), else its class's."""
+
+    def __init__(self, trainer: Any, name: str) -> None:
+        self.trainer, self.name = weakref.ref(trainer), name
+        self.on_instance = vars(trainer).get(name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.on_instance is not None:
+            return self.on_instance(*args, **kwargs)
+        trainer = self.trainer()
+        return getattr(type(trainer), self.name)(trainer, *args, **kwargs)
 
 
 def install(trainer: Any) -> WindowDriver | None:
