@@ -229,6 +229,8 @@ class _Own:
         if self.on_instance is not None:
             return self.on_instance(*args, **kwargs)
         trainer = self.trainer()
+        if trainer is None:  # a wrapped method kept after its trainer was freed
+            raise ReferenceError(f"the trainer whose {self.name} this is has been deleted")
         return getattr(type(trainer), self.name)(trainer, *args, **kwargs)
 
 
