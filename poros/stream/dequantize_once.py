@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
+from poros.stream.gemm_4bit_branch import takes_gemm_4bit, through_matmul4bit
 from poros.stream.recompute_choice import GRAPHS_MIN_TOKENS
-from poros.stream.gemm_4bit_branch import takes_gemm_4bit
 from poros.stream.recompute_tail import RecomputeTail
 
 
@@ -156,7 +156,7 @@ class DequantizeOnce:
         if self.held is None or out is not None or id(quant_state) not in self._states or not _follows(A, quant_state):
             return self._original(A, B, quant_state, out=out, bias=bias)
         B = B.view(-1, 1)  # noqa: N806 (bitsandbytes' canonical [(N*K+1)//2, 1])
-        if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+        if through_matmul4bit(A, bias):
             return _HeldMatMul4Bit.apply(A, B, None, bias, quant_state, self)
         return self.product(A, B, quant_state, bias)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from poros.stream.gemm_4bit_branch import takes_gemm_4bit, unread_output
+from poros.stream.gemm_4bit_branch import takes_gemm_4bit, through_matmul4bit, unread_output
 
 
 class RecomputeTail:
@@ -177,8 +177,7 @@ class _SkippedMatMul4Bit(torch.autograd.Function):
 
 def _takes_matmul4bit(A: torch.Tensor, quant_state: Any, out: Any, bias: Any) -> bool:  # noqa: N803
     """Whether bitsandbytes' ``matmul_4bit`` would compute this call with ``MatMul4Bit`` (and no ``out``)."""
-    return (out is None and takes_gemm_4bit(A, quant_state) and torch.is_grad_enabled()
-            and (A.requires_grad or (bias is not None and bias.requires_grad)))
+    return out is None and takes_gemm_4bit(A, quant_state) and through_matmul4bit(A, bias)
 
 
 def _reaches(start: Any, node: Any) -> bool:
