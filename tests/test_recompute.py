@@ -230,3 +230,44 @@ def test_auto_without_a_plan_keeps_within_an_emulated_card(monkeypatch):
     assert choice.free_beside_step(hidden, 4) == 130 * gib + 2 * gib - margin(140 * gib)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.25)  # 35 GiB of 140
     assert choice.free_beside_step(hidden, 4) == (35 - 10) * gib + 2 * gib - margin(35 * gib)
+
+
+def test_auto_without_a_plan_refits_once_by_the_first_steps_measured_peak(monkeypatch):
+    """Without a plan, the first step's allotment is an estimate; at the second step it grows by what the first
+    step's peak left unused (less ``REFIT_MARGIN``, ``FREE_MARGIN_BYTES`` and AdamW's moments), once, and never
+    shrinks: a larger peak from before the run (a model loaded on the device) keeps the first allotment."""
+    import types
+
+    from poros.stream.recompute_choice import FREE_MARGIN_BYTES, REFIT_MARGIN, RecomputeChoice
+
+    gib = 1 << 30
+    parts = types.SimpleNamespace(boundary=0, recompute=0, head=0, kept=gib)
+    lora = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of trainable fp32 weights
+    executor = types.SimpleNamespace(layers=list(range(64)), causal_lm=lora, dequantize=None, graphs=None,
+                                     options=types.SimpleNamespace(lora_placement="device"))
+    choice = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)
+    hidden = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2048, 8), dtype=torch.bfloat16)
+    total = 100 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    first = choice.blocks(hidden, 4)  # 4 micro-batches of 1.25 GiB each (the estimate with its factor): 5 GiB a block
+    assert choice.allotted_bytes == choice.free_beside_step(hidden, 4)
+    assert len(first) == choice.allotted_bytes // (5 * gib) and first == frozenset(range(64 - len(first), 64))
+    choice.note(tuple(hidden.shape), gib)  # measured: 1 GiB a micro-batch
+    peak = 80 * gib
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: peak)
+    second = choice.blocks(hidden, 4)
+    room = total - peak - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES - 2 * 4 * (1 << 20)
+    assert choice.refitted and choice.allotted_bytes == len(first) * 4 * gib + room
+    assert len(second) == choice.allotted_bytes // (4 * gib) > len(first)
+    peak = 99 * gib  # once only: a later peak changes nothing
+    assert choice.blocks(hidden, 4) == second
+
+    again = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # a peak from before the run
+    first = again.blocks(hidden, 4)
+    assert again.blocks(hidden, 4) == first and again.refitted
+    cpu = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # no device: no refit
+    on_cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(1, 2048, 8), dtype=torch.bfloat16)
+    assert cpu.blocks(on_cpu, 4) == cpu.blocks(on_cpu, 4) == frozenset() and not cpu.refitted

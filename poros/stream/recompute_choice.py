@@ -9,6 +9,9 @@
   working sets, LoRA gradients and AdamW state, ``dequantize_once``'s held copy) and a margin; one block's
   bytes are the footprint's estimate (``ActivationParts.kept``) with a factor until a block of that shape has
   kept its tensors, then the measured bytes, larger or smaller (fused kernels keep less). On a CPU without a plan, none.
+  Once, at the second step, the allotment grows by what the first step left unused: the device's peak reserved
+  bytes then are a measurement where the first allotment was an estimate (:meth:`RecomputeChoice.refit`; it
+  never shrinks, so a run keeps at least what its first step kept).
 
 The last blocks, because the last of forward are the first of backward: their tensors are held the shortest.
 """
@@ -27,6 +30,9 @@ UNMEASURED_FACTOR = 1.25
 FREE_MARGIN = 0.08
 #: and in bytes, for the allocator's fragmentation and the library workspaces
 FREE_MARGIN_BYTES = 2 << 30
+#: what the refit leaves free beside the first step's measured peak, as a fraction of the device's memory (with
+#: :data:`FREE_MARGIN_BYTES`): smaller than :data:`FREE_MARGIN`, which also covers the estimates' error
+REFIT_MARGIN = 0.04
 
 
 class RecomputeChoice:
@@ -41,6 +47,8 @@ class RecomputeChoice:
         self.measured: dict[tuple[int, ...], int] = {}  # hidden shape -> largest kept bytes of one block, one micro-batch
         self._parts: dict[tuple[int, ...], Any] = {}
         self.last: frozenset[int] = frozenset()  # the last step's choice (reports)
+        self._previous: tuple[tuple[int, ...], int] | None = None  # the last auto step's (hidden shape, micro-batches)
+        self.refitted = False
 
     def blocks(self, hidden: torch.Tensor, micro_batches: int) -> frozenset[int]:
         """The blocks whose forward keeps its saved tensors in a step of ``micro_batches`` micro-batches whose
@@ -58,9 +66,10 @@ class RecomputeChoice:
         elif self.estimate is None:
             kept = 0
         else:
-            per_block = micro_batches * self.block_bytes(hidden)
             allotted = self._allotted(hidden, micro_batches)
+            per_block = micro_batches * self.block_bytes(hidden)
             kept = count if per_block <= 0 else min(count, allotted // per_block)
+            self._previous = (tuple(hidden.shape), micro_batches)
         self.last = frozenset(range(count - kept, count))
         return self.last
 
@@ -89,7 +98,27 @@ class RecomputeChoice:
     def _allotted(self, hidden: torch.Tensor, micro_batches: int) -> int:
         if self.allotted_bytes is None:
             self.allotted_bytes = self.free_beside_step(hidden, micro_batches)
+        elif not self.refitted and self._previous is not None and hidden.device.type == "cuda":
+            self.refitted = True
+            self.allotted_bytes = max(self.allotted_bytes, self.refit(hidden.device))
         return self.allotted_bytes
+
+    def refit(self, device: Any) -> int:
+        """After the first step: the bytes kept blocks may take, measured. What the first step's kept blocks held
+        (their count x its micro-batches x one block's measured bytes) plus what its peak left free of the device
+        less :data:`REFIT_MARGIN` and :data:`FREE_MARGIN_BYTES`, less AdamW's two moments of the LoRA tensors (the
+        optimizer makes them at its first step, which may come after the peak; micro-major refits at the second
+        micro-batch). The peak is the device's ``max_memory_reserved``: whatever ran before the step (loading the
+        model on the device, another run) only makes it larger, and the refit smaller; :meth:`_allotted` never
+        lets it shrink the first allotment."""
+        import torch
+
+        total, _ = _capped_memory(device)
+        shape, micro_batches = self._previous
+        kept_bytes = len(self.last) * micro_batches * self.measured.get(shape, 0)
+        lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
+        room = total - torch.cuda.max_memory_reserved(device) - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES
+        return max(0, kept_bytes + room - 2 * lora)
 
     def free_beside_step(self, hidden: torch.Tensor, micro_batches: int) -> int:
         """Without a plan: the device's free memory now less the rest of the step's needs and a margin (CPU: 0);
@@ -99,13 +128,8 @@ class RecomputeChoice:
         device = hidden.device
         if device.type != "cuda":
             return 0
-        free, total = torch.cuda.mem_get_info(device)
-        reserved = torch.cuda.memory_reserved(device)
-        fraction = torch.cuda.get_per_process_memory_fraction(device)
-        if fraction < 1:  # set_per_process_memory_fraction (a smaller card emulated): the allocator stops there
-            total = int(fraction * total)
-            free = max(0, min(free, total - reserved))
-        cached = reserved - torch.cuda.memory_allocated(device)
+        total, free = _capped_memory(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         parts = self._activation_parts(hidden)
         blocks = len(self.executor.layers)
         lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
@@ -114,6 +138,20 @@ class RecomputeChoice:
         held = getattr(self.executor, "dequantize", None)  # dequantize_once's copies, decided before
         still_needed += held.held_bytes() if held is not None and held.on else 0
         return max(0, free + cached - still_needed)
+
+
+def _capped_memory(device: Any) -> tuple[int, int]:
+    """``(total, free)`` bytes of a CUDA device as this process's allocator sees them: under
+    ``set_per_process_memory_fraction`` (a smaller card emulated) it stops at that fraction, whatever
+    ``mem_get_info`` says is free."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1:
+        total = int(fraction * total)
+        free = max(0, min(free, total - torch.cuda.memory_reserved(device)))
+    return total, free
 
 
 def kept_activations(footprint: Any, workload: Any, recompute: str, blocks: int, *, headroom: int,
@@ -132,4 +170,4 @@ def kept_activations(footprint: Any, workload: Any, recompute: str, blocks: int,
     return count, count * per_block
 
 
-__all__ = ["FREE_MARGIN", "GRAPHS_MIN_TOKENS", "FREE_MARGIN_BYTES", "RecomputeChoice", "kept_activations"]
+__all__ = ["FREE_MARGIN", "GRAPHS_MIN_TOKENS", "FREE_MARGIN_BYTES", "REFIT_MARGIN", "RecomputeChoice", "kept_activations"]
