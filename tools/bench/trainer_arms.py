@@ -83,6 +83,10 @@ def restore_lora(named: list[tuple[str, torch.nn.Parameter]], initial: dict[str,
         param.grad = None
 
 
+def _gb(count: int | None) -> float | None:
+    return None if count is None else round(count / 1e9, 3)
+
+
 def _kernels(model, handle) -> dict[str, Any] | None:
     """What Liger patched on the arm's model as it trained (None: no Liger): the streamed arm's own report, or
     the same read off the resident model (``poros.dropin.kernels.liger_report``)."""
@@ -130,6 +134,9 @@ def run_trainer_arm(name: str, peft_model, named, initial: dict[str, torch.Tenso
                                  "resident_blocks": list(handle.store.resident_blocks),
                                  "recompute": handle.stream_options.recompute,
                                  "kept_activation_blocks": len(handle.executor.recompute.last),
+                                 # auto without a plan: the room for kept blocks, refitted at the second step
+                                 "kept_room_gb": _gb(handle.executor.recompute.allotted_bytes),
+                                 "kept_room_refitted": handle.executor.recompute.refitted,
                                  "dequantize_once": handle.executor.dequantize.last,
                                  # recomputes' unread last products skipped (poros.stream.recompute_tail), a timed step
                                  "recompute_tail_skips": clock.per_timed_step("recompute_tail_skips", setup.warmup),
