@@ -25,6 +25,12 @@
 #                  # --liger: the Trainer arms with use_liger_kernel=True (liger-kernel's wheel in .whl/; Triton: torch's)
 #   tools/gpu_run.sh gate:liger:only=qwen3,gemma3:cuda-graphs:grad-accum=2:schedule=layer-major:steps=2   # Liger's gate
 #
+#   tools/gpu_run.sh @tools/gpu_steps/issue-41-h200-2048.steps    # the steps of a file, one per line
+#
+# `@FILE` stands for the steps FILE lists, one per line (`#` starts a comment; blank lines are skipped); a line
+# may start with a number of seconds, that step's limit in place of STEP_TIMEOUT. tools/gpu_steps/ holds the
+# issues' device runs, each file sized to one device call (at most 10 minutes).
+#
 # A step is `gate` (tools/checks/parity_gate.py), `bench:SHAPE` (tools/bench/harness.py --model SHAPE),
 # `curve:SHAPE` (tools/bench/vram_curve.py --model SHAPE), `merge:SHAPE` (tools/checks/merge_generate_bench.py
 # --model SHAPE: poros merge RAM/time and poros generate tokens/s), `cache:SHAPE` (tools/checks/cache_bench.py
@@ -58,12 +64,14 @@ set -uo pipefail
 
 OUT=${OUT:-./out}
 DEVICE=${DEVICE:-cuda}
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-if [ $# -eq 0 ]; then
-  echo "usage: tools/gpu_run.sh STEP... (STEP: gate[:k=v...] | bench:SHAPE[:k=v...] | curve:SHAPE[:k=v...] | merge:SHAPE[:k=v...] | cache:SHAPE[:k=v...] | load[:k=v...] | doctor[:k=v...])" >&2
-  exit 2
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  if [ $# -eq 0 ]; then
+    echo "usage: tools/gpu_run.sh STEP|@FILE... (STEP: gate[:k=v...] | bench:SHAPE[:k=v...] | curve:SHAPE[:k=v...] | merge:SHAPE[:k=v...] | cache:SHAPE[:k=v...] | load[:k=v...] | doctor[:k=v...])" >&2
+    exit 2
+  fi
+  mkdir -p "$OUT"
 fi
 
 # ":key=value:flag" -> "--key", "value", "--flag", one word per line.
@@ -145,16 +153,40 @@ print(f"merged {len(merged)} reports into {target}")
 PY
 }
 
+# The steps of the command line, `@FILE` arguments expanded into STEPS (and each line's own limit into LIMITS).
+expand_steps() {
+  local arg line first
+  STEPS=() LIMITS=()
+  for arg in "$@"; do
+    if [[ $arg != @* ]]; then STEPS+=("$arg") LIMITS+=(""); continue; fi
+    [ -r "${arg#@}" ] || { echo "no steps file ${arg#@}"; return 2; }
+    while IFS= read -r line || [ -n "$line" ]; do
+      line=${line%%#*}
+      read -r first line <<< "$line"
+      [ -z "$first" ] && continue
+      if [[ $first =~ ^[0-9]+$ ]]; then
+        [ -z "$line" ] && { echo "${arg#@}: a limit without a step"; return 2; }
+        STEPS+=("$line") LIMITS+=("$first")
+      else
+        STEPS+=("$first${line:+ $line}") LIMITS+=("")
+      fi
+    done < "${arg#@}"
+  done
+}
+
 main() {
+  local json_dir=$OUT status=0 step kind rest model file start rc i
+  local -a summary=() extra=() cmd=() limit=() STEPS LIMITS
+  expand_steps "$@" || return 2
   install_wheels || { echo "wheel install failed"; return 3; }
   print_environment
+  if [ ${#STEPS[@]} -gt 6 ]; then json_dir=$(mktemp -d); fi
 
-  local json_dir=$OUT status=0 step kind rest model file start rc
-  local -a summary=() extra=() cmd=() limit=()
-  if [ $# -gt 6 ]; then json_dir=$(mktemp -d); fi
-  if [ -n "${STEP_TIMEOUT:-}" ]; then limit=(timeout "$STEP_TIMEOUT"); fi
-
-  for step in "$@"; do
+  for i in "${!STEPS[@]}"; do
+    step=${STEPS[$i]}
+    limit=()
+    if [ -n "${LIMITS[$i]}" ]; then limit=(timeout "${LIMITS[$i]}")
+    elif [ -n "${STEP_TIMEOUT:-}" ]; then limit=(timeout "$STEP_TIMEOUT"); fi
     kind=${step%%:*}
     rest=${step#"$kind"}; rest=${rest#:}
     file=$(printf '%s' "$step" | tr -c 'A-Za-z0-9._-' '-')
@@ -228,5 +260,6 @@ main() {
   return $status
 }
 
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi  # sourced (tests/test_gpu_steps.py): the functions only
 main "$@" 2>&1 | tee -a "$OUT/gpu_run.log"
 exit "${PIPESTATUS[0]}"
