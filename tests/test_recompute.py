@@ -271,3 +271,35 @@ def test_auto_without_a_plan_refits_once_by_the_first_steps_measured_peak(monkey
     cpu = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # no device: no refit
     on_cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(1, 2048, 8), dtype=torch.bfloat16)
     assert cpu.blocks(on_cpu, 4) == cpu.blocks(on_cpu, 4) == frozenset() and not cpu.refitted
+
+
+def test_auto_without_a_plan_keeps_fewer_blocks_in_a_step_that_needs_more_beside_them(monkeypatch):
+    """The room for kept blocks is for the shape of the step it was measured at; a later step with longer
+    sequences (padding to the batch's longest, as TRL's collator does) needs more for its boundary states, a
+    recompute's and the head's working sets, and its kept blocks get that much less; a shorter one keeps the room."""
+    import types
+
+    from poros.stream.recompute_choice import RecomputeChoice
+
+    gib = 1 << 30
+    parts = lambda hidden: types.SimpleNamespace(boundary=0, recompute=0, head=hidden.shape[1] * gib // 1024,  # noqa: E731
+                                                 kept=hidden.shape[1] * gib // 2048)
+    executor = types.SimpleNamespace(layers=list(range(64)), causal_lm=torch.nn.Linear(1, 1, bias=False),
+                                     dequantize=None, graphs=None, options=types.SimpleNamespace(lora_placement="device"))
+    choice = RecomputeChoice(executor, "auto", estimate=parts)
+    shaped = lambda seq: types.SimpleNamespace(device=torch.device("cuda", 0), shape=(1, seq, 8),  # noqa: E731
+                                               dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * gib, 40 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 0)
+    choice.refitted = True  # the room as the first step found it, without the refit
+    first = choice.blocks(shaped(2048), 1)
+    room = choice.allotted_bytes
+    assert 0 < len(first) == room // int(gib * 1.25) < 64  # 1 GiB a block, with UNMEASURED_FACTOR
+    longer = choice.blocks(shaped(8192), 1)  # the head needs 6 GiB more, a block 4 GiB
+    assert 0 < len(longer) == (room - 6 * gib) // (5 * gib) < (room // (5 * gib))
+    assert choice.blocks(shaped(65536), 1) == frozenset()  # more than the whole room beside the blocks
+    shorter = choice.blocks(shaped(1024), 1)
+    assert len(shorter) == min(64, room // int(gib * 0.625))

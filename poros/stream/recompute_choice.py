@@ -11,7 +11,9 @@
   kept its tensors, then the measured bytes, larger or smaller (fused kernels keep less). On a CPU without a plan, none.
   Once, at the second step, the allotment grows by what the first step left unused: the device's peak reserved
   bytes then are a measurement where the first allotment was an estimate (:meth:`RecomputeChoice.refit`; it
-  never shrinks, so a run keeps at least what its first step kept).
+  never shrinks, so a run keeps at least what its first step kept). The allotment is for the first step's shape:
+  a step whose other needs are larger (longer sequences, more micro-batches: boundary states, a recompute's and
+  the head's working sets) gets that much less (:meth:`RecomputeChoice.step_needs`).
 
 The last blocks, because the last of forward are the first of backward: their tensors are held the shortest.
 """
@@ -48,6 +50,7 @@ class RecomputeChoice:
         self._parts: dict[tuple[int, ...], Any] = {}
         self.last: frozenset[int] = frozenset()  # the last step's choice (reports)
         self._previous: tuple[tuple[int, ...], int] | None = None  # the last auto step's (hidden shape, micro-batches)
+        self._first_needs: int | None = None  # step_needs of the step the allotment was made at
         self.refitted = False
 
     def blocks(self, hidden: torch.Tensor, micro_batches: int) -> frozenset[int]:
@@ -67,8 +70,10 @@ class RecomputeChoice:
             kept = 0
         else:
             allotted = self._allotted(hidden, micro_batches)
+            if self._first_needs is not None:  # a step that needs more beside its kept blocks keeps fewer
+                allotted -= max(0, self.step_needs(hidden, micro_batches) - self._first_needs)
             per_block = micro_batches * self.block_bytes(hidden)
-            kept = count if per_block <= 0 else min(count, allotted // per_block)
+            kept = count if per_block <= 0 else max(0, min(count, allotted // per_block))
             self._previous = (tuple(hidden.shape), micro_batches)
         self.last = frozenset(range(count - kept, count))
         return self.last
@@ -98,6 +103,7 @@ class RecomputeChoice:
     def _allotted(self, hidden: torch.Tensor, micro_batches: int) -> int:
         if self.allotted_bytes is None:
             self.allotted_bytes = self.free_beside_step(hidden, micro_batches)
+            self._first_needs = self.step_needs(hidden, micro_batches)
         elif not self.refitted and self._previous is not None and hidden.device.type == "cuda":
             self.refitted = True
             self.allotted_bytes = max(self.allotted_bytes, self.refit(hidden.device))
@@ -120,6 +126,12 @@ class RecomputeChoice:
         room = total - torch.cuda.max_memory_reserved(device) - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES
         return max(0, kept_bytes + room - 2 * lora)
 
+    def step_needs(self, hidden: torch.Tensor, micro_batches: int) -> int:
+        """A step's device bytes beside its kept blocks that grow with its shape: the boundary states of its
+        micro-batches, a recompute's and the head's working sets (the footprint's estimates)."""
+        parts = self._activation_parts(hidden)
+        return micro_batches * (len(self.executor.layers) + 2) * parts.boundary + parts.recompute + parts.head
+
     def free_beside_step(self, hidden: torch.Tensor, micro_batches: int) -> int:
         """Without a plan: the device's free memory now less the rest of the step's needs and a margin (CPU: 0);
         what kept activations get, and what ``dequantize_once`` asks its copy of."""
@@ -130,11 +142,9 @@ class RecomputeChoice:
             return 0
         total, free = _capped_memory(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        parts = self._activation_parts(hidden)
-        blocks = len(self.executor.layers)
         lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
-        still_needed = (micro_batches * (blocks + 2) * parts.boundary + parts.recompute + parts.head
-                        + 3 * lora + int(FREE_MARGIN * total) + FREE_MARGIN_BYTES)
+        still_needed = (self.step_needs(hidden, micro_batches) + 3 * lora + int(FREE_MARGIN * total)
+                        + FREE_MARGIN_BYTES)
         held = getattr(self.executor, "dequantize", None)  # dequantize_once's copies, decided before
         still_needed += held.held_bytes() if held is not None and held.on else 0
         return max(0, free + cached - still_needed)
