@@ -265,6 +265,14 @@ def test_auto_without_a_plan_refits_once_by_the_first_steps_measured_peak(monkey
     peak = 99 * gib  # once only: a later peak changes nothing
     assert choice.blocks(hidden, 4) == second
 
+    reset = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # a tracker reset the peak since
+    reset.blocks(hidden, 4)
+    reset.note(tuple(hidden.shape), gib)
+    peak = 0
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 80 * gib)  # the allocator's cache is still there
+    assert reset.blocks(hidden, 4) == second
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    peak = 80 * gib
     again = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # a peak from before the run
     first = again.blocks(hidden, 4)
     assert again.blocks(hidden, 4) == first and again.refitted

@@ -123,7 +123,9 @@ class RecomputeChoice:
         shape, micro_batches = self._previous
         kept_bytes = len(self.last) * micro_batches * self.measured.get(shape, 0)
         lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
-        room = total - torch.cuda.max_memory_reserved(device) - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES
+        # (the reserved bytes now too: a peak reset since, by a memory tracker, leaves the allocator's cache)
+        peak = max(torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device))
+        room = total - peak - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES
         return max(0, kept_bytes + room - 2 * lora)
 
     def step_needs(self, hidden: torch.Tensor, micro_batches: int) -> int:
