@@ -234,8 +234,10 @@ def test_auto_without_a_plan_keeps_within_an_emulated_card(monkeypatch):
 
 def test_auto_without_a_plan_refits_once_by_the_first_steps_measured_peak(monkeypatch):
     """Without a plan, the first step's allotment is an estimate; at the second step it grows by what the first
-    step's peak left unused (less ``REFIT_MARGIN``, ``FREE_MARGIN_BYTES`` and AdamW's moments), once, and never
-    shrinks: a larger peak from before the run (a model loaded on the device) keeps the first allotment."""
+    step's peak left of the memory the process may use (less ``REFIT_MARGIN``, ``FREE_MARGIN_BYTES`` and three
+    LoRA-sized tensors), once, and never shrinks: a larger peak from before the run (a model loaded on the device)
+    keeps the first allotment. Memory outside the allocator (another process) is not room; a peak reset since (a
+    memory tracker) leaves the allocator's reserved bytes, which count as the peak."""
     import types
 
     from poros.stream.recompute_choice import FREE_MARGIN_BYTES, REFIT_MARGIN, RecomputeChoice
@@ -245,37 +247,47 @@ def test_auto_without_a_plan_refits_once_by_the_first_steps_measured_peak(monkey
     lora = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of trainable fp32 weights
     executor = types.SimpleNamespace(layers=list(range(64)), causal_lm=lora, dequantize=None, graphs=None,
                                      options=types.SimpleNamespace(lora_placement="device"))
-    choice = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)
     hidden = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2048, 8), dtype=torch.bfloat16)
     total = 100 * gib
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, total))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    card = {"reserved": 40 * gib, "peak": 40 * gib, "outside": 0}  # before the first step: 40 GiB allocated
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device: (total - card["outside"] - card["reserved"], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: card["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 40 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: card["peak"])
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
-    first = choice.blocks(hidden, 4)  # 4 micro-batches of 1.25 GiB each (the estimate with its factor): 5 GiB a block
-    assert choice.allotted_bytes == choice.free_beside_step(hidden, 4)
-    assert len(first) == choice.allotted_bytes // (5 * gib) and first == frozenset(range(64 - len(first), 64))
-    choice.note(tuple(hidden.shape), gib)  # measured: 1 GiB a micro-batch
-    peak = 80 * gib
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: peak)
+
+    def first_step():
+        card.update(reserved=40 * gib, peak=40 * gib, outside=0)
+        choice = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)
+        kept = choice.blocks(hidden, 4)  # 4 micro-batches of 1.25 GiB (the estimate with its factor): 5 GiB a block
+        assert choice.allotted_bytes == choice.free_beside_step(hidden, 4) and not choice.refitted
+        assert len(kept) == choice.allotted_bytes // (5 * gib) and kept == frozenset(range(64 - len(kept), 64))
+        choice.note(tuple(hidden.shape), gib)  # measured: 1 GiB a micro-batch
+        card.update(reserved=70 * gib, peak=70 * gib)  # the first step's peak
+        return choice, kept
+
+    choice, first = first_step()
     second = choice.blocks(hidden, 4)
-    room = total - peak - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES - 2 * 4 * (1 << 20)
+    room = total - 70 * gib - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES - 3 * 4 * (1 << 20)
     assert choice.refitted and choice.allotted_bytes == len(first) * 4 * gib + room
     assert len(second) == choice.allotted_bytes // (4 * gib) > len(first)
-    peak = 99 * gib  # once only: a later peak changes nothing
+    card.update(reserved=50 * gib, peak=50 * gib)  # once only: a later step's room changes nothing
     assert choice.blocks(hidden, 4) == second
 
-    reset = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # a tracker reset the peak since
-    reset.blocks(hidden, 4)
-    reset.note(tuple(hidden.shape), gib)
-    peak = 0
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 80 * gib)  # the allocator's cache is still there
+    reset, _ = first_step()
+    card["peak"] = 0  # a tracker reset the peak; the allocator still holds its 70 GiB
     assert reset.blocks(hidden, 4) == second
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
-    peak = 80 * gib
-    again = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # a peak from before the run
-    first = again.blocks(hidden, 4)
-    assert again.blocks(hidden, 4) == first and again.refitted
+    shared, _ = first_step()
+    card["outside"] = 5 * gib  # another process took 5 GiB of the card since
+    assert len(shared.blocks(hidden, 4)) == (shared.allotted_bytes // (4 * gib)) < len(second)
+    assert shared.allotted_bytes == len(first) * 4 * gib + room - 5 * gib
+    again, _ = first_step()
+    allotted = again.allotted_bytes
+    card["peak"] = 99 * gib  # a peak from before the run: the refit would shrink the room, and does not
+    kept = again.blocks(hidden, 4)  # (the room's blocks counted by the measured bytes now)
+    assert again.refitted and again.allotted_bytes == allotted and len(kept) == allotted // (4 * gib)
+
     cpu = RecomputeChoice(executor, "auto", estimate=lambda hidden: parts)  # no device: no refit
     on_cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(1, 2048, 8), dtype=torch.bfloat16)
     assert cpu.blocks(on_cpu, 4) == cpu.blocks(on_cpu, 4) == frozenset() and not cpu.refitted

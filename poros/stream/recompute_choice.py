@@ -111,22 +111,26 @@ class RecomputeChoice:
 
     def refit(self, device: Any) -> int:
         """After the first step: the bytes kept blocks may take, measured. What the first step's kept blocks held
-        (their count x its micro-batches x one block's measured bytes) plus what its peak left free of the device
-        less :data:`REFIT_MARGIN` and :data:`FREE_MARGIN_BYTES`, less AdamW's two moments of the LoRA tensors (the
-        optimizer makes them at its first step, which may come after the peak; micro-major refits at the second
-        micro-batch). The peak is the device's ``max_memory_reserved``: whatever ran before the step (loading the
-        model on the device, another run) only makes it larger, and the refit smaller; :meth:`_allotted` never
-        lets it shrink the first allotment."""
+        (their count x its micro-batches x one block's measured bytes) plus what its peak left of the memory this
+        process may use, less :data:`REFIT_MARGIN` and :data:`FREE_MARGIN_BYTES`, less three LoRA-sized tensors
+        (AdamW's two moments, made at the optimizer's first step, and the gradients: micro-major refits at the
+        second micro-batch, before either). The memory this process may use is the card's (or the emulated card's)
+        less what lies outside its allocator now (the CUDA context, NCCL's buffers, another process). The peak is
+        ``max_memory_reserved``: whatever ran before the step (loading the model on the device) only makes it
+        larger, and the refit smaller; :meth:`_allotted` never lets it shrink the first allotment."""
         import torch
 
-        total, _ = _capped_memory(device)
+        capped, _ = _capped_memory(device)
+        free, total = torch.cuda.mem_get_info(device)
+        reserved = torch.cuda.memory_reserved(device)
+        usable = min(capped, free + reserved)  # total less what is outside this allocator
         shape, micro_batches = self._previous
         kept_bytes = len(self.last) * micro_batches * self.measured.get(shape, 0)
         lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
         # (the reserved bytes now too: a peak reset since, by a memory tracker, leaves the allocator's cache)
-        peak = max(torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device))
-        room = total - peak - int(REFIT_MARGIN * total) - FREE_MARGIN_BYTES
-        return max(0, kept_bytes + room - 2 * lora)
+        peak = max(torch.cuda.max_memory_reserved(device), reserved)
+        room = usable - peak - int(REFIT_MARGIN * capped) - FREE_MARGIN_BYTES
+        return max(0, kept_bytes + room - 3 * lora)
 
     def step_needs(self, hidden: torch.Tensor, micro_batches: int) -> int:
         """A step's device bytes beside its kept blocks that grow with its shape: the boundary states of its
