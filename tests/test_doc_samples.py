@@ -50,8 +50,12 @@ def test_a_changed_number_is_caught_and_a_varying_one_is_not():
     assert doc_samples.differences("train-default", shown) == []
     timing = re.sub(r"trained 100 steps in [\d.]+ s", "trained 100 steps in 999.9 s", shown)
     assert timing != shown and doc_samples.differences("train-default", timing) == []
-    loss = re.sub(r"(step 10/100 \| loss )\d\.\d{4}", r"\g<1>9.9999", shown)
-    assert loss != shown and doc_samples.differences("train-default", loss) != []
+    schedule = re.sub(r"(step 10/100 \| loss \d\.\d{4} \| lr )\d\.\d{3}", r"\g<1>9.999", shown)
+    assert schedule != shown and doc_samples.differences("train-default", schedule) != []
+    # a loss differs in its third digit from a CPU with AVX-512 kernels to one with AVX2 (the sample's machine is not
+    # the reader's): the values a run prints are masked; tests/test_cli_train.py checks the loss falls
+    loss = re.sub(r"(?<=step 10/100 \| loss )\d\.\d{4}", lambda m: f"{float(m.group()) + 0.0019:.4f}", shown)
+    assert loss != shown and doc_samples.differences("train-default", loss) == []
 
 
 def test_the_extras_table_is_pyprojects():
