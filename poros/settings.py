@@ -318,7 +318,8 @@ STREAMING: tuple[Setting, ...] = (
         "is recomputed), ``\"none\"`` (every block runs its forward with autograd and keeps its saved tensors "
         "until its backward) or ``\"auto\"`` (the last blocks keep theirs: with ``vram_budget`` the plan's "
         "``kept_activation_blocks``; without one, on CUDA, as many as the free device memory holds at the first "
-        "training step, refitted once at the second from the first's measured peak; none on a CPU without a budget, and none under CUDA graphs at micro-batches under "
+        "training step, refitted once at the second from the first's measured peak; none on a CPU without a "
+        "budget, and none under CUDA graphs at micro-batches under "
         "``poros.stream.recompute_choice.GRAPHS_MIN_TOKENS`` tokens). Recompute is exact, so every choice "
         "trains the same bits (``poros.stream.kept``).",
         _one_of(RECOMPUTE, "auto: keep the activations of as many blocks as memory allows",

@@ -120,17 +120,20 @@ class RecomputeChoice:
         larger, and the refit smaller; :meth:`_allotted` never lets it shrink the first allotment."""
         import torch
 
-        capped, _ = _capped_memory(device)
-        free, total = torch.cuda.mem_get_info(device)
+        capped, free = _capped_memory(device)
         reserved = torch.cuda.memory_reserved(device)
-        usable = min(capped, free + reserved)  # total less what is outside this allocator
+        usable = free + reserved  # the (emulated) card less what lies outside this allocator
         shape, micro_batches = self._previous
         kept_bytes = len(self.last) * micro_batches * self.measured.get(shape, 0)
-        lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
         # (the reserved bytes now too: a peak reset since, by a memory tracker, leaves the allocator's cache)
         peak = max(torch.cuda.max_memory_reserved(device), reserved)
         room = usable - peak - int(REFIT_MARGIN * capped) - FREE_MARGIN_BYTES
-        return max(0, kept_bytes + room - 3 * lora)
+        return max(0, kept_bytes + room - 3 * self.lora_bytes())
+
+    def lora_bytes(self) -> int:
+        """The trainable (LoRA) tensors' bytes: one of the three the step allocates beside them (gradients,
+        AdamW's two moments)."""
+        return sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
 
     def step_needs(self, hidden: torch.Tensor, micro_batches: int) -> int:
         """A step's device bytes beside its kept blocks that grow with its shape: the boundary states of its
@@ -148,8 +151,7 @@ class RecomputeChoice:
             return 0
         total, free = _capped_memory(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        lora = sum(p.numel() * p.element_size() for p in self.executor.causal_lm.parameters() if p.requires_grad)
-        still_needed = (self.step_needs(hidden, micro_batches) + 3 * lora + int(FREE_MARGIN * total)
+        still_needed = (self.step_needs(hidden, micro_batches) + 3 * self.lora_bytes() + int(FREE_MARGIN * total)
                         + FREE_MARGIN_BYTES)
         held = getattr(self.executor, "dequantize", None)  # dequantize_once's copies, decided before
         still_needed += held.held_bytes() if held is not None and held.on else 0
@@ -186,4 +188,5 @@ def kept_activations(footprint: Any, workload: Any, recompute: str, blocks: int,
     return count, count * per_block
 
 
-__all__ = ["FREE_MARGIN", "GRAPHS_MIN_TOKENS", "FREE_MARGIN_BYTES", "REFIT_MARGIN", "RecomputeChoice", "kept_activations"]
+__all__ = ["FREE_MARGIN", "FREE_MARGIN_BYTES", "GRAPHS_MIN_TOKENS", "REFIT_MARGIN", "RecomputeChoice",
+           "kept_activations"]
